@@ -1,0 +1,195 @@
+//! Reverse-mode automatic differentiation over a graph recorded on tensors.
+//!
+//! Every op whose inputs require grad stores a `Node` on its output: the inputs and a
+//! closure from the output's gradient to the inputs' gradients (the op's backward, written
+//! next to its forward). `backward()` sorts the graph topologically and sweeps it in
+//! reverse, adding gradients (so a tensor used twice is right by construction) and finally
+//! adding each leaf's gradient to its `.grad`, PyTorch's accumulate semantics.
+
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, TensorId};
+
+/// Maps the gradient of an op's output to the gradients of its inputs.
+pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+
+/// One recorded op.
+pub struct Node {
+    pub op: &'static str,
+    pub inputs: Vec<Tensor>,
+    pub backward: Box<BackwardFn>,
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops record the graph on this thread.
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// While alive, ops on this thread record no graph (PyTorch's `torch.no_grad()`).
+/// Guards nest; dropping restores the previous state.
+pub struct NoGradGuard {
+    prev: bool,
+}
+
+/// Turns off graph recording until the guard drops.
+pub fn no_grad() -> NoGradGuard {
+    let prev = GRAD_ENABLED.with(|g| g.replace(false));
+    NoGradGuard { prev }
+}
+
+impl Drop for NoGradGuard {
+    fn drop(&mut self) {
+        GRAD_ENABLED.with(|g| g.set(self.prev));
+    }
+}
+
+/// Tensors reachable from `root` through grad_fn inputs, in an order where every tensor
+/// comes after all tensors computed from it (reverse topological order of evaluation).
+fn reverse_topo(root: &Tensor) -> Vec<Tensor> {
+    // Iterative post-order DFS: deep graphs (long RNN-like chains) must not overflow the
+    // stack.
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    let mut stack: Vec<(Tensor, bool)> = vec![(root.clone(), false)];
+    while let Some((t, expanded)) = stack.pop() {
+        if expanded {
+            order.push(t);
+            continue;
+        }
+        if !seen.insert(t.id()) {
+            continue;
+        }
+        stack.push((t.clone(), true));
+        if let Some(node) = t.grad_fn() {
+            for inp in &node.inputs {
+                if inp.requires_grad() && !seen.contains(&inp.id()) {
+                    stack.push((inp.clone(), false));
+                }
+            }
+        }
+    }
+    order.reverse();
+    order
+}
+
+pub(crate) fn backward(root: &Tensor) -> Result<()> {
+    if root.numel() != 1 {
+        return Err(Error::Autograd(format!(
+            "backward() needs a scalar (one-element) tensor, got shape {:?}",
+            root.shape()
+        )));
+    }
+    let seed = Tensor::ones(root.shape(), root.dtype())?;
+    backward_with(root, seed)
+}
+
+/// Backward from `root` with an explicit output gradient `grad` (same shape as `root`),
+/// accumulating into the `.grad` of every leaf that requires grad.
+pub fn backward_with(root: &Tensor, grad: Tensor) -> Result<()> {
+    sweep(root, grad, None).map(|_| ())
+}
+
+/// Gradients of the scalar `output` with respect to `inputs`, without touching any `.grad`
+/// (PyTorch's `torch.autograd.grad`): one tensor per input, zeros where it does not reach
+/// the output.
+pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    if output.numel() != 1 {
+        return Err(Error::Autograd(format!(
+            "grad() needs a scalar output, got shape {:?}",
+            output.shape()
+        )));
+    }
+    let seed = Tensor::ones(output.shape(), output.dtype())?;
+    let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
+    let mut found = sweep(output, seed, Some(&wanted))?;
+    inputs
+        .iter()
+        .map(|t| match found.remove(&t.id()) {
+            Some(g) => Ok(g),
+            None => Tensor::zeros(t.shape(), t.dtype()),
+        })
+        .collect()
+}
+
+/// The reverse sweep. With `capture`, gradients of those tensors are returned instead of
+/// being added to leaves' `.grad`.
+fn sweep(
+    root: &Tensor,
+    grad: Tensor,
+    capture: Option<&HashSet<TensorId>>,
+) -> Result<HashMap<TensorId, Tensor>> {
+    if !root.requires_grad() {
+        return Err(Error::Autograd(
+            "backward on a tensor that does not require grad (no parameter reaches it, or \
+             it was computed under no_grad)"
+                .into(),
+        ));
+    }
+    if grad.shape() != root.shape() {
+        return Err(Error::shape(
+            "backward",
+            format!("gradient {:?} for output {:?}", grad.shape(), root.shape()),
+        ));
+    }
+    let _guard = no_grad();
+    let order = reverse_topo(root);
+    let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+    let mut captured = HashMap::new();
+    grads.insert(root.id(), grad.to_dtype(root.dtype())?);
+    for t in &order {
+        let Some(g) = grads.remove(&t.id()) else {
+            continue;
+        };
+        if let Some(wanted) = capture {
+            if wanted.contains(&t.id()) {
+                captured.insert(t.id(), g.clone());
+            }
+        }
+        let Some(node) = t.grad_fn() else {
+            // A leaf: PyTorch semantics, add to whatever .grad holds.
+            if capture.is_none() {
+                t.accumulate_grad(g)?;
+            }
+            continue;
+        };
+        let input_grads = (node.backward)(&g)?;
+        debug_assert_eq!(input_grads.len(), node.inputs.len(), "op {}", node.op);
+        for (inp, ig) in node.inputs.iter().zip(input_grads) {
+            let Some(ig) = ig else { continue };
+            if !inp.requires_grad() {
+                continue;
+            }
+            if ig.shape() != inp.shape() {
+                return Err(Error::Autograd(format!(
+                    "internal: backward of {} gave a gradient of shape {:?} for an input of \
+                     shape {:?}",
+                    node.op,
+                    ig.shape(),
+                    inp.shape()
+                )));
+            }
+            // A gradient has its tensor's dtype.
+            let ig = ig.to_dtype(inp.dtype())?;
+            let acc = match grads.remove(&inp.id()) {
+                None => ig,
+                Some(prev) => prev.add(&ig)?,
+            };
+            grads.insert(inp.id(), acc);
+        }
+    }
+    Ok(captured)
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Tensor>();
+    check::<Arc<Node>>();
+}

@@ -1,0 +1,138 @@
+//! Matrix products through the `gemm` crate, on strided row-major views, in the compute
+//! type (F32 or F64). Used by matmul, linear and convolution.
+
+use crate::tensor::Real;
+
+/// A strided read-only matrix view: element (i, j) is at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a, C> {
+    pub data: &'a [C],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl<'a, C> MatRef<'a, C> {
+    /// A row-major contiguous `rows x cols` matrix.
+    pub fn row_major(data: &'a [C], rows: usize, cols: usize) -> Self {
+        debug_assert!(data.len() >= rows * cols);
+        MatRef { data, rows, cols, rs: cols as isize, cs: 1 }
+    }
+    /// The transpose, without copying.
+    pub fn t(self) -> Self {
+        MatRef { data: self.data, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
+    }
+    fn max_index(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            return 0;
+        }
+        (self.rows - 1) * self.rs as usize + (self.cols - 1) * self.cs as usize
+    }
+}
+
+/// Threads `gemm` may use for a product of this size (small products stay on one thread).
+fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
+    let threads = rayon::current_num_threads();
+    if threads > 1 && m * n * k >= 64 * 64 * 64 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// `dst = beta * dst + a * b` with `dst` row-major contiguous `a.rows x b.cols`;
+/// `beta` is 0 (overwrite) or 1 (accumulate).
+pub fn matmul_into<C: Real>(dst: &mut [C], a: MatRef<'_, C>, b: MatRef<'_, C>, accumulate: bool) {
+    matmul_into_par(dst, a, b, accumulate, true)
+}
+
+/// As `matmul_into`; `allow_parallel = false` keeps gemm on the calling thread (for callers
+/// that already parallelise over a batch).
+pub fn matmul_into_par<C: Real>(
+    dst: &mut [C],
+    a: MatRef<'_, C>,
+    b: MatRef<'_, C>,
+    accumulate: bool,
+    allow_parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(b.rows, k, "gemm: inner dims");
+    assert!(dst.len() >= m * n, "gemm: dst too small");
+    assert!(a.data.len() > a.max_index() || m * k == 0, "gemm: lhs out of bounds");
+    assert!(b.data.len() > b.max_index() || k * n == 0, "gemm: rhs out of bounds");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].iter_mut().for_each(|x| *x = C::zero());
+        }
+        return;
+    }
+    let par = if allow_parallel { parallelism(m, n, k) } else { gemm::Parallelism::None };
+    // SAFETY: the asserts above keep every index the views address inside their slices,
+    // and `dst` holds m*n elements with row stride n; gemm reads/writes only those.
+    unsafe {
+        if C::DTYPE == crate::dtype::DType::F64 {
+            gemm::gemm::<f64>(
+                m, n, k,
+                dst.as_mut_ptr() as *mut f64, 1, n as isize, accumulate,
+                a.data.as_ptr() as *const f64, a.cs, a.rs,
+                b.data.as_ptr() as *const f64, b.cs, b.rs,
+                1.0, 1.0, false, false, false, par,
+            );
+        } else {
+            gemm::gemm::<f32>(
+                m, n, k,
+                dst.as_mut_ptr() as *mut f32, 1, n as isize, accumulate,
+                a.data.as_ptr() as *const f32, a.cs, a.rs,
+                b.data.as_ptr() as *const f32, b.cs, b.rs,
+                1.0, 1.0, false, false, false, par,
+            );
+        }
+    }
+}
+
+/// Plain reference product (f64 accumulation), for tests of the fast paths.
+pub fn matmul_reference(a: MatRef<'_, f64>, b: MatRef<'_, f64>) -> Vec<f64> {
+    let mut out = vec![0.0; a.rows * b.cols];
+    for i in 0..a.rows {
+        for j in 0..b.cols {
+            let mut s = 0.0;
+            for p in 0..a.cols {
+                s += a.data[(i as isize * a.rs + p as isize * a.cs) as usize]
+                    * b.data[(p as isize * b.rs + j as isize * b.cs) as usize];
+            }
+            out[i * b.cols + j] = s;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_product_matches_reference() {
+        // a: 3x5 stored transposed (5x3 row-major), b: 5x4 row-major.
+        let at: Vec<f64> = (0..15).map(|i| (i as f64 * 0.37).sin()).collect();
+        let b: Vec<f64> = (0..20).map(|i| (i as f64 * 0.11).cos()).collect();
+        let a = MatRef::row_major(&at, 5, 3).t();
+        let bm = MatRef::row_major(&b, 5, 4);
+        let want = matmul_reference(a, bm);
+        let mut got = vec![0.0; 12];
+        matmul_into(&mut got, a, bm, false);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-12);
+        }
+        let a32: Vec<f32> = at.iter().map(|&x| x as f32).collect();
+        let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+        let mut got32 = vec![1.0f32; 12];
+        matmul_into(&mut got32, MatRef::row_major(&a32, 5, 3).t(), MatRef::row_major(&b32, 5, 4), true);
+        for (g, w) in got32.iter().zip(&want) {
+            assert!((f64::from(*g) - (w + 1.0)).abs() < 1e-5);
+        }
+    }
+}

@@ -1,0 +1,4 @@
+//! CPU kernels: plain loops and `gemm` calls over buffers with their shape arguments; no
+//! autograd here.
+
+pub mod gemm;

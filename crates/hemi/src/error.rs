@@ -1,0 +1,92 @@
+//! The one error type of hemi. Every fallible entry point returns `Result<T>`; user input
+//! (shapes, dtypes, files) never panics, it comes back as an `Error` that names what was wrong.
+
+use crate::dtype::DType;
+
+/// Everything that can go wrong in hemi, each variant naming the op and what it was given.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Shapes that do not fit together, e.g. `matmul: [2, 3] x [4, 5]`.
+    #[error("{op}: shape mismatch: {msg}")]
+    Shape { op: &'static str, msg: String },
+
+    /// A dtype the op does not accept, or a mix it cannot handle.
+    #[error("{op}: unsupported dtype {dtype:?}: {msg}")]
+    DType {
+        op: &'static str,
+        dtype: DType,
+        msg: String,
+    },
+
+    /// A dimension index out of range for the tensor's rank.
+    #[error("{op}: dim {dim} out of range for a tensor of rank {rank}")]
+    Dim {
+        op: &'static str,
+        dim: isize,
+        rank: usize,
+    },
+
+    /// An index value (label, embedding id, index_select entry) out of range.
+    #[error("{op}: index {index} out of range for size {size}")]
+    Index {
+        op: &'static str,
+        index: i64,
+        size: usize,
+    },
+
+    /// A bad argument that is not a shape or dtype (negative probability, zero stride...).
+    #[error("{op}: invalid argument: {msg}")]
+    Arg { op: &'static str, msg: String },
+
+    /// Misuse of autograd (backward from a non-scalar, from a tensor without a graph...).
+    #[error("autograd: {0}")]
+    Autograd(String),
+
+    /// A file that could not be read or written, with the path.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Data that is malformed (a truncated file, a wrong magic number...), with the path.
+    #[error("{path}: {msg}")]
+    Data { path: String, msg: String },
+
+    /// Anything else, with a message.
+    #[error("{0}")]
+    Msg(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn shape(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Shape {
+            op,
+            msg: msg.into(),
+        }
+    }
+    pub fn arg(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Arg {
+            op,
+            msg: msg.into(),
+        }
+    }
+    pub fn dtype(op: &'static str, dtype: DType, msg: impl Into<String>) -> Self {
+        Error::DType {
+            op,
+            dtype,
+            msg: msg.into(),
+        }
+    }
+}
+
+/// `bail!(Error::shape(...))`-style early return.
+#[macro_export]
+macro_rules! bail {
+    ($e:expr) => {
+        return Err($e)
+    };
+}

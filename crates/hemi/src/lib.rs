@@ -1,0 +1,19 @@
+//! hemi: a deep-learning training framework built around half precision.
+//!
+//! Layers, bottom to top (each uses only the ones below it): `dtype` (types, finfo,
+//! conversions), `cpu` (kernels), `tensor` and `ops` (the tensor handle, views and op entry
+//! points), `autograd` (the backward graph). See DESIGN.md for the precision contract.
+
+pub mod autograd;
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod ops;
+pub mod rng;
+pub mod tensor;
+
+pub use autograd::{no_grad, NoGradGuard};
+pub use dtype::{DType, FInfo};
+pub use error::{Error, Result};
+pub use rng::Generator;
+pub use tensor::{Device, Layout, Tensor};

@@ -1,0 +1,1 @@
+//! 2-D convolution (im2col + GEMM), forward and backward.

@@ -1,0 +1,1 @@
+//! Dropout with a seeded generator.

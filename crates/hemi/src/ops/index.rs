@@ -1,0 +1,1 @@
+//! Embedding lookup, index_select, concat and stack.

@@ -1,0 +1,1 @@
+//! Matrix products: 2-D and batched, transposed operands without copies.

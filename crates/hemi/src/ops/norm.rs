@@ -1,0 +1,1 @@
+//! Batch norm and layer norm, statistics in F32.

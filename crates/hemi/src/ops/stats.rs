@@ -1,0 +1,1 @@
+//! Reductions beyond sum/mean: max (with indices) and var.

@@ -1,0 +1,50 @@
+//! Seeded random numbers. Every random tensor, dropout mask and shuffle in hemi draws from
+//! a `Generator` the caller owns, so a run is reproducible from its seed and its generator
+//! state can be saved and restored (checkpoints).
+
+use rand::{Rng as _, RngCore, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+use rand_xoshiro::Xoshiro256PlusPlus;
+
+/// A seeded pseudo-random generator (xoshiro256++).
+#[derive(Clone, Debug)]
+pub struct Generator {
+    inner: Xoshiro256PlusPlus,
+}
+
+impl Generator {
+    pub fn new(seed: u64) -> Self {
+        Generator {
+            inner: Xoshiro256PlusPlus::seed_from_u64(seed),
+        }
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.inner.next_u64()
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform_f64(&mut self) -> f64 {
+        self.inner.random::<f64>()
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.uniform_f64()
+    }
+
+    /// Standard normal.
+    pub fn normal(&mut self) -> f64 {
+        StandardNormal.sample(&mut self.inner)
+    }
+
+    /// Uniform integer in [0, n).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.inner.random_range(0..n)
+    }
+
+    /// A new generator seeded from this one (for per-worker or per-epoch streams).
+    pub fn fork(&mut self) -> Generator {
+        Generator::new(self.next_u64())
+    }
+}

@@ -1,0 +1,190 @@
+//! Shapes, strides and offsets: how a tensor's elements sit in its storage.
+
+use crate::error::{Error, Result};
+
+/// Row-major strides of a contiguous tensor of `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for (s, &d) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc *= d;
+    }
+    strides
+}
+
+/// Where the elements of a tensor live in its storage: element `[i0, i1, ...]` is at
+/// `offset + i0 * strides[0] + i1 * strides[1] + ...`. A stride of 0 is a broadcast dim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+impl Layout {
+    pub fn contiguous(shape: &[usize]) -> Self {
+        Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
+    }
+
+    pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Self {
+        debug_assert_eq!(shape.len(), strides.len());
+        Layout {
+            shape,
+            strides,
+            offset,
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when the elements are in row-major order with no gaps (size-1 dims may have
+    /// any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut acc = 1;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 && s != acc {
+                return false;
+            }
+            acc *= d;
+        }
+        true
+    }
+
+    /// The storage range `offset..offset+numel` when contiguous.
+    pub fn contiguous_range(&self) -> Option<std::ops::Range<usize>> {
+        self.is_contiguous()
+            .then(|| self.offset..self.offset + self.numel())
+    }
+
+    /// Copies the elements this layout addresses out of `src`, in row-major order. The
+    /// innermost dim is copied as a slice when its stride is 1.
+    pub fn gather<T: Copy>(&self, src: &[T]) -> Vec<T> {
+        if let Some(r) = self.contiguous_range() {
+            return src[r].to_vec();
+        }
+        let mut out = Vec::with_capacity(self.numel());
+        if self.numel() == 0 {
+            return out;
+        }
+        let rank = self.rank();
+        let (inner, inner_stride) = (self.shape[rank - 1], self.strides[rank - 1]);
+        let outer_shape = &self.shape[..rank - 1];
+        let outer_strides = &self.strides[..rank - 1];
+        let mut idx = vec![0usize; rank - 1];
+        let mut base = self.offset;
+        loop {
+            if inner_stride == 1 {
+                out.extend_from_slice(&src[base..base + inner]);
+            } else {
+                out.extend((0..inner).map(|i| src[base + i * inner_stride]));
+            }
+            // Odometer increment over the outer dims.
+            let mut d = rank - 1;
+            loop {
+                if d == 0 {
+                    return out;
+                }
+                d -= 1;
+                idx[d] += 1;
+                base += outer_strides[d];
+                if idx[d] < outer_shape[d] {
+                    break;
+                }
+                base -= outer_strides[d] * outer_shape[d];
+                idx[d] = 0;
+            }
+        }
+    }
+
+    /// Resolves a possibly negative dim index (`-1` is the last dim).
+    pub fn dim(&self, op: &'static str, dim: isize) -> Result<usize> {
+        resolve_dim(op, dim, self.rank())
+    }
+}
+
+/// Resolves a possibly negative dim against `rank`.
+pub fn resolve_dim(op: &'static str, dim: isize, rank: usize) -> Result<usize> {
+    let r = rank as isize;
+    let d = if dim < 0 { dim + r } else { dim };
+    if d < 0 || d >= r {
+        return Err(Error::Dim { op, dim, rank });
+    }
+    Ok(d as usize)
+}
+
+/// The broadcast shape of two shapes (NumPy/PyTorch rule: align from the right; sizes must
+/// be equal or one of them 1).
+pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i < rank - a.len() {
+            1
+        } else {
+            a[i - (rank - a.len())]
+        };
+        let db = if i < rank - b.len() {
+            1
+        } else {
+            b[i - (rank - b.len())]
+        };
+        out[i] = if da == db || db == 1 {
+            da
+        } else if da == 1 {
+            db
+        } else {
+            return Err(Error::shape(
+                op,
+                format!("cannot broadcast {a:?} with {b:?}"),
+            ));
+        };
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_transposed() {
+        // [[0,1,2],[3,4,5]] transposed -> [[0,3],[1,4],[2,5]]
+        let l = Layout::new(vec![3, 2], vec![1, 3], 0);
+        assert!(!l.is_contiguous());
+        let src: Vec<i32> = (0..6).collect();
+        assert_eq!(l.gather(&src), vec![0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn gather_broadcast_and_offset() {
+        let l = Layout::new(vec![2, 3], vec![0, 1], 2);
+        let src: Vec<i32> = (0..6).collect();
+        assert_eq!(l.gather(&src), vec![2, 3, 4, 2, 3, 4]);
+    }
+
+    #[test]
+    fn broadcast_rules() {
+        assert_eq!(broadcast_shapes("t", &[3, 1], &[4]).unwrap(), vec![3, 4]);
+        assert_eq!(broadcast_shapes("t", &[], &[2, 2]).unwrap(), vec![2, 2]);
+        assert!(broadcast_shapes("t", &[3], &[4]).is_err());
+    }
+}

@@ -1,0 +1,414 @@
+//! The `Tensor` handle: a cheap-to-clone reference to shared storage with a layout, a dtype,
+//! a device and (when it takes part in autograd) a node of the backward graph.
+//!
+//! Tensors are immutable values: ops make new tensors. The exception is a parameter's data,
+//! which an optimizer replaces in place (`set_data`), visible to every clone of the handle,
+//! as PyTorch's in-place updates of `param.data` are.
+
+pub mod create;
+pub mod layout;
+pub mod storage;
+pub mod view;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+pub use layout::Layout;
+pub use storage::{CpuStorage, Real};
+
+use crate::autograd::{self, Node};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// Where a tensor's storage lives. Only the CPU for now; a CUDA backend adds a variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+}
+
+/// Identity of a tensor handle (not of its storage), used by autograd and caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    fn next() -> Self {
+        static COUNTER: AtomicU64 = AtomicU64::new(1);
+        TensorId(COUNTER.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+pub(crate) struct TensorImpl {
+    id: TensorId,
+    storage: RwLock<Arc<CpuStorage>>,
+    layout: Layout,
+    dtype: DType,
+    device: Device,
+    requires_grad: AtomicBool,
+    grad_fn: Option<Arc<Node>>,
+    grad: Mutex<Option<Tensor>>,
+}
+
+/// An n-dimensional array of F16, BF16, F32, F64 or I64 values.
+#[derive(Clone)]
+pub struct Tensor(Arc<TensorImpl>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor[{:?}, {}{}]",
+            self.shape(),
+            self.dtype(),
+            if self.requires_grad() { ", grad" } else { "" }
+        )
+    }
+}
+
+impl Tensor {
+    // ----- construction from parts -------------------------------------------------------
+
+    /// A tensor over `storage` with `layout`, outside any graph.
+    pub fn from_storage(storage: Arc<CpuStorage>, layout: Layout) -> Tensor {
+        let dtype = storage.dtype();
+        Tensor(Arc::new(TensorImpl {
+            id: TensorId::next(),
+            storage: RwLock::new(storage),
+            layout,
+            dtype,
+            device: Device::Cpu,
+            requires_grad: AtomicBool::new(false),
+            grad_fn: None,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A contiguous tensor of `shape` owning `storage` (whose length must be the numel).
+    pub(crate) fn from_contiguous(storage: CpuStorage, shape: &[usize]) -> Tensor {
+        debug_assert_eq!(storage.len(), shape.iter().product::<usize>());
+        Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape))
+    }
+
+    /// The result of an op: records a backward node when grad mode is on and any input
+    /// requires grad. `backward` maps the output's gradient to one gradient per input
+    /// (`None` for inputs that get none); autograd casts each to its input's dtype.
+    pub(crate) fn from_op(
+        storage: Arc<CpuStorage>,
+        layout: Layout,
+        op: &'static str,
+        inputs: &[&Tensor],
+        backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    ) -> Tensor {
+        let needs_grad = autograd::is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
+        let dtype = storage.dtype();
+        let grad_fn = needs_grad.then(|| {
+            Arc::new(Node {
+                op,
+                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+                backward: Box::new(backward),
+            })
+        });
+        Tensor(Arc::new(TensorImpl {
+            id: TensorId::next(),
+            storage: RwLock::new(storage),
+            layout,
+            dtype,
+            device: Device::Cpu,
+            requires_grad: AtomicBool::new(needs_grad),
+            grad_fn,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// A contiguous op result built from compute-type values rounded into `dtype`.
+    pub(crate) fn from_compute<C: Real>(
+        values: Vec<C>,
+        shape: &[usize],
+        dtype: DType,
+        op: &'static str,
+        inputs: &[&Tensor],
+        backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    ) -> Tensor {
+        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
+        Tensor::from_op(
+            Arc::new(C::store(values, dtype)),
+            Layout::contiguous(shape),
+            op,
+            inputs,
+            backward,
+        )
+    }
+
+    /// A contiguous tensor outside any graph from compute-type values rounded into `dtype`.
+    pub(crate) fn from_values<C: Real>(values: Vec<C>, shape: &[usize], dtype: DType) -> Tensor {
+        Tensor::from_contiguous(C::store(values, dtype), shape)
+    }
+
+    // ----- accessors ---------------------------------------------------------------------
+
+    pub fn id(&self) -> TensorId {
+        self.0.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        self.0.layout.shape()
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.shape()
+    }
+    pub fn rank(&self) -> usize {
+        self.0.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn strides(&self) -> &[usize] {
+        self.0.layout.strides()
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// Size of dim `d` (negative counts from the end).
+    pub fn dim(&self, d: isize) -> Result<usize> {
+        Ok(self.shape()[self.0.layout.dim("dim", d)?])
+    }
+    /// The shared storage (cheap: clones an `Arc`).
+    pub fn storage(&self) -> Arc<CpuStorage> {
+        self.0
+            .storage
+            .read()
+            .expect("storage lock poisoned")
+            .clone()
+    }
+    /// True when both handles view the same storage buffer.
+    pub fn same_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage(), &other.storage())
+    }
+
+    // ----- autograd state ----------------------------------------------------------------
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// Marks a leaf tensor as a parameter whose `.grad` accumulates. Errors on a non-leaf
+    /// (its gradient flows to its inputs instead) and on integer tensors.
+    pub fn set_requires_grad(&self, on: bool) -> Result<()> {
+        if self.0.grad_fn.is_some() {
+            return Err(Error::Autograd(
+                "set_requires_grad on a non-leaf tensor; detach() it first".into(),
+            ));
+        }
+        if on && !self.dtype().is_float() {
+            return Err(Error::dtype(
+                "set_requires_grad",
+                self.dtype(),
+                "only float tensors can require gradients",
+            ));
+        }
+        self.0.requires_grad.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Builder form of `set_requires_grad(true)` for fresh leaves (panics only on integer
+    /// tensors, a programming error rather than user input).
+    pub fn requires_grad_(self) -> Tensor {
+        self.set_requires_grad(true)
+            .expect("requires_grad_ on an integer or non-leaf tensor");
+        self
+    }
+
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+
+    pub(crate) fn grad_fn(&self) -> Option<&Arc<Node>> {
+        self.0.grad_fn.as_ref()
+    }
+
+    /// The accumulated gradient of a leaf (`None` before the first backward or after
+    /// `zero_grad`).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().expect("grad lock poisoned").clone()
+    }
+
+    /// Replaces the accumulated gradient (optimizers and the loss scaler use this).
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().expect("grad lock poisoned") = g;
+    }
+
+    /// Clears the gradient (PyTorch's `zero_grad(set_to_none=True)`).
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+
+    /// Adds `g` to the accumulated gradient.
+    pub(crate) fn accumulate_grad(&self, g: Tensor) -> Result<()> {
+        let mut slot = self.0.grad.lock().expect("grad lock poisoned");
+        *slot = Some(match slot.take() {
+            None => g,
+            Some(old) => old.add(&g)?,
+        });
+        Ok(())
+    }
+
+    /// A handle on the same storage and layout, outside the graph.
+    pub fn detach(&self) -> Tensor {
+        Tensor::from_storage(self.storage(), self.0.layout.clone())
+    }
+
+    /// Runs reverse-mode differentiation from this scalar (one-element) tensor: every leaf
+    /// that requires grad gets the gradient added to its `.grad`.
+    pub fn backward(&self) -> Result<()> {
+        autograd::backward(self)
+    }
+
+    /// Replaces the data of this (whole, contiguous) tensor with `src`'s values, in place:
+    /// all clones of the handle see the new values. Shapes and dtypes must match. Not
+    /// recorded by autograd (an optimizer's update).
+    pub fn set_data(&self, src: &Tensor) -> Result<()> {
+        if src.shape() != self.shape() || src.dtype() != self.dtype() {
+            return Err(Error::shape(
+                "set_data",
+                format!(
+                    "destination {:?} {} vs source {:?} {}",
+                    self.shape(),
+                    self.dtype(),
+                    src.shape(),
+                    src.dtype()
+                ),
+            ));
+        }
+        let whole = |t: &Tensor| {
+            t.0.layout.contiguous_range() == Some(0..t.numel()) && t.storage().len() == t.numel()
+        };
+        if !whole(self) {
+            return Err(Error::arg(
+                "set_data",
+                "destination must be a whole contiguous tensor, not a view",
+            ));
+        }
+        let new = if whole(src) {
+            src.storage()
+        } else {
+            Arc::new(src.storage().gather(src.layout()))
+        };
+        *self.0.storage.write().expect("storage lock poisoned") = new;
+        Ok(())
+    }
+
+    // ----- reading values back -----------------------------------------------------------
+
+    /// All elements in row-major order, converted to F32.
+    pub fn to_vec_f32(&self) -> Vec<f32> {
+        self.storage().to_f32(self.layout()).into_owned()
+    }
+    /// All elements in row-major order, converted to F64 (exact for every float dtype).
+    pub fn to_vec_f64(&self) -> Vec<f64> {
+        self.storage().to_f64(self.layout()).into_owned()
+    }
+    /// All elements in row-major order as i64 (floats truncate).
+    pub fn to_vec_i64(&self) -> Vec<i64> {
+        self.storage().to_i64(self.layout()).into_owned()
+    }
+    /// All elements as their own Rust type; errors if `T` is not the tensor's dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype(
+                "to_vec",
+                self.dtype(),
+                format!("asked for {}", T::DTYPE),
+            ));
+        }
+        let s = self.storage().gather(self.layout());
+        // The match proves the element type; the Any downcast turns Vec<X> into Vec<T>.
+        let any: Box<dyn std::any::Any> = match s {
+            CpuStorage::F16(v) => Box::new(v),
+            CpuStorage::BF16(v) => Box::new(v),
+            CpuStorage::F32(v) => Box::new(v),
+            CpuStorage::F64(v) => Box::new(v),
+            CpuStorage::I64(v) => Box::new(v),
+        };
+        Ok(*any.downcast::<Vec<T>>().expect("dtype checked above"))
+    }
+    /// The value of a one-element tensor, as f64.
+    pub fn to_scalar(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            return Err(Error::shape(
+                "to_scalar",
+                format!("expected one element, got shape {:?}", self.shape()),
+            ));
+        }
+        Ok(self.to_vec_f64()[0])
+    }
+
+    /// Values in the compute type `C`, contiguous (borrowed when no conversion is needed is
+    /// not possible through the lock, so this returns an owned or shared buffer).
+    pub(crate) fn values<C: Real>(&self) -> Vec<C> {
+        C::load(&self.storage(), self.layout()).into_owned()
+    }
+
+    /// Runs `f` on the values in compute type `C` without copying when the tensor is
+    /// already contiguous in that type.
+    pub(crate) fn with_values<C: Real, R>(&self, f: impl FnOnce(&[C]) -> R) -> R {
+        let s = self.storage();
+        let v = C::load(&s, self.layout());
+        f(&v)
+    }
+
+    /// The same values in `dtype` (differentiable: the gradient is cast back). Returns
+    /// `self` unchanged when the dtype already matches.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let src_dtype = self.dtype();
+        if self.requires_grad() && !dtype.is_float() {
+            return Err(Error::dtype(
+                "to_dtype",
+                dtype,
+                "casting a tensor that requires grad to an integer dtype",
+            ));
+        }
+        let out = self.storage().cast(self.layout(), dtype);
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(self.shape()),
+            "to_dtype",
+            &[self],
+            move |g| Ok(vec![Some(g.to_dtype(src_dtype)?)]),
+        ))
+    }
+
+    /// A contiguous copy of this tensor, or itself when already contiguous.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let out = self.storage().gather(self.layout());
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(self.shape()),
+            "contiguous",
+            &[self],
+            |g| Ok(vec![Some(g.clone())]),
+        ))
+    }
+
+    pub(crate) fn new_view(
+        &self,
+        layout: Layout,
+        op: &'static str,
+        backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    ) -> Tensor {
+        Tensor::from_op(self.storage(), layout, op, &[self], backward)
+    }
+}
