@@ -1,0 +1,1 @@
+//! Data sets, transforms and the DataLoader.

@@ -1,0 +1,1 @@
+//! Optimizers (SGD, Adam, AdamW), learning-rate schedules and gradient clipping.
