@@ -49,6 +49,25 @@ pub(crate) struct TensorImpl {
     grad: Mutex<Option<Tensor>>,
 }
 
+impl Drop for TensorImpl {
+    /// Dismantles the graph behind this tensor iteratively: the default recursive drop of
+    /// a long chain of nodes (tensor -> node -> input tensor -> node ...) would overflow the
+    /// stack.
+    fn drop(&mut self) {
+        let mut stack: Vec<Arc<Node>> = self.grad_fn.take().into_iter().collect();
+        while let Some(node) = stack.pop() {
+            let Ok(mut node) = Arc::try_unwrap(node) else {
+                continue; // still shared: someone else drops it later
+            };
+            for input in node.inputs.drain(..) {
+                if let Ok(mut inner) = Arc::try_unwrap(input.0) {
+                    stack.extend(inner.grad_fn.take());
+                }
+            }
+        }
+    }
+}
+
 /// An n-dimensional array of F16, BF16, F32, F64 or I64 values.
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorImpl>);
