@@ -4,8 +4,8 @@
 //! `p *= 1 - lr * weight_decay` before the update) and in the default weight decay.
 
 use super::optimizer::{
-    check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState, StateBuffer,
-    StateReader,
+    check_grads, check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState,
+    StateBuffer, StateReader,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -137,8 +137,9 @@ impl AdamCore {
     }
 
     fn step(&mut self, op: &'static str) -> Result<()> {
+        check_grads(op, &self.params)?;
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grad_f32(op, i, p)? else {
+            let Some(g) = grad_f32(p) else {
                 continue;
             };
             let n = p.numel();
@@ -262,12 +263,11 @@ fn adam_update(p: &mut [f32], g: &[f32], s: &mut ParamState, c: &AdamConfig, dec
     let t = s.step as f64;
     let step_size = -(c.lr / (1.0 - beta1.powf(t))) as f32;
     let bc2_sqrt = (1.0 - beta2.powf(t)).sqrt() as f32;
-    let decay = (c.weight_decay != 0.0).then(|| {
-        if decoupled {
-            (1.0 - c.lr * c.weight_decay) as f32
-        } else {
-            c.weight_decay as f32
-        }
+    // Adam: the L2 coefficient; AdamW: the factor `1 - lr * wd` applied to p.
+    let decay = (c.weight_decay != 0.0).then_some(if decoupled {
+        (1.0 - c.lr * c.weight_decay) as f32
+    } else {
+        c.weight_decay as f32
     });
     let (w1, b2, w2, eps) = (
         (1.0 - beta1) as f32,

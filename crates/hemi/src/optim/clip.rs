@@ -20,13 +20,13 @@ use crate::tensor::Tensor;
 /// scaler skips the step).
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
     const OP: &str = "clip_grad_norm";
-    if !(max_norm >= 0.0) {
+    if max_norm.is_nan() || max_norm < 0.0 {
         return Err(Error::arg(
             OP,
             format!("max_norm must be >= 0, got {max_norm}"),
         ));
     }
-    if !(norm_type > 0.0) {
+    if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::arg(
             OP,
             format!("norm_type must be > 0 or infinity, got {norm_type}"),
@@ -81,7 +81,7 @@ fn total_norm<'a>(grads: impl Iterator<Item = &'a Tensor>, norm_type: f64) -> f6
 /// Clamps every gradient element to `[-clip_value, clip_value]` (PyTorch's
 /// `clip_grad_value_`; NaN stays NaN).
 pub fn clip_grad_value(params: &[Tensor], clip_value: f64) -> Result<()> {
-    if !(clip_value >= 0.0) {
+    if clip_value.is_nan() || clip_value < 0.0 {
         return Err(Error::arg(
             "clip_grad_value",
             format!("clip_value must be >= 0, got {clip_value}"),

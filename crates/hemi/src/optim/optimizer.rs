@@ -131,30 +131,36 @@ pub(crate) fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// The gradient of parameter `i` as F32 values (`None` when it has none), checked against
-/// the parameter's shape.
-pub(crate) fn grad_f32(op: &'static str, i: usize, p: &Tensor) -> Result<Option<Vec<f32>>> {
-    let Some(g) = p.grad() else {
-        return Ok(None);
-    };
-    if g.shape() != p.shape() {
-        return Err(Error::shape(
-            op,
-            format!(
-                "parameter {i} has shape {:?} but its gradient {:?}",
-                p.shape(),
-                g.shape()
-            ),
-        ));
+/// Checks every parameter's gradient (shape, float dtype) before a step updates anything, so
+/// that a bad gradient fails the step without half the parameters updated.
+pub(crate) fn check_grads(op: &'static str, params: &[Tensor]) -> Result<()> {
+    for (i, p) in params.iter().enumerate() {
+        let Some(g) = p.grad() else { continue };
+        if g.shape() != p.shape() {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "parameter {i} has shape {:?} but its gradient {:?}",
+                    p.shape(),
+                    g.shape()
+                ),
+            ));
+        }
+        if !g.dtype().is_float() {
+            return Err(Error::dtype(
+                op,
+                g.dtype(),
+                format!("gradient of parameter {i} is not a float tensor"),
+            ));
+        }
     }
-    if !g.dtype().is_float() {
-        return Err(Error::dtype(
-            op,
-            g.dtype(),
-            format!("gradient of parameter {i} is not a float tensor"),
-        ));
-    }
-    Ok(Some(g.to_vec_f32()))
+    Ok(())
+}
+
+/// The gradient of a parameter as F32 values (`None` when it has none); `check_grads` has
+/// validated it.
+pub(crate) fn grad_f32(p: &Tensor) -> Option<Vec<f32>> {
+    p.grad().map(|g| g.to_vec_f32())
 }
 
 /// Writes F32 values into parameter `p`, rounded once into its dtype; outside autograd.

@@ -2,8 +2,8 @@
 //! decay: PyTorch's `torch.optim.SGD` update rule, step for step.
 
 use super::optimizer::{
-    check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState, StateBuffer,
-    StateReader,
+    check_grads, check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState,
+    StateBuffer, StateReader,
 };
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -124,8 +124,9 @@ fn sgd_update(p: &mut [f32], g: &[f32], buf: &mut Option<Vec<f32>>, c: &SgdConfi
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
+        check_grads("Sgd::step", &self.params)?;
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grad_f32("Sgd::step", i, p)? else {
+            let Some(g) = grad_f32(p) else {
                 continue;
             };
             let mut values = p.to_vec_f32();
