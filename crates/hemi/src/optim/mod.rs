@@ -1,1 +1,20 @@
 //! Optimizers (SGD, Adam, AdamW), learning-rate schedules and gradient clipping.
+//!
+//! Every optimizer keeps its state in F32 whatever the parameter dtype, reads F16/BF16
+//! parameters and gradients as F32, computes the update in one fused F32 loop per parameter
+//! and rounds once into the parameter's dtype (`optimizer.rs` says why). The update rules
+//! and defaults are PyTorch's, step for step, so that a run can be compared with it.
+
+mod adam;
+mod clip;
+mod optimizer;
+mod schedule;
+mod sgd;
+
+pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
+pub use clip::{clip_grad_norm, clip_grad_value};
+pub use optimizer::{Optimizer, OptimizerState, StateBuffer};
+pub use schedule::{
+    CosineAnnealingLR, LinearWarmup, LrScheduler, Scheduler, SchedulerState, StepLR,
+};
+pub use sgd::{Sgd, SgdConfig};

@@ -1,0 +1,196 @@
+//! Stochastic gradient descent with momentum, dampening, Nesterov momentum and L2 weight
+//! decay: PyTorch's `torch.optim.SGD` update rule, step for step.
+
+use super::optimizer::{
+    check_grads, check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState,
+    StateBuffer, StateReader,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Hyper-parameters of `Sgd` (PyTorch's names and defaults; PyTorch has no default lr, hemi
+/// takes the documents' 0.001).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdConfig {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+impl SgdConfig {
+    fn validate(&self, op: &'static str) -> Result<()> {
+        check_nonneg(op, "learning rate", self.lr)?;
+        check_nonneg(op, "momentum", self.momentum)?;
+        check_nonneg(op, "weight_decay", self.weight_decay)?;
+        if !self.dampening.is_finite() {
+            return Err(Error::arg(
+                op,
+                format!("invalid dampening: {}", self.dampening),
+            ));
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::arg(
+                op,
+                format!(
+                    "Nesterov momentum requires a momentum and zero dampening (momentum {}, dampening {})",
+                    self.momentum, self.dampening
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// SGD over a list of parameters. For each parameter `p` with gradient `g` (all in F32):
+///
+/// ```text
+/// g = g + weight_decay * p                         (if weight_decay != 0)
+/// b = g                                            (first step with momentum != 0)
+/// b = momentum * b + (1 - dampening) * g           (later steps)
+/// g = g + momentum * b   (nesterov)   or   g = b   (otherwise)
+/// p = p - lr * g
+/// ```
+pub struct Sgd {
+    params: Vec<Tensor>,
+    config: SgdConfig,
+    /// One F32 momentum buffer per parameter, created by its first step with a gradient.
+    momentum_buffers: Vec<Option<Vec<f32>>>,
+}
+
+impl Sgd {
+    /// Errors on invalid hyper-parameters (negative lr, nesterov without momentum or with
+    /// dampening) and on parameters that are not whole F32/F16/BF16 leaves.
+    pub fn new(params: Vec<Tensor>, config: SgdConfig) -> Result<Sgd> {
+        config.validate("Sgd::new")?;
+        check_params("Sgd::new", &params)?;
+        let momentum_buffers = vec![None; params.len()];
+        Ok(Sgd {
+            params,
+            config,
+            momentum_buffers,
+        })
+    }
+
+    pub fn config(&self) -> &SgdConfig {
+        &self.config
+    }
+
+    /// Parameter `i`'s momentum buffer (F32, row-major), once its first step created it.
+    pub fn momentum_buffer(&self, i: usize) -> Option<&[f32]> {
+        self.momentum_buffers.get(i)?.as_deref()
+    }
+}
+
+/// One SGD step over one parameter's values, in place: the fused loop of the rule above.
+fn sgd_update(p: &mut [f32], g: &[f32], buf: &mut Option<Vec<f32>>, c: &SgdConfig) {
+    let lr = c.lr as f32;
+    let wd = c.weight_decay as f32;
+    let momentum = c.momentum as f32;
+    let keep = (1.0 - c.dampening) as f32;
+    // The first step takes the buffer as the (weight-decayed) gradient itself.
+    let first = buf.is_none();
+    let buf = (c.momentum != 0.0).then(|| buf.get_or_insert_with(|| vec![0.0; p.len()]));
+    match buf {
+        None => {
+            for (p, &g) in p.iter_mut().zip(g) {
+                let d = if wd != 0.0 { g + wd * *p } else { g };
+                *p += -lr * d;
+            }
+        }
+        Some(buf) => {
+            for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
+                let d = if wd != 0.0 { g + wd * *p } else { g };
+                *b = if first { d } else { momentum * *b + keep * d };
+                let d = if c.nesterov { d + momentum * *b } else { *b };
+                *p += -lr * d;
+            }
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        check_grads("Sgd::step", &self.params)?;
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(g) = grad_f32(p) else {
+                continue;
+            };
+            let mut values = p.to_vec_f32();
+            sgd_update(&mut values, &g, &mut self.momentum_buffers[i], &self.config);
+            write_param(p, values)?;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn state_dict(&self) -> OptimizerState {
+        let c = &self.config;
+        let scalars = vec![
+            ("num_params".to_string(), self.params.len() as f64),
+            ("lr".to_string(), c.lr),
+            ("momentum".to_string(), c.momentum),
+            ("dampening".to_string(), c.dampening),
+            ("weight_decay".to_string(), c.weight_decay),
+            ("nesterov".to_string(), f64::from(u8::from(c.nesterov))),
+        ];
+        let buffers = (self.params.iter().zip(&self.momentum_buffers).enumerate())
+            .filter_map(|(i, (p, b))| {
+                Some(StateBuffer {
+                    name: format!("{i}.momentum_buffer"),
+                    shape: p.shape().to_vec(),
+                    data: b.clone()?,
+                })
+            })
+            .collect();
+        OptimizerState {
+            optimizer: "sgd".to_string(),
+            scalars,
+            buffers,
+        }
+    }
+
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        const OP: &str = "Sgd::load_state_dict";
+        let mut r = StateReader::new(OP, state, "sgd", self.params.len())?;
+        let config = SgdConfig {
+            lr: r.scalar("lr")?,
+            momentum: r.scalar("momentum")?,
+            dampening: r.scalar("dampening")?,
+            weight_decay: r.scalar("weight_decay")?,
+            nesterov: r.flag("nesterov")?,
+        };
+        config.validate(OP)?;
+        let buffers = (self.params.iter().enumerate())
+            .map(|(i, p)| r.buffer(i, "momentum_buffer", p))
+            .collect::<Result<Vec<_>>>()?;
+        r.finish()?;
+        self.config = config;
+        self.momentum_buffers = buffers;
+        Ok(())
+    }
+}
