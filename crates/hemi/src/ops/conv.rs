@@ -1,6 +1,6 @@
-//! 2-D convolution, the op entry point: validation, dtype promotion, dispatch to the im2col
-//! + GEMM kernels in `cpu/conv.rs`, and the backward (input, weight, bias) beside the
-//! forward.
+//! 2-D convolution, the op entry point: validation, dtype promotion, dispatch to the
+//! im2col-and-GEMM kernels in `cpu/conv.rs`, and the backward (input, weight, bias) beside
+//! the forward.
 //!
 //! Dtypes: the output has the promoted dtype of input, weight and bias (PyTorch's rule; F16
 //! with BF16 gives F32). Half inputs are converted to F32 once, in bulk; products are summed
