@@ -1,4 +1,6 @@
 //! CPU kernels: plain loops and `gemm` calls over buffers with their shape arguments; no
 //! autograd here.
 
+pub mod conv;
 pub mod gemm;
+pub mod pool;

@@ -1,1 +1,180 @@
-//! Pooling: max_pool2d (indices kept), avg_pool2d, adaptive_avg_pool2d.
+//! 2-D pooling, the op entry points: `max_pool2d` (argmax kept for the backward),
+//! `avg_pool2d` and `adaptive_avg_pool2d`, each with its backward beside it. Kernels are in
+//! `cpu/pool.rs`.
+//!
+//! Semantics are PyTorch's (without ceil_mode or dilation): inputs `[N, C, H, W]` or
+//! `[C, H, W]`, padding at most half the kernel, max-pool padding is -inf, and the output
+//! keeps the input dtype (values compared and averaged in F32 for half inputs; a max is
+//! exact in any dtype).
+
+use crate::cpu::pool::{
+    adaptive_avg_pool2d_backward, adaptive_avg_pool2d_forward, avg_pool2d_backward,
+    avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward, Pool2dGeom,
+};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Checks a pooled input (float, rank 3 or 4, non-empty spatial dims) and returns
+/// (planes, h, w).
+fn planes(op: &'static str, x: &Tensor) -> Result<(usize, usize, usize)> {
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "expected a float tensor"));
+    }
+    let s = x.shape();
+    if s.len() != 3 && s.len() != 4 {
+        return Err(Error::shape(
+            op,
+            format!("input must be [N, C, H, W] or [C, H, W]; got {s:?}"),
+        ));
+    }
+    let (h, w) = (s[s.len() - 2], s[s.len() - 1]);
+    if h == 0 || w == 0 {
+        return Err(Error::shape(
+            op,
+            format!("spatial dims must be non-zero; got {s:?}"),
+        ));
+    }
+    Ok((s[..s.len() - 2].iter().product(), h, w))
+}
+
+/// The output shape: the input's leading dims and the pooled spatial dims.
+fn pooled_shape(x: &Tensor, h_out: usize, w_out: usize) -> Vec<usize> {
+    let s = x.shape();
+    let mut out = s[..s.len() - 2].to_vec();
+    out.extend([h_out, w_out]);
+    out
+}
+
+/// Checks kernel, stride and padding (PyTorch's rules) and works out the pool's geometry.
+fn window_geometry(
+    op: &'static str,
+    x: &Tensor,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize),
+) -> Result<Pool2dGeom> {
+    let (planes, h, w) = planes(op, x)?;
+    let args = || {
+        format!(
+            "input {:?}, kernel {kernel:?}, stride {stride:?}, padding {padding:?}",
+            x.shape()
+        )
+    };
+    if kernel.0 == 0 || kernel.1 == 0 || stride.0 == 0 || stride.1 == 0 {
+        return Err(Error::arg(
+            op,
+            format!("kernel and stride must be positive; got {}", args()),
+        ));
+    }
+    if padding.0 > kernel.0 / 2 || padding.1 > kernel.1 / 2 {
+        return Err(Error::arg(
+            op,
+            format!("padding must be at most half the kernel; got {}", args()),
+        ));
+    }
+    if h + 2 * padding.0 < kernel.0 || w + 2 * padding.1 < kernel.1 {
+        return Err(Error::shape(
+            op,
+            format!("kernel is larger than the padded input; got {}", args()),
+        ));
+    }
+    Ok(Pool2dGeom {
+        planes,
+        h,
+        w,
+        kernel,
+        stride,
+        padding,
+        h_out: (h + 2 * padding.0 - kernel.0) / stride.0 + 1,
+        w_out: (w + 2 * padding.1 - kernel.1) / stride.1 + 1,
+    })
+}
+
+impl Tensor {
+    /// Max pooling over `kernel` windows (PyTorch's `max_pool2d`, padding -inf).
+    pub fn max_pool2d(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<Tensor> {
+        Ok(self.max_pool2d_with_indices(kernel, stride, padding)?.0)
+    }
+
+    /// Max pooling that also returns, as an I64 tensor of the output's shape, the flat
+    /// index `h*W + w` of each maximum within its plane (PyTorch's `return_indices`). Ties
+    /// go to the first maximum in row-major order; NaN propagates.
+    pub fn max_pool2d_with_indices(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<(Tensor, Tensor)> {
+        const OP: &str = "max_pool2d";
+        let g = window_geometry(OP, self, kernel, stride, padding)?;
+        let shape = pooled_shape(self, g.h_out, g.w_out);
+        let dtype = self.dtype();
+        crate::with_compute!(dtype, C => {
+            let (out, idx) = self.with_values::<C, _>(|x| max_pool2d_forward(x, &g));
+            let indices = Tensor::from_vec(idx, &shape)?;
+            let saved = indices.clone();
+            let in_shape = self.shape().to_vec();
+            let out = Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
+                let storage = saved.storage();
+                let idx = storage.to_i64(saved.layout());
+                let dx = dy.with_values::<C, _>(|dy| max_pool2d_backward(dy, &idx, &g));
+                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
+            });
+            Ok((out, indices))
+        })
+    }
+
+    /// Average pooling over `kernel` windows (PyTorch's `avg_pool2d`; padding counts as
+    /// zeros, and in the divisor when `count_include_pad`, PyTorch's default `true`).
+    pub fn avg_pool2d(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+        count_include_pad: bool,
+    ) -> Result<Tensor> {
+        const OP: &str = "avg_pool2d";
+        let g = window_geometry(OP, self, kernel, stride, padding)?;
+        let shape = pooled_shape(self, g.h_out, g.w_out);
+        let dtype = self.dtype();
+        let in_shape = self.shape().to_vec();
+        crate::with_compute!(dtype, C => {
+            let out = self.with_values::<C, _>(|x| avg_pool2d_forward(x, &g, count_include_pad));
+            Ok(Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
+                let dx = dy.with_values::<C, _>(|dy| avg_pool2d_backward(dy, &g, count_include_pad));
+                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
+            }))
+        })
+    }
+
+    /// Adaptive average pooling to `output_size` (PyTorch's `adaptive_avg_pool2d`): output
+    /// row `i` averages input rows `floor(i*H/out) .. ceil((i+1)*H/out)`, likewise columns.
+    pub fn adaptive_avg_pool2d(&self, output_size: (usize, usize)) -> Result<Tensor> {
+        const OP: &str = "adaptive_avg_pool2d";
+        let (planes, h, w) = planes(OP, self)?;
+        if output_size.0 == 0 || output_size.1 == 0 {
+            return Err(Error::arg(
+                OP,
+                format!(
+                    "output size must be positive; got input {:?}, output size {output_size:?}",
+                    self.shape()
+                ),
+            ));
+        }
+        let shape = pooled_shape(self, output_size.0, output_size.1);
+        let dtype = self.dtype();
+        let in_shape = self.shape().to_vec();
+        crate::with_compute!(dtype, C => {
+            let out = self.with_values::<C, _>(|x| adaptive_avg_pool2d_forward(x, planes, (h, w), output_size));
+            Ok(Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
+                let dx = dy.with_values::<C, _>(|dy| adaptive_avg_pool2d_backward(dy, planes, (h, w), output_size));
+                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
+            }))
+        })
+    }
+}

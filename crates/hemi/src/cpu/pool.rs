@@ -1,0 +1,270 @@
+//! 2-D pooling kernels over plain buffers of planes `[planes, h, w]` (planes = N*C), each
+//! plane pooled independently and in parallel: max (with the argmax kept for backward),
+//! average, and adaptive average, forward and backward. No autograd and no validation here:
+//! `ops/pool.rs` checks the shapes and hands over contiguous buffers in the compute type.
+
+use rayon::prelude::*;
+
+use crate::tensor::Real;
+
+/// Below this many output elements a pooling loop runs on one thread.
+const PAR_MIN: usize = 1 << 14;
+
+/// Shape of a windowed 2-D pool (max or average), PyTorch's semantics without ceil_mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dGeom {
+    pub planes: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+impl Pool2dGeom {
+    pub fn in_plane(&self) -> usize {
+        self.h * self.w
+    }
+    pub fn out_plane(&self) -> usize {
+        self.h_out * self.w_out
+    }
+    /// The window of output (oh, ow) clipped to the input: rows `h0..h1`, cols `w0..w1`,
+    /// and its size including padding (`(h1p - h0p) * (w1p - w0p)`, PyTorch's divisor with
+    /// count_include_pad).
+    #[inline]
+    fn window(&self, oh: usize, ow: usize) -> (usize, usize, usize, usize, usize) {
+        let (hs, he) = clip(oh, self.stride.0, self.padding.0, self.kernel.0, self.h);
+        let (ws, we) = clip(ow, self.stride.1, self.padding.1, self.kernel.1, self.w);
+        let padded = |o: usize, s: usize, p: usize, k: usize, size: usize| {
+            // Start and end of the window in padded coordinates, end clipped to the
+            // padded extent (as PyTorch computes pool_size).
+            let start = o * s;
+            let end = (start + k).min(size + 2 * p);
+            end - start
+        };
+        let count = padded(oh, self.stride.0, self.padding.0, self.kernel.0, self.h)
+            * padded(ow, self.stride.1, self.padding.1, self.kernel.1, self.w);
+        (hs, he, ws, we, count)
+    }
+}
+
+/// Window `[o*s - p, o*s - p + k)` clipped to `[0, size)`.
+#[inline]
+fn clip(o: usize, s: usize, p: usize, k: usize, size: usize) -> (usize, usize) {
+    let start = o * s;
+    (
+        (start.saturating_sub(p)).min(size),
+        (start + k).saturating_sub(p).min(size),
+    )
+}
+
+/// Runs `f(out_plane, in_plane)` for every plane, in parallel when the work is large.
+fn for_each_plane<C: Real, T: Send>(
+    out: &mut [T],
+    out_plane: usize,
+    inp: &[C],
+    in_plane: usize,
+    f: impl Fn(&mut [T], &[C]) + Sync,
+) {
+    if out_plane == 0 || in_plane == 0 || out.is_empty() {
+        return;
+    }
+    if out.len() < PAR_MIN {
+        out.chunks_mut(out_plane)
+            .zip(inp.chunks(in_plane))
+            .for_each(|(o, i)| f(o, i));
+    } else {
+        out.par_chunks_mut(out_plane)
+            .zip(inp.par_chunks(in_plane))
+            .for_each(|(o, i)| f(o, i));
+    }
+}
+
+/// Max pooling with padding as -inf: returns the maxima and, for each, its flat index
+/// `h*W + w` in its plane. The first maximum in row-major window order wins ties; a NaN
+/// wins over everything (PyTorch's rule, so NaN propagates).
+pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<i64>) {
+    let n = g.planes * g.out_plane();
+    let mut out = vec![C::zero(); n];
+    let mut idx = vec![0i64; n];
+    let (n_out, n_in) = (g.out_plane(), g.in_plane());
+    if n == 0 || n_in == 0 {
+        return (out, idx);
+    }
+    let body = |((o, ix), plane): ((&mut [C], &mut [i64]), &[C])| {
+        for oh in 0..g.h_out {
+            for ow in 0..g.w_out {
+                let (hs, he, ws, we, _) = g.window(oh, ow);
+                let mut best = C::neg_infinity();
+                let mut at = hs * g.w + ws;
+                for ih in hs..he {
+                    let row = &plane[ih * g.w..(ih + 1) * g.w];
+                    for (iw, &v) in row.iter().enumerate().take(we).skip(ws) {
+                        if v > best || v.is_nan() {
+                            best = v;
+                            at = ih * g.w + iw;
+                        }
+                    }
+                }
+                o[oh * g.w_out + ow] = best;
+                ix[oh * g.w_out + ow] = at as i64;
+            }
+        }
+    };
+    if n < PAR_MIN {
+        out.chunks_mut(n_out)
+            .zip(idx.chunks_mut(n_out))
+            .zip(x.chunks(n_in))
+            .for_each(body);
+    } else {
+        out.par_chunks_mut(n_out)
+            .zip(idx.par_chunks_mut(n_out))
+            .zip(x.par_chunks(n_in))
+            .for_each(body);
+    }
+    (out, idx)
+}
+
+/// Max pooling backward: each output gradient goes to its argmax (overlapping windows add).
+pub fn max_pool2d_backward<C: Real>(dy: &[C], idx: &[i64], g: &Pool2dGeom) -> Vec<C> {
+    let mut dx = vec![C::zero(); g.planes * g.in_plane()];
+    let n_out = g.out_plane();
+    if n_out == 0 {
+        return dx;
+    }
+    let body = |(p, dxp): (usize, &mut [C])| {
+        let (d, i) = (
+            &dy[p * n_out..(p + 1) * n_out],
+            &idx[p * n_out..(p + 1) * n_out],
+        );
+        for (&d, &i) in d.iter().zip(i) {
+            dxp[i as usize] += d;
+        }
+    };
+    if dx.len() < PAR_MIN {
+        dx.chunks_mut(g.in_plane()).enumerate().for_each(body);
+    } else {
+        dx.par_chunks_mut(g.in_plane()).enumerate().for_each(body);
+    }
+    dx
+}
+
+/// The divisor of output (oh, ow): the window size with or without its padded part.
+#[inline]
+fn avg_divisor(
+    hs: usize,
+    he: usize,
+    ws: usize,
+    we: usize,
+    padded: usize,
+    include_pad: bool,
+) -> usize {
+    if include_pad {
+        padded
+    } else {
+        (he - hs) * (we - ws)
+    }
+}
+
+/// Average pooling (padding counts as zeros; the divisor includes it when
+/// `count_include_pad`, PyTorch's default).
+pub fn avg_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom, count_include_pad: bool) -> Vec<C> {
+    let mut out = vec![C::zero(); g.planes * g.out_plane()];
+    for_each_plane(&mut out, g.out_plane(), x, g.in_plane(), |o, plane| {
+        for oh in 0..g.h_out {
+            for ow in 0..g.w_out {
+                let (hs, he, ws, we, padded) = g.window(oh, ow);
+                let mut s = C::zero();
+                for ih in hs..he {
+                    for &v in &plane[ih * g.w + ws..ih * g.w + we] {
+                        s += v;
+                    }
+                }
+                let div = avg_divisor(hs, he, ws, we, padded, count_include_pad);
+                o[oh * g.w_out + ow] = s / C::from_f64(div as f64);
+            }
+        }
+    });
+    out
+}
+
+/// Average pooling backward: each output gradient spreads evenly over its window.
+pub fn avg_pool2d_backward<C: Real>(dy: &[C], g: &Pool2dGeom, count_include_pad: bool) -> Vec<C> {
+    let mut dx = vec![C::zero(); g.planes * g.in_plane()];
+    // Each plane of dx is written from the matching plane of dy: iterate dx planes.
+    for_each_plane(&mut dx, g.in_plane(), dy, g.out_plane(), |dxp, dyp| {
+        for oh in 0..g.h_out {
+            for ow in 0..g.w_out {
+                let (hs, he, ws, we, padded) = g.window(oh, ow);
+                let div = avg_divisor(hs, he, ws, we, padded, count_include_pad);
+                let d = dyp[oh * g.w_out + ow] / C::from_f64(div as f64);
+                for ih in hs..he {
+                    for v in &mut dxp[ih * g.w + ws..ih * g.w + we] {
+                        *v += d;
+                    }
+                }
+            }
+        }
+    });
+    dx
+}
+
+/// Adaptive pooling window `i` of `out` over `size`: PyTorch's
+/// `[floor(i*size/out), ceil((i+1)*size/out))`.
+#[inline]
+pub fn adaptive_window(i: usize, out: usize, size: usize) -> (usize, usize) {
+    (i * size / out, ((i + 1) * size).div_ceil(out))
+}
+
+/// Adaptive average pooling of `[planes, h, w]` to `[planes, h_out, w_out]`.
+pub fn adaptive_avg_pool2d_forward<C: Real>(
+    x: &[C],
+    planes: usize,
+    (h, w): (usize, usize),
+    (h_out, w_out): (usize, usize),
+) -> Vec<C> {
+    let mut out = vec![C::zero(); planes * h_out * w_out];
+    for_each_plane(&mut out, h_out * w_out, x, h * w, |o, plane| {
+        for oh in 0..h_out {
+            let (hs, he) = adaptive_window(oh, h_out, h);
+            for ow in 0..w_out {
+                let (ws, we) = adaptive_window(ow, w_out, w);
+                let mut s = C::zero();
+                for ih in hs..he {
+                    for &v in &plane[ih * w + ws..ih * w + we] {
+                        s += v;
+                    }
+                }
+                o[oh * w_out + ow] = s / C::from_f64(((he - hs) * (we - ws)) as f64);
+            }
+        }
+    });
+    out
+}
+
+/// Adaptive average pooling backward.
+pub fn adaptive_avg_pool2d_backward<C: Real>(
+    dy: &[C],
+    planes: usize,
+    (h, w): (usize, usize),
+    (h_out, w_out): (usize, usize),
+) -> Vec<C> {
+    let mut dx = vec![C::zero(); planes * h * w];
+    for_each_plane(&mut dx, h * w, dy, h_out * w_out, |dxp, dyp| {
+        for oh in 0..h_out {
+            let (hs, he) = adaptive_window(oh, h_out, h);
+            for ow in 0..w_out {
+                let (ws, we) = adaptive_window(ow, w_out, w);
+                let d = dyp[oh * w_out + ow] / C::from_f64(((he - hs) * (we - ws)) as f64);
+                for ih in hs..he {
+                    for v in &mut dxp[ih * w + ws..ih * w + we] {
+                        *v += d;
+                    }
+                }
+            }
+        }
+    });
+    dx
+}
