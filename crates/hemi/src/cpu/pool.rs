@@ -95,18 +95,25 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<i64>
     }
     let body = |((o, ix), plane): ((&mut [C], &mut [i64]), &[C])| {
         for oh in 0..g.h_out {
+            let (hs, he) = clip(oh, g.stride.0, g.padding.0, g.kernel.0, g.h);
             for ow in 0..g.w_out {
-                let (hs, he, ws, we, _) = g.window(oh, ow);
+                let (ws, we) = clip(ow, g.stride.1, g.padding.1, g.kernel.1, g.w);
                 let mut best = C::neg_infinity();
                 let mut at = hs * g.w + ws;
+                let mut nan_at = usize::MAX;
                 for ih in hs..he {
-                    let row = &plane[ih * g.w..(ih + 1) * g.w];
-                    for (iw, &v) in row.iter().enumerate().take(we).skip(ws) {
-                        if v > best || v.is_nan() {
-                            best = v;
-                            at = ih * g.w + iw;
-                        }
+                    let base = ih * g.w + ws;
+                    for (j, &v) in plane[base..ih * g.w + we].iter().enumerate() {
+                        // Branch-free: where the max sits is data, and a mispredicted
+                        // branch per element costs more than the compares.
+                        at = select(v > best, base + j, at);
+                        nan_at = select(v.is_nan(), base + j, nan_at);
+                        best = best.max(v);
                     }
+                }
+                // A NaN wins, the last one as in PyTorch (each NaN replaces the max).
+                if nan_at != usize::MAX {
+                    (best, at) = (C::nan(), nan_at);
                 }
                 o[oh * g.w_out + ow] = best;
                 ix[oh * g.w_out + ow] = at as i64;
@@ -125,6 +132,13 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<i64>
             .for_each(body);
     }
     (out, idx)
+}
+
+/// `if c { a } else { b }` without a branch.
+#[inline]
+fn select(c: bool, a: usize, b: usize) -> usize {
+    let m = (c as usize).wrapping_neg();
+    (a & m) | (b & !m)
 }
 
 /// Max pooling backward: each output gradient goes to its argmax (overlapping windows add).
