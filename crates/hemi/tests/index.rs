@@ -110,7 +110,7 @@ fn cat_forward(dtype: DType) {
         }
         let refs: Vec<&Tensor> = parts.iter().map(|(t, _)| t).collect();
         let out = Tensor::cat(&refs, dim).unwrap();
-        let mut out_shape = vec![2usize, 3, 4];
+        let mut out_shape = [2usize, 3, 4];
         out_shape[d] = lens.iter().sum();
         assert_eq!(out.shape(), &out_shape[..]);
         assert_eq!(out.dtype(), dtype);
@@ -211,9 +211,11 @@ fn index_gradients() {
         (-1, vec![1, 1]),
     ] {
         let it = ids(&idx, &[idx.len()]);
-        gradcheck(&format!("index_select dim {dim}"), &[x.clone()], |t| {
-            t[0].index_select(dim, &it)
-        });
+        gradcheck(
+            &format!("index_select dim {dim}"),
+            std::slice::from_ref(&x),
+            |t| t[0].index_select(dim, &it),
+        );
     }
     let a = grad_input(&[2, 3], &mut rng);
     let b = grad_input(&[2, 1], &mut rng);

@@ -294,7 +294,7 @@ fn batch_norm_gradients() {
         );
         gradcheck(
             &format!("batch_norm train no affine {shape:?}"),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             |t| t[0].batch_norm(None, None, None, None, true, 0.1, 1e-5),
         );
         // Eval: the running stats are constants; rebuilt per call so nothing mutates.
@@ -356,6 +356,29 @@ fn batch_norm_errors() {
         i.batch_norm(None, None, None, None, true, 0.1, 1e-5),
         Err(Error::DType { .. })
     ));
+}
+
+#[test]
+fn long_f16_statistics_accumulate_in_f32() {
+    // 4096 values alternating 1 and 1 + 2^-10: mean 1 + 2^-11, variance 2^-22, so with
+    // eps = 0 every output is exactly ±1 when the sums are F32 (all partial sums are exact
+    // there). An F16 accumulator would stall at 2048 and get the mean, hence everything,
+    // wrong.
+    let n = 4096;
+    let v: Vec<f64> = (0..n)
+        .map(|i| if i % 2 == 0 { 1.0 } else { 1.0 + 1.0 / 1024.0 })
+        .collect();
+    let want: Vec<f64> = (0..n)
+        .map(|i| if i % 2 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    let x = Tensor::from_f64_vec(v.clone(), &[n, 1], DType::F16).unwrap();
+    let bn = x
+        .batch_norm(None, None, None, None, true, 0.1, 0.0)
+        .unwrap();
+    assert_eq!(bn.to_vec_f64(), want, "batch_norm");
+    let x = Tensor::from_f64_vec(v, &[1, n], DType::F16).unwrap();
+    let ln = x.layer_norm(&[n], None, None, 0.0).unwrap();
+    assert_eq!(ln.to_vec_f64(), want, "layer_norm");
 }
 
 // ----- layer norm ---------------------------------------------------------------------------
@@ -542,7 +565,7 @@ fn dropout_gradient() {
     let mut rng = Generator::new(34);
     let gen = Generator::new(77);
     let x = grad_input(&[6, 7], &mut rng);
-    gradcheck("dropout", &[x.clone()], |t| {
+    gradcheck("dropout", std::slice::from_ref(&x), |t| {
         t[0].dropout(0.4, true, &mut gen.clone())
     });
     // The backward applies the mask and scale: d(sum y)/dx = mask / (1 - p).

@@ -422,7 +422,7 @@ impl Tensor {
         check_param(OP, "weight", weight, normalized_shape, self)?;
         check_param(OP, "bias", bias, normalized_shape, self)?;
         let d: usize = normalized_shape.iter().product();
-        let rows = if d == 0 { 0 } else { self.numel() / d };
+        let rows = self.numel().checked_div(d).unwrap_or(0);
         let dtype = self.dtype();
         crate::with_compute!(dtype, C => {
             let x = self.values::<C>();
