@@ -3,13 +3,17 @@
 //! Layers, bottom to top (each uses only the ones below it): `dtype` (types, finfo,
 //! conversions), `cpu` (kernels), `tensor` and `ops` (the tensor handle, views and op entry
 //! points), `autograd` (the backward graph);
-//! above them `optim` (optimizers) and `data` (datasets and the loader). See DESIGN.md for the precision contract.
+//! above them `nn` (layers), `optim` (optimizers), `data` (datasets and the loader),
+//! `io` (safetensors checkpoints) and `models` (CifarNet, MLP). See DESIGN.md for the precision contract.
 
 pub mod autograd;
 pub mod cpu;
 pub mod data;
 pub mod dtype;
 pub mod error;
+pub mod io;
+pub mod models;
+pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod rng;

@@ -1,0 +1,118 @@
+//! Files: tensors in safetensors format (PyTorch's names and layouts, so that
+//! `safetensors.torch.load_file` + `load_state_dict` read hemi checkpoints), written
+//! atomically (temporary file, fsync, rename) so a crash never leaves a broken file.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{CpuStorage, Tensor};
+
+fn io_err(path: &Path, source: std::io::Error) -> Error {
+    Error::Io { path: path.display().to_string(), source }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it is written, flushed to
+/// disk, and renamed over `path`; the directory is synced so the rename is durable.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
+    let name = path.file_name().ok_or_else(|| Error::Msg(format!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        // Make the rename itself durable.
+        if let Ok(d) = fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    };
+    write().map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        io_err(path, e)
+    })
+}
+
+fn st_dtype(d: DType) -> StDtype {
+    match d {
+        DType::F16 => StDtype::F16,
+        DType::BF16 => StDtype::BF16,
+        DType::F32 => StDtype::F32,
+        DType::F64 => StDtype::F64,
+        DType::I64 => StDtype::I64,
+    }
+}
+
+/// Little-endian bytes of a tensor's elements in row-major order.
+fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    match t.storage().gather(t.layout()) {
+        CpuStorage::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        CpuStorage::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        CpuStorage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        CpuStorage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        CpuStorage::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Serialises named tensors (and string metadata) to safetensors bytes.
+pub fn to_safetensors_bytes(tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, t)| tensor_bytes(t)).collect();
+    let mut views = Vec::with_capacity(tensors.len());
+    for ((name, t), b) in tensors.iter().zip(&bytes) {
+        let view = TensorView::new(st_dtype(t.dtype()), t.shape().to_vec(), b)
+            .map_err(|e| Error::Msg(format!("safetensors: {name}: {e}")))?;
+        views.push((name.clone(), view));
+    }
+    safetensors::serialize(views, metadata).map_err(|e| Error::Msg(format!("safetensors: {e}")))
+}
+
+/// Saves named tensors to `path` in safetensors format, atomically.
+pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<()> {
+    atomic_write(path, &to_safetensors_bytes(tensors, metadata)?)
+}
+
+/// Parses safetensors bytes into named tensors, in file order; `what` names the source
+/// in errors.
+pub fn from_safetensors_bytes(what: &str, data: &[u8]) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+    let bad = |msg: String| Error::Data { path: what.to_string(), msg };
+    let (_, meta) = SafeTensors::read_metadata(data).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(data).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let mut out = Vec::new();
+    // Keep the order of the file (offsets), which is the order tensors were written in.
+    let mut entries: Vec<(String, TensorView<'_>)> = st.tensors();
+    entries.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+    for (name, view) in entries {
+        let shape = view.shape().to_vec();
+        let b = view.data();
+        let storage = match view.dtype() {
+            StDtype::F16 => CpuStorage::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+            StDtype::BF16 => CpuStorage::BF16(b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
+            StDtype::F32 => CpuStorage::F32(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
+            StDtype::F64 => CpuStorage::F64(b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()),
+            StDtype::I64 => CpuStorage::I64(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
+            other => return Err(bad(format!("tensor {name}: dtype {other:?} is not supported by hemi"))),
+        };
+        let n: usize = shape.iter().product();
+        if storage.len() != n {
+            return Err(bad(format!("tensor {name}: {} values for shape {shape:?}", storage.len())));
+        }
+        out.push((name, Tensor::from_storage(std::sync::Arc::new(storage), crate::tensor::Layout::contiguous(&shape))));
+    }
+    Ok((out, meta.metadata().clone().unwrap_or_default()))
+}
+
+/// Loads named tensors (and metadata) from a safetensors file.
+pub fn load_safetensors(path: &Path) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+    let data = fs::read(path).map_err(|e| io_err(path, e))?;
+    from_safetensors_bytes(&path.display().to_string(), &data)
+}

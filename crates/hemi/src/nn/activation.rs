@@ -1,0 +1,60 @@
+//! Activations, Flatten and Dropout.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use super::pool::stateless;
+use super::{Kind, Module, Slot};
+use crate::error::{Error, Result};
+use crate::rng::Generator;
+use crate::tensor::Tensor;
+
+/// `max(x, 0)`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Relu;
+
+/// GELU, exact (erf) form, or the tanh approximation.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gelu {
+    pub tanh_approximation: bool,
+}
+
+/// Flattens dims `1..` (PyTorch's `nn.Flatten()` default start_dim=1).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Flatten;
+
+stateless!(Relu, |_s, x| x.relu());
+stateless!(Gelu, |s, x| if s.tanh_approximation { x.gelu_tanh() } else { x.gelu() });
+stateless!(Flatten, |_s, x| x.flatten(1, -1));
+
+/// Inverted dropout with probability `p`, drawing masks from its own seeded generator.
+pub struct Dropout {
+    pub p: f64,
+    rng: Mutex<Generator>,
+    training: AtomicBool,
+}
+
+impl Dropout {
+    pub fn new(p: f64, seed: u64) -> Result<Self> {
+        if !(0.0..=1.0).contains(&p) {
+            return Err(Error::arg("Dropout", format!("p must be in [0, 1], got {p}")));
+        }
+        Ok(Dropout { p, rng: Mutex::new(Generator::new(seed)), training: AtomicBool::new(true) })
+    }
+}
+
+impl Module for Dropout {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut rng = self.rng.lock().map_err(|_| Error::Msg("Dropout: generator lock poisoned".into()))?;
+        x.dropout(self.p, self.training.load(Ordering::Relaxed), &mut rng)
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        Vec::new()
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        Vec::new()
+    }
+}

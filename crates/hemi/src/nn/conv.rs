@@ -1,0 +1,57 @@
+//! The Conv2d layer.
+
+use super::{init, param, Kind, Module, Slot};
+use crate::error::{Error, Result};
+use crate::ops::conv::Conv2dOptions;
+use crate::rng::Generator;
+use crate::tensor::Tensor;
+
+/// PyTorch's `nn.Conv2d`: weight [out, in/groups, kh, kw], bias [out].
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub opts: Conv2dOptions,
+}
+
+impl Conv2d {
+    pub fn new(
+        in_channels: usize,
+        out_channels: usize,
+        kernel: (usize, usize),
+        opts: Conv2dOptions,
+        bias: bool,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        if opts.groups == 0 || in_channels % opts.groups != 0 || out_channels % opts.groups != 0 {
+            return Err(Error::arg(
+                "Conv2d",
+                format!("groups {} must divide in {in_channels} and out {out_channels} channels", opts.groups),
+            ));
+        }
+        let fan_in = in_channels / opts.groups * kernel.0 * kernel.1;
+        let shape = [out_channels, in_channels / opts.groups, kernel.0, kernel.1];
+        let weight = param(init::kaiming_uniform_default(&shape, fan_in, rng)?)?;
+        let bias = if bias { Some(param(init::bias_uniform(out_channels, fan_in, rng)?)?) } else { None };
+        Ok(Conv2d { weight, bias, opts })
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.conv2d(&self.weight, self.bias.as_ref(), self.opts)
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        let mut v = vec![("weight".to_string(), &self.weight, Kind::Parameter, false)];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b, Kind::Parameter, false));
+        }
+        v
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        let mut v = vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }];
+        if let Some(b) = &mut self.bias {
+            v.push(Slot { name: "bias".into(), tensor: b, kind: Kind::Parameter, is_norm: false });
+        }
+        v
+    }
+}

@@ -1,0 +1,69 @@
+//! Linear (fully connected) and Embedding layers.
+
+use super::{init, param, Kind, Module, Slot};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::rng::Generator;
+use crate::tensor::Tensor;
+
+/// `y = x Wᵀ + b` with `weight` [out, in] and `bias` [out], PyTorch's `nn.Linear`.
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &mut Generator) -> Result<Self> {
+        let weight = param(init::kaiming_uniform_default(&[out_features, in_features], in_features, rng)?)?;
+        let bias = if bias { Some(param(init::bias_uniform(out_features, in_features, rng)?)?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        let mut v = vec![("weight".to_string(), &self.weight, Kind::Parameter, false)];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b, Kind::Parameter, false));
+        }
+        v
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        let mut v = vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }];
+        if let Some(b) = &mut self.bias {
+            v.push(Slot { name: "bias".into(), tensor: b, kind: Kind::Parameter, is_norm: false });
+        }
+        v
+    }
+}
+
+/// A lookup table of `num_embeddings` vectors of size `dim`, initialised N(0, 1) as
+/// PyTorch's `nn.Embedding`.
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    pub fn new(num_embeddings: usize, dim: usize, rng: &mut Generator) -> Result<Self> {
+        if num_embeddings == 0 || dim == 0 {
+            return Err(Error::arg("Embedding", "sizes must be > 0"));
+        }
+        Ok(Embedding { weight: param(Tensor::randn(&[num_embeddings, dim], 0.0, 1.0, DType::F32, rng)?)? })
+    }
+}
+
+impl Module for Embedding {
+    /// `x` holds I64 ids of any shape.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Tensor::embedding(&self.weight, x)
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        vec![("weight".to_string(), &self.weight, Kind::Parameter, false)]
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }]
+    }
+}

@@ -1,0 +1,159 @@
+//! Layers. A `Module` computes `forward` and lists its tensors (parameters and buffers) in
+//! PyTorch's `state_dict` order and naming, so checkpoints load into the same PyTorch model.
+//!
+//! Parameters are autograd leaves owned by their layer; an optimizer holds clones of the
+//! same handles and updates them in place. Casting a model (`to_dtype`) makes new leaves,
+//! so cast before building the optimizer, as in PyTorch.
+
+mod activation;
+mod conv;
+pub mod init;
+mod linear;
+mod loss;
+mod norm;
+mod pool;
+mod sequential;
+
+pub use activation::{Dropout, Flatten, Gelu, Relu};
+pub use conv::Conv2d;
+pub use linear::{Embedding, Linear};
+pub use loss::{CrossEntropyLoss, MseLoss, NllLoss};
+pub use norm::{BatchNorm2d, LayerNorm};
+pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
+pub use sequential::Sequential;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What a named tensor of a module is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Trained by the optimizer (requires grad).
+    Parameter,
+    /// State that is saved but not trained (running statistics, counters).
+    Buffer,
+}
+
+/// A named tensor of a module, mutable (for casts and loading).
+pub struct Slot<'a> {
+    pub name: String,
+    pub tensor: &'a mut Tensor,
+    pub kind: Kind,
+    /// Belongs to a normalisation layer (kept in F32 by mixed-precision presets).
+    pub is_norm: bool,
+}
+
+/// A layer or a network of layers.
+pub trait Module: Send {
+    /// Applies the module.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// The module's tensors in `state_dict` order: (name, tensor, kind, is_norm).
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)>;
+
+    /// The same tensors, mutable.
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>>;
+
+    /// Switches train/eval behaviour (dropout, batch-norm statistics). Default: no-op.
+    fn set_training(&mut self, _training: bool) {}
+
+    /// Trainable parameters with their names, in `state_dict` order.
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.tensors()
+            .into_iter()
+            .filter(|t| t.2 == Kind::Parameter)
+            .map(|(n, t, _, _)| (n, t.clone()))
+            .collect()
+    }
+
+    /// Trainable parameters, in `state_dict` order.
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+
+    /// Every saved tensor (parameters and buffers), detached, in `state_dict` order.
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        self.tensors()
+            .into_iter()
+            .map(|(n, t, _, _)| (n, t.detach()))
+            .collect()
+    }
+
+    /// Loads values by name into the existing tensors (in place, so optimizers holding
+    /// the parameters keep working). Every name must be present with the same shape
+    /// (PyTorch's `strict=True`); values are cast to each tensor's dtype.
+    fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let mut slots = self.tensors_mut();
+        for slot in &slots {
+            if !state.iter().any(|(n, _)| *n == slot.name) {
+                return Err(Error::Msg(format!("load_state_dict: missing key {:?}", slot.name)));
+            }
+        }
+        for (name, value) in state {
+            let Some(slot) = slots.iter_mut().find(|s| s.name == *name) else {
+                return Err(Error::Msg(format!("load_state_dict: unexpected key {name:?}")));
+            };
+            if value.shape() != slot.tensor.shape() {
+                return Err(Error::shape(
+                    "load_state_dict",
+                    format!("{name}: checkpoint has {:?}, model has {:?}", value.shape(), slot.tensor.shape()),
+                ));
+            }
+            slot.tensor.set_data(&value.detach().to_dtype(slot.tensor.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// Casts every float tensor to `dtype` (PyTorch's `model.half()` / `.bfloat16()`);
+    /// with `keep_norms_f32`, normalisation layers' tensors stay F32 (apex O2). Integer
+    /// buffers are untouched. Parameters become new leaves: build optimizers afterwards.
+    fn to_dtype(&mut self, dtype: DType, keep_norms_f32: bool) -> Result<()> {
+        if !dtype.is_float() {
+            return Err(Error::dtype("to_dtype", dtype, "models cast to float dtypes only"));
+        }
+        for slot in self.tensors_mut() {
+            if !slot.tensor.dtype().is_float() {
+                continue;
+            }
+            let target = if keep_norms_f32 && slot.is_norm { DType::F32 } else { dtype };
+            let cast = slot.tensor.detach().to_dtype(target)?.contiguous()?;
+            let fresh = Tensor::from_storage(cast.storage(), cast.layout().clone());
+            if slot.kind == Kind::Parameter {
+                fresh.set_requires_grad(true)?;
+            }
+            *slot.tensor = fresh;
+        }
+        Ok(())
+    }
+
+    /// Clears the gradients of all parameters.
+    fn zero_grad(&self) {
+        for p in self.parameters() {
+            p.zero_grad();
+        }
+    }
+
+    /// Number of trainable scalars.
+    fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(|p| p.numel()).sum()
+    }
+}
+
+/// Prefixes child tensor names with `prefix.` (for containers and composite models).
+pub fn prefixed<'a>(prefix: &str, v: Vec<(String, &'a Tensor, Kind, bool)>) -> Vec<(String, &'a Tensor, Kind, bool)> {
+    v.into_iter().map(|(n, t, k, norm)| (format!("{prefix}.{n}"), t, k, norm)).collect()
+}
+
+/// Prefixes child slot names with `prefix.`.
+pub fn prefixed_mut<'a>(prefix: &str, v: Vec<Slot<'a>>) -> Vec<Slot<'a>> {
+    v.into_iter()
+        .map(|s| Slot { name: format!("{prefix}.{}", s.name), ..s })
+        .collect()
+}
+
+/// A parameter leaf.
+pub(crate) fn param(t: Tensor) -> Result<Tensor> {
+    t.set_requires_grad(true)?;
+    Ok(t)
+}

@@ -1,0 +1,120 @@
+//! BatchNorm2d and LayerNorm layers. Their tensors are marked `is_norm`: mixed-precision
+//! presets keep them in F32.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::{param, Kind, Module, Slot};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// PyTorch's `nn.BatchNorm2d(num_features, eps=1e-5, momentum=0.1, affine=True,
+/// track_running_stats=True)`; state_dict: weight, bias, running_mean, running_var,
+/// num_batches_tracked.
+pub struct BatchNorm2d {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub running_mean: Tensor,
+    pub running_var: Tensor,
+    pub num_batches_tracked: Tensor,
+    pub eps: f64,
+    pub momentum: f64,
+    training: AtomicBool,
+}
+
+impl BatchNorm2d {
+    pub fn new(num_features: usize) -> Result<Self> {
+        Ok(BatchNorm2d {
+            weight: param(Tensor::ones(&[num_features], DType::F32)?)?,
+            bias: param(Tensor::zeros(&[num_features], DType::F32)?)?,
+            running_mean: Tensor::zeros(&[num_features], DType::F32)?,
+            running_var: Tensor::ones(&[num_features], DType::F32)?,
+            num_batches_tracked: Tensor::zeros(&[], DType::I64)?,
+            eps: 1e-5,
+            momentum: 0.1,
+            training: AtomicBool::new(true),
+        })
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let training = self.training.load(Ordering::Relaxed);
+        if training {
+            let n = self.num_batches_tracked.to_vec_i64()[0];
+            self.num_batches_tracked.set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
+        }
+        x.batch_norm(
+            Some(&self.running_mean),
+            Some(&self.running_var),
+            Some(&self.weight),
+            Some(&self.bias),
+            training,
+            self.momentum,
+            self.eps,
+        )
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        vec![
+            ("weight".into(), &self.weight, Kind::Parameter, true),
+            ("bias".into(), &self.bias, Kind::Parameter, true),
+            ("running_mean".into(), &self.running_mean, Kind::Buffer, true),
+            ("running_var".into(), &self.running_var, Kind::Buffer, true),
+            ("num_batches_tracked".into(), &self.num_batches_tracked, Kind::Buffer, true),
+        ]
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        vec![
+            Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: true },
+            Slot { name: "bias".into(), tensor: &mut self.bias, kind: Kind::Parameter, is_norm: true },
+            Slot { name: "running_mean".into(), tensor: &mut self.running_mean, kind: Kind::Buffer, is_norm: true },
+            Slot { name: "running_var".into(), tensor: &mut self.running_var, kind: Kind::Buffer, is_norm: true },
+            Slot {
+                name: "num_batches_tracked".into(),
+                tensor: &mut self.num_batches_tracked,
+                kind: Kind::Buffer,
+                is_norm: true,
+            },
+        ]
+    }
+}
+
+/// PyTorch's `nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True)`.
+pub struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub normalized_shape: Vec<usize>,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    pub fn new(normalized_shape: &[usize]) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: param(Tensor::ones(normalized_shape, DType::F32)?)?,
+            bias: param(Tensor::zeros(normalized_shape, DType::F32)?)?,
+            normalized_shape: normalized_shape.to_vec(),
+            eps: 1e-5,
+        })
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.layer_norm(&self.normalized_shape, Some(&self.weight), Some(&self.bias), self.eps)
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        vec![
+            ("weight".into(), &self.weight, Kind::Parameter, true),
+            ("bias".into(), &self.bias, Kind::Parameter, true),
+        ]
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        vec![
+            Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: true },
+            Slot { name: "bias".into(), tensor: &mut self.bias, kind: Kind::Parameter, is_norm: true },
+        ]
+    }
+}

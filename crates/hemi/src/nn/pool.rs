@@ -1,0 +1,63 @@
+//! Pooling layers (no tensors of their own).
+
+use super::{Kind, Module, Slot};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// PyTorch's `nn.MaxPool2d(kernel, stride=kernel, padding=0)`.
+#[derive(Clone, Copy, Debug)]
+pub struct MaxPool2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+}
+
+impl MaxPool2d {
+    /// Square kernel `k` with stride `k`, as `nn.MaxPool2d(k)`.
+    pub fn new(k: usize) -> Self {
+        MaxPool2d { kernel: (k, k), stride: (k, k), padding: (0, 0) }
+    }
+}
+
+/// PyTorch's `nn.AvgPool2d(kernel, stride=kernel, padding=0, count_include_pad=True)`.
+#[derive(Clone, Copy, Debug)]
+pub struct AvgPool2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub count_include_pad: bool,
+}
+
+impl AvgPool2d {
+    pub fn new(k: usize) -> Self {
+        AvgPool2d { kernel: (k, k), stride: (k, k), padding: (0, 0), count_include_pad: true }
+    }
+}
+
+/// PyTorch's `nn.AdaptiveAvgPool2d(output_size)`.
+#[derive(Clone, Copy, Debug)]
+pub struct AdaptiveAvgPool2d {
+    pub output_size: (usize, usize),
+}
+
+macro_rules! stateless {
+    ($t:ty, |$s:ident, $x:ident| $body:expr) => {
+        impl Module for $t {
+            fn forward(&self, $x: &Tensor) -> Result<Tensor> {
+                let $s = self;
+                $body
+            }
+            fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+                Vec::new()
+            }
+            fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+                Vec::new()
+            }
+        }
+    };
+}
+pub(crate) use stateless;
+
+stateless!(MaxPool2d, |s, x| x.max_pool2d(s.kernel, s.stride, s.padding));
+stateless!(AvgPool2d, |s, x| x.avg_pool2d(s.kernel, s.stride, s.padding, s.count_include_pad));
+stateless!(AdaptiveAvgPool2d, |s, x| x.adaptive_avg_pool2d(s.output_size));

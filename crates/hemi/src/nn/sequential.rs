@@ -1,0 +1,51 @@
+//! Sequential: layers applied in order, named "0", "1", ... as PyTorch's `nn.Sequential`.
+
+use super::{prefixed, prefixed_mut, Kind, Module, Slot};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+#[derive(Default)]
+pub struct Sequential {
+    layers: Vec<Box<dyn Module>>,
+}
+
+impl Sequential {
+    pub fn new() -> Self {
+        Sequential::default()
+    }
+    /// Appends a layer (builder style).
+    #[allow(clippy::should_implement_trait)]
+    pub fn add(mut self, layer: impl Module + 'static) -> Self {
+        self.layers.push(Box::new(layer));
+        self
+    }
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+impl Module for Sequential {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.clone();
+        for l in &self.layers {
+            h = l.forward(&h)?;
+        }
+        Ok(h)
+    }
+    fn set_training(&mut self, training: bool) {
+        self.layers.iter_mut().for_each(|l| l.set_training(training));
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        self.layers.iter().enumerate().flat_map(|(i, l)| prefixed(&i.to_string(), l.tensors())).collect()
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(i, l)| prefixed_mut(&i.to_string(), l.tensors_mut()))
+            .collect()
+    }
+}
