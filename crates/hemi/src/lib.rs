@@ -18,6 +18,7 @@ pub mod ops;
 pub mod optim;
 pub mod rng;
 pub mod tensor;
+pub mod train;
 
 pub use autograd::{no_grad, NoGradGuard};
 pub use dtype::{DType, FInfo};

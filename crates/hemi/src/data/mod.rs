@@ -1,1 +1,31 @@
 //! Data sets, transforms and the DataLoader.
+//!
+//! Sources, each a `Dataset` of `u8` images with class labels:
+//! - `Cifar10`: CIFAR-10's official binary batches (`cifar10.rs`);
+//! - `ImageFolder`: torchvision-style `root/<class>/*.jpg|png` folders (`image_folder.rs`);
+//! - `MnistKind`: MNIST and Fashion-MNIST IDX files, raw or gzipped (`idx.rs`);
+//! - `Synthetic`: a seeded 10-class set of 32x32 RGB images for running offline
+//!   (`synthetic.rs`).
+//!
+//! `Transform` (`transforms.rs`) augments a sample and converts it to float; `DataLoader`
+//! (`loader.rs`) turns a data set into shuffled, transformed `[B, C, H, W]` F32 batches on
+//! worker threads. Malformed files are `Error::Data` naming the file and what is wrong.
+
+mod cifar10;
+mod dataset;
+mod idx;
+mod image_folder;
+mod loader;
+mod synthetic;
+mod transforms;
+
+pub use cifar10::{Cifar10, CIFAR10_CLASSES};
+pub use dataset::{Dataset, Image, InMemoryDataset, Sample, Split};
+pub use idx::{
+    load_idx, read_idx_images, read_idx_labels, IdxImages, MnistKind, IDX_IMAGES_MAGIC,
+    IDX_LABELS_MAGIC,
+};
+pub use image_folder::{ImageFolder, IMAGE_EXTENSIONS};
+pub use loader::{Batch, DataLoader, Epoch, LoaderConfig};
+pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
+pub use transforms::{crop_padded, hflip, random_crop, Augment, Transform};
