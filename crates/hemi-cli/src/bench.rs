@@ -1,10 +1,300 @@
-//! `hemi bench`: kernel throughput, medians of repeated runs.
+//! `hemi bench`: kernel throughput, medians of repeated runs after a warm-up, on a rayon
+//! pool of `--threads` threads.
+//!
+//! - `hemi bench matmul [--sizes 256,512,1024]`: GFLOP/s (2·n³ / median seconds) of hemi's
+//!   n×n matmul in F32, F16 and BF16, and of the `gemm` crate called directly on f32
+//!   buffers (the baseline hemi's F32 path should stay within 10% of).
+//! - `hemi bench convert [--n 16777216]`: Gelem/s of hemi's bulk conversions
+//!   (`hemi::dtype::convert`) and of a scalar `half` loop, for F32↔F16 and F32↔BF16.
+//!
+//! `--json` prints one JSON object per measurement and line instead of a table.
 
-use clap::Args;
+use std::hint::black_box;
+use std::time::Instant;
+
+use clap::{Args, Subcommand};
+use half::{bf16, f16};
+use hemi::dtype::convert;
+use hemi::{DType, Error, Generator, Result, Tensor};
 
 #[derive(Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    #[command(subcommand)]
+    which: Which,
+    /// Threads of the rayon pool the timed work runs on.
+    #[arg(long, global = true, default_value_t = 2)]
+    threads: usize,
+    /// Timed repetitions (after one warm-up); the median is reported.
+    #[arg(long, global = true, default_value_t = 10)]
+    reps: usize,
+    /// One JSON object per line instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
 
-pub fn run(_args: BenchArgs) -> hemi::Result<()> {
+#[derive(Subcommand)]
+enum Which {
+    /// n×n matrix products: hemi F32/F16/BF16 and the gemm crate on f32.
+    Matmul {
+        /// Matrix sizes n, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [256, 512, 1024])]
+        sizes: Vec<usize>,
+    },
+    /// Bulk F32<->F16/BF16 conversions: hemi's and a scalar `half` loop.
+    Convert {
+        /// Elements per conversion.
+        #[arg(long, default_value_t = 1 << 24)]
+        n: usize,
+    },
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.threads == 0 || args.reps == 0 {
+        return Err(Error::arg(
+            "bench",
+            "--threads and --reps must be at least 1",
+        ));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.threads)
+        .build()
+        .map_err(|e| Error::Msg(format!("bench: cannot build a thread pool: {e}")))?;
+    match &args.which {
+        Which::Matmul { sizes } => bench_matmul(&args, &pool, sizes),
+        Which::Convert { n } => bench_convert(&args, &pool, *n),
+    }
+}
+
+/// A timed candidate: one run of the work (its result is passed to `black_box`).
+type Job<'a> = Box<dyn FnMut() -> Result<()> + Send + 'a>;
+
+/// Median wall time of each job over `reps` rounds, after one untimed warm-up run each.
+/// Each round runs every job once, in turn, so that a burst of load from other processes
+/// on a shared machine slows all candidates alike instead of one of them.
+fn interleaved_medians(reps: usize, jobs: &mut [Job<'_>]) -> Result<Vec<f64>> {
+    for job in jobs.iter_mut() {
+        job()?;
+    }
+    let mut times = vec![Vec::with_capacity(reps); jobs.len()];
+    for _ in 0..reps {
+        for (job, t) in jobs.iter_mut().zip(&mut times) {
+            let start = Instant::now();
+            job()?;
+            t.push(start.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times.into_iter().map(median).collect())
+}
+
+/// One timed hemi matmul.
+fn product_job<'a>(a: &'a Tensor, b: &'a Tensor) -> Job<'a> {
+    Box::new(move || {
+        black_box(a.matmul(b)?);
+        Ok(())
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        0.5 * (v[mid - 1] + v[mid])
+    }
+}
+
+/// `gemm` on row-major f32 buffers: `dst = a · b`, n×n, with the pool's threads.
+#[rustfmt::skip]
+fn gemm_f32(dst: &mut [f32], a: &[f32], b: &[f32], n: usize, threads: usize) {
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    assert!(dst.len() >= n * n && a.len() >= n * n && b.len() >= n * n);
+    // SAFETY: all three buffers hold n*n elements, row-major (row stride n, column stride 1),
+    // which is all gemm reads and writes.
+    unsafe {
+        gemm::gemm::<f32>(
+            n, n, n,
+            dst.as_mut_ptr(), 1, n as isize, false,
+            a.as_ptr(), 1, n as isize,
+            b.as_ptr(), 1, n as isize,
+            0.0, 1.0, false, false, false, par,
+        );
+    }
+}
+
+fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> Result<()> {
+    let mut rng = Generator::new(0xbe);
+    if !args.json {
+        println!(
+            "matmul n×n: GFLOP/s = 2n³ / median of {} reps, {} threads",
+            args.reps, args.threads
+        );
+        println!(
+            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>12}",
+            "n", "hemi f32", "hemi f16", "hemi bf16", "gemm f32", "f32 / gemm"
+        );
+    }
+    for &n in sizes {
+        let a = Tensor::rand(&[n, n], -1.0, 1.0, DType::F32, &mut rng)?;
+        let b = Tensor::rand(&[n, n], -1.0, 1.0, DType::F32, &mut rng)?;
+        let flop = 2.0 * (n as f64).powi(3);
+        let (a16, b16) = (a.to_dtype(DType::F16)?, b.to_dtype(DType::F16)?);
+        let (ab16, bb16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+        // The baseline runs on plain f32 buffers.
+        let (av, bv) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+        let mut dst = vec![0f32; n * n];
+        let names = [
+            ("hemi", "float32"),
+            ("hemi", "float16"),
+            ("hemi", "bfloat16"),
+            ("gemm", "float32"),
+        ];
+        let secs = {
+            let mut jobs: Vec<Job<'_>> = vec![
+                product_job(&a, &b),
+                product_job(&a16, &b16),
+                product_job(&ab16, &bb16),
+                Box::new(|| {
+                    gemm_f32(&mut dst, &av, &bv, n, args.threads);
+                    black_box(&dst);
+                    Ok(())
+                }),
+            ];
+            pool.install(|| interleaved_medians(args.reps, &mut jobs))?
+        };
+        let gflops: Vec<_> = names
+            .iter()
+            .zip(&secs)
+            .map(|(&(i, d), &s)| (i, d, s))
+            .collect();
+        // hemi's F32 product must be the same product as the baseline's.
+        let ours = pool.install(|| a.matmul(&b))?.to_vec::<f32>()?;
+        let worst = ours
+            .iter()
+            .zip(&dst)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        if worst > 1e-3 * n as f32 {
+            return Err(Error::Msg(format!(
+                "bench matmul: hemi and gemm differ by {worst} at n = {n}"
+            )));
+        }
+
+        let rate = |secs: f64| flop / secs / 1e9;
+        if args.json {
+            for (imp, dt, secs) in &gflops {
+                println!(
+                    "{{\"bench\":\"matmul\",\"impl\":\"{imp}\",\"dtype\":\"{dt}\",\"n\":{n},\
+                     \"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\"gflops\":{:.3}}}",
+                    args.threads,
+                    args.reps,
+                    rate(*secs)
+                );
+            }
+        } else {
+            let r: Vec<f64> = gflops.iter().map(|g| rate(g.2)).collect();
+            println!(
+                "{n:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>11.0}%",
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                100.0 * r[0] / r[3]
+            );
+        }
+    }
+    Ok(())
+}
+
+fn bench_convert(args: &BenchArgs, pool: &rayon::ThreadPool, n: usize) -> Result<()> {
+    let mut rng = Generator::new(0xc0);
+    let src: Vec<f32> = (0..n).map(|_| rng.uniform(-4.0, 4.0) as f32).collect();
+    let src_h: Vec<f16> = src.iter().map(|&x| f16::from_f32(x)).collect();
+    let src_b: Vec<bf16> = src.iter().map(|&x| bf16::from_f32(x)).collect();
+
+    /// hemi's bulk conversion and the scalar `half` loop, interleaved round by round, each
+    /// into its own destination buffer.
+    fn pair<S: Sync, D: Copy + Send>(
+        args: &BenchArgs,
+        pool: &rayon::ThreadPool,
+        src: &[S],
+        zero: D,
+        bulk: impl Fn(&[S], &mut [D]) + Sync,
+        // Generic (not a fn pointer) so that the loop inlines and vectorises as it would
+        // in user code.
+        scalar: impl Fn(&S) -> D + Sync,
+    ) -> Result<(f64, f64)> {
+        let (mut d1, mut d2) = (vec![zero; src.len()], vec![zero; src.len()]);
+        let mut jobs: Vec<Job<'_>> = vec![
+            Box::new(|| {
+                bulk(src, &mut d1);
+                black_box(&d1);
+                Ok(())
+            }),
+            Box::new(|| {
+                for (d, s) in d2.iter_mut().zip(src) {
+                    *d = scalar(s);
+                }
+                black_box(&d2);
+                Ok(())
+            }),
+        ];
+        let t = pool.install(|| interleaved_medians(args.reps, &mut jobs))?;
+        Ok((t[0], t[1]))
+    }
+    // Each row: (conversion, hemi seconds, scalar `half` loop seconds).
+    let mut rows = Vec::new();
+    let (h, s) = pair(args, pool, &src, f16::ZERO, convert::f32_to_f16, |x| {
+        f16::from_f32(*x)
+    })?;
+    rows.push(("f32->f16", h, s));
+    let (h, s) = pair(args, pool, &src_h, 0f32, convert::f16_to_f32, |x| {
+        x.to_f32()
+    })?;
+    rows.push(("f16->f32", h, s));
+    let (h, s) = pair(args, pool, &src, bf16::ZERO, convert::f32_to_bf16, |x| {
+        bf16::from_f32(*x)
+    })?;
+    rows.push(("f32->bf16", h, s));
+    let (h, s) = pair(args, pool, &src_b, 0f32, convert::bf16_to_f32, |x| {
+        x.to_f32()
+    })?;
+    rows.push(("bf16->f32", h, s));
+
+    let rate = |secs: f64| n as f64 / secs / 1e9;
+    if args.json {
+        for (name, hemi_s, scalar_s) in rows {
+            for (imp, secs) in [("hemi", hemi_s), ("half-scalar", scalar_s)] {
+                println!(
+                    "{{\"bench\":\"convert\",\"impl\":\"{imp}\",\"conversion\":\"{name}\",\"n\":{n},\
+                     \"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\"gelems\":{:.3}}}",
+                    args.threads,
+                    args.reps,
+                    rate(secs)
+                );
+            }
+        }
+    } else {
+        println!(
+            "convert {n} elements: Gelem/s = n / median of {} reps, {} threads",
+            args.reps, args.threads
+        );
+        println!(
+            "{:>10} {:>10} {:>12} {:>9}",
+            "", "hemi", "half scalar", "speed-up"
+        );
+        for (name, hemi_s, scalar_s) in rows {
+            println!(
+                "{name:>10} {:>10.2} {:>12.2} {:>8.1}x",
+                rate(hemi_s),
+                rate(scalar_s),
+                scalar_s / hemi_s
+            );
+        }
+    }
     Ok(())
 }
