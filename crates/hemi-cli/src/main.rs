@@ -1,8 +1,9 @@
-//! `hemi`: the command-line front end (train, bench).
+//! `hemi`: the command-line front end (train, eval, bench).
 
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod train;
 
 #[derive(Parser)]
 #[command(name = "hemi", version, about = "Half-precision deep-learning training")]
@@ -14,7 +15,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (CifarNet on CIFAR-10 or the built-in data set).
-    Train,
+    Train(train::TrainArgs),
+    /// Test accuracy of a saved checkpoint.
+    Eval(train::EvalArgs),
     /// Micro-benchmarks of hemi's kernels.
     Bench(bench::BenchArgs),
 }
@@ -22,15 +25,8 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train => {
-            println!(
-                "hemi train: the training loop lands with the training issue. It will train \
-                 CifarNet (conv 3->64, conv 64->128, fc 4608->256->10) with SGD lr 0.001, \
-                 momentum 0.9, batch 128 for 10 epochs, on CIFAR-10 when found under the data \
-                 dir and on a built-in synthetic set otherwise, in mixed precision."
-            );
-            Ok(())
-        }
+        Command::Train(args) => train::run_train(args),
+        Command::Eval(args) => train::run_eval(args),
         Command::Bench(args) => bench::run(args),
     };
     if let Err(e) = result {

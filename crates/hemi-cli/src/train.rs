@@ -1,0 +1,417 @@
+//! `hemi train` and `hemi eval`: the documents' CIFAR-10 recipe from the command line.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+use hemi::data::{Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform};
+use hemi::models::{CifarNet, Mlp};
+use hemi::nn::Module;
+use hemi::train::{evaluate, load_checkpoint, train, Event, OptimizerKind, RunInfo, TrainConfig};
+use hemi::{Error, Generator, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModelArg {
+    CifarNet,
+    Mlp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DatasetArg {
+    /// CIFAR-10 when found under --data-dir, else the built-in synthetic set.
+    Auto,
+    Synthetic,
+    Cifar10,
+    ImageFolder,
+    Mnist,
+    FashionMnist,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerArg {
+    Sgd,
+    Adam,
+    Adamw,
+}
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    #[arg(long, value_enum, default_value_t = ModelArg::CifarNet)]
+    model: ModelArg,
+    #[arg(long, value_enum, default_value_t = DatasetArg::Auto)]
+    dataset: DatasetArg,
+    /// Where the data lives: CIFAR-10 binary batches, or `train/` and `test/` class folders
+    /// (the layout of the CIFAR-10 JPEG archive), or MNIST IDX files.
+    #[arg(long, default_value = "data")]
+    data_dir: PathBuf,
+    #[arg(long, default_value_t = 10)]
+    epochs: usize,
+    #[arg(long, default_value_t = 128)]
+    batch_size: usize,
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
+    optimizer: OptimizerArg,
+    #[arg(long, default_value_t = 0.001)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Default: the optimizer's own (0; 0.01 for AdamW).
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Data loader threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Print the loss every this many batches.
+    #[arg(long, default_value_t = 200)]
+    log_every: usize,
+    /// Random crop (padding 4) and horizontal flip on the training images.
+    #[arg(long)]
+    augment: bool,
+    /// Size of the built-in synthetic training set.
+    #[arg(long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
+    synthetic_size: usize,
+    /// Write a checkpoint here after every epoch.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Continue the run checkpointed in --checkpoint-dir.
+    #[arg(long)]
+    resume: bool,
+    /// Write JSON lines of metrics (one per log line, one per epoch) to this file.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// No progress bar (log lines only).
+    #[arg(long)]
+    quiet: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// A checkpoint directory written by `hemi train --checkpoint-dir`.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Override the data directory recorded in the checkpoint.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    batch_size: usize,
+}
+
+/// Train and test sets, and a line saying what they are.
+struct Data {
+    name: &'static str,
+    train: Arc<dyn Dataset>,
+    test: Arc<dyn Dataset>,
+    description: String,
+}
+
+fn has_class_folders(dir: &Path) -> bool {
+    dir.join("train").is_dir() && dir.join("test").is_dir()
+}
+
+fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> Result<Data> {
+    let t0 = Instant::now();
+    let folder = |name: &'static str| -> Result<Data> {
+        let train = ImageFolder::open(&dir.join("train"))?.load()?;
+        let test = ImageFolder::open(&dir.join("test"))?.load()?;
+        Ok(Data {
+            name,
+            description: format!(
+                "{name} image folders under {} ({} train / {} test images, decoded in {:.1} s)",
+                dir.display(),
+                train.len(),
+                test.len(),
+                t0.elapsed().as_secs_f64()
+            ),
+            train: Arc::new(train),
+            test: Arc::new(test),
+        })
+    };
+    let cifar_bin = |located: PathBuf| -> Result<Data> {
+        let train = Cifar10::load(&located, Split::Train)?;
+        let test = Cifar10::load(&located, Split::Test)?;
+        Ok(Data {
+            name: "cifar10",
+            description: format!(
+                "CIFAR-10 binary batches in {} ({} train / {} test images)",
+                located.display(),
+                train.len(),
+                test.len()
+            ),
+            train: Arc::new(train),
+            test: Arc::new(test),
+        })
+    };
+    let synthetic = |why: &str| -> Result<Data> {
+        let train = Synthetic::generate(seed, Split::Train, synthetic_size);
+        let test = Synthetic::generate(seed, Split::Test, Synthetic::DEFAULT_TEST_LEN);
+        Ok(Data {
+            name: "synthetic",
+            description: format!(
+                "the built-in synthetic set ({} train / {} test 32x32 images, 10 classes){why}",
+                train.len(),
+                test.len()
+            ),
+            train: Arc::new(train),
+            test: Arc::new(test),
+        })
+    };
+    match kind {
+        DatasetArg::Synthetic => synthetic(""),
+        DatasetArg::Auto => match Cifar10::locate(dir) {
+            Some(d) => cifar_bin(d),
+            None if has_class_folders(dir) => folder("cifar10"),
+            None => synthetic(&format!(
+                ": no CIFAR-10 under {} (see README: using real CIFAR-10)",
+                dir.display()
+            )),
+        },
+        DatasetArg::Cifar10 => match Cifar10::locate(dir) {
+            Some(d) => cifar_bin(d),
+            None if has_class_folders(dir) => folder("cifar10"),
+            None => Err(Error::Msg(format!(
+                "{}: no CIFAR-10 here: expected data_batch_1..5.bin and test_batch.bin (or \
+                 cifar-10-batches-bin/ holding them), or train/ and test/ class folders",
+                dir.display()
+            ))),
+        },
+        DatasetArg::ImageFolder => folder("image-folder"),
+        DatasetArg::Mnist | DatasetArg::FashionMnist => {
+            let (k, name) = if kind == DatasetArg::Mnist {
+                (MnistKind::Mnist, "mnist")
+            } else {
+                (MnistKind::FashionMnist, "fashion-mnist")
+            };
+            let train = k.load(dir, Split::Train)?;
+            let test = k.load(dir, Split::Test)?;
+            Ok(Data {
+                name,
+                description: format!("{name} in {} ({} train / {} test images)", dir.display(), train.len(), test.len()),
+                train: Arc::new(train),
+                test: Arc::new(test),
+            })
+        }
+    }
+}
+
+fn build_model(model: &str, shape: [usize; 3], classes: usize, seed: u64) -> Result<Box<dyn Module>> {
+    let mut rng = Generator::new(seed);
+    Ok(match model {
+        "cifar-net" => Box::new(CifarNet::new(shape[0], shape[1], shape[2], classes, &mut rng)?),
+        "mlp" => Box::new(Mlp::new(shape.iter().product(), 512, classes, &mut rng)?),
+        other => return Err(Error::Msg(format!("unknown model {other:?} (cifar-net, mlp)"))),
+    })
+}
+
+fn loaders(data: &Data, batch_size: usize, seed: u64, workers: usize, augment: bool) -> Result<(DataLoader, DataLoader)> {
+    let train_tf = if augment { Transform::cifar_train_augment() } else { Transform::to_tensor_normalize_half() };
+    let train = DataLoader::new(
+        data.train.clone(),
+        LoaderConfig { batch_size, shuffle: true, seed, workers, transform: train_tf, ..Default::default() },
+    )?;
+    let test = DataLoader::new(
+        data.test.clone(),
+        LoaderConfig {
+            batch_size: batch_size.max(256),
+            shuffle: false,
+            seed,
+            workers,
+            transform: Transform::to_tensor_normalize_half(),
+            ..Default::default()
+        },
+    )?;
+    Ok((train, test))
+}
+
+/// Peak resident memory of this process in MiB (Linux `VmHWM`), if known.
+pub fn peak_rss_mib() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn io_err(path: &Path, e: std::io::Error) -> Error {
+    Error::Io { path: path.display().to_string(), source: e }
+}
+
+pub fn run_train(args: TrainArgs) -> Result<()> {
+    if let Some(t) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .map_err(|e| Error::Msg(format!("--threads {t}: {e}")))?;
+    }
+    let data = load_data(args.dataset, &args.data_dir, args.seed, args.synthetic_size)?;
+    println!("data: {}", data.description);
+    let shape = data.train.image_shape();
+    let classes = data.train.num_classes();
+    let model_name = match args.model {
+        ModelArg::CifarNet => "cifar-net",
+        ModelArg::Mlp => "mlp",
+    };
+    let mut model = build_model(model_name, shape, classes, args.seed)?;
+    let (train_loader, test_loader) = loaders(&data, args.batch_size, args.seed, args.workers, args.augment)?;
+    let optimizer = match args.optimizer {
+        OptimizerArg::Sgd => OptimizerKind::Sgd,
+        OptimizerArg::Adam => OptimizerKind::Adam,
+        OptimizerArg::Adamw => OptimizerKind::AdamW,
+    };
+    let cfg = TrainConfig {
+        epochs: args.epochs,
+        optimizer,
+        lr: args.lr,
+        momentum: args.momentum,
+        weight_decay: args.weight_decay,
+        log_every: args.log_every,
+        checkpoint_dir: args.checkpoint_dir.clone(),
+        resume: args.resume,
+        stop_after: None,
+    };
+    let info = RunInfo {
+        model: model_name.into(),
+        dataset: data.name.into(),
+        data_dir: Some(args.data_dir.clone()),
+        input_shape: shape,
+        classes,
+        seed: args.seed,
+    };
+    println!(
+        "model: {model_name} ({} parameters), optimizer {} lr {} momentum {}, batch {}, {} epochs, {} threads, precision fp32",
+        model.num_parameters(),
+        optimizer.name(),
+        args.lr,
+        args.momentum,
+        args.batch_size,
+        args.epochs,
+        rayon::current_num_threads()
+    );
+    let mut metrics = match &args.metrics {
+        Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| io_err(p, e))?)),
+        None => None,
+    };
+    let mut bar: Option<ProgressBar> = None;
+    let mut bar_start = Instant::now();
+    let mut bar_images = 0usize;
+    let mut running = 0.0;
+    let mut batches = 0usize;
+    let quiet = args.quiet;
+    let mut write_err: Option<Error> = None;
+    let mut on_event = |ev: &Event| match ev {
+        Event::Start { first_epoch, epochs, batches_per_epoch } => {
+            batches = *batches_per_epoch;
+            if *first_epoch > 1 {
+                println!("resuming at epoch {first_epoch} of {epochs}");
+            }
+        }
+        Event::Batch { epoch, batch, loss, images } => {
+            if quiet {
+                return;
+            }
+            if *batch == 1 {
+                let b = ProgressBar::new(batches as u64);
+                b.set_style(
+                    ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")
+                        .expect("static template")
+                        .progress_chars("=> "),
+                );
+                b.set_prefix(epoch.to_string());
+                bar = Some(b);
+                bar_start = Instant::now();
+                bar_images = 0;
+                running = *loss;
+            }
+            running = 0.98 * running + 0.02 * loss;
+            bar_images += images;
+            if let Some(b) = &bar {
+                b.set_position(*batch as u64);
+                b.set_message(format!(
+                    "{:.0} img/s, loss {running:.3}",
+                    bar_images as f64 / bar_start.elapsed().as_secs_f64().max(1e-9)
+                ));
+            }
+        }
+        Event::Log { epoch, step, loss, lr, images_per_s } => {
+            let line = format!("[{epoch}, {step:5}] loss: {loss:.3}");
+            match &bar {
+                Some(b) => b.println(line),
+                None => println!("{line}"),
+            }
+            if let Some(m) = metrics.as_mut() {
+                let j = json!({"kind": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
+                               "images_per_s": images_per_s, "scale": 1.0, "skipped": 0});
+                if let Err(e) = writeln!(m, "{j}") {
+                    write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
+                }
+            }
+        }
+        Event::Epoch { epoch, train_loss, test_accuracy, seconds, images_per_s } => {
+            if let Some(b) = bar.take() {
+                b.finish_and_clear();
+            }
+            println!(
+                "epoch {epoch}: train loss {train_loss:.3}, test accuracy {:.2} %, {seconds:.1} s, {images_per_s:.0} img/s",
+                100.0 * test_accuracy
+            );
+            if let Some(m) = metrics.as_mut() {
+                let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
+                               "test_accuracy": test_accuracy, "seconds": seconds,
+                               "images_per_s": images_per_s, "precision": "fp32"});
+                if let Err(e) = writeln!(m, "{j}").and_then(|_| m.flush()) {
+                    write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
+                }
+            }
+        }
+    };
+    let summary = train(model.as_mut(), &train_loader, &test_loader, &cfg, &info, &mut on_event)?;
+    if let Some(e) = write_err {
+        return Err(e);
+    }
+    println!("Finished Training");
+    println!(
+        "Accuracy of the network on the {} test images: {:.0} %",
+        data.test.len(),
+        100.0 * summary.test_accuracy
+    );
+    println!(
+        "summary: {} epochs in {:.1} s of training, {:.0} images/s, peak memory {}",
+        summary.epochs_run,
+        summary.train_seconds,
+        summary.images_per_s(),
+        peak_rss_mib().map_or("unknown".into(), |m| format!("{m:.0} MiB"))
+    );
+    Ok(())
+}
+
+pub fn run_eval(args: EvalArgs) -> Result<()> {
+    let ck = load_checkpoint(&args.checkpoint)?;
+    let dir = args
+        .data_dir
+        .or(ck.info.data_dir.clone())
+        .unwrap_or_else(|| PathBuf::from("data"));
+    let kind = match ck.info.dataset.as_str() {
+        "synthetic" => DatasetArg::Synthetic,
+        "cifar10" => DatasetArg::Cifar10,
+        "image-folder" => DatasetArg::ImageFolder,
+        "mnist" => DatasetArg::Mnist,
+        "fashion-mnist" => DatasetArg::FashionMnist,
+        other => return Err(Error::Msg(format!("checkpoint names an unknown data set {other:?}"))),
+    };
+    let data = load_data(kind, &dir, ck.info.seed, 0)?;
+    let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
+    model.load_state_dict(&ck.model)?;
+    let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false)?;
+    let (acc, loss) = evaluate(model.as_mut(), &test)?;
+    println!("checkpoint {} (after epoch {}), data: {}", args.checkpoint.display(), ck.epochs_done, data.description);
+    println!("Accuracy of the network on the {} test images: {:.2} % (loss {loss:.4})", data.test.len(), 100.0 * acc);
+    Ok(())
+}
