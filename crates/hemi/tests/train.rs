@@ -1,0 +1,202 @@
+//! The training loop: it learns, logs, checkpoints, and a run stopped after epoch k and
+//! resumed ends bit-identical to an uninterrupted one.
+
+use std::sync::Arc;
+
+use hemi::data::{DataLoader, InMemoryDataset, LoaderConfig, Split, Synthetic, Transform};
+use hemi::models::Mlp;
+use hemi::nn::Module;
+use hemi::train::{load_checkpoint, train, Event, OptimizerKind, RunInfo, TrainConfig};
+use hemi::Generator;
+
+fn loaders(workers: usize) -> (DataLoader, DataLoader) {
+    let tr = Arc::new(Synthetic::generate(3, Split::Train, 300));
+    let te = Arc::new(Synthetic::generate(3, Split::Test, 100));
+    let cfg = |shuffle| LoaderConfig {
+        batch_size: 32,
+        shuffle,
+        seed: 5,
+        workers,
+        transform: Transform::to_tensor_normalize_half(),
+        ..Default::default()
+    };
+    (
+        DataLoader::new(tr, cfg(true)).unwrap(),
+        DataLoader::new(te, cfg(false)).unwrap(),
+    )
+}
+
+fn info() -> RunInfo {
+    RunInfo {
+        model: "mlp".into(),
+        dataset: "synthetic".into(),
+        data_dir: None,
+        input_shape: [3, 32, 32],
+        classes: 10,
+        seed: 1,
+    }
+}
+
+fn model() -> Mlp {
+    Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(1)).unwrap()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("hemi-train-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn resumed_run_ends_bit_identical_to_an_uninterrupted_one() {
+    let (tr, te) = loaders(2);
+    let cfg = TrainConfig {
+        epochs: 3,
+        optimizer: OptimizerKind::Sgd,
+        lr: 0.01,
+        log_every: 4,
+        ..Default::default()
+    };
+
+    let mut whole = model();
+    train(&mut whole, &tr, &te, &cfg, &info(), &mut |_| {}).unwrap();
+
+    let dir = tmp("resume");
+    let mut first = model();
+    let stop = TrainConfig {
+        checkpoint_dir: Some(dir.clone()),
+        stop_after: Some(1),
+        ..cfg.clone()
+    };
+    let s = train(&mut first, &tr, &te, &stop, &info(), &mut |_| {}).unwrap();
+    assert_eq!(s.last_epoch, 1);
+    assert_eq!(load_checkpoint(&dir).unwrap().epochs_done, 1);
+
+    // A fresh process would build a fresh model; the checkpoint restores everything. The
+    // resumed run uses a different worker count: batches do not depend on it.
+    let (tr1, te1) = loaders(1);
+    let mut resumed = Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(99)).unwrap();
+    let resume = TrainConfig {
+        checkpoint_dir: Some(dir.clone()),
+        resume: true,
+        ..cfg.clone()
+    };
+    let mut epochs_seen = Vec::new();
+    let s = train(&mut resumed, &tr1, &te1, &resume, &info(), &mut |e| {
+        if let Event::Epoch { epoch, .. } = e {
+            epochs_seen.push(*epoch)
+        }
+    })
+    .unwrap();
+    assert_eq!(epochs_seen, [2, 3]);
+    assert_eq!(s.epochs_run, 2);
+    for ((n, a), (_, b)) in whole.state_dict().iter().zip(resumed.state_dict().iter()) {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{n} differs after resume"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Colour-coded classes: each class has its own mean colour, plus pixel noise. An MLP
+/// separates them within a few epochs.
+fn colour_loaders() -> (DataLoader, DataLoader) {
+    let make = |n: usize, seed: u64| {
+        let mut rng = Generator::new(seed);
+        let mut pixels = Vec::with_capacity(n * 3 * 32 * 32);
+        let labels: Vec<u32> = (0..n).map(|i| (i % 10) as u32).collect();
+        for &l in &labels {
+            let base = [
+                (l * 25) as f64,
+                ((l * 67) % 250) as f64,
+                ((l * 131) % 250) as f64,
+            ];
+            for c in base {
+                for _ in 0..32 * 32 {
+                    pixels.push((c + rng.uniform(0.0, 60.0)).min(255.0) as u8);
+                }
+            }
+        }
+        let classes = (0..10).map(|i| format!("c{i}")).collect();
+        Arc::new(InMemoryDataset::new([3, 32, 32], pixels, labels, classes).unwrap())
+    };
+    let cfg = |shuffle| LoaderConfig {
+        batch_size: 32,
+        shuffle,
+        seed: 5,
+        workers: 2,
+        ..Default::default()
+    };
+    (
+        DataLoader::new(make(320, 1), cfg(true)).unwrap(),
+        DataLoader::new(make(100, 2), cfg(false)).unwrap(),
+    )
+}
+
+#[test]
+fn the_loop_learns_and_reports() {
+    let (tr, te) = colour_loaders();
+    let cfg = TrainConfig {
+        epochs: 4,
+        optimizer: OptimizerKind::Adam,
+        lr: 1e-3,
+        log_every: 5,
+        ..Default::default()
+    };
+    let mut m = model();
+    let mut logs = 0;
+    let mut losses = Vec::new();
+    let s = train(&mut m, &tr, &te, &cfg, &info(), &mut |e| match e {
+        Event::Log { step, .. } => {
+            assert_eq!(step % 5, 0);
+            logs += 1
+        }
+        Event::Epoch {
+            train_loss,
+            test_accuracy,
+            ..
+        } => {
+            assert!((0.0..=1.0).contains(test_accuracy));
+            losses.push(*train_loss)
+        }
+        _ => {}
+    })
+    .unwrap();
+    assert_eq!(
+        logs,
+        4 * (10 / 5),
+        "10 batches per epoch, a log line every 5"
+    );
+    assert!(losses[3] < losses[0], "train loss falls: {losses:?}");
+    assert!(
+        s.test_accuracy > 0.5,
+        "well above the 10% of chance: {}",
+        s.test_accuracy
+    );
+}
+
+#[test]
+fn resume_without_a_checkpoint_is_a_clear_error() {
+    let (tr, te) = loaders(0);
+    let dir = tmp("missing");
+    let cfg = TrainConfig {
+        epochs: 1,
+        checkpoint_dir: Some(dir.clone()),
+        resume: true,
+        ..Default::default()
+    };
+    let e = train(&mut model(), &tr, &te, &cfg, &info(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("state.json"), "{e}");
+    // A corrupt state file names itself.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("state.json"), b"{ not json").unwrap();
+    let e = train(&mut model(), &tr, &te, &cfg, &info(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("state.json") && e.contains("JSON"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
