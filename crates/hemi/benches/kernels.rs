@@ -1,2 +1,0 @@
-//! Placeholder for per-kernel criterion benches (one per op family; the speed issue fills it).
-fn main() {}
