@@ -6,7 +6,11 @@ mod bench;
 mod train;
 
 #[derive(Parser)]
-#[command(name = "hemi", version, about = "Half-precision deep-learning training")]
+#[command(
+    name = "hemi",
+    version,
+    about = "Half-precision deep-learning training"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

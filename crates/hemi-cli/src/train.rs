@@ -10,7 +10,9 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use hemi::data::{Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform};
+use hemi::data::{
+    Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform,
+};
 use hemi::models::{CifarNet, Mlp};
 use hemi::nn::Module;
 use hemi::train::{evaluate, load_checkpoint, train, Event, OptimizerKind, RunInfo, TrainConfig};
@@ -195,7 +197,12 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
             let test = k.load(dir, Split::Test)?;
             Ok(Data {
                 name,
-                description: format!("{name} in {} ({} train / {} test images)", dir.display(), train.len(), test.len()),
+                description: format!(
+                    "{name} in {} ({} train / {} test images)",
+                    dir.display(),
+                    train.len(),
+                    test.len()
+                ),
                 train: Arc::new(train),
                 test: Arc::new(test),
             })
@@ -203,20 +210,48 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
     }
 }
 
-fn build_model(model: &str, shape: [usize; 3], classes: usize, seed: u64) -> Result<Box<dyn Module>> {
+fn build_model(
+    model: &str,
+    shape: [usize; 3],
+    classes: usize,
+    seed: u64,
+) -> Result<Box<dyn Module>> {
     let mut rng = Generator::new(seed);
     Ok(match model {
-        "cifar-net" => Box::new(CifarNet::new(shape[0], shape[1], shape[2], classes, &mut rng)?),
+        "cifar-net" => Box::new(CifarNet::new(
+            shape[0], shape[1], shape[2], classes, &mut rng,
+        )?),
         "mlp" => Box::new(Mlp::new(shape.iter().product(), 512, classes, &mut rng)?),
-        other => return Err(Error::Msg(format!("unknown model {other:?} (cifar-net, mlp)"))),
+        other => {
+            return Err(Error::Msg(format!(
+                "unknown model {other:?} (cifar-net, mlp)"
+            )))
+        }
     })
 }
 
-fn loaders(data: &Data, batch_size: usize, seed: u64, workers: usize, augment: bool) -> Result<(DataLoader, DataLoader)> {
-    let train_tf = if augment { Transform::cifar_train_augment() } else { Transform::to_tensor_normalize_half() };
+fn loaders(
+    data: &Data,
+    batch_size: usize,
+    seed: u64,
+    workers: usize,
+    augment: bool,
+) -> Result<(DataLoader, DataLoader)> {
+    let train_tf = if augment {
+        Transform::cifar_train_augment()
+    } else {
+        Transform::to_tensor_normalize_half()
+    };
     let train = DataLoader::new(
         data.train.clone(),
-        LoaderConfig { batch_size, shuffle: true, seed, workers, transform: train_tf, ..Default::default() },
+        LoaderConfig {
+            batch_size,
+            shuffle: true,
+            seed,
+            workers,
+            transform: train_tf,
+            ..Default::default()
+        },
     )?;
     let test = DataLoader::new(
         data.test.clone(),
@@ -241,7 +276,10 @@ pub fn peak_rss_mib() -> Option<f64> {
 }
 
 fn io_err(path: &Path, e: std::io::Error) -> Error {
-    Error::Io { path: path.display().to_string(), source: e }
+    Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    }
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
@@ -260,7 +298,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         ModelArg::Mlp => "mlp",
     };
     let mut model = build_model(model_name, shape, classes, args.seed)?;
-    let (train_loader, test_loader) = loaders(&data, args.batch_size, args.seed, args.workers, args.augment)?;
+    let (train_loader, test_loader) = loaders(
+        &data,
+        args.batch_size,
+        args.seed,
+        args.workers,
+        args.augment,
+    )?;
     let optimizer = match args.optimizer {
         OptimizerArg::Sgd => OptimizerKind::Sgd,
         OptimizerArg::Adam => OptimizerKind::Adam,
@@ -307,22 +351,33 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let quiet = args.quiet;
     let mut write_err: Option<Error> = None;
     let mut on_event = |ev: &Event| match ev {
-        Event::Start { first_epoch, epochs, batches_per_epoch } => {
+        Event::Start {
+            first_epoch,
+            epochs,
+            batches_per_epoch,
+        } => {
             batches = *batches_per_epoch;
             if *first_epoch > 1 {
                 println!("resuming at epoch {first_epoch} of {epochs}");
             }
         }
-        Event::Batch { epoch, batch, loss, images } => {
+        Event::Batch {
+            epoch,
+            batch,
+            loss,
+            images,
+        } => {
             if quiet {
                 return;
             }
             if *batch == 1 {
                 let b = ProgressBar::new(batches as u64);
                 b.set_style(
-                    ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})")
-                        .expect("static template")
-                        .progress_chars("=> "),
+                    ProgressStyle::with_template(
+                        "epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({eta})",
+                    )
+                    .expect("static template")
+                    .progress_chars("=> "),
                 );
                 b.set_prefix(epoch.to_string());
                 bar = Some(b);
@@ -340,7 +395,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                 ));
             }
         }
-        Event::Log { epoch, step, loss, lr, images_per_s } => {
+        Event::Log {
+            epoch,
+            step,
+            loss,
+            lr,
+            images_per_s,
+        } => {
             let line = format!("[{epoch}, {step:5}] loss: {loss:.3}");
             match &bar {
                 Some(b) => b.println(line),
@@ -354,7 +415,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                 }
             }
         }
-        Event::Epoch { epoch, train_loss, test_accuracy, seconds, images_per_s } => {
+        Event::Epoch {
+            epoch,
+            train_loss,
+            test_accuracy,
+            seconds,
+            images_per_s,
+        } => {
             if let Some(b) = bar.take() {
                 b.finish_and_clear();
             }
@@ -372,7 +439,14 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             }
         }
     };
-    let summary = train(model.as_mut(), &train_loader, &test_loader, &cfg, &info, &mut on_event)?;
+    let summary = train(
+        model.as_mut(),
+        &train_loader,
+        &test_loader,
+        &cfg,
+        &info,
+        &mut on_event,
+    )?;
     if let Some(e) = write_err {
         return Err(e);
     }
@@ -404,14 +478,27 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         "image-folder" => DatasetArg::ImageFolder,
         "mnist" => DatasetArg::Mnist,
         "fashion-mnist" => DatasetArg::FashionMnist,
-        other => return Err(Error::Msg(format!("checkpoint names an unknown data set {other:?}"))),
+        other => {
+            return Err(Error::Msg(format!(
+                "checkpoint names an unknown data set {other:?}"
+            )))
+        }
     };
     let data = load_data(kind, &dir, ck.info.seed, 0)?;
     let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
     model.load_state_dict(&ck.model)?;
     let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false)?;
     let (acc, loss) = evaluate(model.as_mut(), &test)?;
-    println!("checkpoint {} (after epoch {}), data: {}", args.checkpoint.display(), ck.epochs_done, data.description);
-    println!("Accuracy of the network on the {} test images: {:.2} % (loss {loss:.4})", data.test.len(), 100.0 * acc);
+    println!(
+        "checkpoint {} (after epoch {}), data: {}",
+        args.checkpoint.display(),
+        ck.epochs_done,
+        data.description
+    );
+    println!(
+        "Accuracy of the network on the {} test images: {:.2} % (loss {loss:.4})",
+        data.test.len(),
+        100.0 * acc
+    );
     Ok(())
 }

@@ -17,7 +17,9 @@ fn sgd_step(params: &[Tensor], lr: f64) -> Result<()> {
 
 fn uniform_param(shape: &[usize], fan_in: usize, rng: &mut Generator) -> Tensor {
     let b = 1.0 / (fan_in as f64).sqrt();
-    Tensor::rand(shape, -b, b, DType::F32, rng).unwrap().requires_grad_()
+    Tensor::rand(shape, -b, b, DType::F32, rng)
+        .unwrap()
+        .requires_grad_()
 }
 
 /// Labels from a fixed random teacher: class = argmax of a random linear map of x.
@@ -28,9 +30,15 @@ fn teacher_problem(n: usize, d: usize, classes: usize, rng: &mut Generator) -> (
     let labels: Vec<i64> = (0..n)
         .map(|i| {
             let scores: Vec<f64> = (0..classes)
-                .map(|c| (0..d).map(|k| xv[i * d + k] * w[k * classes + c]).sum::<f64>())
+                .map(|c| {
+                    (0..d)
+                        .map(|k| xv[i * d + k] * w[k * classes + c])
+                        .sum::<f64>()
+                })
                 .collect();
-            (0..classes).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).unwrap() as i64
+            (0..classes)
+                .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
+                .unwrap() as i64
         })
         .collect();
     (x, Tensor::from_vec(labels, &[n]).unwrap())
@@ -88,8 +96,16 @@ fn small_cnn_learns() {
     let params = [wc.clone(), bc.clone(), wf.clone(), bf.clone()];
     let mut losses = Vec::new();
     for _ in 0..60 {
-        let h = x.conv2d(&wc, Some(&bc), Conv2dOptions::default()).unwrap().relu().unwrap(); // [n,4,6,6]
-        let h = h.max_pool2d((2, 2), (2, 2), (0, 0)).unwrap().flatten(1, -1).unwrap(); // [n,36]
+        let h = x
+            .conv2d(&wc, Some(&bc), Conv2dOptions::default())
+            .unwrap()
+            .relu()
+            .unwrap(); // [n,4,6,6]
+        let h = h
+            .max_pool2d((2, 2), (2, 2), (0, 0))
+            .unwrap()
+            .flatten(1, -1)
+            .unwrap(); // [n,36]
         let logits = h.linear(&wf, Some(&bf)).unwrap();
         let loss = cross_entropy(&logits, &y, CrossEntropyOptions::default()).unwrap();
         losses.push(loss.to_scalar().unwrap());

@@ -17,11 +17,23 @@ impl<'a, C> MatRef<'a, C> {
     /// A row-major contiguous `rows x cols` matrix.
     pub fn row_major(data: &'a [C], rows: usize, cols: usize) -> Self {
         debug_assert!(data.len() >= rows * cols);
-        MatRef { data, rows, cols, rs: cols as isize, cs: 1 }
+        MatRef {
+            data,
+            rows,
+            cols,
+            rs: cols as isize,
+            cs: 1,
+        }
     }
     /// The transpose, without copying.
     pub fn t(self) -> Self {
-        MatRef { data: self.data, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
+        MatRef {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
     }
     fn max_index(&self) -> usize {
         if self.rows == 0 || self.cols == 0 {
@@ -59,8 +71,14 @@ pub fn matmul_into_par<C: Real>(
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm: inner dims");
     assert!(dst.len() >= m * n, "gemm: dst too small");
-    assert!(a.data.len() > a.max_index() || m * k == 0, "gemm: lhs out of bounds");
-    assert!(b.data.len() > b.max_index() || k * n == 0, "gemm: rhs out of bounds");
+    assert!(
+        a.data.len() > a.max_index() || m * k == 0,
+        "gemm: lhs out of bounds"
+    );
+    assert!(
+        b.data.len() > b.max_index() || k * n == 0,
+        "gemm: rhs out of bounds"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -70,25 +88,57 @@ pub fn matmul_into_par<C: Real>(
         }
         return;
     }
-    let par = if allow_parallel { parallelism(m, n, k) } else { gemm::Parallelism::None };
+    let par = if allow_parallel {
+        parallelism(m, n, k)
+    } else {
+        gemm::Parallelism::None
+    };
     // SAFETY: the asserts above keep every index the views address inside their slices,
     // and `dst` holds m*n elements with row stride n; gemm reads/writes only those.
     unsafe {
         if C::DTYPE == crate::dtype::DType::F64 {
             gemm::gemm::<f64>(
-                m, n, k,
-                dst.as_mut_ptr() as *mut f64, 1, n as isize, accumulate,
-                a.data.as_ptr() as *const f64, a.cs, a.rs,
-                b.data.as_ptr() as *const f64, b.cs, b.rs,
-                1.0, 1.0, false, false, false, par,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr() as *mut f64,
+                1,
+                n as isize,
+                accumulate,
+                a.data.as_ptr() as *const f64,
+                a.cs,
+                a.rs,
+                b.data.as_ptr() as *const f64,
+                b.cs,
+                b.rs,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
             );
         } else {
             gemm::gemm::<f32>(
-                m, n, k,
-                dst.as_mut_ptr() as *mut f32, 1, n as isize, accumulate,
-                a.data.as_ptr() as *const f32, a.cs, a.rs,
-                b.data.as_ptr() as *const f32, b.cs, b.rs,
-                1.0, 1.0, false, false, false, par,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr() as *mut f32,
+                1,
+                n as isize,
+                accumulate,
+                a.data.as_ptr() as *const f32,
+                a.cs,
+                a.rs,
+                b.data.as_ptr() as *const f32,
+                b.cs,
+                b.rs,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                par,
             );
         }
     }
@@ -130,7 +180,12 @@ mod tests {
         let a32: Vec<f32> = at.iter().map(|&x| x as f32).collect();
         let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
         let mut got32 = vec![1.0f32; 12];
-        matmul_into(&mut got32, MatRef::row_major(&a32, 5, 3).t(), MatRef::row_major(&b32, 5, 4), true);
+        matmul_into(
+            &mut got32,
+            MatRef::row_major(&a32, 5, 3).t(),
+            MatRef::row_major(&b32, 5, 4),
+            true,
+        );
         for (g, w) in got32.iter().zip(&want) {
             assert!((f64::from(*g) - (w + 1.0)).abs() < 1e-5);
         }

@@ -16,16 +16,28 @@ use crate::error::{Error, Result};
 use crate::tensor::{CpuStorage, Tensor};
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {
-    Error::Io { path: path.display().to_string(), source }
+    Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file beside it is written, flushed to
 /// disk, and renamed over `path`; the directory is synced so the rename is durable.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    let name = path.file_name().ok_or_else(|| Error::Msg(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Msg(format!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let write = || -> std::io::Result<()> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -65,7 +77,10 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
 }
 
 /// Serialises named tensors (and string metadata) to safetensors bytes.
-pub fn to_safetensors_bytes(tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
+pub fn to_safetensors_bytes(
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
     let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, t)| tensor_bytes(t)).collect();
     let mut views = Vec::with_capacity(tensors.len());
     for ((name, t), b) in tensors.iter().zip(&bytes) {
@@ -77,16 +92,28 @@ pub fn to_safetensors_bytes(tensors: &[(String, Tensor)], metadata: Option<HashM
 }
 
 /// Saves named tensors to `path` in safetensors format, atomically.
-pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<()> {
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
     atomic_write(path, &to_safetensors_bytes(tensors, metadata)?)
 }
 
 /// Parses safetensors bytes into named tensors, in file order; `what` names the source
 /// in errors.
-pub fn from_safetensors_bytes(what: &str, data: &[u8]) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
-    let bad = |msg: String| Error::Data { path: what.to_string(), msg };
-    let (_, meta) = SafeTensors::read_metadata(data).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
-    let st = SafeTensors::deserialize(data).map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+pub fn from_safetensors_bytes(
+    what: &str,
+    data: &[u8],
+) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+    let bad = |msg: String| Error::Data {
+        path: what.to_string(),
+        msg,
+    };
+    let (_, meta) = SafeTensors::read_metadata(data)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(data)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
     // Keep the order of the file (offsets), which is the order tensors were written in.
     let mut entries: Vec<(String, TensorView<'_>)> = st.tensors();
@@ -95,18 +122,51 @@ pub fn from_safetensors_bytes(what: &str, data: &[u8]) -> Result<(Vec<(String, T
         let shape = view.shape().to_vec();
         let b = view.data();
         let storage = match view.dtype() {
-            StDtype::F16 => CpuStorage::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-            StDtype::BF16 => CpuStorage::BF16(b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
-            StDtype::F32 => CpuStorage::F32(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
-            StDtype::F64 => CpuStorage::F64(b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect()),
-            StDtype::I64 => CpuStorage::I64(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()),
-            other => return Err(bad(format!("tensor {name}: dtype {other:?} is not supported by hemi"))),
+            StDtype::F16 => CpuStorage::F16(
+                b.chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            StDtype::BF16 => CpuStorage::BF16(
+                b.chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            StDtype::F32 => CpuStorage::F32(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            StDtype::F64 => CpuStorage::F64(
+                b.chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            StDtype::I64 => CpuStorage::I64(
+                b.chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                    .collect(),
+            ),
+            other => {
+                return Err(bad(format!(
+                    "tensor {name}: dtype {other:?} is not supported by hemi"
+                )))
+            }
         };
         let n: usize = shape.iter().product();
         if storage.len() != n {
-            return Err(bad(format!("tensor {name}: {} values for shape {shape:?}", storage.len())));
+            return Err(bad(format!(
+                "tensor {name}: {} values for shape {shape:?}",
+                storage.len()
+            )));
         }
-        out.push((name, Tensor::from_storage(std::sync::Arc::new(storage), crate::tensor::Layout::contiguous(&shape))));
+        out.push((
+            name,
+            Tensor::from_storage(
+                std::sync::Arc::new(storage),
+                crate::tensor::Layout::contiguous(&shape),
+            ),
+        ));
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))
 }

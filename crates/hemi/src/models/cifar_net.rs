@@ -26,7 +26,13 @@ pub struct CifarNet {
 impl CifarNet {
     /// For inputs of `channels`×`height`×`width` (3×32×32 for CIFAR-10) and `classes`
     /// outputs, initialised as PyTorch would from `rng`.
-    pub fn new(channels: usize, height: usize, width: usize, classes: usize, rng: &mut Generator) -> Result<Self> {
+    pub fn new(
+        channels: usize,
+        height: usize,
+        width: usize,
+        classes: usize,
+        rng: &mut Generator,
+    ) -> Result<Self> {
         // Spatial size after conv(k=3) then pool(2), twice.
         let after = |s: usize| -> Option<usize> {
             let s = s.checked_sub(2)? / 2;

@@ -12,14 +12,26 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn new(in_features: usize, hidden: usize, classes: usize, rng: &mut Generator) -> Result<Self> {
-        Ok(Mlp { fc1: Linear::new(in_features, hidden, true, rng)?, fc2: Linear::new(hidden, classes, true, rng)? })
+    pub fn new(
+        in_features: usize,
+        hidden: usize,
+        classes: usize,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        Ok(Mlp {
+            fc1: Linear::new(in_features, hidden, true, rng)?,
+            fc2: Linear::new(hidden, classes, true, rng)?,
+        })
     }
 }
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if x.rank() > 2 { x.flatten(1, -1)? } else { x.clone() };
+        let x = if x.rank() > 2 {
+            x.flatten(1, -1)?
+        } else {
+            x.clone()
+        };
         self.fc2.forward(&self.fc1.forward(&x)?.relu()?)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {

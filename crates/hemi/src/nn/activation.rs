@@ -24,7 +24,11 @@ pub struct Gelu {
 pub struct Flatten;
 
 stateless!(Relu, |_s, x| x.relu());
-stateless!(Gelu, |s, x| if s.tanh_approximation { x.gelu_tanh() } else { x.gelu() });
+stateless!(Gelu, |s, x| if s.tanh_approximation {
+    x.gelu_tanh()
+} else {
+    x.gelu()
+});
 stateless!(Flatten, |_s, x| x.flatten(1, -1));
 
 /// Inverted dropout with probability `p`, drawing masks from its own seeded generator.
@@ -37,15 +41,25 @@ pub struct Dropout {
 impl Dropout {
     pub fn new(p: f64, seed: u64) -> Result<Self> {
         if !(0.0..=1.0).contains(&p) {
-            return Err(Error::arg("Dropout", format!("p must be in [0, 1], got {p}")));
+            return Err(Error::arg(
+                "Dropout",
+                format!("p must be in [0, 1], got {p}"),
+            ));
         }
-        Ok(Dropout { p, rng: Mutex::new(Generator::new(seed)), training: AtomicBool::new(true) })
+        Ok(Dropout {
+            p,
+            rng: Mutex::new(Generator::new(seed)),
+            training: AtomicBool::new(true),
+        })
     }
 }
 
 impl Module for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut rng = self.rng.lock().map_err(|_| Error::Msg("Dropout: generator lock poisoned".into()))?;
+        let mut rng = self
+            .rng
+            .lock()
+            .map_err(|_| Error::Msg("Dropout: generator lock poisoned".into()))?;
         x.dropout(self.p, self.training.load(Ordering::Relaxed), &mut rng)
     }
     fn set_training(&mut self, training: bool) {

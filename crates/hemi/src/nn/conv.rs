@@ -25,13 +25,20 @@ impl Conv2d {
         if opts.groups == 0 || in_channels % opts.groups != 0 || out_channels % opts.groups != 0 {
             return Err(Error::arg(
                 "Conv2d",
-                format!("groups {} must divide in {in_channels} and out {out_channels} channels", opts.groups),
+                format!(
+                    "groups {} must divide in {in_channels} and out {out_channels} channels",
+                    opts.groups
+                ),
             ));
         }
         let fan_in = in_channels / opts.groups * kernel.0 * kernel.1;
         let shape = [out_channels, in_channels / opts.groups, kernel.0, kernel.1];
         let weight = param(init::kaiming_uniform_default(&shape, fan_in, rng)?)?;
-        let bias = if bias { Some(param(init::bias_uniform(out_channels, fan_in, rng)?)?) } else { None };
+        let bias = if bias {
+            Some(param(init::bias_uniform(out_channels, fan_in, rng)?)?)
+        } else {
+            None
+        };
         Ok(Conv2d { weight, bias, opts })
     }
 }
@@ -48,9 +55,19 @@ impl Module for Conv2d {
         v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }];
+        let mut v = vec![Slot {
+            name: "weight".into(),
+            tensor: &mut self.weight,
+            kind: Kind::Parameter,
+            is_norm: false,
+        }];
         if let Some(b) = &mut self.bias {
-            v.push(Slot { name: "bias".into(), tensor: b, kind: Kind::Parameter, is_norm: false });
+            v.push(Slot {
+                name: "bias".into(),
+                tensor: b,
+                kind: Kind::Parameter,
+                is_norm: false,
+            });
         }
         v
     }

@@ -7,13 +7,21 @@ use crate::tensor::Tensor;
 
 /// `kaiming_uniform_(w, a=√5)`, PyTorch's default for Linear and Conv weights: uniform in
 /// ±gain·√(3/fan_in) with gain = √(2/(1+a²)) = √(1/3), i.e. ±1/√fan_in.
-pub fn kaiming_uniform_default(shape: &[usize], fan_in: usize, rng: &mut Generator) -> Result<Tensor> {
+pub fn kaiming_uniform_default(
+    shape: &[usize],
+    fan_in: usize,
+    rng: &mut Generator,
+) -> Result<Tensor> {
     let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
     Tensor::rand(shape, -bound, bound, DType::F32, rng)
 }
 
 /// PyTorch's default bias init: uniform in ±1/√fan_in.
 pub fn bias_uniform(n: usize, fan_in: usize, rng: &mut Generator) -> Result<Tensor> {
-    let bound = if fan_in > 0 { 1.0 / (fan_in as f64).sqrt() } else { 0.0 };
+    let bound = if fan_in > 0 {
+        1.0 / (fan_in as f64).sqrt()
+    } else {
+        0.0
+    };
     Tensor::rand(&[n], -bound, bound, DType::F32, rng)
 }

@@ -13,9 +13,22 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(in_features: usize, out_features: usize, bias: bool, rng: &mut Generator) -> Result<Self> {
-        let weight = param(init::kaiming_uniform_default(&[out_features, in_features], in_features, rng)?)?;
-        let bias = if bias { Some(param(init::bias_uniform(out_features, in_features, rng)?)?) } else { None };
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        let weight = param(init::kaiming_uniform_default(
+            &[out_features, in_features],
+            in_features,
+            rng,
+        )?)?;
+        let bias = if bias {
+            Some(param(init::bias_uniform(out_features, in_features, rng)?)?)
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 }
@@ -32,9 +45,19 @@ impl Module for Linear {
         v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }];
+        let mut v = vec![Slot {
+            name: "weight".into(),
+            tensor: &mut self.weight,
+            kind: Kind::Parameter,
+            is_norm: false,
+        }];
         if let Some(b) = &mut self.bias {
-            v.push(Slot { name: "bias".into(), tensor: b, kind: Kind::Parameter, is_norm: false });
+            v.push(Slot {
+                name: "bias".into(),
+                tensor: b,
+                kind: Kind::Parameter,
+                is_norm: false,
+            });
         }
         v
     }
@@ -51,7 +74,15 @@ impl Embedding {
         if num_embeddings == 0 || dim == 0 {
             return Err(Error::arg("Embedding", "sizes must be > 0"));
         }
-        Ok(Embedding { weight: param(Tensor::randn(&[num_embeddings, dim], 0.0, 1.0, DType::F32, rng)?)? })
+        Ok(Embedding {
+            weight: param(Tensor::randn(
+                &[num_embeddings, dim],
+                0.0,
+                1.0,
+                DType::F32,
+                rng,
+            )?)?,
+        })
     }
 }
 
@@ -64,6 +95,11 @@ impl Module for Embedding {
         vec![("weight".to_string(), &self.weight, Kind::Parameter, false)]
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        vec![Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: false }]
+        vec![Slot {
+            name: "weight".into(),
+            tensor: &mut self.weight,
+            kind: Kind::Parameter,
+            is_norm: false,
+        }]
     }
 }

@@ -28,7 +28,10 @@ pub struct NllLoss {
 
 impl Default for NllLoss {
     fn default() -> Self {
-        NllLoss { reduction: Reduction::Mean, ignore_index: Some(-100) }
+        NllLoss {
+            reduction: Reduction::Mean,
+            ignore_index: Some(-100),
+        }
     }
 }
 

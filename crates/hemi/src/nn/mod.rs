@@ -69,7 +69,10 @@ pub trait Module: Send {
 
     /// Trainable parameters, in `state_dict` order.
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
     }
 
     /// Every saved tensor (parameters and buffers), detached, in `state_dict` order.
@@ -87,20 +90,30 @@ pub trait Module: Send {
         let mut slots = self.tensors_mut();
         for slot in &slots {
             if !state.iter().any(|(n, _)| *n == slot.name) {
-                return Err(Error::Msg(format!("load_state_dict: missing key {:?}", slot.name)));
+                return Err(Error::Msg(format!(
+                    "load_state_dict: missing key {:?}",
+                    slot.name
+                )));
             }
         }
         for (name, value) in state {
             let Some(slot) = slots.iter_mut().find(|s| s.name == *name) else {
-                return Err(Error::Msg(format!("load_state_dict: unexpected key {name:?}")));
+                return Err(Error::Msg(format!(
+                    "load_state_dict: unexpected key {name:?}"
+                )));
             };
             if value.shape() != slot.tensor.shape() {
                 return Err(Error::shape(
                     "load_state_dict",
-                    format!("{name}: checkpoint has {:?}, model has {:?}", value.shape(), slot.tensor.shape()),
+                    format!(
+                        "{name}: checkpoint has {:?}, model has {:?}",
+                        value.shape(),
+                        slot.tensor.shape()
+                    ),
                 ));
             }
-            slot.tensor.set_data(&value.detach().to_dtype(slot.tensor.dtype())?)?;
+            slot.tensor
+                .set_data(&value.detach().to_dtype(slot.tensor.dtype())?)?;
         }
         Ok(())
     }
@@ -110,13 +123,21 @@ pub trait Module: Send {
     /// buffers are untouched. Parameters become new leaves: build optimizers afterwards.
     fn to_dtype(&mut self, dtype: DType, keep_norms_f32: bool) -> Result<()> {
         if !dtype.is_float() {
-            return Err(Error::dtype("to_dtype", dtype, "models cast to float dtypes only"));
+            return Err(Error::dtype(
+                "to_dtype",
+                dtype,
+                "models cast to float dtypes only",
+            ));
         }
         for slot in self.tensors_mut() {
             if !slot.tensor.dtype().is_float() {
                 continue;
             }
-            let target = if keep_norms_f32 && slot.is_norm { DType::F32 } else { dtype };
+            let target = if keep_norms_f32 && slot.is_norm {
+                DType::F32
+            } else {
+                dtype
+            };
             let cast = slot.tensor.detach().to_dtype(target)?.contiguous()?;
             let fresh = Tensor::from_storage(cast.storage(), cast.layout().clone());
             if slot.kind == Kind::Parameter {
@@ -141,14 +162,22 @@ pub trait Module: Send {
 }
 
 /// Prefixes child tensor names with `prefix.` (for containers and composite models).
-pub fn prefixed<'a>(prefix: &str, v: Vec<(String, &'a Tensor, Kind, bool)>) -> Vec<(String, &'a Tensor, Kind, bool)> {
-    v.into_iter().map(|(n, t, k, norm)| (format!("{prefix}.{n}"), t, k, norm)).collect()
+pub fn prefixed<'a>(
+    prefix: &str,
+    v: Vec<(String, &'a Tensor, Kind, bool)>,
+) -> Vec<(String, &'a Tensor, Kind, bool)> {
+    v.into_iter()
+        .map(|(n, t, k, norm)| (format!("{prefix}.{n}"), t, k, norm))
+        .collect()
 }
 
 /// Prefixes child slot names with `prefix.`.
 pub fn prefixed_mut<'a>(prefix: &str, v: Vec<Slot<'a>>) -> Vec<Slot<'a>> {
     v.into_iter()
-        .map(|s| Slot { name: format!("{prefix}.{}", s.name), ..s })
+        .map(|s| Slot {
+            name: format!("{prefix}.{}", s.name),
+            ..s
+        })
         .collect()
 }
 

@@ -42,7 +42,8 @@ impl Module for BatchNorm2d {
         let training = self.training.load(Ordering::Relaxed);
         if training {
             let n = self.num_batches_tracked.to_vec_i64()[0];
-            self.num_batches_tracked.set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
+            self.num_batches_tracked
+                .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
         }
         x.batch_norm(
             Some(&self.running_mean),
@@ -61,17 +62,47 @@ impl Module for BatchNorm2d {
         vec![
             ("weight".into(), &self.weight, Kind::Parameter, true),
             ("bias".into(), &self.bias, Kind::Parameter, true),
-            ("running_mean".into(), &self.running_mean, Kind::Buffer, true),
+            (
+                "running_mean".into(),
+                &self.running_mean,
+                Kind::Buffer,
+                true,
+            ),
             ("running_var".into(), &self.running_var, Kind::Buffer, true),
-            ("num_batches_tracked".into(), &self.num_batches_tracked, Kind::Buffer, true),
+            (
+                "num_batches_tracked".into(),
+                &self.num_batches_tracked,
+                Kind::Buffer,
+                true,
+            ),
         ]
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
         vec![
-            Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: true },
-            Slot { name: "bias".into(), tensor: &mut self.bias, kind: Kind::Parameter, is_norm: true },
-            Slot { name: "running_mean".into(), tensor: &mut self.running_mean, kind: Kind::Buffer, is_norm: true },
-            Slot { name: "running_var".into(), tensor: &mut self.running_var, kind: Kind::Buffer, is_norm: true },
+            Slot {
+                name: "weight".into(),
+                tensor: &mut self.weight,
+                kind: Kind::Parameter,
+                is_norm: true,
+            },
+            Slot {
+                name: "bias".into(),
+                tensor: &mut self.bias,
+                kind: Kind::Parameter,
+                is_norm: true,
+            },
+            Slot {
+                name: "running_mean".into(),
+                tensor: &mut self.running_mean,
+                kind: Kind::Buffer,
+                is_norm: true,
+            },
+            Slot {
+                name: "running_var".into(),
+                tensor: &mut self.running_var,
+                kind: Kind::Buffer,
+                is_norm: true,
+            },
             Slot {
                 name: "num_batches_tracked".into(),
                 tensor: &mut self.num_batches_tracked,
@@ -103,7 +134,12 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.layer_norm(&self.normalized_shape, Some(&self.weight), Some(&self.bias), self.eps)
+        x.layer_norm(
+            &self.normalized_shape,
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+        )
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         vec![
@@ -113,8 +149,18 @@ impl Module for LayerNorm {
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
         vec![
-            Slot { name: "weight".into(), tensor: &mut self.weight, kind: Kind::Parameter, is_norm: true },
-            Slot { name: "bias".into(), tensor: &mut self.bias, kind: Kind::Parameter, is_norm: true },
+            Slot {
+                name: "weight".into(),
+                tensor: &mut self.weight,
+                kind: Kind::Parameter,
+                is_norm: true,
+            },
+            Slot {
+                name: "bias".into(),
+                tensor: &mut self.bias,
+                kind: Kind::Parameter,
+                is_norm: true,
+            },
         ]
     }
 }

@@ -15,7 +15,11 @@ pub struct MaxPool2d {
 impl MaxPool2d {
     /// Square kernel `k` with stride `k`, as `nn.MaxPool2d(k)`.
     pub fn new(k: usize) -> Self {
-        MaxPool2d { kernel: (k, k), stride: (k, k), padding: (0, 0) }
+        MaxPool2d {
+            kernel: (k, k),
+            stride: (k, k),
+            padding: (0, 0),
+        }
     }
 }
 
@@ -30,7 +34,12 @@ pub struct AvgPool2d {
 
 impl AvgPool2d {
     pub fn new(k: usize) -> Self {
-        AvgPool2d { kernel: (k, k), stride: (k, k), padding: (0, 0), count_include_pad: true }
+        AvgPool2d {
+            kernel: (k, k),
+            stride: (k, k),
+            padding: (0, 0),
+            count_include_pad: true,
+        }
     }
 }
 
@@ -58,6 +67,13 @@ macro_rules! stateless {
 }
 pub(crate) use stateless;
 
-stateless!(MaxPool2d, |s, x| x.max_pool2d(s.kernel, s.stride, s.padding));
-stateless!(AvgPool2d, |s, x| x.avg_pool2d(s.kernel, s.stride, s.padding, s.count_include_pad));
-stateless!(AdaptiveAvgPool2d, |s, x| x.adaptive_avg_pool2d(s.output_size));
+stateless!(MaxPool2d, |s, x| x
+    .max_pool2d(s.kernel, s.stride, s.padding));
+stateless!(AvgPool2d, |s, x| x.avg_pool2d(
+    s.kernel,
+    s.stride,
+    s.padding,
+    s.count_include_pad
+));
+stateless!(AdaptiveAvgPool2d, |s, x| x
+    .adaptive_avg_pool2d(s.output_size));

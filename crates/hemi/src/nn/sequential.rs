@@ -36,10 +36,16 @@ impl Module for Sequential {
         Ok(h)
     }
     fn set_training(&mut self, training: bool) {
-        self.layers.iter_mut().for_each(|l| l.set_training(training));
+        self.layers
+            .iter_mut()
+            .for_each(|l| l.set_training(training));
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        self.layers.iter().enumerate().flat_map(|(i, l)| prefixed(&i.to_string(), l.tensors())).collect()
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| prefixed(&i.to_string(), l.tensors()))
+            .collect()
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
         self.layers

@@ -38,13 +38,25 @@ pub struct Checkpoint {
 }
 
 /// Writes the checkpoint of a finished epoch into `dir`.
-pub fn save_checkpoint(dir: &Path, model: &dyn Module, opt: &dyn Optimizer, epochs_done: usize, info: &RunInfo) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::Io { path: dir.display().to_string(), source: e })?;
+pub fn save_checkpoint(
+    dir: &Path,
+    model: &dyn Module,
+    opt: &dyn Optimizer,
+    epochs_done: usize,
+    info: &RunInfo,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+        path: dir.display().to_string(),
+        source: e,
+    })?;
     save_safetensors(&dir.join("model.safetensors"), &model.state_dict(), None)?;
     let st = opt.state_dict();
     let mut buffers = Vec::with_capacity(st.buffers.len());
     for b in &st.buffers {
-        buffers.push((b.name.clone(), Tensor::from_f32_vec(b.data.clone(), &b.shape, DType::F32)?));
+        buffers.push((
+            b.name.clone(),
+            Tensor::from_f32_vec(b.data.clone(), &b.shape, DType::F32)?,
+        ));
     }
     save_safetensors(&dir.join("optimizer.safetensors"), &buffers, None)?;
     let state = json!({
@@ -60,12 +72,16 @@ pub fn save_checkpoint(dir: &Path, model: &dyn Module, opt: &dyn Optimizer, epoc
         "classes": info.classes,
         "seed": info.seed,
     });
-    let text = serde_json::to_string_pretty(&state).map_err(|e| Error::Msg(format!("state.json: {e}")))?;
+    let text =
+        serde_json::to_string_pretty(&state).map_err(|e| Error::Msg(format!("state.json: {e}")))?;
     atomic_write(&dir.join("state.json"), text.as_bytes())
 }
 
 fn field<'a>(path: &Path, v: &'a Value, key: &str) -> Result<&'a Value> {
-    v.get(key).ok_or_else(|| Error::Data { path: path.display().to_string(), msg: format!("missing field {key:?}") })
+    v.get(key).ok_or_else(|| Error::Data {
+        path: path.display().to_string(),
+        msg: format!("missing field {key:?}"),
+    })
 }
 
 /// Reads the checkpoint in `dir`.
@@ -75,34 +91,59 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         path: state_path.display().to_string(),
         source: e,
     })?;
-    let bad = |msg: String| Error::Data { path: state_path.display().to_string(), msg };
+    let bad = |msg: String| Error::Data {
+        path: state_path.display().to_string(),
+        msg,
+    };
     let v: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
     let as_usize = |key: &str| -> Result<usize> {
-        field(&state_path, &v, key)?.as_u64().map(|x| x as usize).ok_or_else(|| bad(format!("{key} is not a number")))
+        field(&state_path, &v, key)?
+            .as_u64()
+            .map(|x| x as usize)
+            .ok_or_else(|| bad(format!("{key} is not a number")))
     };
     let as_str = |key: &str| -> Result<String> {
-        field(&state_path, &v, key)?.as_str().map(str::to_string).ok_or_else(|| bad(format!("{key} is not a string")))
+        field(&state_path, &v, key)?
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| bad(format!("{key} is not a string")))
     };
     let shape: Vec<usize> = field(&state_path, &v, "input_shape")?
         .as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_u64().map(|x| x as usize)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64().map(|x| x as usize))
+                .collect()
+        })
         .unwrap_or_default();
-    let input_shape: [usize; 3] = shape.try_into().map_err(|_| bad("input_shape is not [C, H, W]".into()))?;
+    let input_shape: [usize; 3] = shape
+        .try_into()
+        .map_err(|_| bad("input_shape is not [C, H, W]".into()))?;
     let info = RunInfo {
         model: as_str("model")?,
         dataset: as_str("dataset")?,
-        data_dir: v.get("data_dir").and_then(|d| d.as_str()).map(PathBuf::from),
+        data_dir: v
+            .get("data_dir")
+            .and_then(|d| d.as_str())
+            .map(PathBuf::from),
         input_shape,
         classes: as_usize("classes")?,
-        seed: field(&state_path, &v, "seed")?.as_u64().ok_or_else(|| bad("seed is not a number".into()))?,
+        seed: field(&state_path, &v, "seed")?
+            .as_u64()
+            .ok_or_else(|| bad("seed is not a number".into()))?,
     };
     let scalars = field(&state_path, &v, "optimizer_scalars")?
         .as_array()
         .ok_or_else(|| bad("optimizer_scalars is not a list".into()))?
         .iter()
-        .map(|p| match (p.get(0).and_then(|k| k.as_str()), p.get(1).and_then(|x| x.as_f64())) {
-            (Some(k), Some(x)) => Ok((k.to_string(), x)),
-            _ => Err(bad(format!("bad optimizer scalar {p}"))),
+        .map(|p| {
+            match (
+                p.get(0).and_then(|k| k.as_str()),
+                p.get(1).and_then(|x| x.as_f64()),
+            ) {
+                (Some(k), Some(x)) => Ok((k.to_string(), x)),
+                _ => Err(bad(format!("bad optimizer scalar {p}"))),
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     let (model, _) = load_safetensors(&dir.join("model.safetensors"))?;
@@ -114,15 +155,27 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         .ok_or_else(|| bad("optimizer_buffers is not a list".into()))?;
     let mut buffers = Vec::with_capacity(order.len());
     for name in order {
-        let name = name.as_str().ok_or_else(|| bad("optimizer buffer name is not a string".into()))?;
-        let t = by_name
-            .get(name)
-            .ok_or_else(|| bad(format!("optimizer buffer {name:?} missing from optimizer.safetensors")))?;
-        buffers.push(StateBuffer { name: name.to_string(), shape: t.shape().to_vec(), data: t.to_vec_f32() });
+        let name = name
+            .as_str()
+            .ok_or_else(|| bad("optimizer buffer name is not a string".into()))?;
+        let t = by_name.get(name).ok_or_else(|| {
+            bad(format!(
+                "optimizer buffer {name:?} missing from optimizer.safetensors"
+            ))
+        })?;
+        buffers.push(StateBuffer {
+            name: name.to_string(),
+            shape: t.shape().to_vec(),
+            data: t.to_vec_f32(),
+        });
     }
     Ok(Checkpoint {
         model,
-        optimizer: OptimizerState { optimizer: as_str("optimizer")?, scalars, buffers },
+        optimizer: OptimizerState {
+            optimizer: as_str("optimizer")?,
+            scalars,
+            buffers,
+        },
         epochs_done: as_usize("epochs_done")?,
         info,
     })

@@ -41,7 +41,10 @@ impl OptimizerKind {
             "sgd" => Ok(OptimizerKind::Sgd),
             "adam" => Ok(OptimizerKind::Adam),
             "adamw" => Ok(OptimizerKind::AdamW),
-            _ => Err(Error::arg("optimizer", format!("unknown optimizer {s:?} (sgd, adam, adamw)"))),
+            _ => Err(Error::arg(
+                "optimizer",
+                format!("unknown optimizer {s:?} (sgd, adam, adamw)"),
+            )),
         }
     }
 }
@@ -95,13 +98,21 @@ pub fn build_optimizer(cfg: &TrainConfig, params: Vec<Tensor>) -> Result<Box<dyn
         )?),
         OptimizerKind::Adam => Box::new(Adam::new(
             params,
-            AdamConfig { lr: cfg.lr, weight_decay: cfg.weight_decay.unwrap_or(0.0), ..Default::default() },
+            AdamConfig {
+                lr: cfg.lr,
+                weight_decay: cfg.weight_decay.unwrap_or(0.0),
+                ..Default::default()
+            },
         )?),
         OptimizerKind::AdamW => {
             let d = AdamWConfig::default();
             Box::new(AdamW::new(
                 params,
-                AdamWConfig { lr: cfg.lr, weight_decay: cfg.weight_decay.unwrap_or(d.weight_decay), ..d },
+                AdamWConfig {
+                    lr: cfg.lr,
+                    weight_decay: cfg.weight_decay.unwrap_or(d.weight_decay),
+                    ..d
+                },
             )?)
         }
     })
@@ -111,13 +122,34 @@ pub fn build_optimizer(cfg: &TrainConfig, params: Vec<Tensor>) -> Result<Box<dyn
 #[derive(Clone, Debug)]
 pub enum Event {
     /// The run starts (or resumes) at `first_epoch` (1-based) of `epochs`.
-    Start { first_epoch: usize, epochs: usize, batches_per_epoch: usize },
+    Start {
+        first_epoch: usize,
+        epochs: usize,
+        batches_per_epoch: usize,
+    },
     /// A batch finished.
-    Batch { epoch: usize, batch: usize, loss: f64, images: usize },
+    Batch {
+        epoch: usize,
+        batch: usize,
+        loss: f64,
+        images: usize,
+    },
     /// Every `log_every` batches: the mean loss since the last log line.
-    Log { epoch: usize, step: usize, loss: f64, lr: f64, images_per_s: f64 },
+    Log {
+        epoch: usize,
+        step: usize,
+        loss: f64,
+        lr: f64,
+        images_per_s: f64,
+    },
     /// An epoch finished and the test set was evaluated.
-    Epoch { epoch: usize, train_loss: f64, test_accuracy: f64, seconds: f64, images_per_s: f64 },
+    Epoch {
+        epoch: usize,
+        train_loss: f64,
+        test_accuracy: f64,
+        seconds: f64,
+        images_per_s: f64,
+    },
 }
 
 /// What a run achieved.
@@ -196,7 +228,11 @@ pub fn train(
         first_epoch = ck.epochs_done + 1;
     }
     let last = cfg.stop_after.map_or(cfg.epochs, |s| s.min(cfg.epochs));
-    on_event(&Event::Start { first_epoch, epochs: cfg.epochs, batches_per_epoch: train.num_batches() });
+    on_event(&Event::Start {
+        first_epoch,
+        epochs: cfg.epochs,
+        batches_per_epoch: train.num_batches(),
+    });
     let mut summary = Summary {
         epochs_run: 0,
         last_epoch: first_epoch.saturating_sub(1),
@@ -209,7 +245,8 @@ pub fn train(
     for epoch in first_epoch..=last {
         let start = Instant::now();
         let (mut epoch_loss, mut epoch_batches, mut epoch_images) = (0.0, 0usize, 0usize);
-        let (mut log_loss, mut log_batches, mut log_images, mut log_start) = (0.0, 0usize, 0usize, Instant::now());
+        let (mut log_loss, mut log_batches, mut log_images, mut log_start) =
+            (0.0, 0usize, 0usize, Instant::now());
         for (b, batch) in train.epoch(epoch as u64 - 1).enumerate() {
             let batch = batch?;
             opt.zero_grad();
@@ -232,7 +269,12 @@ pub fn train(
             log_loss += lv;
             log_batches += 1;
             log_images += n;
-            on_event(&Event::Batch { epoch, batch: b + 1, loss: lv, images: n });
+            on_event(&Event::Batch {
+                epoch,
+                batch: b + 1,
+                loss: lv,
+                images: n,
+            });
             if (b + 1) % cfg.log_every == 0 {
                 let secs = log_start.elapsed().as_secs_f64();
                 on_event(&Event::Log {
