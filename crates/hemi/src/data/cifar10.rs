@@ -110,7 +110,7 @@ impl Cifar10 {
                 format!("empty file: expected records of {rec} bytes"),
             ));
         }
-        if bytes.len() % rec != 0 {
+        if !bytes.len().is_multiple_of(rec) {
             return Err(data_error(
                 path,
                 format!(

@@ -15,6 +15,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{CpuStorage, Tensor};
 
+/// Tensors with their names, in file or `state_dict` order.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
 fn io_err(path: &Path, source: std::io::Error) -> Error {
     Error::Io {
         path: path.display().to_string(),
@@ -105,7 +108,7 @@ pub fn save_safetensors(
 pub fn from_safetensors_bytes(
     what: &str,
     data: &[u8],
-) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+) -> Result<(NamedTensors, HashMap<String, String>)> {
     let bad = |msg: String| Error::Data {
         path: what.to_string(),
         msg,
@@ -172,7 +175,7 @@ pub fn from_safetensors_bytes(
 }
 
 /// Loads named tensors (and metadata) from a safetensors file.
-pub fn load_safetensors(path: &Path) -> Result<(Vec<(String, Tensor)>, HashMap<String, String>)> {
+pub fn load_safetensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String>)> {
     let data = fs::read(path).map_err(|e| io_err(path, e))?;
     from_safetensors_bytes(&path.display().to_string(), &data)
 }

@@ -22,7 +22,10 @@ impl Conv2d {
         bias: bool,
         rng: &mut Generator,
     ) -> Result<Self> {
-        if opts.groups == 0 || in_channels % opts.groups != 0 || out_channels % opts.groups != 0 {
+        if opts.groups == 0
+            || !in_channels.is_multiple_of(opts.groups)
+            || !out_channels.is_multiple_of(opts.groups)
+        {
             return Err(Error::arg(
                 "Conv2d",
                 format!(

@@ -223,10 +223,9 @@ impl Unary {
             Unary::Log => x.ln(),
             Unary::Sqrt => x.sqrt(),
             Unary::Abs => x.abs(),
+            // NaN stays NaN (NaN > 0 is false, so test it first).
             Unary::Relu => {
-                if x > C::zero() {
-                    x
-                } else if x.is_nan() {
+                if x > C::zero() || x.is_nan() {
                     x
                 } else {
                     C::zero()

@@ -130,7 +130,7 @@ impl Tensor {
         dtype: DType,
         rng: &mut Generator,
     ) -> Result<Tensor> {
-        if !(lo <= hi) {
+        if lo.partial_cmp(&hi).is_none_or(|o| o.is_gt()) {
             return Err(Error::arg(
                 "rand",
                 format!("need lo <= hi, got {lo} and {hi}"),
@@ -149,7 +149,7 @@ impl Tensor {
         dtype: DType,
         rng: &mut Generator,
     ) -> Result<Tensor> {
-        if !(std >= 0.0) {
+        if std.is_nan() || std < 0.0 {
             return Err(Error::arg("randn", format!("std must be >= 0, got {std}")));
         }
         let n: usize = shape.iter().product();

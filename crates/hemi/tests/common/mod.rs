@@ -104,7 +104,7 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: Tol) {
         }
         let err = (g - w).abs();
         let excess = err / (tol.atol + tol.rtol * w.abs());
-        if !(excess <= 1.0) && worst.is_none_or(|(_, e)| excess > e) {
+        if (excess.is_nan() || excess > 1.0) && worst.is_none_or(|(_, e)| excess > e) {
             worst = Some((i, excess));
         }
     }
