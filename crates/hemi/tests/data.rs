@@ -908,8 +908,10 @@ fn measure_cifar_jpeg_loading() {
 #[test]
 #[ignore = "measurement: synthetic generation time"]
 fn measure_synthetic_generation() {
+    let train_len = std::env::var("HEMI_SYNTHETIC_TRAIN_LEN")
+        .map_or(Synthetic::DEFAULT_TRAIN_LEN, |s| s.parse().unwrap());
     let start = std::time::Instant::now();
-    let train = Synthetic::generate(0, Split::Train, Synthetic::DEFAULT_TRAIN_LEN);
+    let train = Synthetic::generate(0, Split::Train, train_len);
     let test = Synthetic::generate(0, Split::Test, Synthetic::DEFAULT_TEST_LEN);
     eprintln!(
         "synthetic {} + {} images in {:.3} s",
