@@ -843,8 +843,36 @@ fn cifar_jpeg_dir() -> Option<PathBuf> {
     Some(dir)
 }
 
-/// Loader throughput on a data set: images/s delivered over one epoch.
-fn throughput(set: Arc<dyn Dataset>, workers: usize, transform: Transform) -> f64 {
+/// CPU seconds this process has used (user + system), from /proc/self/stat (Linux): the
+/// machine is shared, so images per CPU-second is the figure that does not depend on load.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    if f.len() < 13 {
+        return f64::NAN;
+    }
+    (f[11] + f[12]) / 100.0 // USER_HZ is 100 on Linux
+}
+
+/// Runs `f` over `n` images and prints wall and CPU rates.
+fn report(what: &str, n: usize, f: impl FnOnce()) {
+    let (wall, cpu) = (std::time::Instant::now(), cpu_seconds());
+    f();
+    let (wall, cpu) = (wall.elapsed().as_secs_f64(), cpu_seconds() - cpu);
+    eprintln!(
+        "{what}: {n} images in {wall:.2} s wall, {cpu:.2} s CPU: {:.0} images/s, {:.0} images per CPU-second",
+        n as f64 / wall,
+        n as f64 / cpu
+    );
+}
+
+/// Drains one epoch of a loader over `set`.
+fn drain(set: Arc<dyn Dataset>, workers: usize, transform: Transform) -> usize {
     let loader = DataLoader::new(
         set,
         LoaderConfig {
@@ -855,12 +883,7 @@ fn throughput(set: Arc<dyn Dataset>, workers: usize, transform: Transform) -> f6
         },
     )
     .unwrap();
-    let start = std::time::Instant::now();
-    let mut n = 0;
-    for b in loader.epoch(0) {
-        n += b.unwrap().len();
-    }
-    n as f64 / start.elapsed().as_secs_f64()
+    loader.epoch(0).map(|b| b.unwrap().len()).sum()
 }
 
 #[test]
@@ -878,45 +901,59 @@ fn measure_cifar_jpeg_loading() {
         start.elapsed().as_secs_f64()
     );
     assert_eq!(folder.class_names(), CIFAR10_CLASSES);
-    let start = std::time::Instant::now();
-    let train = folder.load().unwrap();
-    eprintln!(
-        "decode all (rayon, {} threads): {:.2} s, {:.0} images/s",
-        rayon::current_num_threads(),
-        start.elapsed().as_secs_f64(),
-        train.len() as f64 / start.elapsed().as_secs_f64()
+    let n = folder.len();
+    let folder: Arc<dyn Dataset> = Arc::new(folder);
+    let aug = Transform::cifar_train_augment;
+    report(
+        "lazy JPEG decode in 2 workers, crop+flip+normalize",
+        n,
+        || {
+            assert_eq!(drain(folder.clone(), 2, aug()), n);
+        },
     );
+    let mut train = None;
+    report(
+        &format!(
+            "decode all (rayon, {} threads)",
+            rayon::current_num_threads()
+        ),
+        n,
+        || {
+            let f = ImageFolder::open(&dir.join("train")).unwrap();
+            train = Some(f.load().unwrap());
+        },
+    );
+    let train = train.unwrap();
     assert_eq!(train.class_counts(), [5000; 10]);
     let train: Arc<dyn Dataset> = Arc::new(train);
-    let folder: Arc<dyn Dataset> = Arc::new(folder);
     for workers in [0, 1, 2] {
-        eprintln!(
-            "in memory, {workers} workers, crop+flip+normalize: {:.0} images/s",
-            throughput(train.clone(), workers, Transform::cifar_train_augment())
+        report(
+            &format!("in memory, {workers} workers, crop+flip+normalize"),
+            n,
+            || assert_eq!(drain(train.clone(), workers, aug()), n),
         );
     }
-    eprintln!(
-        "in memory, 2 workers, normalize only: {:.0} images/s",
-        throughput(train.clone(), 2, Transform::to_tensor_normalize_half())
-    );
-    eprintln!(
-        "lazy JPEG decode in 2 workers, crop+flip+normalize: {:.0} images/s",
-        throughput(folder, 2, Transform::cifar_train_augment())
-    );
+    report("in memory, 2 workers, normalize only", n, || {
+        drain(train.clone(), 2, Transform::to_tensor_normalize_half());
+    });
 }
 
 #[test]
 #[ignore = "measurement: synthetic generation time"]
 fn measure_synthetic_generation() {
-    let start = std::time::Instant::now();
-    let train = Synthetic::generate(0, Split::Train, Synthetic::DEFAULT_TRAIN_LEN);
-    let test = Synthetic::generate(0, Split::Test, Synthetic::DEFAULT_TEST_LEN);
-    eprintln!(
-        "synthetic {} + {} images in {:.3} s",
-        train.len(),
-        test.len(),
-        start.elapsed().as_secs_f64()
-    );
+    let train_len = std::env::var("HEMI_SYNTHETIC_TRAIN_LEN")
+        .map_or(Synthetic::DEFAULT_TRAIN_LEN, |s| s.parse().unwrap());
+    let (mut train, mut test) = (None, None);
+    let n = train_len + Synthetic::DEFAULT_TEST_LEN;
+    report("synthetic generation (rayon)", n, || {
+        train = Some(Synthetic::generate(0, Split::Train, train_len));
+        test = Some(Synthetic::generate(
+            0,
+            Split::Test,
+            Synthetic::DEFAULT_TEST_LEN,
+        ));
+    });
+    let (train, test) = (train.unwrap(), test.unwrap());
     // HEMI_SYNTHETIC_OUT=DIR also writes them in CIFAR-10's binary layout (for checking
     // the set's difficulty with another framework).
     if let Some(out) = std::env::var_os("HEMI_SYNTHETIC_OUT") {
@@ -931,4 +968,29 @@ fn measure_synthetic_generation() {
             write(&out.join(name), &bytes);
         }
     }
+}
+
+#[test]
+#[ignore = "check on the real Fashion-MNIST files (HEMI_FASHION_MNIST=DIR of the .gz files)"]
+fn measure_fashion_mnist() {
+    let Some(dir) = std::env::var_os("HEMI_FASHION_MNIST") else {
+        eprintln!("HEMI_FASHION_MNIST not set");
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let mut sets = Vec::new();
+    report(
+        "Fashion-MNIST train + test (gunzip + check)",
+        70_000,
+        || {
+            for split in [Split::Train, Split::Test] {
+                sets.push(MnistKind::FashionMnist.load(&dir, split).unwrap());
+            }
+        },
+    );
+    assert_eq!(sets[0].len(), 60_000);
+    assert_eq!(sets[1].len(), 10_000);
+    assert_eq!(sets[0].image_shape(), [1, 28, 28]);
+    assert_eq!(sets[0].class_counts(), [6000; 10]);
+    assert_eq!(sets[1].class_counts(), [1000; 10]);
 }

@@ -2,12 +2,19 @@
 //! so that training runs on a fresh machine with no data.
 //!
 //! A class is a shape or texture — stripes at four orientations, concentric rings, a disc,
-//! a square, a cross, a checkerboard, a triangle — drawn at a random position, size,
+//! a square, a cross, a checkerboard, a triangle — drawn large, at a random position, size,
 //! rotation (within its class), phase and period, in random foreground and background
-//! colours over a random gradient, with 1-3 small distractor blobs, sometimes a distractor
+//! colours over a random gradient, with 0-2 small distractor blobs, sometimes a distractor
 //! line, and pixel noise on top. Colour and brightness carry no class information and
 //! stripes of random phase average out, so no linear function of the pixels separates the
-//! classes well: a CNN has to learn oriented edges and shapes over a few epochs.
+//! classes well: a CNN has to learn oriented edges and shapes.
+//!
+//! Measured with PyTorch on the documents' recipe (CifarNet, SGD lr 0.001 momentum 0.9,
+//! batch 128, Normalize 0.5/0.5) on the default 10,000 training images: test accuracy
+//! 11 / 17 / 46 / 70 / 81 % after epochs 1 / 3 / 5 / 7 / 10 — a plateau of a few epochs,
+//! then steady learning — while a linear classifier on the pixels (Adam, 20 epochs) stays
+//! at 17-20 %. The patterns are large because with only ~80 small SGD steps per epoch,
+//! smaller ones left the network on its initial plateau for all ten epochs (20-27 %).
 //!
 //! Image `i` of a split is drawn from its own generator seeded by (seed, split, i), so the
 //! set is generated in parallel and is the same whatever the thread count; labels are
@@ -38,8 +45,10 @@ pub const SYNTHETIC_CLASSES: [&str; 10] = [
 pub struct Synthetic;
 
 impl Synthetic {
-    /// Default training-set size: 10 epochs of CifarNet take about 3 minutes on 2 cores.
-    pub const DEFAULT_TRAIN_LEN: usize = 5_000;
+    /// Default training-set size: 10 epochs of CifarNet are 100,000 images, under 2 minutes
+    /// at the ~1,000 images/s of PyTorch on 2 cores (about 3 minutes at 600 images/s), and
+    /// 780 SGD steps, enough at lr 0.001 to get well past the initial plateau.
+    pub const DEFAULT_TRAIN_LEN: usize = 10_000;
     /// Default test-set size.
     pub const DEFAULT_TEST_LEN: usize = 1_000;
     /// Image side in pixels.
@@ -111,9 +120,9 @@ impl Pattern {
         .to_radians();
         Pattern {
             class,
-            cx: rng.uniform(10.0, 22.0) as f32,
-            cy: rng.uniform(10.0, 22.0) as f32,
-            r: rng.uniform(7.0, 11.0) as f32,
+            cx: rng.uniform(12.0, 20.0) as f32,
+            cy: rng.uniform(12.0, 20.0) as f32,
+            r: rng.uniform(9.0, 13.0) as f32,
             cos: angle.cos(),
             sin: angle.sin(),
             period: rng.uniform(4.0, 7.0) as f32,
@@ -128,7 +137,7 @@ impl Pattern {
         let u = dx * self.cos + dy * self.sin;
         let v = -dx * self.sin + dy * self.cos;
         let rho = (dx * dx + dy * dy).sqrt();
-        let window = cover(rho - (self.r + 3.0));
+        let window = cover(rho - (self.r + 4.0));
         // A soft square wave: sharper than a sine, so stripes read as edges.
         let wave =
             |t: f32| (0.5 + 1.5 * (2.0 * PI * t / self.period + self.phase).sin()).clamp(0.0, 1.0);
@@ -181,20 +190,23 @@ fn render(seed: u64, split: Split, index: usize, dst: &mut [u8]) {
     let mut rng = Generator::new(mix_seed(&[seed, split_tag, index as u64]));
     let class = index % 10;
 
-    // Colours: the foreground differs from the background in brightness by at least 60 of
-    // 255 (redrawn until it does), either darker or lighter.
+    // Colours: a random background, and a foreground brighter or darker by 70-130 in every
+    // channel (towards the side with more room), its hue shifted by up to +-30 per
+    // channel. The shape's edges then have one sign in all three channels, as edges in
+    // photographs mostly do, while colour and polarity still say nothing about the class.
     let bg = random_colour(&mut rng);
-    let fg = loop {
-        let c = random_colour(&mut rng);
-        if (luma(c) - luma(bg)).abs() >= 60.0 {
-            break c;
-        }
-    };
-    let grad = [rng.uniform(-1.5, 1.5) as f32, rng.uniform(-1.5, 1.5) as f32];
+    let sign = if luma(bg) < 127.5 { 1.0 } else { -1.0 };
+    let contrast = rng.uniform(70.0, 130.0) as f32;
+    let fg = [0, 1, 2].map(|c| {
+        let hue = rng.uniform(-30.0, 30.0) as f32;
+        (bg[c] + sign * contrast + hue).clamp(0.0, 255.0)
+    });
+    let grad = [rng.uniform(-1.0, 1.0) as f32, rng.uniform(-1.0, 1.0) as f32];
     let pattern = Pattern::draw(class, &mut rng);
 
-    // Distractors: 1-3 small blobs and, half the time, a thin line, in their own colours.
-    let blobs: Vec<(f32, f32, f32, [f32; 3])> = (0..1 + rng.below(3))
+    // Distractors: 0-2 small blobs and, a third of the time, a thin line, in their own
+    // colours.
+    let blobs: Vec<(f32, f32, f32, [f32; 3])> = (0..rng.below(3))
         .map(|_| {
             (
                 rng.uniform(0.0, S as f64) as f32,
@@ -204,7 +216,7 @@ fn render(seed: u64, split: Split, index: usize, dst: &mut [u8]) {
             )
         })
         .collect();
-    let line = (rng.uniform_f64() < 0.5).then(|| {
+    let line = (rng.uniform_f64() < 1.0 / 3.0).then(|| {
         let a = rng.uniform(0.0, PI as f64) as f32;
         let (px, py) = (
             rng.uniform(0.0, S as f64) as f32,
@@ -230,7 +242,7 @@ fn render(seed: u64, split: Split, index: usize, dst: &mut [u8]) {
                 px = [0, 1, 2].map(|c| px[c] + k * (col[c] - px[c]));
             }
             for (c, &v) in px.iter().enumerate() {
-                let noisy = v + 12.0 * rng.normal() as f32;
+                let noisy = v + 8.0 * rng.normal() as f32;
                 dst[c * plane + y * S + x] = noisy.round().clamp(0.0, 255.0) as u8;
             }
         }
