@@ -1,6 +1,6 @@
 //! The Conv2d layer.
 
-use super::{init, param, Kind, Module, Slot};
+use super::{init, param, weight_bias, weight_bias_mut, Kind, Module, Slot};
 use crate::error::{Error, Result};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
@@ -51,27 +51,9 @@ impl Module for Conv2d {
         x.conv2d(&self.weight, self.bias.as_ref(), self.opts)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = vec![("weight".to_string(), &self.weight, Kind::Parameter, false)];
-        if let Some(b) = &self.bias {
-            v.push(("bias".to_string(), b, Kind::Parameter, false));
-        }
-        v
+        weight_bias(&self.weight, self.bias.as_ref(), false)
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = vec![Slot {
-            name: "weight".into(),
-            tensor: &mut self.weight,
-            kind: Kind::Parameter,
-            is_norm: false,
-        }];
-        if let Some(b) = &mut self.bias {
-            v.push(Slot {
-                name: "bias".into(),
-                tensor: b,
-                kind: Kind::Parameter,
-                is_norm: false,
-            });
-        }
-        v
+        weight_bias_mut(&mut self.weight, self.bias.as_mut(), false)
     }
 }

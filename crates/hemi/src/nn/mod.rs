@@ -181,6 +181,35 @@ pub fn prefixed_mut<'a>(prefix: &str, v: Vec<Slot<'a>>) -> Vec<Slot<'a>> {
         .collect()
 }
 
+/// The named tensors of a layer with a `weight` and an optional `bias` (Linear, Conv2d,
+/// the norms), in PyTorch's order.
+pub(crate) fn weight_bias<'a>(
+    weight: &'a Tensor,
+    bias: Option<&'a Tensor>,
+    is_norm: bool,
+) -> Vec<(String, &'a Tensor, Kind, bool)> {
+    let mut v = vec![("weight".to_string(), weight, Kind::Parameter, is_norm)];
+    v.extend(bias.map(|b| ("bias".to_string(), b, Kind::Parameter, is_norm)));
+    v
+}
+
+/// `weight_bias`, mutable.
+pub(crate) fn weight_bias_mut<'a>(
+    weight: &'a mut Tensor,
+    bias: Option<&'a mut Tensor>,
+    is_norm: bool,
+) -> Vec<Slot<'a>> {
+    let slot = |name: &str, tensor| Slot {
+        name: name.into(),
+        tensor,
+        kind: Kind::Parameter,
+        is_norm,
+    };
+    let mut v = vec![slot("weight", weight)];
+    v.extend(bias.map(|b| slot("bias", b)));
+    v
+}
+
 /// A parameter leaf.
 pub(crate) fn param(t: Tensor) -> Result<Tensor> {
     t.set_requires_grad(true)?;

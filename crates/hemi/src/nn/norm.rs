@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{param, Kind, Module, Slot};
+use super::{param, weight_bias, weight_bias_mut, Kind, Module, Slot};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -59,9 +59,8 @@ impl Module for BatchNorm2d {
         self.training.store(training, Ordering::Relaxed);
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        vec![
-            ("weight".into(), &self.weight, Kind::Parameter, true),
-            ("bias".into(), &self.bias, Kind::Parameter, true),
+        let mut v = weight_bias(&self.weight, Some(&self.bias), true);
+        v.extend([
             (
                 "running_mean".into(),
                 &self.running_mean,
@@ -75,41 +74,21 @@ impl Module for BatchNorm2d {
                 Kind::Buffer,
                 true,
             ),
-        ]
+        ]);
+        v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        vec![
-            Slot {
-                name: "weight".into(),
-                tensor: &mut self.weight,
-                kind: Kind::Parameter,
-                is_norm: true,
-            },
-            Slot {
-                name: "bias".into(),
-                tensor: &mut self.bias,
-                kind: Kind::Parameter,
-                is_norm: true,
-            },
-            Slot {
-                name: "running_mean".into(),
-                tensor: &mut self.running_mean,
-                kind: Kind::Buffer,
-                is_norm: true,
-            },
-            Slot {
-                name: "running_var".into(),
-                tensor: &mut self.running_var,
-                kind: Kind::Buffer,
-                is_norm: true,
-            },
-            Slot {
-                name: "num_batches_tracked".into(),
-                tensor: &mut self.num_batches_tracked,
-                kind: Kind::Buffer,
-                is_norm: true,
-            },
-        ]
+        let mut v = weight_bias_mut(&mut self.weight, Some(&mut self.bias), true);
+        let buffer = |name: &str, tensor| Slot {
+            name: name.into(),
+            tensor,
+            kind: Kind::Buffer,
+            is_norm: true,
+        };
+        v.push(buffer("running_mean", &mut self.running_mean));
+        v.push(buffer("running_var", &mut self.running_var));
+        v.push(buffer("num_batches_tracked", &mut self.num_batches_tracked));
+        v
     }
 }
 
@@ -142,25 +121,9 @@ impl Module for LayerNorm {
         )
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        vec![
-            ("weight".into(), &self.weight, Kind::Parameter, true),
-            ("bias".into(), &self.bias, Kind::Parameter, true),
-        ]
+        weight_bias(&self.weight, Some(&self.bias), true)
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        vec![
-            Slot {
-                name: "weight".into(),
-                tensor: &mut self.weight,
-                kind: Kind::Parameter,
-                is_norm: true,
-            },
-            Slot {
-                name: "bias".into(),
-                tensor: &mut self.bias,
-                kind: Kind::Parameter,
-                is_norm: true,
-            },
-        ]
+        weight_bias_mut(&mut self.weight, Some(&mut self.bias), true)
     }
 }
