@@ -94,53 +94,30 @@ pub fn matmul_into_par<C: Real>(
         gemm::Parallelism::None
     };
     // SAFETY: the asserts above keep every index the views address inside their slices,
-    // and `dst` holds m*n elements with row stride n; gemm reads/writes only those.
+    // and `dst` holds m*n elements with row stride n; gemm reads/writes only those. `gemm`
+    // dispatches on the element type at run time (f32 and f64 here).
     unsafe {
-        if C::DTYPE == crate::dtype::DType::F64 {
-            gemm::gemm::<f64>(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr() as *mut f64,
-                1,
-                n as isize,
-                accumulate,
-                a.data.as_ptr() as *const f64,
-                a.cs,
-                a.rs,
-                b.data.as_ptr() as *const f64,
-                b.cs,
-                b.rs,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        } else {
-            gemm::gemm::<f32>(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr() as *mut f32,
-                1,
-                n as isize,
-                accumulate,
-                a.data.as_ptr() as *const f32,
-                a.cs,
-                a.rs,
-                b.data.as_ptr() as *const f32,
-                b.cs,
-                b.rs,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+        gemm::gemm::<C>(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs,
+            a.rs,
+            b.data.as_ptr(),
+            b.cs,
+            b.rs,
+            C::one(),
+            C::one(),
+            false,
+            false,
+            false,
+            par,
+        );
     }
 }
 
