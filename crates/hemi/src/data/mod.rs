@@ -13,6 +13,7 @@
 
 mod cifar10;
 mod dataset;
+mod fetch;
 mod idx;
 mod image_folder;
 mod loader;
@@ -21,6 +22,9 @@ mod transforms;
 
 pub use cifar10::{Cifar10, CIFAR10_CLASSES};
 pub use dataset::{Dataset, Image, InMemoryDataset, Sample, Split};
+pub use fetch::{
+    fetch_archive, fetch_cifar10, unpack_cifar10, CIFAR10_BYTES, CIFAR10_SHA256, CIFAR10_URL,
+};
 pub use idx::{
     load_idx, read_idx_images, read_idx_labels, IdxImages, MnistKind, IDX_IMAGES_MAGIC,
     IDX_LABELS_MAGIC,
