@@ -155,34 +155,6 @@ impl PoolRef {
     }
 }
 
-/// Checks averages and gradient sums computed in F32 from the dtype's exact values and
-/// rounded once into `dtype`: at most `terms` additions (and one division) in F32 err by
-/// γ_terms·Σ|terms| (Higham §3.1; γ_n <= 1.01·n·u), the final store by u(dtype)·|result|
-/// or half a subnormal spacing. A factor 2 of slack; a wrong window errs by O(1).
-#[track_caller]
-fn assert_sums_close(
-    what: &str,
-    got: &[f64],
-    want: &[f64],
-    abs: &[f64],
-    terms: usize,
-    dtype: DType,
-) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let uc = u(DType::F32);
-    let tiny = dtype.finfo().unwrap().min_positive_subnormal / 2.0;
-    for i in 0..got.len() {
-        let bound = 2.0 * (1.01 * terms as f64 * uc * abs[i] + u(dtype) * want[i].abs() + tiny);
-        let err = (got[i] - want[i]).abs();
-        assert!(
-            err <= bound,
-            "{what}: element {i}: got {}, want {} (|err| {err:.3e} > bound {bound:.3e})",
-            got[i],
-            want[i]
-        );
-    }
-}
-
 /// Runs `op` forward and backward (output gradient `gy` through sum(y * gy)) on an input
 /// of `shape`, returning the reference, the output, the input's values and its gradient.
 fn run(

@@ -119,6 +119,42 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: Tol) {
     }
 }
 
+/// Checks sums (of products, or of pooled values) computed in the compute type (F32 for F32/F16/BF16) from the
+/// dtype's exact values and rounded once into `dtype`. A sum of at most `terms` products
+/// evaluated in F32 in any order (blocked GEMM, FMA or not, partial sums added later)
+/// errs by at most γ_terms·Σ|products|, γ_n = n·u/(1-n·u) <= 1.01·n·u while n·u < 0.01
+/// (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), u the F32 unit roundoff;
+/// storing into the dtype adds u(dtype)·|result|, or half a subnormal spacing near zero.
+/// The bound gets a factor 2 of slack; a wrong index or a missing term errs by O(1).
+#[track_caller]
+pub fn assert_sums_close(
+    what: &str,
+    got: &[f64],
+    want: &[f64],
+    abs: &[f64],
+    terms: usize,
+    dtype: DType,
+) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let uc = u(DType::F32);
+    assert!(
+        terms as f64 * uc < 0.01,
+        "{what}: too many terms for the bound"
+    );
+    let tiny = dtype.finfo().unwrap().min_positive_subnormal / 2.0;
+    for i in 0..got.len() {
+        let bound = 2.0 * (1.01 * terms as f64 * uc * abs[i] + u(dtype) * want[i].abs() + tiny);
+        let err = (got[i] - want[i]).abs();
+        assert!(
+            err <= bound,
+            "{what}: element {i} of {}: got {}, want {} (|err| {err:.3e} > bound {bound:.3e})",
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
 /// `n` values uniform in [lo, hi), rounded into `dtype` so that the reference sees exactly
 /// what the tensor holds.
 pub fn rand_values(n: usize, lo: f64, hi: f64, dtype: DType, rng: &mut Generator) -> Vec<f64> {
