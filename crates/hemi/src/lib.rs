@@ -6,6 +6,7 @@
 //! above them `nn` (layers), `optim` (optimizers), `data` (datasets and the loader),
 //! `io` (safetensors checkpoints) and `models` (CifarNet, MLP). See DESIGN.md for the precision contract.
 
+pub mod amp;
 pub mod autograd;
 pub mod cpu;
 pub mod data;

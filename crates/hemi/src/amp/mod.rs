@@ -1,0 +1,8 @@
+//! Mixed precision: autocast (the op policy table lives at the op entry layer,
+//! `crate::ops::autocast`, because every op consults it; it is re-exported here), loss
+//! scaling (`GradScaler`, PyTorch semantics plus hysteresis and min/max scale), F32 master
+//! weights for F16 models (`Fp16Optimizer`, apex's FP16_Optimizer) and the precision presets.
+
+pub mod master;
+pub mod rounding;
+pub mod scaler;
