@@ -104,7 +104,7 @@ impl GradScalerConfig {
             }
         }
         if let Some(m) = self.max_scale {
-            if !(m >= scale) {
+            if m.is_nan() || m < scale {
                 return bad(format!("max_scale must be >= the scale {scale}, got {m}"));
             }
         }
