@@ -139,6 +139,8 @@ fn sweep(
         ));
     }
     let _guard = no_grad();
+    // Backward ops compute in the dtypes the forward chose; autocast does not apply.
+    let _no_autocast = crate::ops::autocast::suspend();
     let order = reverse_topo(root);
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
     let mut captured = HashMap::new();

@@ -186,6 +186,11 @@ impl Tensor {
         bias: Option<&Tensor>,
         opts: Conv2dOptions,
     ) -> Result<Tensor> {
+        use super::autocast::{cast, cast_opt, target};
+        if let Some(dt) = target(OP, &[Some(self), Some(weight), bias]) {
+            let b = cast_opt(bias, dt)?;
+            return cast(self, dt)?.conv2d(&cast(weight, dt)?, b.as_ref(), opts);
+        }
         let geom = geometry(self.shape(), weight.shape(), bias.map(|b| b.shape()), &opts)?;
         let mut dtype = self.dtype().promote(weight.dtype());
         for t in [Some(self), Some(weight), bias].into_iter().flatten() {

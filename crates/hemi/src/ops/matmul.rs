@@ -282,6 +282,10 @@ impl Tensor {
     /// The output dtype is the promoted dtype of the operands; sums accumulate in F32 (F64
     /// for F64) and the result is rounded once. Integer operands are an error.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        use super::autocast::{cast, target};
+        if let Some(dt) = target("matmul", &[Some(self), Some(other)]) {
+            return cast(self, dt)?.matmul(&cast(other, dt)?);
+        }
         let (a, b) = (self, other);
         let shapes = format!("{:?} x {:?}", a.shape(), b.shape());
         require_float("matmul", a, &shapes)?;
@@ -322,6 +326,11 @@ impl Tensor {
     /// materialised; the bias is added before the single rounding of the result. The
     /// output dtype is the promoted dtype of all operands.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        use super::autocast::{cast, cast_opt, target};
+        if let Some(dt) = target("linear", &[Some(self), Some(weight), bias]) {
+            let b = cast_opt(bias, dt)?;
+            return cast(self, dt)?.linear(&cast(weight, dt)?, b.as_ref());
+        }
         let x = self;
         let shapes = format!(
             "input {:?}, weight {:?}{}",

@@ -407,6 +407,11 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "layer_norm";
         require_float(OP, "input", self)?;
+        if let Some(dt) = super::autocast::target(OP, &[Some(self), weight, bias]) {
+            use super::autocast::{cast, cast_opt};
+            let (w, b) = (cast_opt(weight, dt)?, cast_opt(bias, dt)?);
+            return cast(self, dt)?.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
+        }
         check_eps(OP, eps)?;
         let shape = self.shape().to_vec();
         let k = normalized_shape.len();

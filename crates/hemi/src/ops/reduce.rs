@@ -115,6 +115,9 @@ impl Tensor {
         if !self.dtype().is_float() {
             return Err(Error::dtype(op, self.dtype(), "expected a float tensor"));
         }
+        if let Some(dt) = super::autocast::target(op, &[Some(self)]) {
+            return super::autocast::cast(self, dt)?.sum_or_mean(dims, keepdim, mean);
+        }
         let dims = reduce_dims(op, dims, self.rank())?;
         let out_shape = reduced_shape(self.shape(), &dims, keepdim);
         let keep_shape = reduced_shape(self.shape(), &dims, true);

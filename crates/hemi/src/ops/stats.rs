@@ -305,6 +305,9 @@ impl Tensor {
     pub fn var(&self, dims: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
         let op = "var";
         require_float(op, self)?;
+        if let Some(dt) = super::autocast::target(op, &[Some(self)]) {
+            return super::autocast::cast(self, dt)?.var(dims, correction, keepdim);
+        }
         let dims = reduce_dims(op, dims, self.rank())?;
         let out_shape = reduced_shape(self.shape(), &dims, keepdim);
         let (p, outer, inner) = reduction_layout(self, &dims)?;

@@ -1,0 +1,271 @@
+//! Autocast: a thread-local, nestable scope in which every op picks its compute dtype from
+//! one policy table (PyTorch's `torch.autocast`, DESIGN.md "Autocast policy").
+//!
+//! ```
+//! use hemi::{amp::autocast, DType, Tensor};
+//! let x = Tensor::ones(&[2, 3], DType::F32).unwrap();
+//! let w = Tensor::ones(&[4, 3], DType::F32).unwrap();
+//! let y = {
+//!     let _ac = autocast(DType::F16);
+//!     x.linear(&w, None).unwrap()          // lower precision: F16 output
+//! };
+//! assert_eq!(y.dtype(), DType::F16);
+//! assert_eq!(y.softmax(-1).unwrap().dtype(), DType::F32); // outside the scope: as is
+//! ```
+//!
+//! Why the table lives at the op layer and not in `amp/`: every op entry point consults it
+//! (as PyTorch's Autocast dispatch key sits in front of every op), and an op may only use
+//! layers below it. `amp` re-exports the guard and the table.
+//!
+//! The policy of each op is in [`POLICY`]. Only two kinds of op do anything under
+//! autocast: lower-precision ops cast their F32/F16/BF16 inputs to the autocast dtype, FP32
+//! ops cast F16/BF16 inputs up to F32. F64 and integer inputs are never cast. Multi-input
+//! ops already promote to the widest float input (their rule outside autocast too), and
+//! pass-through ops keep their input dtypes. `batch_norm` keeps its input dtype and always
+//! computes its statistics in F32 (its parameters and running statistics stay F32): the
+//! FP32 batch-norm statistics of DESIGN.md, without an F32 copy of the activations.
+//!
+//! Casts of F32 leaf tensors that require grad (parameters) are cached for the life of the
+//! outermost scope: a weight used by several layers or time steps is converted once, and
+//! its gradient still flows back to the F32 parameter through the cast's backward. As in
+//! PyTorch, the cache assumes parameters do not change inside the scope: keep the
+//! optimizer step outside it. Backward passes run with autocast off.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::{Tensor, TensorId};
+
+/// What autocast does to an op's inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CastPolicy {
+    /// F32/F16/BF16 inputs are cast to the autocast dtype (GEMM-shaped ops).
+    LowerPrecision,
+    /// F16/BF16 inputs are cast up to F32; the output is F32 (ops whose range or
+    /// accumulation needs it: exp, log, pow, softmax, losses, norms, reductions).
+    Fp32,
+    /// Inputs keep their dtypes; the op computes its statistics in F32 and returns the
+    /// input's dtype (batch_norm).
+    Fp32Statistics,
+    /// Mixed float inputs promote to the widest one (the op's own rule).
+    Promote,
+    /// Inputs keep their dtypes (ops that do not change magnitudes or only move data).
+    PassThrough,
+}
+
+use CastPolicy::*;
+
+/// Every op of hemi and its autocast policy: the ops in `crate::ops` and the views and
+/// casts of `Tensor`. A test checks that each public op entry point appears here.
+pub const POLICY: &[(&str, CastPolicy)] = &[
+    // Lower precision.
+    ("matmul", LowerPrecision),
+    ("linear", LowerPrecision),
+    ("conv2d", LowerPrecision),
+    // FP32.
+    ("exp", Fp32),
+    ("log", Fp32),
+    ("pow_scalar", Fp32),
+    ("square", Fp32),
+    ("gelu", Fp32),
+    ("gelu_tanh", Fp32),
+    ("softmax", Fp32),
+    ("log_softmax", Fp32),
+    ("cross_entropy", Fp32),
+    ("nll_loss", Fp32),
+    ("mse_loss", Fp32),
+    ("layer_norm", Fp32),
+    ("sum", Fp32),
+    ("sum_all", Fp32),
+    ("sum_to_shape", Fp32),
+    ("mean", Fp32),
+    ("mean_all", Fp32),
+    ("var", Fp32),
+    // FP32 statistics, input dtype kept.
+    ("batch_norm", Fp32Statistics),
+    // Promote to the widest input.
+    ("add", Promote),
+    ("sub", Promote),
+    ("mul", Promote),
+    ("div", Promote),
+    ("maximum", Promote),
+    ("minimum", Promote),
+    ("where_cond", Promote),
+    ("cat", Promote),
+    ("stack", Promote),
+    // Pass through.
+    ("neg", PassThrough),
+    ("abs", PassThrough),
+    ("sqrt", PassThrough),
+    ("relu", PassThrough),
+    ("sigmoid", PassThrough),
+    ("tanh", PassThrough),
+    ("add_scalar", PassThrough),
+    ("mul_scalar", PassThrough),
+    ("div_scalar", PassThrough),
+    ("masked_fill", PassThrough),
+    ("dropout", PassThrough),
+    ("max", PassThrough),
+    ("min", PassThrough),
+    ("max_dim", PassThrough),
+    ("min_dim", PassThrough),
+    ("argmax", PassThrough),
+    ("argmin", PassThrough),
+    ("max_pool2d", PassThrough),
+    ("max_pool2d_with_indices", PassThrough),
+    ("avg_pool2d", PassThrough),
+    ("adaptive_avg_pool2d", PassThrough),
+    ("embedding", PassThrough),
+    ("index_select", PassThrough),
+    ("reshape", PassThrough),
+    ("flatten", PassThrough),
+    ("permute", PassThrough),
+    ("transpose", PassThrough),
+    ("t", PassThrough),
+    ("narrow", PassThrough),
+    ("broadcast_to", PassThrough),
+    ("squeeze", PassThrough),
+    ("unsqueeze", PassThrough),
+    ("contiguous", PassThrough),
+    ("to_dtype", PassThrough),
+];
+
+/// The policy of `op`, or `None` for a name that is not an op.
+pub fn policy(op: &str) -> Option<CastPolicy> {
+    POLICY.iter().find(|(n, _)| *n == op).map(|&(_, p)| p)
+}
+
+#[derive(Default)]
+struct State {
+    /// One entry per open scope: `Some(dtype)` enabled, `None` disabled.
+    scopes: Vec<Option<DType>>,
+    /// Casts of F32 parameters, alive until the outermost scope closes.
+    cache: HashMap<(TensorId, DType), Tensor>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+/// An open autocast scope; dropping it restores the enclosing one. Not `Send`: autocast is
+/// per thread.
+#[must_use = "autocast applies only while the guard is alive"]
+pub struct AutocastGuard {
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        // The guard may drop during unwinding; never panic here.
+        let cache = STATE.with(|s| {
+            let mut s = s.borrow_mut();
+            s.scopes.pop();
+            if s.scopes.is_empty() {
+                std::mem::take(&mut s.cache)
+            } else {
+                HashMap::new()
+            }
+        });
+        // Cached casts hold graph nodes; drop them outside the borrow.
+        drop(cache);
+    }
+}
+
+fn push(scope: Option<DType>) -> AutocastGuard {
+    STATE.with(|s| s.borrow_mut().scopes.push(scope));
+    AutocastGuard {
+        _not_send: PhantomData,
+    }
+}
+
+/// Opens an autocast scope to `dtype` (F16 or BF16) on this thread. Any other dtype opens a
+/// disabled scope: autocast to F32 means full precision (and F64 or I64 is not a
+/// lower-precision float type).
+pub fn autocast(dtype: DType) -> AutocastGuard {
+    autocast_enabled(dtype, true)
+}
+
+/// `autocast(dtype)` when `enabled`, else a scope with autocast off (PyTorch's
+/// `torch.autocast(..., enabled=False)`, which also switches off an enclosing scope).
+pub fn autocast_enabled(dtype: DType, enabled: bool) -> AutocastGuard {
+    let on = enabled && matches!(dtype, DType::F16 | DType::BF16);
+    push(on.then_some(dtype))
+}
+
+/// The dtype autocast casts to on this thread now, if a scope is enabled.
+pub fn autocast_dtype() -> Option<DType> {
+    STATE.with(|s| s.borrow().scopes.last().copied().flatten())
+}
+
+/// Whether an enabled autocast scope is open on this thread.
+pub fn is_autocast_enabled() -> bool {
+    autocast_dtype().is_some()
+}
+
+/// Casts of parameters held by the current outermost scope (for tests and diagnostics).
+pub fn cached_casts() -> usize {
+    STATE.with(|s| s.borrow().cache.len())
+}
+
+/// A disabled scope (backward passes run under one).
+pub(crate) fn suspend() -> AutocastGuard {
+    push(None)
+}
+
+/// The dtype `op`'s float inputs must be cast to under the current scope, or `None` when
+/// nothing is to be cast (no scope, or every eligible input already has that dtype).
+pub(crate) fn target(op: &'static str, inputs: &[Option<&Tensor>]) -> Option<DType> {
+    let ac = autocast_dtype()?;
+    let want = match policy(op) {
+        Some(LowerPrecision) => ac,
+        Some(Fp32) => DType::F32,
+        Some(Fp32Statistics | Promote | PassThrough) => return None,
+        None => {
+            debug_assert!(false, "op {op} has no autocast policy");
+            return None;
+        }
+    };
+    inputs
+        .iter()
+        .flatten()
+        .any(|t| eligible(t, want))
+        .then_some(want)
+}
+
+/// Whether autocast casts `t` to `want`: F32/F16/BF16 tensors of another dtype, except
+/// that FP32 ops leave F32 alone (F64 and integers are never touched).
+fn eligible(t: &Tensor, want: DType) -> bool {
+    let d = t.dtype();
+    d != want && matches!(d, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// `t` cast to `dtype` when eligible, else `t` itself. Casts of F32 leaves that require
+/// grad are cached for the outermost scope when the graph is being recorded (a cast made
+/// under `no_grad` carries no backward, so it is not reused).
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if !eligible(t, dtype) {
+        return Ok(t.clone());
+    }
+    let cacheable = t.dtype() == DType::F32
+        && t.is_leaf()
+        && t.requires_grad()
+        && crate::autograd::is_grad_enabled();
+    if !cacheable {
+        return t.to_dtype(dtype);
+    }
+    let key = (t.id(), dtype);
+    if let Some(c) = STATE.with(|s| s.borrow().cache.get(&key).cloned()) {
+        return Ok(c);
+    }
+    let c = t.to_dtype(dtype)?;
+    STATE.with(|s| s.borrow_mut().cache.insert(key, c.clone()));
+    Ok(c)
+}
+
+/// `cast` for an optional input.
+pub(crate) fn cast_opt(t: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
+    t.map(|t| cast(t, dtype)).transpose()
+}
