@@ -1,0 +1,132 @@
+//! Elementwise kernels over contiguous F32/F16/BF16 buffers that compute in F32 one
+//! L1-sized chunk at a time: half-precision inputs are converted inside the loop (F16C /
+//! the BF16 kernels of `dtype::convert`) and results rounded straight into the output
+//! buffer, so no full-size F32 copy of an input or of the result ever exists. F32 inputs
+//! are read in place. Chunks run in parallel.
+//!
+//! This keeps the memory of a half-precision training step at half-precision size: the
+//! backward of a ReLU over a [512, 64, 32, 32] F16 activation used to build three
+//! 128 MiB F32 vectors (gradient, saved input, result) before rounding.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::dtype::{convert, DType};
+use crate::tensor::{CpuStorage, Layout};
+
+/// Elements per chunk: 32 KiB of F32, three buffers fit in L1/L2 together.
+const CHUNK: usize = 8192;
+
+/// A read-only view of a contiguous float buffer.
+#[derive(Clone, Copy)]
+pub enum Src<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl<'a> Src<'a> {
+    /// The contiguous values of `storage` under `layout`, if the layout is one contiguous
+    /// run of an F32/F16/BF16 buffer.
+    pub fn of(storage: &'a CpuStorage, layout: &Layout) -> Option<Src<'a>> {
+        let r = layout.contiguous_range()?;
+        Some(match storage {
+            CpuStorage::F32(v) => Src::F32(&v[r]),
+            CpuStorage::F16(v) => Src::F16(&v[r]),
+            CpuStorage::BF16(v) => Src::BF16(&v[r]),
+            _ => return None,
+        })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Src::F32(v) => v.len(),
+            Src::F16(v) => v.len(),
+            Src::BF16(v) => v.len(),
+        }
+    }
+
+    /// Values `start..start + buf.len()` as F32: borrowed for F32, converted into `buf`
+    /// otherwise.
+    fn chunk<'b>(&'b self, start: usize, buf: &'b mut [f32]) -> &'b [f32] {
+        let end = start + buf.len();
+        match self {
+            Src::F32(v) => &v[start..end],
+            Src::F16(v) => {
+                convert::f16_to_f32(&v[start..end], buf);
+                buf
+            }
+            Src::BF16(v) => {
+                convert::bf16_to_f32(&v[start..end], buf);
+                buf
+            }
+        }
+    }
+}
+
+/// `out[i] = f(a[i])` for a chunk: `f` fills its second argument from its first.
+fn run<K>(n: usize, dtype: DType, kernel: K) -> Option<CpuStorage>
+where
+    K: Fn(usize, &mut [f32]) + Sync,
+{
+    // Each output chunk is computed into an F32 buffer (the output itself for F32) and
+    // rounded once into the output dtype.
+    Some(match dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; n];
+            out.par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(i, o)| kernel(i * CHUNK, o));
+            CpuStorage::F32(out)
+        }
+        DType::F16 => {
+            let mut out = vec![f16::ZERO; n];
+            out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+                let mut buf = [0f32; CHUNK];
+                let buf = &mut buf[..o.len()];
+                kernel(i * CHUNK, buf);
+                convert::f32_to_f16(buf, o);
+            });
+            CpuStorage::F16(out)
+        }
+        DType::BF16 => {
+            let mut out = vec![bf16::ZERO; n];
+            out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+                let mut buf = [0f32; CHUNK];
+                let buf = &mut buf[..o.len()];
+                kernel(i * CHUNK, buf);
+                convert::f32_to_bf16(buf, o);
+            });
+            CpuStorage::BF16(out)
+        }
+        _ => return None,
+    })
+}
+
+/// `out = f(a)` elementwise into a new buffer of `dtype` (F32, F16 or BF16); `f` maps a
+/// chunk of inputs to a chunk of outputs of the same length.
+pub fn map1(a: Src<'_>, dtype: DType, f: impl Fn(&[f32], &mut [f32]) + Sync) -> Option<CpuStorage> {
+    run(a.len(), dtype, |start, out| {
+        let mut ab = [0f32; CHUNK];
+        let av = a.chunk(start, &mut ab[..out.len()]);
+        f(av, out);
+    })
+}
+
+/// `out = f(a, b)` elementwise (equal lengths) into a new buffer of `dtype`.
+pub fn map2(
+    a: Src<'_>,
+    b: Src<'_>,
+    dtype: DType,
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
+) -> Option<CpuStorage> {
+    if a.len() != b.len() {
+        return None;
+    }
+    run(a.len(), dtype, |start, out| {
+        let (mut ab, mut bb) = ([0f32; CHUNK], [0f32; CHUNK]);
+        let av = a.chunk(start, &mut ab[..out.len()]);
+        let bv = b.chunk(start, &mut bb[..out.len()]);
+        f(av, bv, out);
+    })
+}
