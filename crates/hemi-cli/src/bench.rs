@@ -7,6 +7,12 @@
 //! - `hemi bench convert [--n 16777216]`: Gelem/s of hemi's bulk conversions
 //!   (`hemi::dtype::convert`) and of a scalar `half` loop, for F32↔F16 and F32↔BF16.
 //!
+//! - `hemi bench train [--model cifar-net] [--precision amp-fp16] [--batch-size 128]
+//!   [--steps 20]`: full training steps (forward, loss, backward, optimizer step with the
+//!   preset's loss scaling or master weights) on random data; images/s from the median step
+//!   time after two warm-up steps, and the process's peak resident memory. Run one preset
+//!   per process so that the peak memory is that preset's.
+//!
 //! `--json` prints one JSON object per measurement and line instead of a table.
 
 use std::hint::black_box;
@@ -14,7 +20,10 @@ use std::time::Instant;
 
 use clap::{Args, Subcommand};
 use half::{bf16, f16};
+use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::dtype::convert;
+use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
+use hemi::optim::{Optimizer, Sgd, SgdConfig};
 use hemi::{DType, Error, Generator, Result, Tensor};
 
 #[derive(Args)]
@@ -46,6 +55,18 @@ enum Which {
         #[arg(long, default_value_t = 1 << 24)]
         n: usize,
     },
+    /// Training steps on random data: images/s (median step) and peak memory.
+    Train {
+        #[arg(long, default_value = "cifar-net")]
+        model: String,
+        #[arg(long, default_value = "amp-fp16", value_parser = crate::train::parse_precision)]
+        precision: Precision,
+        #[arg(long, default_value_t = 128)]
+        batch_size: usize,
+        /// Timed steps (after two warm-up steps).
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+    },
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -62,7 +83,105 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match &args.which {
         Which::Matmul { sizes } => bench_matmul(&args, &pool, sizes),
         Which::Convert { n } => bench_convert(&args, &pool, *n),
+        Which::Train {
+            model,
+            precision,
+            batch_size,
+            steps,
+        } => pool.install(|| bench_train(&args, model, *precision, *batch_size, *steps)),
     }
+}
+
+/// Median images/s of full training steps of `model` under `precision` on random data.
+fn bench_train(
+    args: &BenchArgs,
+    model_name: &str,
+    precision: Precision,
+    batch: usize,
+    steps: usize,
+) -> Result<()> {
+    const WARMUP: usize = 2;
+    if batch == 0 || steps == 0 {
+        return Err(Error::arg(
+            "bench train",
+            "--batch-size and --steps must be at least 1",
+        ));
+    }
+    let mut rng = Generator::new(0);
+    let mut model = crate::train::build_model(model_name, [3, 32, 32], 10, 0)?;
+    precision.prepare_model(model.as_mut())?;
+    let mut opt = AmpOptimizer::new(
+        precision,
+        model.parameters(),
+        GradScalerConfig::default(),
+        0,
+        |p| {
+            Ok(Box::new(Sgd::new(
+                p,
+                SgdConfig {
+                    lr: 1e-3,
+                    momentum: 0.9,
+                    ..Default::default()
+                },
+            )?) as Box<dyn Optimizer>)
+        },
+    )?;
+    let images = Tensor::randn(&[batch, 3, 32, 32], 0.0, 1.0, DType::F32, &mut rng)?;
+    let labels = Tensor::randint(&[batch], 10, &mut rng)?;
+    let mut times = Vec::with_capacity(steps);
+    let mut last_loss = f64::NAN;
+    for i in 0..WARMUP + steps {
+        let t0 = Instant::now();
+        opt.zero_grad();
+        let loss = {
+            let _ac = precision.autocast();
+            let logits = model.forward(&precision.input(&images)?)?;
+            cross_entropy(&logits, &labels, CrossEntropyOptions::default())?
+        };
+        let trace = std::env::var_os("HEMI_MEM_TRACE").is_some();
+        if trace {
+            eprintln!(
+                "after forward: rss {:?} peak {:?}",
+                rss_now(),
+                crate::train::peak_rss_mib()
+            );
+        }
+        opt.backward(&loss)?;
+        if trace {
+            eprintln!(
+                "after backward: rss {:?} peak {:?}",
+                rss_now(),
+                crate::train::peak_rss_mib()
+            );
+        }
+        opt.step()?;
+        last_loss = loss.to_scalar()?;
+        if i >= WARMUP {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let med = median(times);
+    let ips = batch as f64 / med;
+    let rss = crate::train::peak_rss_mib();
+    if args.json {
+        let j = serde_json::json!({
+            "bench": "train", "model": model_name, "precision": precision.name(),
+            "batch_size": batch, "steps": steps, "threads": args.threads,
+            "images_per_s": ips, "median_step_ms": med * 1e3,
+            "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
+            "skipped": opt.skipped_steps(),
+        });
+        println!("{j}");
+    } else {
+        println!(
+            "train {model_name} {precision} batch {batch}, {} threads: {ips:.0} images/s \
+             (median step {:.1} ms over {steps}), peak RSS {}",
+            args.threads,
+            med * 1e3,
+            rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))
+        );
+    }
+    Ok(())
 }
 
 /// A timed candidate: one run of the work (its result is passed to `black_box`).
@@ -297,4 +416,11 @@ fn bench_convert(args: &BenchArgs, pool: &rayon::ThreadPool, n: usize) -> Result
         }
     }
     Ok(())
+}
+
+fn rss_now() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
 }

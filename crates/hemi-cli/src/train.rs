@@ -10,12 +10,15 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
+use hemi::amp::Precision;
 use hemi::data::{
     Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform,
 };
 use hemi::models::{CifarNet, Mlp};
 use hemi::nn::Module;
-use hemi::train::{evaluate, load_checkpoint, train, Event, OptimizerKind, RunInfo, TrainConfig};
+use hemi::train::{
+    evaluate_with, load_checkpoint, train, Event, OptimizerKind, RunInfo, Summary, TrainConfig,
+};
 use hemi::{Error, Generator, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -94,6 +97,18 @@ pub struct TrainArgs {
     /// No progress bar (log lines only).
     #[arg(long)]
     quiet: bool,
+    /// Precision preset: fp32, amp-fp16 (mixed_float16), amp-bf16 (mixed_bfloat16),
+    /// fp16-master, pure-fp16, pure-bf16.
+    #[arg(long, default_value = "amp-fp16", value_parser = parse_precision)]
+    precision: Precision,
+    /// Count, per parameter, gradient values F16 could not hold without loss scaling
+    /// (|g| < 2^-24 or > 65504); printed at the end.
+    #[arg(long)]
+    grad_stats: bool,
+}
+
+pub(crate) fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
+    Precision::parse(s).map_err(|e| e.to_string())
 }
 
 #[derive(Args, Debug)]
@@ -210,7 +225,7 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
     }
 }
 
-fn build_model(
+pub(crate) fn build_model(
     model: &str,
     shape: [usize; 3],
     classes: usize,
@@ -320,6 +335,10 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         checkpoint_dir: args.checkpoint_dir.clone(),
         resume: args.resume,
         stop_after: None,
+        precision: args.precision,
+        grad_stats: args.grad_stats,
+        seed: args.seed,
+        ..Default::default()
     };
     let info = RunInfo {
         model: model_name.into(),
@@ -328,17 +347,21 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         input_shape: shape,
         classes,
         seed: args.seed,
+        precision: args.precision.name().into(),
     };
     println!(
-        "model: {model_name} ({} parameters), optimizer {} lr {} momentum {}, batch {}, {} epochs, {} threads, precision fp32",
+        "model: {model_name} ({} parameters), optimizer {} lr {} momentum {}, batch {}, {} epochs, {} threads, precision {}",
         model.num_parameters(),
         optimizer.name(),
         args.lr,
         args.momentum,
         args.batch_size,
         args.epochs,
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        args.precision,
     );
+    let precision = args.precision;
+    let show_scale = precision.loss_scaling();
     let mut metrics = match &args.metrics {
         Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| io_err(p, e))?)),
         None => None,
@@ -366,6 +389,8 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             batch,
             loss,
             images,
+            scale,
+            skipped,
         } => {
             if quiet {
                 return;
@@ -389,8 +414,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             bar_images += images;
             if let Some(b) = &bar {
                 b.set_position(*batch as u64);
+                let scale = if show_scale {
+                    format!(", scale {scale}, skipped {skipped}")
+                } else {
+                    String::new()
+                };
                 b.set_message(format!(
-                    "{:.0} img/s, loss {running:.3}",
+                    "{:.0} img/s, loss {running:.3}{scale}",
                     bar_images as f64 / bar_start.elapsed().as_secs_f64().max(1e-9)
                 ));
             }
@@ -401,15 +431,20 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             loss,
             lr,
             images_per_s,
+            scale,
+            skipped,
         } => {
-            let line = format!("[{epoch}, {step:5}] loss: {loss:.3}");
+            let mut line = format!("[{epoch}, {step:5}] loss: {loss:.3}");
+            if show_scale {
+                line += &format!("  (scale {scale}, skipped {skipped})");
+            }
             match &bar {
                 Some(b) => b.println(line),
                 None => println!("{line}"),
             }
             if let Some(m) = metrics.as_mut() {
                 let j = json!({"kind": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
-                               "images_per_s": images_per_s, "scale": 1.0, "skipped": 0});
+                               "images_per_s": images_per_s, "scale": scale, "skipped": skipped});
                 if let Err(e) = writeln!(m, "{j}") {
                     write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
                 }
@@ -432,7 +467,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             if let Some(m) = metrics.as_mut() {
                 let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
                                "test_accuracy": test_accuracy, "seconds": seconds,
-                               "images_per_s": images_per_s, "precision": "fp32"});
+                               "images_per_s": images_per_s, "precision": precision.name()});
                 if let Err(e) = writeln!(m, "{j}").and_then(|_| m.flush()) {
                     write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
                 }
@@ -463,7 +498,41 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         summary.images_per_s(),
         peak_rss_mib().map_or("unknown".into(), |m| format!("{m:.0} MiB"))
     );
+    print_precision_summary(&summary);
     Ok(())
+}
+
+/// The end-of-run numerics: skipped steps, final scale, and with --grad-stats the F16
+/// range of the gradients per parameter.
+fn print_precision_summary(s: &Summary) {
+    println!(
+        "precision {}: {} of {} steps skipped ({:.2} %), final loss scale {}",
+        s.precision,
+        s.skipped_steps,
+        s.steps,
+        100.0 * s.skipped_fraction(),
+        s.final_scale
+    );
+    if s.grad_stats.is_empty() {
+        return;
+    }
+    println!(
+        "gradient values F16 cannot hold without loss scaling (unscaled gradients, all steps):"
+    );
+    println!(
+        "  {:<16} {:>14} {:>14} {:>9} {:>10}",
+        "parameter", "values", "underflow", "%", "overflow"
+    );
+    for g in &s.grad_stats {
+        println!(
+            "  {:<16} {:>14} {:>14} {:>8.3}% {:>10}",
+            g.name,
+            g.values,
+            g.underflow,
+            100.0 * g.underflow as f64 / g.values.max(1) as f64,
+            g.overflow
+        );
+    }
 }
 
 pub fn run_eval(args: EvalArgs) -> Result<()> {
@@ -485,12 +554,14 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         }
     };
     let data = load_data(kind, &dir, ck.info.seed, 0)?;
+    let precision = Precision::parse(&ck.info.precision)?;
     let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
+    precision.prepare_model(model.as_mut())?;
     model.load_state_dict(&ck.model)?;
     let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false)?;
-    let (acc, loss) = evaluate(model.as_mut(), &test)?;
+    let (acc, loss) = evaluate_with(model.as_mut(), &test, precision)?;
     println!(
-        "checkpoint {} (after epoch {}), data: {}",
+        "checkpoint {} (after epoch {}, precision {precision}), data: {}",
         args.checkpoint.display(),
         ck.epochs_done,
         data.description

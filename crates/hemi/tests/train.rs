@@ -34,6 +34,7 @@ fn info() -> RunInfo {
         input_shape: [3, 32, 32],
         classes: 10,
         seed: 1,
+        precision: "fp32".into(),
     }
 }
 

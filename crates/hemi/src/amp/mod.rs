@@ -4,5 +4,15 @@
 //! weights for F16 models (`Fp16Optimizer`, apex's FP16_Optimizer) and the precision presets.
 
 pub mod master;
+pub mod precision;
 pub mod rounding;
 pub mod scaler;
+
+pub use crate::ops::autocast::{
+    autocast, autocast_dtype, autocast_enabled, cached_casts, is_autocast_enabled, policy,
+    AutocastGuard, CastPolicy, POLICY,
+};
+pub use master::{Fp16Optimizer, LossScaling, MasterConfig};
+pub use precision::{AmpOptimizer, Precision};
+pub use rounding::Rounding;
+pub use scaler::{GradScaler, GradScalerConfig, LossScale, ScalerState};

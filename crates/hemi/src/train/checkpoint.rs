@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use crate::amp::ScalerState;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::io::{atomic_write, load_safetensors, save_safetensors};
 use crate::nn::Module;
-use crate::optim::{Optimizer, OptimizerState, StateBuffer};
+use crate::optim::{OptimizerState, StateBuffer};
 use crate::tensor::Tensor;
 
 /// What a run is, so that `eval` and `resume` can rebuild it.
@@ -27,21 +28,27 @@ pub struct RunInfo {
     pub input_shape: [usize; 3],
     pub classes: usize,
     pub seed: u64,
+    /// The precision preset's name (`amp-fp16`...); `train` fills it in from its config.
+    pub precision: String,
 }
 
 /// A loaded checkpoint.
 pub struct Checkpoint {
     pub model: Vec<(String, Tensor)>,
     pub optimizer: OptimizerState,
+    /// The loss scaler's state (amp-fp16 runs).
+    pub scaler: Option<ScalerState>,
     pub epochs_done: usize,
     pub info: RunInfo,
 }
 
-/// Writes the checkpoint of a finished epoch into `dir`.
+/// Writes the checkpoint of a finished epoch into `dir`: the model, the optimizer's state
+/// (`Optimizer::state_dict`) and the loss scaler's, if any.
 pub fn save_checkpoint(
     dir: &Path,
     model: &dyn Module,
-    opt: &dyn Optimizer,
+    st: &OptimizerState,
+    scaler: Option<&ScalerState>,
     epochs_done: usize,
     info: &RunInfo,
 ) -> Result<()> {
@@ -50,7 +57,6 @@ pub fn save_checkpoint(
         source: e,
     })?;
     save_safetensors(&dir.join("model.safetensors"), &model.state_dict(), None)?;
-    let st = opt.state_dict();
     let mut buffers = Vec::with_capacity(st.buffers.len());
     for b in &st.buffers {
         buffers.push((
@@ -71,6 +77,8 @@ pub fn save_checkpoint(
         "input_shape": info.input_shape,
         "classes": info.classes,
         "seed": info.seed,
+        "precision": info.precision,
+        "scaler": scaler.map(|s| s.scalars.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>()),
     });
     let text =
         serde_json::to_string_pretty(&state).map_err(|e| Error::Msg(format!("state.json: {e}")))?;
@@ -131,21 +139,38 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         seed: field(&state_path, &v, "seed")?
             .as_u64()
             .ok_or_else(|| bad("seed is not a number".into()))?,
+        // Checkpoints from before presets existed were trained in F32.
+        precision: v
+            .get("precision")
+            .and_then(|p| p.as_str())
+            .unwrap_or("fp32")
+            .to_string(),
     };
-    let scalars = field(&state_path, &v, "optimizer_scalars")?
-        .as_array()
-        .ok_or_else(|| bad("optimizer_scalars is not a list".into()))?
-        .iter()
-        .map(|p| {
-            match (
-                p.get(0).and_then(|k| k.as_str()),
-                p.get(1).and_then(|x| x.as_f64()),
-            ) {
-                (Some(k), Some(x)) => Ok((k.to_string(), x)),
-                _ => Err(bad(format!("bad optimizer scalar {p}"))),
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let pairs = |key: &str, list: &Value| -> Result<Vec<(String, f64)>> {
+        list.as_array()
+            .ok_or_else(|| bad(format!("{key} is not a list")))?
+            .iter()
+            .map(|p| {
+                match (
+                    p.get(0).and_then(|k| k.as_str()),
+                    p.get(1).and_then(|x| x.as_f64()),
+                ) {
+                    (Some(k), Some(x)) => Ok((k.to_string(), x)),
+                    _ => Err(bad(format!("bad {key} entry {p}"))),
+                }
+            })
+            .collect()
+    };
+    let scalars = pairs(
+        "optimizer_scalars",
+        field(&state_path, &v, "optimizer_scalars")?,
+    )?;
+    let scaler = match v.get("scaler") {
+        None | Some(Value::Null) => None,
+        Some(list) => Some(ScalerState {
+            scalars: pairs("scaler", list)?,
+        }),
+    };
     let (model, _) = load_safetensors(&dir.join("model.safetensors"))?;
     let (bufs, _) = load_safetensors(&dir.join("optimizer.safetensors"))?;
     let by_name: HashMap<String, Tensor> = bufs.into_iter().collect();
@@ -176,6 +201,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
             scalars,
             buffers,
         },
+        scaler,
         epochs_done: as_usize("epochs_done")?,
         info,
     })

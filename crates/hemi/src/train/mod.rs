@@ -13,6 +13,7 @@ use std::time::Instant;
 
 pub use checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, RunInfo};
 
+use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use crate::data::DataLoader;
 use crate::error::{Error, Result};
 use crate::nn::Module;
@@ -66,6 +67,15 @@ pub struct TrainConfig {
     pub resume: bool,
     /// Stop after this many epochs in total (as if interrupted), keeping the checkpoint.
     pub stop_after: Option<usize>,
+    /// The precision preset (default amp-fp16, the documents' mode).
+    pub precision: Precision,
+    /// The loss scaler's settings (amp-fp16 and fp16-master).
+    pub scaler: GradScalerConfig,
+    /// Count, per parameter, the unscaled gradient values that F16 could not hold
+    /// (|g| < 2^-24 underflows, |g| > 65504 overflows); reported in the summary.
+    pub grad_stats: bool,
+    /// Seed of the stochastic-rounding stream (pure-bf16).
+    pub seed: u64,
 }
 
 impl Default for TrainConfig {
@@ -80,6 +90,10 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             resume: false,
             stop_after: None,
+            precision: Precision::AmpFp16,
+            scaler: GradScalerConfig::default(),
+            grad_stats: false,
+            seed: 0,
         }
     }
 }
@@ -133,6 +147,10 @@ pub enum Event {
         batch: usize,
         loss: f64,
         images: usize,
+        /// The loss scale after this step (1.0 where the preset does not scale).
+        scale: f64,
+        /// Steps skipped so far (inf/NaN gradients).
+        skipped: u64,
     },
     /// Every `log_every` batches: the mean loss since the last log line.
     Log {
@@ -141,6 +159,8 @@ pub enum Event {
         loss: f64,
         lr: f64,
         images_per_s: f64,
+        scale: f64,
+        skipped: u64,
     },
     /// An epoch finished and the test set was evaluated.
     Epoch {
@@ -155,6 +175,14 @@ pub enum Event {
 /// What a run achieved.
 #[derive(Clone, Debug)]
 pub struct Summary {
+    pub precision: Precision,
+    /// Optimizer steps taken in this run (including skipped ones) and how many were skipped.
+    pub steps: u64,
+    pub skipped_steps: u64,
+    /// The loss scale at the end (1.0 where the preset does not scale).
+    pub final_scale: f64,
+    /// Per-parameter F16 range counts (with `grad_stats`).
+    pub grad_stats: Vec<GradStat>,
     pub epochs_run: usize,
     pub last_epoch: usize,
     pub test_accuracy: f64,
@@ -162,7 +190,46 @@ pub struct Summary {
     pub train_seconds: f64,
 }
 
+/// How many of one parameter's unscaled gradient values F16 could not represent, summed
+/// over the steps of a run (Micikevicius et al. 2018: without loss scaling, small gradients
+/// flush to zero).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GradStat {
+    pub name: String,
+    /// Gradient values seen (numel × steps).
+    pub values: u64,
+    /// Nonzero values with |g| < 2^-24, F16's smallest subnormal: they round to 0 or 2^-24.
+    pub underflow: u64,
+    /// Values with |g| > 65504, F16's largest finite value (inf and NaN included).
+    pub overflow: u64,
+}
+
+impl GradStat {
+    fn count(&mut self, grad: &Tensor) {
+        const TINY: f32 = 5.960_464_5e-8; // 2^-24
+        let v = grad.to_vec_f32();
+        self.values += v.len() as u64;
+        for g in v {
+            let a = g.abs();
+            if a > 65504.0 || a.is_nan() {
+                self.overflow += 1;
+            } else if a < TINY && a != 0.0 {
+                self.underflow += 1;
+            }
+        }
+    }
+}
+
 impl Summary {
+    /// Fraction of steps skipped (0 when none ran).
+    pub fn skipped_fraction(&self) -> f64 {
+        if self.steps == 0 {
+            0.0
+        } else {
+            self.skipped_steps as f64 / self.steps as f64
+        }
+    }
+
     pub fn images_per_s(&self) -> f64 {
         if self.train_seconds > 0.0 {
             self.train_images as f64 / self.train_seconds
@@ -173,13 +240,28 @@ impl Summary {
 }
 
 /// Accuracy (fraction correct) and mean loss of `model` on every sample of `loader`.
+///
+/// Runs in fp32 unless given a precision (`evaluate_with`).
 pub fn evaluate(model: &mut dyn Module, loader: &DataLoader) -> Result<(f64, f64)> {
+    evaluate_with(model, loader, Precision::Fp32)
+}
+
+/// `evaluate` with the forward pass of `precision` (its autocast scope and input dtype);
+/// the model must already have the preset's weight dtype.
+pub fn evaluate_with(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+) -> Result<(f64, f64)> {
     model.set_training(false);
     let _g = crate::autograd::no_grad();
     let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
     for batch in loader.epoch(0) {
         let batch = batch?;
-        let logits = model.forward(&batch.images)?;
+        let logits = {
+            let _ac = precision.autocast();
+            model.forward(&precision.input(&batch.images)?)?
+        };
         let loss = cross_entropy(&logits, &batch.labels, CrossEntropyOptions::default())?;
         let pred = logits.argmax(1, false)?.to_vec_i64();
         let labels = batch.labels.to_vec_i64();
@@ -207,7 +289,20 @@ pub fn train(
     if cfg.log_every == 0 {
         return Err(Error::arg("train", "log_every must be > 0"));
     }
-    let mut opt = build_optimizer(cfg, model.parameters())?;
+    let precision = cfg.precision;
+    // The checkpoint records the precision the run actually uses.
+    let info = &RunInfo {
+        precision: precision.name().to_string(),
+        ..info.clone()
+    };
+    precision.prepare_model(model)?;
+    let mut opt = AmpOptimizer::new(
+        precision,
+        model.parameters(),
+        cfg.scaler.clone(),
+        cfg.seed,
+        |params| build_optimizer(cfg, params),
+    )?;
     let mut first_epoch = 1;
     if cfg.resume {
         let dir = cfg
@@ -223,8 +318,17 @@ pub fn train(
                 info.model
             )));
         }
+        if ck.info.precision != info.precision {
+            return Err(Error::Msg(format!(
+                "{}: checkpoint was trained with precision {}, not {}; resume with the same \
+                 --precision",
+                dir.display(),
+                ck.info.precision,
+                info.precision
+            )));
+        }
         model.load_state_dict(&ck.model)?;
-        opt.load_state_dict(&ck.optimizer)?;
+        opt.load_state_dict(&ck.optimizer, ck.scaler.as_ref())?;
         first_epoch = ck.epochs_done + 1;
     }
     let last = cfg.stop_after.map_or(cfg.epochs, |s| s.min(cfg.epochs));
@@ -233,7 +337,27 @@ pub fn train(
         epochs: cfg.epochs,
         batches_per_epoch: train.num_batches(),
     });
+    let names: Vec<String> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let mut grad_stats: Vec<GradStat> = names
+        .iter()
+        .map(|n| GradStat {
+            name: n.clone(),
+            values: 0,
+            underflow: 0,
+            overflow: 0,
+        })
+        .collect();
+    let (skipped_before, mut steps) = (opt.skipped_steps(), 0u64);
     let mut summary = Summary {
+        precision,
+        steps: 0,
+        skipped_steps: 0,
+        final_scale: opt.scale(),
+        grad_stats: Vec::new(),
         epochs_run: 0,
         last_epoch: first_epoch.saturating_sub(1),
         test_accuracy: f64::NAN,
@@ -241,6 +365,9 @@ pub fn train(
         train_seconds: 0.0,
     };
     let ce = CrossEntropyOptions::default();
+    /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
+    const MAX_BAD_LOSSES: usize = 50;
+    let mut bad_losses = 0usize;
     model.set_training(true);
     for epoch in first_epoch..=last {
         let start = Instant::now();
@@ -250,45 +377,77 @@ pub fn train(
         for (b, batch) in train.epoch(epoch as u64 - 1).enumerate() {
             let batch = batch?;
             opt.zero_grad();
-            let logits = model.forward(&batch.images)?;
-            let loss = cross_entropy(&logits, &batch.labels, ce)?;
+            let loss = {
+                let _ac = precision.autocast();
+                let logits = model.forward(&precision.input(&batch.images)?)?;
+                cross_entropy(&logits, &batch.labels, ce)?
+            };
             let lv = loss.to_scalar()?;
-            if !lv.is_finite() {
+            // Under loss scaling a non-finite loss gives non-finite gradients: the step is
+            // skipped and the scale backs off. Only a run that keeps producing them, or one
+            // without a scaler, has diverged.
+            bad_losses = if lv.is_finite() { 0 } else { bad_losses + 1 };
+            if bad_losses
+                > if precision.loss_scaling() {
+                    MAX_BAD_LOSSES
+                } else {
+                    0
+                }
+            {
                 return Err(Error::Msg(format!(
-                    "epoch {epoch}, batch {}: the loss is {lv}; training diverged (lower the learning \
-                     rate); the last checkpoint is intact",
+                    "epoch {epoch}, batch {}: the loss is {lv} ({bad_losses} in a row); training \
+                     diverged (lower the learning rate, or use a loss-scaled or F32 precision); \
+                     the last checkpoint is intact",
                     b + 1
                 )));
             }
-            loss.backward()?;
+            opt.backward(&loss)?;
+            if cfg.grad_stats {
+                opt.unscale()?;
+            }
             opt.step()?;
+            steps += 1;
+            if cfg.grad_stats {
+                for (st, t) in grad_stats.iter_mut().zip(opt.grad_tensors()) {
+                    if let Some(g) = t.grad() {
+                        st.count(&g);
+                    }
+                }
+            }
+            let (scale, skipped) = (opt.scale(), opt.skipped_steps());
             let n = batch.len();
-            epoch_loss += lv;
-            epoch_batches += 1;
             epoch_images += n;
-            log_loss += lv;
-            log_batches += 1;
             log_images += n;
+            if lv.is_finite() {
+                epoch_loss += lv;
+                epoch_batches += 1;
+                log_loss += lv;
+                log_batches += 1;
+            }
             on_event(&Event::Batch {
                 epoch,
                 batch: b + 1,
                 loss: lv,
                 images: n,
+                scale,
+                skipped,
             });
             if (b + 1) % cfg.log_every == 0 {
                 let secs = log_start.elapsed().as_secs_f64();
                 on_event(&Event::Log {
                     epoch,
                     step: b + 1,
-                    loss: log_loss / log_batches as f64,
-                    lr: opt.lr(),
+                    loss: log_loss / log_batches.max(1) as f64,
+                    lr: opt.optimizer().lr(),
                     images_per_s: log_images as f64 / secs.max(1e-9),
+                    scale,
+                    skipped,
                 });
                 (log_loss, log_batches, log_images, log_start) = (0.0, 0, 0, Instant::now());
             }
         }
         let train_secs = start.elapsed().as_secs_f64();
-        let (acc, _) = evaluate(model, test)?;
+        let (acc, _) = evaluate_with(model, test, precision)?;
         let seconds = start.elapsed().as_secs_f64();
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
@@ -296,7 +455,8 @@ pub fn train(
         summary.train_images += epoch_images;
         summary.train_seconds += train_secs;
         if let Some(dir) = &cfg.checkpoint_dir {
-            save_checkpoint(dir, model, opt.as_ref(), epoch, info)?;
+            let (opt_state, scaler_state) = opt.state_dict();
+            save_checkpoint(dir, model, &opt_state, scaler_state.as_ref(), epoch, info)?;
         }
         on_event(&Event::Epoch {
             epoch,
@@ -305,6 +465,12 @@ pub fn train(
             seconds,
             images_per_s: epoch_images as f64 / train_secs.max(1e-9),
         });
+    }
+    summary.steps = steps;
+    summary.skipped_steps = opt.skipped_steps() - skipped_before;
+    summary.final_scale = opt.scale();
+    if cfg.grad_stats {
+        summary.grad_stats = grad_stats;
     }
     Ok(summary)
 }

@@ -1,0 +1,409 @@
+//! Precision presets (DESIGN.md's table; Keras' policies by their PyTorch/apex anchors) and
+//! `AmpOptimizer`, which runs one preset's training step: where the weights live, which
+//! autocast scope the forward pass uses, how the loss is scaled and how the optimizer steps.
+//!
+//! | preset | weights | compute | loss scaling | anchor |
+//! |---|---|---|---|---|
+//! | `fp32` | F32 | F32 | none | apex O0 |
+//! | `amp-fp16` (`mixed_float16`) | F32 | autocast F16 | dynamic | torch.autocast + GradScaler, apex O1 |
+//! | `amp-bf16` (`mixed_bfloat16`) | F32 | autocast BF16 | none | torch.autocast(bfloat16) |
+//! | `fp16-master` | F16 (norms F32) | F16 | dynamic | apex FP16_Optimizer, O2 |
+//! | `pure-fp16` | F16 | F16 | none | apex O3 (speed baseline; may diverge) |
+//! | `pure-bf16` | BF16 | BF16 | none | BF16 weights, F32 optimizer maths, stochastic rounding |
+
+use std::fmt;
+
+use crate::amp::master::{Fp16Optimizer, LossScaling, MasterConfig};
+use crate::amp::rounding::Rounding;
+use crate::amp::scaler::{GradScaler, GradScalerConfig, ScalerState};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::Module;
+use crate::ops::autocast::{autocast_enabled, AutocastGuard};
+use crate::optim::{Optimizer, OptimizerState};
+use crate::tensor::Tensor;
+
+/// A precision preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    Fp32,
+    AmpFp16,
+    AmpBf16,
+    Fp16Master,
+    PureFp16,
+    PureBf16,
+}
+
+impl Precision {
+    pub const ALL: [Precision; 6] = [
+        Precision::Fp32,
+        Precision::AmpFp16,
+        Precision::AmpBf16,
+        Precision::Fp16Master,
+        Precision::PureFp16,
+        Precision::PureBf16,
+    ];
+
+    /// The preset's name (`amp-fp16`...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::AmpFp16 => "amp-fp16",
+            Precision::AmpBf16 => "amp-bf16",
+            Precision::Fp16Master => "fp16-master",
+            Precision::PureFp16 => "pure-fp16",
+            Precision::PureBf16 => "pure-bf16",
+        }
+    }
+
+    /// Parses a preset name or a Keras policy name (`mixed_float16`, `mixed_bfloat16`,
+    /// `float32`); `_` and `-` are interchangeable.
+    pub fn parse(s: &str) -> Result<Precision> {
+        let norm = s.trim().to_ascii_lowercase().replace('_', "-");
+        let p = match norm.as_str() {
+            "fp32" | "float32" => Precision::Fp32,
+            "amp-fp16" | "mixed-float16" => Precision::AmpFp16,
+            "amp-bf16" | "mixed-bfloat16" => Precision::AmpBf16,
+            "fp16-master" => Precision::Fp16Master,
+            "pure-fp16" | "float16" => Precision::PureFp16,
+            "pure-bf16" | "bfloat16" => Precision::PureBf16,
+            _ => {
+                return Err(Error::arg(
+                    "precision",
+                    format!(
+                        "unknown precision {s:?}; one of fp32, amp-fp16 (mixed_float16), \
+                         amp-bf16 (mixed_bfloat16), fp16-master, pure-fp16, pure-bf16"
+                    ),
+                ))
+            }
+        };
+        Ok(p)
+    }
+
+    /// The dtype of the model's weights (Keras' `variable_dtype` for the model itself).
+    pub fn weight_dtype(self) -> DType {
+        match self {
+            Precision::Fp32 | Precision::AmpFp16 | Precision::AmpBf16 => DType::F32,
+            Precision::Fp16Master | Precision::PureFp16 => DType::F16,
+            Precision::PureBf16 => DType::BF16,
+        }
+    }
+
+    /// The dtype GEMM-shaped ops compute in (Keras' `compute_dtype`).
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::Fp32 => DType::F32,
+            Precision::AmpFp16 | Precision::Fp16Master | Precision::PureFp16 => DType::F16,
+            Precision::AmpBf16 | Precision::PureBf16 => DType::BF16,
+        }
+    }
+
+    /// The autocast scope of the forward pass (amp presets only).
+    pub fn autocast_dtype(self) -> Option<DType> {
+        match self {
+            Precision::AmpFp16 => Some(DType::F16),
+            Precision::AmpBf16 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
+    /// Whether norm layers keep F32 parameters and statistics when the model is cast.
+    pub fn keep_norms_f32(self) -> bool {
+        matches!(self, Precision::Fp16Master)
+    }
+
+    /// Whether the preset scales the loss dynamically.
+    pub fn loss_scaling(self) -> bool {
+        matches!(self, Precision::AmpFp16 | Precision::Fp16Master)
+    }
+
+    /// Casts `model`'s weights to the preset's weight dtype (norms stay F32 where the
+    /// preset says so). F32 presets leave the model alone.
+    pub fn prepare_model(self, model: &mut dyn Module) -> Result<()> {
+        if self.weight_dtype() == DType::F32 {
+            return Ok(());
+        }
+        model.to_dtype(self.weight_dtype(), self.keep_norms_f32())
+    }
+
+    /// The forward pass's scope: autocast for amp presets, a disabled scope otherwise.
+    pub fn autocast(self) -> AutocastGuard {
+        match self.autocast_dtype() {
+            Some(d) => autocast_enabled(d, true),
+            None => autocast_enabled(DType::F32, false),
+        }
+    }
+
+    /// A batch of inputs in the dtype the model's first layer expects (the weights' dtype:
+    /// an F32 input would otherwise promote a half model's first layer back to F32).
+    pub fn input(self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight_dtype();
+        if x.dtype().is_float() && x.dtype() != w {
+            x.to_dtype(w)
+        } else {
+            Ok(x.clone())
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Precision> {
+        Precision::parse(s)
+    }
+}
+
+enum Engine {
+    /// F32 weights (fp32, amp-*) or half weights stepped directly (pure-fp16), with a
+    /// GradScaler for amp-fp16.
+    Plain {
+        opt: Box<dyn Optimizer>,
+        scaler: Option<GradScaler>,
+        last_skipped: bool,
+        steps: u64,
+    },
+    /// F32 masters behind half weights (fp16-master, pure-bf16).
+    Master(Fp16Optimizer),
+}
+
+/// One preset's optimizer: the user's optimizer plus the loss scaler or master weights the
+/// preset needs. A training step is
+/// ```ignore
+/// opt.zero_grad();
+/// let loss = { let _ac = precision.autocast(); loss_fn(model.forward(&precision.input(&x)?)?)? };
+/// opt.backward(&loss)?;
+/// let stepped = opt.step()?;
+/// ```
+pub struct AmpOptimizer {
+    precision: Precision,
+    engine: Engine,
+}
+
+impl AmpOptimizer {
+    /// Builds the preset's optimizer over `params` (a model already cast with
+    /// `Precision::prepare_model`); `build` makes the user's optimizer over the tensors it is
+    /// given (the F32 masters under fp16-master and pure-bf16).
+    pub fn new(
+        precision: Precision,
+        params: Vec<Tensor>,
+        scaler: GradScalerConfig,
+        seed: u64,
+        build: impl FnOnce(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
+    ) -> Result<AmpOptimizer> {
+        let want = precision.weight_dtype();
+        for (i, p) in params.iter().enumerate() {
+            let ok = p.dtype() == want || (p.dtype() == DType::F32 && precision.keep_norms_f32());
+            if !ok {
+                return Err(Error::dtype(
+                    "AmpOptimizer",
+                    p.dtype(),
+                    format!(
+                        "parameter {i} under {precision} should be {want}; call \
+                         Precision::prepare_model on the model first"
+                    ),
+                ));
+            }
+        }
+        let engine = match precision {
+            Precision::Fp32 | Precision::AmpBf16 | Precision::PureFp16 => Engine::Plain {
+                opt: build(params)?,
+                scaler: None,
+                last_skipped: false,
+                steps: 0,
+            },
+            Precision::AmpFp16 => Engine::Plain {
+                opt: build(params)?,
+                scaler: Some(GradScaler::new(scaler)?),
+                last_skipped: false,
+                steps: 0,
+            },
+            Precision::Fp16Master => Engine::Master(Fp16Optimizer::new(
+                params,
+                MasterConfig {
+                    loss_scaling: LossScaling::Dynamic(scaler),
+                    rounding: Rounding::NearestEven,
+                    clip_grad_norm: None,
+                    keep_masters: true,
+                    seed,
+                },
+                build,
+            )?),
+            Precision::PureBf16 => Engine::Master(Fp16Optimizer::new(
+                params,
+                MasterConfig {
+                    loss_scaling: LossScaling::None,
+                    rounding: Rounding::Stochastic,
+                    clip_grad_norm: None,
+                    keep_masters: false,
+                    seed,
+                },
+                build,
+            )?),
+        };
+        Ok(AmpOptimizer { precision, engine })
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The optimizer whose state a checkpoint saves (the master-weight wrapper for
+    /// fp16-master and pure-bf16).
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        match &self.engine {
+            Engine::Plain { opt, .. } => opt.as_ref(),
+            Engine::Master(m) => m,
+        }
+    }
+
+    /// Mutable access to the optimizer (schedulers set its learning rate).
+    pub fn optimizer_mut(&mut self) -> &mut dyn Optimizer {
+        match &mut self.engine {
+            Engine::Plain { opt, .. } => opt.as_mut(),
+            Engine::Master(m) => m,
+        }
+    }
+
+    pub fn zero_grad(&self) {
+        self.optimizer().zero_grad();
+    }
+
+    /// Backward of `loss` times the current loss scale.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        match &self.engine {
+            Engine::Plain {
+                scaler: Some(s), ..
+            } => s.scale(loss)?.backward(),
+            Engine::Plain { .. } => loss.backward(),
+            Engine::Master(m) => m.scale_loss(loss)?.backward(),
+        }
+    }
+
+    /// Unscales the gradients in place where the preset scales the loss (amp-fp16), so that
+    /// they can be read or clipped before `step`. Other presets: nothing to do (fp16-master
+    /// unscales into its masters inside `step`).
+    pub fn unscale(&mut self) -> Result<()> {
+        if let Engine::Plain {
+            opt,
+            scaler: Some(s),
+            ..
+        } = &mut self.engine
+        {
+            s.unscale_(opt.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// One optimizer step; `false` when the step was skipped because a gradient held inf or
+    /// NaN (the loss scale then backs off).
+    pub fn step(&mut self) -> Result<bool> {
+        match &mut self.engine {
+            Engine::Plain {
+                opt,
+                scaler,
+                last_skipped,
+                steps,
+            } => {
+                *steps += 1;
+                let stepped = match scaler {
+                    Some(s) => {
+                        let stepped = s.step(opt.as_mut())?;
+                        s.update()?;
+                        stepped
+                    }
+                    None => {
+                        opt.step()?;
+                        true
+                    }
+                };
+                *last_skipped = !stepped;
+                Ok(stepped)
+            }
+            Engine::Master(m) => {
+                m.step()?;
+                Ok(!m.last_step_skipped())
+            }
+        }
+    }
+
+    /// The loss scale the next backward uses (1.0 where the preset does not scale).
+    pub fn scale(&self) -> f64 {
+        match &self.engine {
+            Engine::Plain {
+                scaler: Some(s), ..
+            } => s.get_scale(),
+            Engine::Plain { .. } => 1.0,
+            Engine::Master(m) => m.loss_scale(),
+        }
+    }
+
+    /// Steps skipped so far.
+    pub fn skipped_steps(&self) -> u64 {
+        match &self.engine {
+            Engine::Plain {
+                scaler: Some(s), ..
+            } => s.skipped_steps(),
+            Engine::Plain { .. } => 0,
+            Engine::Master(m) => m.skipped_steps(),
+        }
+    }
+
+    /// The tensors holding unscaled F32 gradients after `unscale` (amp) or `step` (master
+    /// presets): the parameters, or the F32 masters.
+    pub fn grad_tensors(&self) -> Vec<Tensor> {
+        match &self.engine {
+            Engine::Plain { opt, .. } => opt.params().to_vec(),
+            Engine::Master(m) => m.masters().to_vec(),
+        }
+    }
+
+    /// The optimizer's state and, for amp-fp16, the scaler's (the master presets keep
+    /// their scale inside the optimizer state).
+    pub fn state_dict(&self) -> (OptimizerState, Option<ScalerState>) {
+        match &self.engine {
+            Engine::Plain { opt, scaler, .. } => {
+                (opt.state_dict(), scaler.as_ref().map(|s| s.state_dict()))
+            }
+            Engine::Master(m) => (m.state_dict(), None),
+        }
+    }
+
+    /// Restores `state_dict`'s output. A missing scaler state for amp-fp16 is an error
+    /// (resuming would silently restart from the initial scale).
+    pub fn load_state_dict(
+        &mut self,
+        opt_state: &OptimizerState,
+        scaler_state: Option<&ScalerState>,
+    ) -> Result<()> {
+        match &mut self.engine {
+            Engine::Plain { opt, scaler, .. } => {
+                if let Some(s) = scaler {
+                    let st = scaler_state.ok_or_else(|| {
+                        Error::arg(
+                            "AmpOptimizer",
+                            "the checkpoint has no loss-scaler state (saved under another precision?)",
+                        )
+                    })?;
+                    // Each load changes nothing on error; undo the scaler's if the
+                    // optimizer's fails.
+                    let before = s.state_dict();
+                    s.load_state_dict(st)?;
+                    if let Err(e) = opt.load_state_dict(opt_state) {
+                        s.load_state_dict(&before)?;
+                        return Err(e);
+                    }
+                } else {
+                    opt.load_state_dict(opt_state)?;
+                }
+                Ok(())
+            }
+            Engine::Master(m) => m.load_state_dict(opt_state),
+        }
+    }
+}
