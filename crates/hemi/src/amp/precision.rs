@@ -197,6 +197,16 @@ impl AmpOptimizer {
         build: impl FnOnce(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
     ) -> Result<AmpOptimizer> {
         let want = precision.weight_dtype();
+        if want != DType::F32 && !params.is_empty() && !params.iter().any(|p| p.dtype() == want) {
+            return Err(Error::dtype(
+                "AmpOptimizer",
+                params[0].dtype(),
+                format!(
+                    "no parameter is {want} under {precision}; call Precision::prepare_model \
+                     on the model before building the optimizer"
+                ),
+            ));
+        }
         for (i, p) in params.iter().enumerate() {
             let ok = p.dtype() == want || (p.dtype() == DType::F32 && precision.keep_norms_f32());
             if !ok {
