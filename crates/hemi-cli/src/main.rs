@@ -48,6 +48,9 @@ enum DataCommand {
 /// step in `perf`); keeping them in the heap lets the next step reuse the pages.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_allocator() {
+    if std::env::var_os("HEMI_DEFAULT_MALLOC").is_some() {
+        return;
+    }
     // SAFETY: mallopt only changes allocator parameters; called before any other thread runs.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);

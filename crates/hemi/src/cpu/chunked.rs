@@ -38,7 +38,7 @@ impl<'a> Src<'a> {
         })
     }
 
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             Src::F32(v) => v.len(),
             Src::F16(v) => v.len(),
@@ -46,9 +46,13 @@ impl<'a> Src<'a> {
         }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Values `start..start + buf.len()` as F32: borrowed for F32, converted into `buf`
     /// otherwise.
-    fn chunk<'b>(&'b self, start: usize, buf: &'b mut [f32]) -> &'b [f32] {
+    pub fn read<'b>(&'b self, start: usize, buf: &'b mut [f32]) -> &'b [f32] {
         let end = start + buf.len();
         match self {
             Src::F32(v) => &v[start..end],
@@ -108,7 +112,7 @@ where
 pub fn map1(a: Src<'_>, dtype: DType, f: impl Fn(&[f32], &mut [f32]) + Sync) -> Option<CpuStorage> {
     run(a.len(), dtype, |start, out| {
         let mut ab = [0f32; CHUNK];
-        let av = a.chunk(start, &mut ab[..out.len()]);
+        let av = a.read(start, &mut ab[..out.len()]);
         f(av, out);
     })
 }
@@ -125,8 +129,58 @@ pub fn map2(
     }
     run(a.len(), dtype, |start, out| {
         let (mut ab, mut bb) = ([0f32; CHUNK], [0f32; CHUNK]);
-        let av = a.chunk(start, &mut ab[..out.len()]);
-        let bv = b.chunk(start, &mut bb[..out.len()]);
+        let av = a.read(start, &mut ab[..out.len()]);
+        let bv = b.read(start, &mut bb[..out.len()]);
         f(av, bv, out);
+    })
+}
+
+/// A new buffer of `dtype` made of `n_blocks` blocks of `block_len` values, each computed
+/// in F32 by `kernel(block, out)` (into the output itself for F32, else into a block-sized
+/// F32 buffer rounded once into the output): per-image or per-plane kernels over
+/// half-precision tensors without a full-size F32 result. Blocks run in parallel.
+pub fn per_block(
+    n_blocks: usize,
+    block_len: usize,
+    dtype: DType,
+    kernel: impl Fn(usize, &mut [f32]) + Sync,
+) -> Option<CpuStorage> {
+    let n = n_blocks * block_len;
+    if block_len == 0 {
+        return CpuStorage::from_f32(Vec::new(), dtype).into();
+    }
+    Some(match dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; n];
+            out.par_chunks_mut(block_len)
+                .enumerate()
+                .for_each(|(i, o)| kernel(i, o));
+            CpuStorage::F32(out)
+        }
+        DType::F16 => {
+            let mut out = vec![f16::ZERO; n];
+            out.par_chunks_mut(block_len).enumerate().for_each_init(
+                || vec![0f32; block_len],
+                |buf, (i, o)| {
+                    buf.fill(0.0);
+                    kernel(i, buf);
+                    convert::f32_to_f16(buf, o);
+                },
+            );
+            CpuStorage::F16(out)
+        }
+        DType::BF16 => {
+            let mut out = vec![bf16::ZERO; n];
+            out.par_chunks_mut(block_len).enumerate().for_each_init(
+                || vec![0f32; block_len],
+                |buf, (i, o)| {
+                    buf.fill(0.0);
+                    kernel(i, buf);
+                    convert::f32_to_bf16(buf, o);
+                },
+            );
+            CpuStorage::BF16(out)
+        }
+        _ => return None,
     })
 }

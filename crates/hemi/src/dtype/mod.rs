@@ -50,6 +50,11 @@ impl DType {
         }
     }
 
+    /// F16 or BF16.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+
     pub fn is_float(self) -> bool {
         !matches!(self, DType::I64)
     }

@@ -9,6 +9,7 @@
 use crate::cpu::conv::{
     conv2d_backward_input, conv2d_backward_weight, conv2d_forward, conv_out_size, Conv2dGeom,
 };
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::reduce::sum_slice;
 use crate::tensor::Tensor;
@@ -205,6 +206,9 @@ impl Tensor {
         let (x_dtype, w_dtype) = (self.dtype(), weight.dtype());
         let b_dtype = bias.map(|b| b.dtype());
         let want = (self.requires_grad(), weight.requires_grad());
+        if let Some(t) = conv2d_half(self, weight, bias, &geom, dtype, want) {
+            return Ok(t);
+        }
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
         crate::with_compute!(dtype, C => {
@@ -233,6 +237,105 @@ impl Tensor {
             }))
         })
     }
+}
+
+/// `conv2d` when the inputs are all F16 or all BF16 and contiguous (autocast's case): the
+/// kernels convert image by image (`cpu::conv::*_blocks`), so neither the batch nor its
+/// gradients exist in F32. `None` otherwise (the general path handles it).
+fn conv2d_half(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    geom: &Conv2dGeom,
+    dtype: DType,
+    want: (bool, bool),
+) -> Option<Tensor> {
+    use crate::cpu::chunked::Src;
+    use crate::cpu::conv::{
+        conv2d_backward_input_blocks, conv2d_backward_weight_blocks, conv2d_forward_blocks,
+    };
+    use crate::tensor::Layout;
+    use std::sync::Arc;
+    let same = |t: &Tensor| t.dtype() == dtype;
+    if !matches!(dtype, DType::F16 | DType::BF16)
+        || !same(x)
+        || !same(weight)
+        || !bias.is_none_or(same)
+    {
+        return None;
+    }
+    let xs = x.storage();
+    let out = {
+        let src = Src::of(&xs, x.layout())?;
+        let w = weight.values::<f32>();
+        let b = bias.map(|b| b.values::<f32>());
+        conv2d_forward_blocks(src, &w, b.as_deref(), geom, dtype)?
+    };
+    drop(xs);
+    let mut inputs = vec![x, weight];
+    inputs.extend(bias);
+    let (x_saved, w_saved) = (x.detach(), weight.detach());
+    let has_bias = bias.is_some();
+    let geom = *geom;
+    Some(Tensor::from_op(
+        Arc::new(out),
+        Layout::contiguous(&geom.out_shape()),
+        OP,
+        &inputs,
+        move |g| {
+            let g = if g.is_contiguous() {
+                g.clone()
+            } else {
+                g.contiguous()?
+            };
+            let gs = g.storage();
+            let dy = Src::of(&gs, g.layout())
+                .ok_or_else(|| Error::dtype(OP, g.dtype(), "gradient of a half conv2d"))?;
+            let dx = if want.0 {
+                let w = w_saved.values::<f32>();
+                let st =
+                    conv2d_backward_input_blocks(dy, &w, &geom, dtype).expect("half dtype checked");
+                Some(Tensor::from_storage(
+                    Arc::new(st),
+                    Layout::contiguous(x_saved.shape()),
+                ))
+            } else {
+                None
+            };
+            let dw = if want.1 {
+                let xs = x_saved.storage();
+                let xsrc = Src::of(&xs, x_saved.layout()).expect("checked in the forward");
+                let dw = conv2d_backward_weight_blocks(xsrc, dy, &geom);
+                Some(Tensor::from_values(dw, w_saved.shape(), dtype))
+            } else {
+                None
+            };
+            let mut grads = vec![dx, dw];
+            if has_bias {
+                grads.push(Some(Tensor::from_values(
+                    bias_grad_blocks(dy, &geom),
+                    &[geom.c_out],
+                    dtype,
+                )));
+            }
+            Ok(grads)
+        },
+    ))
+}
+
+/// The bias gradient (per channel, `dy` summed over images and pixels) from a contiguous
+/// F32/F16/BF16 gradient, summed in the order of `bias_grad`.
+fn bias_grad_blocks(dy: crate::cpu::chunked::Src<'_>, g: &Conv2dGeom) -> Vec<f32> {
+    let l = g.l();
+    let mut acc = vec![0f32; g.c_out];
+    let mut db = vec![0f32; g.out_image()];
+    for n in 0..g.n {
+        let img = dy.read(n * g.out_image(), &mut db);
+        for (co, a) in acc.iter_mut().enumerate() {
+            *a += sum_slice(&img[co * l..(co + 1) * l]);
+        }
+    }
+    acc
 }
 
 /// Gradient of the bias: `dy` summed over the batch and the output pixels, per channel.

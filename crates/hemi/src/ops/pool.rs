@@ -98,7 +98,7 @@ impl Tensor {
         stride: (usize, usize),
         padding: (usize, usize),
     ) -> Result<Tensor> {
-        Ok(self.max_pool2d_with_indices(kernel, stride, padding)?.0)
+        Ok(self.max_pool(kernel, stride, padding, false)?.0)
     }
 
     /// Max pooling that also returns, as an I64 tensor of the output's shape, the flat
@@ -110,19 +110,55 @@ impl Tensor {
         stride: (usize, usize),
         padding: (usize, usize),
     ) -> Result<(Tensor, Tensor)> {
+        let (out, idx) = self.max_pool(kernel, stride, padding, true)?;
+        Ok((out, idx.expect("indices requested")))
+    }
+
+    /// Max pooling; the I64 index tensor only when asked for (the backward keeps its own
+    /// compact copy).
+    fn max_pool(
+        &self,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+        with_indices: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         const OP: &str = "max_pool2d";
         let g = window_geometry(OP, self, kernel, stride, padding)?;
+        if g.in_plane() > u32::MAX as usize {
+            return Err(Error::shape(
+                OP,
+                format!("{:?}: planes of more than 2^32 values", self.shape()),
+            ));
+        }
         let shape = pooled_shape(self, g.h_out, g.w_out);
         let dtype = self.dtype();
         crate::with_compute!(dtype, C => {
             let (out, idx) = self.with_values::<C, _>(|x| max_pool2d_forward(x, &g));
-            let indices = Tensor::from_vec(idx, &shape)?;
-            let saved = indices.clone();
+            let indices = if with_indices {
+                Some(Tensor::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>(), &shape)?)
+            } else {
+                None
+            };
+            let saved = std::sync::Arc::new(idx);
             let in_shape = self.shape().to_vec();
             let out = Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
-                let storage = saved.storage();
-                let idx = storage.to_i64(saved.layout());
-                let dx = dy.with_values::<C, _>(|dy| max_pool2d_backward(dy, &idx, &g));
+                // Half precision: plane by plane in F32, rounded into the half gradient.
+                let ds = dy.storage();
+                if let (true, Some(src)) = (dtype.is_half(), crate::cpu::chunked::Src::of(&ds, dy.layout())) {
+                    let n_out = g.out_plane();
+                    let st = crate::cpu::chunked::per_block(g.planes, g.in_plane(), dtype, |p, dx| {
+                        let mut buf = vec![0f32; n_out];
+                        let d = src.read(p * n_out, &mut buf);
+                        for (&d, &i) in d.iter().zip(&saved[p * n_out..(p + 1) * n_out]) {
+                            dx[i as usize] += d;
+                        }
+                    })
+                    .expect("half dtype");
+                    let layout = crate::tensor::Layout::contiguous(&in_shape);
+                    return Ok(vec![Some(Tensor::from_storage(std::sync::Arc::new(st), layout))]);
+                }
+                let dx = dy.with_values::<C, _>(|dy| max_pool2d_backward(dy, &saved, &g));
                 Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
             });
             Ok((out, indices))
