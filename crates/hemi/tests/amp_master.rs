@@ -982,7 +982,7 @@ fn optimizer_plumbing_and_construction_errors() {
             vec![leaf(&[1.0], &[1], DType::F64)],
             MasterConfig::default(),
             sgd(0.1, 0.0),
-            "F16, BF16 and F32",
+            "F32, F16 or BF16",
         ),
         (
             vec![a.clone(), a.clone()],

@@ -19,7 +19,7 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::{clip_grad_norm, Optimizer, OptimizerState, StateBuffer};
+use crate::optim::{check_params, clip_grad_norm, Optimizer, OptimizerState, StateBuffer};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
@@ -213,44 +213,6 @@ impl Fp16Optimizer {
         };
         Generator::new(mix(self.seed ^ mix(self.rounding_step ^ mix(i as u64))))
     }
-}
-
-/// The checks of `optim`'s `check_params` (which is private to it): leaves of a training
-/// float dtype, each a whole contiguous buffer (`set_data` replaces whole buffers), each once.
-fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
-    let mut seen = std::collections::HashSet::new();
-    for (i, p) in params.iter().enumerate() {
-        if !p.is_leaf() {
-            return Err(Error::arg(
-                op,
-                format!("parameter {i} {p:?} is not a leaf tensor; optimize leaves only"),
-            ));
-        }
-        if !matches!(p.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-            return Err(Error::dtype(
-                op,
-                p.dtype(),
-                format!("parameter {i}: master weights are kept for F16, BF16 and F32 parameters"),
-            ));
-        }
-        let whole =
-            p.layout().contiguous_range() == Some(0..p.numel()) && p.storage().len() == p.numel();
-        if !whole {
-            return Err(Error::arg(
-                op,
-                format!(
-                    "parameter {i} {p:?} is a view; parameters must own a whole contiguous buffer"
-                ),
-            ));
-        }
-        if !seen.insert(p.id()) {
-            return Err(Error::arg(
-                op,
-                format!("parameter {i} appears more than once"),
-            ));
-        }
-    }
-    Ok(())
 }
 
 impl Optimizer for Fp16Optimizer {
