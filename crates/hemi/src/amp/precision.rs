@@ -165,8 +165,6 @@ enum Engine {
     Plain {
         opt: Box<dyn Optimizer>,
         scaler: Option<GradScaler>,
-        last_skipped: bool,
-        steps: u64,
     },
     /// F32 masters behind half weights (fp16-master, pure-bf16).
     Master(Fp16Optimizer),
@@ -224,14 +222,10 @@ impl AmpOptimizer {
             Precision::Fp32 | Precision::AmpBf16 | Precision::PureFp16 => Engine::Plain {
                 opt: build(params)?,
                 scaler: None,
-                last_skipped: false,
-                steps: 0,
             },
             Precision::AmpFp16 => Engine::Plain {
                 opt: build(params)?,
                 scaler: Some(GradScaler::new(scaler)?),
-                last_skipped: false,
-                steps: 0,
             },
             Precision::Fp16Master => Engine::Master(Fp16Optimizer::new(
                 params,
@@ -314,27 +308,17 @@ impl AmpOptimizer {
     /// NaN (the loss scale then backs off).
     pub fn step(&mut self) -> Result<bool> {
         match &mut self.engine {
-            Engine::Plain {
-                opt,
-                scaler,
-                last_skipped,
-                steps,
-            } => {
-                *steps += 1;
-                let stepped = match scaler {
-                    Some(s) => {
-                        let stepped = s.step(opt.as_mut())?;
-                        s.update()?;
-                        stepped
-                    }
-                    None => {
-                        opt.step()?;
-                        true
-                    }
-                };
-                *last_skipped = !stepped;
-                Ok(stepped)
-            }
+            Engine::Plain { opt, scaler } => match scaler {
+                Some(s) => {
+                    let stepped = s.step(opt.as_mut())?;
+                    s.update()?;
+                    Ok(stepped)
+                }
+                None => {
+                    opt.step()?;
+                    Ok(true)
+                }
+            },
             Engine::Master(m) => {
                 m.step()?;
                 Ok(!m.last_step_skipped())
