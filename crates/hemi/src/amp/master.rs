@@ -19,7 +19,9 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::{check_params, clip_grad_norm, Optimizer, OptimizerState, StateBuffer};
+use crate::optim::{
+    check_grads, check_params, clip_grad_norm, Optimizer, OptimizerState, StateBuffer,
+};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
@@ -218,26 +220,7 @@ impl Fp16Optimizer {
 impl Optimizer for Fp16Optimizer {
     fn step(&mut self) -> Result<()> {
         const OP: &str = "Fp16Optimizer::step";
-        for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = p.grad() else { continue };
-            if g.shape() != p.shape() {
-                return Err(Error::shape(
-                    OP,
-                    format!(
-                        "parameter {i} has shape {:?} but its gradient {:?}",
-                        p.shape(),
-                        g.shape()
-                    ),
-                ));
-            }
-            if !g.dtype().is_float() {
-                return Err(Error::dtype(
-                    OP,
-                    g.dtype(),
-                    format!("gradient of parameter {i} is not a float tensor"),
-                ));
-            }
-        }
+        check_grads(OP, &self.params)?;
         // 1. Unscale into F32 master gradients, noting inf/NaN (one pass per gradient).
         let inv = (1.0 / self.scale.scale()) as f32;
         let mut grads: Vec<Option<Vec<f32>>> = Vec::with_capacity(self.params.len());
