@@ -286,6 +286,32 @@ pub fn conv2d_backward_input<C: Real>(dy: &[C], w: &[C], g: &Conv2dGeom) -> Vec<
 /// own buffer, and the buffers are added in run order, so the result does not depend on
 /// scheduling (it depends only on the thread count, which fixes the split).
 pub fn conv2d_backward_weight<C: Real>(x: &[C], dy: &[C], g: &Conv2dGeom) -> Vec<C> {
+    backward_weight_from(x, dy, g)
+}
+
+/// Where a kernel reads image `i` of a batch from: a slice in the compute type (borrowed),
+/// or a half-precision buffer converted image by image (`Src`, into `buf`).
+trait Images<C>: Sync {
+    /// The `buf.len()` values from `start` (in `buf`, or borrowed).
+    fn image<'a>(&'a self, start: usize, buf: &'a mut [C]) -> &'a [C];
+}
+
+impl<C: Real> Images<C> for &[C] {
+    fn image<'a>(&'a self, start: usize, buf: &'a mut [C]) -> &'a [C] {
+        &self[start..start + buf.len()]
+    }
+}
+
+impl Images<f32> for Src<'_> {
+    fn image<'a>(&'a self, start: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        self.read(start, buf)
+    }
+}
+
+/// The weight gradient over any image sources: the batch is split into one contiguous run
+/// of images per thread, each run sums into its own buffer and the buffers are added in run
+/// order (the result depends on the thread count, never on scheduling).
+fn backward_weight_from<C: Real>(x: impl Images<C>, dy: impl Images<C>, g: &Conv2dGeom) -> Vec<C> {
     let len = g.weight_len();
     if g.n == 0 || len == 0 || g.l() == 0 {
         return vec![C::zero(); len];
@@ -296,9 +322,11 @@ pub fn conv2d_backward_weight<C: Real>(x: &[C], dy: &[C], g: &Conv2dGeom) -> Vec
     let partial = |r: usize| {
         let mut dw = vec![C::zero(); len];
         let mut scratch = Vec::new();
+        let mut xb = vec![C::zero(); g.in_image()];
+        let mut db = vec![C::zero(); g.out_image()];
         for i in r * per_run..((r + 1) * per_run).min(g.n) {
-            let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
-            let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+            let xi = x.image(i * g.in_image(), &mut xb);
+            let dyi = dy.image(i * g.out_image(), &mut db);
             let col = columns(xi, &mut scratch, g);
             for grp in 0..g.groups {
                 let a = MatRef::row_major(&dyi[grp * m * l..(grp + 1) * m * l], m, l);
@@ -406,47 +434,7 @@ pub fn conv2d_backward_input_blocks(
 /// `conv2d_backward_weight` from contiguous F32/F16/BF16 input and gradient, with the
 /// same split of the batch into runs (so the same sums in the same order).
 pub fn conv2d_backward_weight_blocks(x: Src<'_>, dy: Src<'_>, g: &Conv2dGeom) -> Vec<f32> {
-    let len = g.weight_len();
-    if g.n == 0 || len == 0 || g.l() == 0 {
-        return vec![0.0; len];
-    }
-    let runs = g.n.min(rayon::current_num_threads()).max(1);
-    let per_run = g.n.div_ceil(runs);
-    let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    let partial = |r: usize| {
-        let mut dw = vec![0f32; len];
-        let (mut scratch, mut xb, mut db) = (
-            Vec::new(),
-            vec![0f32; g.in_image()],
-            vec![0f32; g.out_image()],
-        );
-        for i in r * per_run..((r + 1) * per_run).min(g.n) {
-            let xi = x.read(i * g.in_image(), &mut xb);
-            let dyi = dy.read(i * g.out_image(), &mut db);
-            let col = columns(xi, &mut scratch, g);
-            for grp in 0..g.groups {
-                let a = MatRef::row_major(&dyi[grp * m * l..(grp + 1) * m * l], m, l);
-                let bt = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l).t();
-                matmul_into_par(
-                    &mut dw[grp * m * k..(grp + 1) * m * k],
-                    a,
-                    bt,
-                    true,
-                    runs == 1,
-                );
-            }
-        }
-        dw
-    };
-    let n_runs = g.n.div_ceil(per_run);
-    let mut partials: Vec<Vec<f32>> = (0..n_runs).into_par_iter().map(partial).collect();
-    let mut dw = partials.remove(0);
-    for p in &partials {
-        for (d, &v) in dw.iter_mut().zip(p) {
-            *d += v;
-        }
-    }
-    dw
+    backward_weight_from(x, dy, g)
 }
 
 #[cfg(test)]
