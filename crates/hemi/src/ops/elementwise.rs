@@ -418,11 +418,14 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
     let dtype = x.dtype();
     let xs = x.storage();
     let src = Src::of(&xs, x.layout())?;
-    let out = specialize!(op, o => map1(src, dtype, move |a, out| {
-        for (y, &v) in out.iter_mut().zip(a) {
+    // The variant is matched once per chunk, inside the kernel, so that each arm's loop is
+    // compiled for a constant variant (a match outside the closure leaves `op` a captured
+    // runtime value and the loop dispatches per element).
+    let out = map1(src, dtype, move |a, out| {
+        specialize!(op, o => for (y, &v) in out.iter_mut().zip(a) {
             *y = o.f(v);
-        }
-    }))?;
+        })
+    })?;
     let storage = std::sync::Arc::new(out);
     let layout = crate::tensor::Layout::contiguous(x.shape());
     let uses_out = op.backward_needs_output();
@@ -439,14 +442,12 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
         move |g| {
             let (gs, ss) = (g.storage(), saved.storage());
             let chunked = match (Src::of(&gs, g.layout()), Src::of(&ss, saved.layout())) {
-                (Some(gv), Some(sv)) => specialize!(op, o => if uses_out {
-                    map2(gv, sv, g.dtype(), move |g, s, out| {
+                (Some(gv), Some(sv)) => map2(gv, sv, g.dtype(), move |g, s, out| {
+                    specialize!(op, o => if uses_out {
                         for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
                             *y = g * o.df(0.0, s);
                         }
-                    })
-                } else {
-                    map2(gv, sv, g.dtype(), move |g, s, out| {
+                    } else {
                         for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
                             *y = g * o.df(s, 0.0);
                         }
