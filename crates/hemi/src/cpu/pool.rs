@@ -97,7 +97,12 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>
     if n == 0 || n_in == 0 {
         return (out, idx);
     }
+    let pair_windows = g.kernel == (2, 2) && g.stride == (2, 2) && g.padding == (0, 0);
     let body = |((o, ix), plane): ((&mut [C], &mut [u32]), &[C])| {
+        if pair_windows {
+            max_pool_2x2_plane(plane, o, ix, g);
+            return;
+        }
         for oh in 0..g.h_out {
             let (hs, he) = clip(oh, g.stride.0, g.padding.0, g.kernel.0, g.h);
             for ow in 0..g.w_out {
@@ -136,6 +141,35 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>
             .for_each(body);
     }
     (out, idx)
+}
+
+/// One plane of a 2×2, stride-2, unpadded max pool (CNNs' usual pool, a quarter of their
+/// elementwise traffic): the window's four values are compared in row-major order with the
+/// general loop's rules (first maximum wins ties, the last NaN wins) and no per-output
+/// window clipping.
+#[inline]
+fn max_pool_2x2_plane<C: Real>(plane: &[C], o: &mut [C], ix: &mut [u32], g: &Pool2dGeom) {
+    let w = g.w;
+    for oh in 0..g.h_out {
+        let r0 = &plane[2 * oh * w..2 * oh * w + w];
+        let r1 = &plane[(2 * oh + 1) * w..(2 * oh + 1) * w + w];
+        let (orow, irow) = (
+            &mut o[oh * g.w_out..(oh + 1) * g.w_out],
+            &mut ix[oh * g.w_out..(oh + 1) * g.w_out],
+        );
+        let base = (2 * oh * w) as u32;
+        for (ow, (ov, iv)) in orow.iter_mut().zip(irow.iter_mut()).enumerate() {
+            let c = 2 * ow;
+            let (mut best, mut at) = (r0[c], c as u32);
+            for (v, pos) in [(r0[c + 1], c + 1), (r1[c], w + c), (r1[c + 1], w + c + 1)] {
+                let take = v > best || v.is_nan();
+                best = if take { v } else { best };
+                at = if take { pos as u32 } else { at };
+            }
+            *ov = best;
+            *iv = base + at;
+        }
+    }
 }
 
 /// `if c { a } else { b }` without a branch.
