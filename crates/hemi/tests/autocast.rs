@@ -82,6 +82,11 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
             Some(&t(&[4], b, &mut rng)),
             Conv2dOptions::default().padding(1),
         ),
+        "conv2d_relu_max_pool2" => x.conv2d_relu_max_pool2(
+            &t(&[4, 3, 3, 3], b, &mut rng),
+            Some(&t(&[4], b, &mut rng)),
+            Conv2dOptions::default().padding(1),
+        ),
         "exp" => m.exp(),
         "log" => pos.log(),
         "pow_scalar" => m.pow_scalar(3.0),

@@ -177,7 +177,7 @@ pub fn col2im<C: Real>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
 
 /// The column matrix of one image: the image itself for pointwise convolutions, else
 /// `im2col` into `scratch`.
-fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> &'a [C] {
+pub(crate) fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> &'a [C] {
     if g.is_pointwise() {
         return x;
     }
@@ -187,7 +187,7 @@ fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> 
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
-fn image_forward<C: Real>(
+pub(crate) fn image_forward<C: Real>(
     x: &[C],
     w: &[C],
     bias: Option<&[C]>,
@@ -232,7 +232,7 @@ pub fn conv2d_forward<C: Real>(x: &[C], w: &[C], bias: Option<&[C]>, g: &Conv2dG
 }
 
 /// Input gradient of one image: `dcol = w^T x dy` per group, then col2im into `dx`.
-fn image_backward_input<C: Real>(
+pub(crate) fn image_backward_input<C: Real>(
     dy: &[C],
     w: &[C],
     dx: &mut [C],

@@ -3,5 +3,6 @@
 
 pub mod chunked;
 pub mod conv;
+pub mod conv_block;
 pub mod gemm;
 pub mod pool;

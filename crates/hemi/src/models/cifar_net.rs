@@ -1,7 +1,7 @@
 //! The CNN of the user's documents, for 32×32 RGB images in 10 classes.
 
 use crate::error::{Error, Result};
-use crate::nn::{prefixed, prefixed_mut, Conv2d, Kind, Linear, MaxPool2d, Module, Slot};
+use crate::nn::{prefixed, prefixed_mut, Conv2d, Kind, Linear, Module, Slot};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -20,7 +20,6 @@ pub struct CifarNet {
     pub conv2: Conv2d,
     pub fc1: Linear,
     pub fc2: Linear,
-    pool: MaxPool2d,
 }
 
 impl CifarNet {
@@ -51,7 +50,6 @@ impl CifarNet {
             conv2: Conv2d::new(64, 128, (3, 3), opts, true, rng)?,
             fc1: Linear::new(128 * h * w, 256, true, rng)?,
             fc2: Linear::new(256, classes, true, rng)?,
-            pool: MaxPool2d::new(2),
         })
     }
 
@@ -63,8 +61,10 @@ impl CifarNet {
 
 impl Module for CifarNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = self.pool.forward(&self.conv1.forward(x)?.relu()?)?;
-        let x = self.pool.forward(&self.conv2.forward(&x)?.relu()?)?;
+        // pool(relu(conv(x))) twice, each block fused into one op (same values and
+        // gradients as the three ops, see `Tensor::conv2d_relu_max_pool2`).
+        let x = self.conv1.forward_relu_max_pool2(x)?;
+        let x = self.conv2.forward_relu_max_pool2(&x)?;
         let x = x.flatten(1, -1)?;
         let x = self.fc1.forward(&x)?.relu()?;
         self.fc2.forward(&x)

@@ -44,6 +44,13 @@ impl Conv2d {
         };
         Ok(Conv2d { weight, bias, opts })
     }
+
+    /// `pool(relu(self(x)))` with a 2×2 stride-2 max-pool, as one fused op
+    /// (`Tensor::conv2d_relu_max_pool2`): what `MaxPool2d::new(2).forward(&conv.forward(x)?.relu()?)`
+    /// computes, without storing the full-resolution activation.
+    pub fn forward_relu_max_pool2(&self, x: &Tensor) -> Result<Tensor> {
+        x.conv2d_relu_max_pool2(&self.weight, self.bias.as_ref(), self.opts)
+    }
 }
 
 impl Module for Conv2d {

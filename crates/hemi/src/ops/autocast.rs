@@ -65,6 +65,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("matmul", LowerPrecision),
     ("linear", LowerPrecision),
     ("conv2d", LowerPrecision),
+    ("conv2d_relu_max_pool2", LowerPrecision),
     // FP32.
     ("exp", Fp32),
     ("log", Fp32),
