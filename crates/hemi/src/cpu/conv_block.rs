@@ -76,34 +76,151 @@ struct FwdScratch {
 /// ReLU and 2×2 pooling of one convolution output image `y [c_out, h_out, w_out]` into
 /// `out [c_out, h_out/2, w_out/2]` and the window index of each maximum (row-major 0..4,
 /// first maximum wins ties, the last NaN wins; `MASKED` where the ReLU gives 0 or NaN).
-fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom) {
+fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom, fast: bool) {
     let (ho, wo) = (g.h_out, g.w_out);
     let (ph, pw) = (ho / 2, wo / 2);
+    // The winners of each row's pairs, then of the two rows: every step is a loop of
+    // selects with no branch (compares of random data mispredict half the time, which
+    // made a branchy version cost as much as the GEMM) that the compiler vectorises.
+    let mut top = vec![0f32; pw];
+    let mut top_at = vec![0u8; pw];
+    let mut bot = vec![0f32; pw];
+    let mut bot_at = vec![0u8; pw];
     for c in 0..g.c_out {
         let plane = &y[c * ho * wo..(c + 1) * ho * wo];
         for i in 0..ph {
-            let r0 = &plane[2 * i * wo..2 * i * wo + wo];
-            let r1 = &plane[(2 * i + 1) * wo..(2 * i + 1) * wo + wo];
+            let r0 = &plane[2 * i * wo..2 * i * wo + 2 * pw];
+            let r1 = &plane[(2 * i + 1) * wo..(2 * i + 1) * wo + 2 * pw];
             let base = (c * ph + i) * pw;
-            for (j, (o, ix)) in out[base..base + pw]
-                .iter_mut()
-                .zip(&mut idx[base..base + pw])
-                .enumerate()
-            {
-                let k = 2 * j;
-                let (mut best, mut at) = (r0[k], 0u8);
-                for (v, pos) in [(r0[k + 1], 1u8), (r1[k], 2), (r1[k + 1], 3)] {
-                    let take = v > best || v.is_nan();
-                    best = if take { v } else { best };
-                    at = if take { pos } else { at };
-                }
+            let (o, ix) = (&mut out[base..base + pw], &mut idx[base..base + pw]);
+            let done = if fast { row_pair_fast(r0, r1, o, ix) } else { 0 };
+            pick_pairs(&r0[2 * done..], &mut top[done..], &mut top_at[done..], 0);
+            pick_pairs(&r1[2 * done..], &mut bot[done..], &mut bot_at[done..], 2);
+            for j in done..pw {
+                // The top row's winner is the earlier element: the later (bottom) one
+                // wins when larger or NaN — "first maximum, last NaN" over the window.
+                let (a, b) = (top[j], bot[j]);
+                let take = (b > a) | b.is_nan();
+                let best = if take { b } else { a };
+                let at = if take { bot_at[j] } else { top_at[j] };
                 // ReLU of the maximum: NaN stays NaN (as `relu` keeps it) and, like a
                 // non-positive maximum, passes no gradient.
                 let pass = best > 0.0;
-                *o = if pass || best.is_nan() { best } else { 0.0 };
-                *ix = if pass { at } else { MASKED };
+                o[j] = if pass | best.is_nan() { best } else { 0.0 };
+                ix[j] = if pass { at } else { MASKED };
             }
         }
+    }
+}
+
+/// The outputs of a row pair that the AVX2 kernel computes (a multiple of 8 from the
+/// start; the caller finishes the rest with the plain loop), or 0 without AVX2.
+#[inline]
+fn row_pair_fast(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above).
+        return unsafe { x86::row_pair_avx2(r0, r1, out, idx) };
+    }
+    let _ = (r0, r1, out, idx);
+    0
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::MASKED;
+    use std::arch::x86_64::*;
+
+    /// The even and odd elements of 16 consecutive floats at `p`, in order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn deinterleave(p: *const f32) -> (__m256, __m256) {
+        // SAFETY (caller): 16 floats are readable at p.
+        let (lo, hi) = unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) };
+        // shuffle_ps works per 128-bit lane: [lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6]; the
+        // 64-bit permute puts the quarters back in order.
+        let ev = _mm256_shuffle_ps::<0b10_00_10_00>(lo, hi);
+        let od = _mm256_shuffle_ps::<0b11_01_11_01>(lo, hi);
+        (in_order(ev), in_order(od))
+    }
+
+    /// Swaps the middle 64-bit quarters: [a b c d] -> [a c b d].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn in_order(v: __m256) -> __m256 {
+        _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(_mm256_castps_pd(v)))
+    }
+
+    /// The later of two vectors where it is larger or NaN, and the mask of where it won.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn pick(early: __m256, late: __m256) -> (__m256, __m256) {
+        let take = _mm256_or_ps(
+            _mm256_cmp_ps::<_CMP_GT_OQ>(late, early),
+            _mm256_cmp_ps::<_CMP_UNORD_Q>(late, late),
+        );
+        (_mm256_blendv_ps(early, late, take), take)
+    }
+
+    /// `relu_pool_image`'s rules for one row pair, 8 outputs at a time (the plain loop
+    /// beside it is the reference, held equal by a test on random data with ties and NaN).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn row_pair_avx2(
+        r0: &[f32],
+        r1: &[f32],
+        out: &mut [f32],
+        idx: &mut [u8],
+    ) -> usize {
+        let n = out.len().min(idx.len()).min(r0.len() / 2).min(r1.len() / 2) / 8 * 8;
+        let one = _mm256_set1_epi32(1);
+        let mut at = [0i32; 8];
+        for j in (0..n).step_by(8) {
+            // SAFETY: j + 8 <= n <= r0.len() / 2, so 16 floats from 2j are in bounds.
+            let (a0, a1) = unsafe { deinterleave(r0.as_ptr().add(2 * j)) };
+            let (b0, b1) = unsafe { deinterleave(r1.as_ptr().add(2 * j)) };
+            let (top, t_take) = pick(a0, a1);
+            let (bot, b_take) = pick(b0, b1);
+            let (best, take) = pick(top, bot);
+            // Window index: top row 0/1, bottom row 2/3.
+            let t_at = _mm256_and_si256(_mm256_castps_si256(t_take), one);
+            let b_at = _mm256_add_epi32(
+                _mm256_and_si256(_mm256_castps_si256(b_take), one),
+                _mm256_set1_epi32(2),
+            );
+            let w_at = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(t_at),
+                _mm256_castsi256_ps(b_at),
+                take,
+            ));
+            let pass = _mm256_cmp_ps::<_CMP_GT_OQ>(best, _mm256_setzero_ps());
+            let keep = _mm256_or_ps(pass, _mm256_cmp_ps::<_CMP_UNORD_Q>(best, best));
+            let o = _mm256_and_ps(best, keep);
+            let w_at = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(_mm256_set1_epi32(MASKED as i32)),
+                _mm256_castsi256_ps(w_at),
+                pass,
+            ));
+            // SAFETY: j + 8 <= n <= out.len(); `at` holds 8 i32.
+            unsafe {
+                _mm256_storeu_ps(out.as_mut_ptr().add(j), o);
+                _mm256_storeu_si256(at.as_mut_ptr().cast(), w_at);
+            }
+            for (d, &v) in idx[j..j + 8].iter_mut().zip(&at) {
+                *d = v as u8;
+            }
+        }
+        n
+    }
+}
+
+/// For each pair `(row[2j], row[2j+1])`: the later when it is larger or NaN, else the
+/// earlier, and its window index (`first` or `first + 1`).
+#[inline(always)]
+fn pick_pairs(row: &[f32], best: &mut [f32], at: &mut [u8], first: u8) {
+    for ((b, a), p) in best.iter_mut().zip(at.iter_mut()).zip(row.chunks_exact(2)) {
+        let take = (p[1] > p[0]) | p[1].is_nan();
+        *b = if take { p[1] } else { p[0] };
+        *a = first + take as u8;
     }
 }
 
@@ -148,7 +265,7 @@ fn forward_into<T: Store>(
             s.pooled.resize(pooled, 0.0);
             let xi = x.read(i * g.in_image(), &mut s.x);
             image_forward(xi, w, bias, &mut s.y, &mut s.col, g, false);
-            relu_pool_image(&s.y, &mut s.pooled, ix, g);
+            relu_pool_image(&s.y, &mut s.pooled, ix, g, true);
             T::store(&s.pooled, o);
         });
     out
@@ -312,5 +429,53 @@ fn image_backward<T: Store>(
         image_backward_input(&s.dy, w, &mut s.dx, &mut col_scratch, g, par);
         s.col = col_scratch;
         T::store(&s.dx, dx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Generator;
+
+    /// The vector kernel equals the plain loop bit for bit (values and window indices) on
+    /// random images with ties, NaNs, infinities and all-negative windows, for widths
+    /// that leave every tail length.
+    #[test]
+    fn fast_row_pairs_equal_the_plain_loop() {
+        let mut rng = Generator::new(5);
+        for (ho, wo) in [(2, 2), (5, 17), (4, 16), (7, 33), (6, 40), (3, 63)] {
+            let g = Conv2dGeom {
+                n: 1,
+                c_in: 1,
+                h: ho,
+                w: wo,
+                c_out: 3,
+                kh: 1,
+                kw: 1,
+                stride: (1, 1),
+                padding: (0, 0),
+                dilation: (1, 1),
+                groups: 1,
+                h_out: ho,
+                w_out: wo,
+            };
+            // Few distinct values so that ties are common.
+            let y: Vec<f32> = (0..3 * ho * wo)
+                .map(|_| match rng.below(12) {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => f32::INFINITY,
+                    k => (k as f32 - 7.0) * 0.5,
+                })
+                .collect();
+            let n = pooled_image(&g);
+            let (mut o1, mut i1) = (vec![0f32; n], vec![0u8; n]);
+            let (mut o2, mut i2) = (vec![0f32; n], vec![0u8; n]);
+            relu_pool_image(&y, &mut o1, &mut i1, &g, true);
+            relu_pool_image(&y, &mut o2, &mut i2, &g, false);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&o1), bits(&o2), "{ho}x{wo}");
+            assert_eq!(i1, i2, "{ho}x{wo}");
+        }
     }
 }
