@@ -12,16 +12,23 @@
 //!   preset's loss scaling or master weights) on random data; images/s from the median step
 //!   time after two warm-up steps, and the process's peak resident memory. Run one preset
 //!   per process so that the peak memory is that preset's.
+//! - `hemi bench conv [--layers cifar-conv1,cifar-conv2,resnet-3x3] [--batch-size N]`:
+//!   median ms and GFLOP/s of `Tensor::conv2d`'s forward, input gradient and weight
+//!   gradient per layer, in F32, F16 and BF16.
+//! - `hemi bench pool [--batch-size 128]`: median ms and Gelem/s of 2×2 max pooling
+//!   (forward and backward) on CifarNet's two pooled activations, in F32, F16 and BF16.
 //!
 //! `--json` prints one JSON object per measurement and line instead of a table.
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use clap::{Args, Subcommand};
+use clap::{Args, Subcommand, ValueEnum};
 use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
+use hemi::autograd::backward_with;
 use hemi::dtype::convert;
+use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
 use hemi::optim::{Optimizer, Sgd, SgdConfig};
 use hemi::{DType, Error, Generator, Result, Tensor};
@@ -67,6 +74,64 @@ enum Which {
         #[arg(long, default_value_t = 20)]
         steps: usize,
     },
+    /// Convolution layers: forward, input gradient and weight gradient, F32/F16/BF16.
+    ///
+    /// Timed per pass (stride 1, no bias): `forward` is `x.conv2d(w)` with no graph;
+    /// `backward-input` is the conv's backward from a given random dy with only x
+    /// requiring grad (so only dx is computed), run through `autograd::backward_with` on a
+    /// graph built once outside the timing; `backward-weight` likewise with only w
+    /// requiring grad. Half passes include converting their inputs to F32 and rounding the
+    /// result, as in training. GFLOP/s = 2·N·C_out·H_out·W_out·C_in·kh·kw per pass.
+    Conv {
+        /// Layers, comma-separated.
+        #[arg(long, value_enum, value_delimiter = ',',
+              default_values_t = [ConvLayer::CifarConv1, ConvLayer::CifarConv2, ConvLayer::Resnet3x3])]
+        layers: Vec<ConvLayer>,
+        /// Overrides each layer's batch size N.
+        #[arg(long)]
+        batch_size: Option<usize>,
+    },
+    /// 2×2 max pooling, stride 2: forward and backward on CifarNet's pooled activations
+    /// ([N,64,30,30] and [N,128,13,13]), F32/F16/BF16.
+    ///
+    /// `forward` is `x.max_pool2d` with no graph; `backward` is its backward from a given dy
+    /// through `autograd::backward_with` on a graph built once. Gelem/s counts input
+    /// elements.
+    Pool {
+        #[arg(long, default_value_t = 128)]
+        batch_size: usize,
+    },
+}
+
+/// A convolution layer `hemi bench conv` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ConvLayer {
+    /// CifarNet's conv1: [128,3,32,32] * [64,3,3,3].
+    CifarConv1,
+    /// CifarNet's conv2: [128,64,15,15] * [128,64,3,3].
+    CifarConv2,
+    /// A ResNet-style 3×3 layer: [32,64,56,56] * [64,64,3,3], padding 1.
+    #[value(name = "resnet-3x3")]
+    Resnet3x3,
+}
+
+impl ConvLayer {
+    /// Input shape, weight shape and padding (stride 1).
+    fn spec(self) -> ([usize; 4], [usize; 4], usize) {
+        match self {
+            ConvLayer::CifarConv1 => ([128, 3, 32, 32], [64, 3, 3, 3], 0),
+            ConvLayer::CifarConv2 => ([128, 64, 15, 15], [128, 64, 3, 3], 0),
+            ConvLayer::Resnet3x3 => ([32, 64, 56, 56], [64, 64, 3, 3], 1),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            ConvLayer::CifarConv1 => "cifar-conv1",
+            ConvLayer::CifarConv2 => "cifar-conv2",
+            ConvLayer::Resnet3x3 => "resnet-3x3",
+        }
+    }
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -89,7 +154,225 @@ pub fn run(args: BenchArgs) -> Result<()> {
             batch_size,
             steps,
         } => pool.install(|| bench_train(&args, model, *precision, *batch_size, *steps)),
+        Which::Conv { layers, batch_size } => bench_conv(&args, &pool, layers, *batch_size),
+        Which::Pool { batch_size } => bench_pool(&args, &pool, *batch_size),
     }
+}
+
+/// The dtypes the kernel benchmarks compare.
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// One timed forward under `no_grad`.
+fn forward_job<'a>(f: impl Fn() -> Result<Tensor> + Send + 'a) -> Job<'a> {
+    Box::new(move || {
+        let _g = hemi::no_grad();
+        black_box(f()?);
+        Ok(())
+    })
+}
+
+/// One timed backward of the graph ending in `y` from the output gradient `dy`, into the
+/// leaf `x` (its gradient is dropped after each run, so no run adds to an earlier one).
+fn backward_job<'a>(y: &'a Tensor, dy: &'a Tensor, x: &'a Tensor) -> Job<'a> {
+    Box::new(move || {
+        backward_with(y, dy.clone())?;
+        black_box(x.grad());
+        x.zero_grad();
+        Ok(())
+    })
+}
+
+/// The tensors of one dtype's conv passes: the operands, an output gradient, and two
+/// graphs built once whose backward computes only dx (`y_dx`) or only dw (`y_dw`).
+struct ConvCase {
+    x: Tensor,
+    w: Tensor,
+    dy: Tensor,
+    x_leaf: Tensor,
+    w_leaf: Tensor,
+    y_dx: Tensor,
+    y_dw: Tensor,
+}
+
+const CONV_PASSES: [&str; 3] = ["forward", "backward-input", "backward-weight"];
+
+fn bench_conv(
+    args: &BenchArgs,
+    pool: &rayon::ThreadPool,
+    layers: &[ConvLayer],
+    batch: Option<usize>,
+) -> Result<()> {
+    if batch == Some(0) {
+        return Err(Error::arg("bench conv", "--batch-size must be at least 1"));
+    }
+    let mut rng = Generator::new(0xc0);
+    if !args.json {
+        println!(
+            "conv2d, stride 1, no bias: median ms of {} reps and GFLOP/s \
+             (2·N·C_out·H_out·W_out·C_in·kh·kw per pass), {} threads",
+            args.reps, args.threads
+        );
+        println!(
+            "{:<12} {:<34} {:<16} {:>17} {:>17} {:>17}",
+            "layer",
+            "input * weight",
+            "pass",
+            "f32 ms  GFLOP/s",
+            "f16 ms  GFLOP/s",
+            "bf16 ms  GFLOP/s"
+        );
+    }
+    for &layer in layers {
+        let (mut xs, ws, pad) = layer.spec();
+        if let Some(n) = batch {
+            xs[0] = n;
+        }
+        let opts = Conv2dOptions::default().padding(pad);
+        let x32 = Tensor::randn(&xs, 0.0, 1.0, DType::F32, &mut rng)?;
+        // Weights on the scale of a trained layer's (PyTorch's default init bound).
+        let bound = 1.0 / ((ws[1] * ws[2] * ws[3]) as f64).sqrt();
+        let w32 = Tensor::rand(&ws, -bound, bound, DType::F32, &mut rng)?;
+        let ys = {
+            let _g = hemi::no_grad();
+            pool.install(|| x32.conv2d(&w32, None, opts))?
+                .shape()
+                .to_vec()
+        };
+        let dy32 = Tensor::randn(&ys, 0.0, 1.0, DType::F32, &mut rng)?;
+        let flop = 2.0 * (ys.iter().product::<usize>() * ws[1] * ws[2] * ws[3]) as f64;
+        let cases = DTYPES
+            .iter()
+            .map(|&dt| {
+                let (x, w, dy) = (x32.to_dtype(dt)?, w32.to_dtype(dt)?, dy32.to_dtype(dt)?);
+                let (x_leaf, w_leaf) = (x.detach().requires_grad_(), w.detach().requires_grad_());
+                let (y_dx, y_dw) = pool.install(|| -> Result<_> {
+                    Ok((
+                        x_leaf.conv2d(&w, None, opts)?,
+                        x.conv2d(&w_leaf, None, opts)?,
+                    ))
+                })?;
+                Ok(ConvCase {
+                    x,
+                    w,
+                    dy,
+                    x_leaf,
+                    w_leaf,
+                    y_dx,
+                    y_dw,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // Jobs in the order dtype-major, pass-minor, all interleaved.
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        for c in &cases {
+            jobs.push(forward_job(move || c.x.conv2d(&c.w, None, opts)));
+            jobs.push(backward_job(&c.y_dx, &c.dy, &c.x_leaf));
+            jobs.push(backward_job(&c.y_dw, &c.dy, &c.w_leaf));
+        }
+        let secs = pool.install(|| interleaved_medians(args.reps, &mut jobs))?;
+        drop(jobs);
+        let at = |d: usize, p: usize| secs[d * CONV_PASSES.len() + p];
+        let gflops = |s: f64| flop / s / 1e9;
+        for (p, pass) in CONV_PASSES.iter().enumerate() {
+            if args.json {
+                for (d, dt) in DTYPES.iter().enumerate() {
+                    let s = at(d, p);
+                    let j = serde_json::json!({
+                        "bench": "conv", "layer": layer.name(), "input": xs, "weight": ws,
+                        "padding": pad, "output": ys, "pass": pass, "dtype": dt.to_string(),
+                        "threads": args.threads, "reps": args.reps, "flop": flop,
+                        "median_s": s, "median_ms": s * 1e3, "gflops": gflops(s),
+                    });
+                    println!("{j}");
+                }
+            } else {
+                let shapes = format!("{}*{} pad {pad}", dims(&xs), dims(&ws));
+                let cells: Vec<String> = (0..DTYPES.len())
+                    .map(|d| format!("{:>8.2} {:>8.1}", at(d, p) * 1e3, gflops(at(d, p))))
+                    .collect();
+                println!(
+                    "{:<12} {shapes:<34} {pass:<16} {:>17} {:>17} {:>17}",
+                    layer.name(),
+                    cells[0],
+                    cells[1],
+                    cells[2]
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A shape as `128x64x15x15`.
+fn dims(shape: &[usize]) -> String {
+    let d: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    d.join("x")
+}
+
+fn bench_pool(args: &BenchArgs, pool: &rayon::ThreadPool, batch: usize) -> Result<()> {
+    if batch == 0 {
+        return Err(Error::arg("bench pool", "--batch-size must be at least 1"));
+    }
+    let mut rng = Generator::new(0x9001);
+    if !args.json {
+        println!(
+            "max_pool2d 2×2 stride 2: median ms of {} reps and Gelem/s (input elements), \
+             {} threads",
+            args.reps, args.threads
+        );
+        println!(
+            "{:<18} {:<9} {:>17} {:>17} {:>17}",
+            "input", "pass", "f32 ms  Gelem/s", "f16 ms  Gelem/s", "bf16 ms  Gelem/s"
+        );
+    }
+    for shape in [[batch, 64, 30, 30], [batch, 128, 13, 13]] {
+        let x32 = Tensor::randn(&shape, 0.0, 1.0, DType::F32, &mut rng)?;
+        // Per dtype: the input, a leaf copy, its pooled graph and an output gradient.
+        let cases = DTYPES
+            .iter()
+            .map(|&dt| {
+                let x = x32.to_dtype(dt)?;
+                let leaf = x.detach().requires_grad_();
+                let y = pool.install(|| leaf.max_pool2d((2, 2), (2, 2), (0, 0)))?;
+                let dy = Tensor::randn(y.shape(), 0.0, 1.0, dt, &mut rng)?;
+                Ok((x, leaf, y, dy))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut jobs: Vec<Job<'_>> = Vec::new();
+        for (x, leaf, y, dy) in &cases {
+            jobs.push(forward_job(move || x.max_pool2d((2, 2), (2, 2), (0, 0))));
+            jobs.push(backward_job(y, dy, leaf));
+        }
+        let secs = pool.install(|| interleaved_medians(args.reps, &mut jobs))?;
+        drop(jobs);
+        let elems = shape.iter().product::<usize>() as f64;
+        for (p, pass) in ["forward", "backward"].iter().enumerate() {
+            let at = |d: usize| secs[d * 2 + p];
+            if args.json {
+                for (d, dt) in DTYPES.iter().enumerate() {
+                    let j = serde_json::json!({
+                        "bench": "pool", "op": "max_pool2d", "input": shape, "kernel": [2, 2],
+                        "stride": [2, 2], "pass": pass, "dtype": dt.to_string(),
+                        "threads": args.threads, "reps": args.reps, "median_s": at(d),
+                        "median_ms": at(d) * 1e3, "gelems": elems / at(d) / 1e9,
+                    });
+                    println!("{j}");
+                }
+            } else {
+                let cells: Vec<String> = (0..DTYPES.len())
+                    .map(|d| format!("{:>8.2} {:>8.2}", at(d) * 1e3, elems / at(d) / 1e9))
+                    .collect();
+                println!(
+                    "{:<18} {pass:<9} {:>17} {:>17} {:>17}",
+                    dims(&shape),
+                    cells[0],
+                    cells[1],
+                    cells[2]
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Median images/s of full training steps of `model` under `precision` on random data.

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""hemi against PyTorch on the same machine: CifarNet training images/s and peak memory.
+
+Pairs, each run a separate process, interleaved round by round so that a burst of load on
+a shared machine hits both sides alike:
+
+    PyTorch fp32             / hemi fp32
+    PyTorch autocast bf16    / hemi amp-bf16
+    PyTorch autocast fp16    / hemi amp-fp16
+
+PyTorch runs the reference script `shared/bench/torch_cnn_throughput.py` (variant k3, the
+documents' CNN = hemi's cifar-net), hemi runs `hemi bench train --json`. Both on random
+data, batch 128, 2 threads. Peak memory is the child's ru_maxrss from os.wait4 for both
+sides (hemi's self-reported peak_rss_mib is kept too). Prints medians, the ratios
+hemi / PyTorch, and whether the speed issue's targets are met.
+
+    cargo build --release -p hemi-cli
+    python3 bench/torch_side_by_side.py                 # 3 rounds
+    python3 bench/torch_side_by_side.py --rounds 1 --steps 5 --json runs.json
+
+Python 3.11 standard library only. Needs a PyTorch venv (see --torch-python).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_HINT = ("python3 -m venv /tmp/torch-ref && "
+             "/tmp/torch-ref/bin/pip install torch==2.15.0 numpy")
+
+# (label, PyTorch --mode, hemi --precision)
+PAIRS = [("fp32", "fp32", "fp32"), ("bf16", "bf16", "amp-bf16"), ("fp16", "fp16", "amp-fp16")]
+
+
+def find_torch_script(given):
+    if given:
+        return Path(given)
+    # shared/ sits beside the repository's checkout (…/main and …/shared); a worktree may
+    # sit one level deeper.
+    for base in (REPO.parent, REPO.parent.parent):
+        p = base / "shared" / "bench" / "torch_cnn_throughput.py"
+        if p.exists():
+            return p
+    return REPO.parent / "shared" / "bench" / "torch_cnn_throughput.py"
+
+
+def run_child(cmd):
+    """Runs cmd to completion; returns (stdout, wall seconds, peak RSS MiB of the child)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as errf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True)
+        # Read stdout to its end before waiting (stderr goes to a file, so the child cannot
+        # block on a full pipe); the child is still unreaped then, so wait4 gets its rusage.
+        out = proc.stdout.read()
+        proc.stdout.close()
+        _, status, ru = os.wait4(proc.pid, 0)
+        errf.seek(0)
+        err = errf.read()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{err}")
+    # ru_maxrss is in KiB on Linux.
+    return out, wall, ru.ru_maxrss / 1024.0
+
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hemi", default=str(REPO / "target" / "release" / "hemi"))
+    ap.add_argument("--torch-python", default="/tmp/torch-ref/bin/python")
+    ap.add_argument("--torch-script", default=None,
+                    help="default: shared/bench/torch_cnn_throughput.py beside the repo")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per run (both sides)")
+    ap.add_argument("--torch-warmup", type=int, default=3)
+    ap.add_argument("--torch-fp16-steps", type=int, default=3,
+                    help="PyTorch fp16 on CPU is very slow: fewer steps (warm-up 1)")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pairs", default="fp32,bf16,fp16")
+    ap.add_argument("--json", metavar="FILE", help="write every raw run here ('-': stdout)")
+    a = ap.parse_args()
+
+    if not Path(a.torch_python).exists():
+        sys.exit(f"no PyTorch python at {a.torch_python}; make one with:\n  {VENV_HINT}\n"
+                 f"or pass --torch-python")
+    script = find_torch_script(a.torch_script)
+    if not script.exists():
+        sys.exit(f"PyTorch reference script not found at {script}; pass --torch-script")
+    if not Path(a.hemi).exists():
+        print(f"{a.hemi} missing: cargo build --release -p hemi-cli", file=sys.stderr)
+        subprocess.run(["cargo", "build", "--release", "-p", "hemi-cli"], cwd=REPO, check=True)
+
+    pairs = [p for p in PAIRS if p[0] in a.pairs.split(",")]
+    runs = []  # one dict per process
+    for r in range(a.rounds):
+        for label, mode, prec in pairs:
+            steps, warm = ((a.torch_fp16_steps, 1) if mode == "fp16"
+                           else (a.steps, a.torch_warmup))
+            out, wall, rss = run_child(
+                [a.torch_python, str(script), "--mode", mode, "--variant", "k3",
+                 "--steps", str(steps), "--warmup", str(warm), "--batch", str(a.batch_size),
+                 "--threads", str(a.threads)])
+            j = last_json(out)
+            runs.append({"round": r + 1, "pair": label, "side": "torch", "mode": mode,
+                         "images_per_s": j["images_per_s"], "ms_per_step": j["ms_per_step"],
+                         "peak_rss_mib": rss, "wall_s": wall, "raw": j})
+            print(f"round {r + 1}: torch {mode:9s} {j['images_per_s']:8.1f} img/s  "
+                  f"peak {rss:7.1f} MiB  ({wall:.0f} s)", file=sys.stderr)
+
+            out, wall, rss = run_child(
+                [a.hemi, "bench", "--threads", str(a.threads), "train", "--model",
+                 "cifar-net", "--precision", prec, "--batch-size", str(a.batch_size),
+                 "--steps", str(a.steps), "--json"])
+            j = last_json(out)
+            runs.append({"round": r + 1, "pair": label, "side": "hemi", "mode": prec,
+                         "images_per_s": j["images_per_s"], "ms_per_step": j["median_step_ms"],
+                         "peak_rss_mib": rss, "self_peak_rss_mib": j.get("peak_rss_mib"),
+                         "wall_s": wall, "raw": j})
+            print(f"round {r + 1}: hemi  {prec:9s} {j['images_per_s']:8.1f} img/s  "
+                  f"peak {rss:7.1f} MiB (self-reported {j.get('peak_rss_mib') or 0:.1f})  "
+                  f"({wall:.0f} s)", file=sys.stderr)
+
+    def med(pair, side, key):
+        v = [x[key] for x in runs if x["pair"] == pair and x["side"] == side
+             and x.get(key) is not None]
+        return statistics.median(v) if v else float("nan")
+
+    print(f"\nCifarNet (k3), batch {a.batch_size}, {a.threads} threads, random data, medians "
+          f"of {a.rounds} rounds; timed steps: {a.steps} (PyTorch fp16: "
+          f"{a.torch_fp16_steps}); peak RSS = child's ru_maxrss")
+    print("| pair | PyTorch img/s | hemi img/s | hemi/PyTorch speed "
+          "| PyTorch peak MiB | hemi peak MiB (self) | hemi/PyTorch memory |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    m = {}
+    for label, mode, prec in pairs:
+        ti, hi = med(label, "torch", "images_per_s"), med(label, "hemi", "images_per_s")
+        tr, hr = med(label, "torch", "peak_rss_mib"), med(label, "hemi", "peak_rss_mib")
+        hs = med(label, "hemi", "self_peak_rss_mib")
+        m[label] = (ti, hi, tr, hr)
+        print(f"| torch {mode} / hemi {prec} | {ti:.0f} | {hi:.0f} | {hi / ti:.2f}x "
+              f"| {tr:.0f} | {hr:.0f} ({hs:.0f}) | {hr / tr:.2f}x |")
+
+    checks = []
+    if "fp32" in m:
+        checks.append(("hemi fp32 >= 1.3x PyTorch fp32", m["fp32"][1] / m["fp32"][0], 1.3))
+    if "bf16" in m:
+        checks.append(("hemi amp-bf16 >= 1.4x PyTorch bf16", m["bf16"][1] / m["bf16"][0], 1.4))
+    if "fp16" in m:
+        if "fp32" in m:
+            r = m["fp16"][1] / m["fp32"][1]
+            print(f"\nhemi amp-fp16 / hemi fp32 speed: {r:.2f}x")
+            checks.append(("hemi amp-fp16 >= 0.9x hemi fp32", r, 0.9))
+        checks.append(("hemi amp-fp16 >= 8x PyTorch fp16", m["fp16"][1] / m["fp16"][0], 8.0))
+    for label, v in m.items():
+        checks.append((f"hemi peak RSS <= 0.5x PyTorch's ({label})", v[3] / v[2], 0.5))
+    print("\ntargets:")
+    for name, got, want in checks:
+        ok = got <= want if "<=" in name else got >= want
+        print(f"  {'met    ' if ok else 'NOT met'}  {name}: {got:.2f}x")
+
+    if a.json:
+        doc = {"batch_size": a.batch_size, "threads": a.threads, "rounds": a.rounds,
+               "steps": a.steps, "torch_fp16_steps": a.torch_fp16_steps,
+               "torch_script": str(script), "runs": runs}
+        if a.json == "-":
+            print(json.dumps(doc, indent=1))
+        else:
+            Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"raw runs: {a.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
