@@ -61,12 +61,21 @@ fn reference(
     let conv = xt.conv2d(&wt, bt.as_ref(), *opts).unwrap();
     // The gradient at the convolution's output, from a leaf holding its values.
     let yc = f64_tensor(&conv.to_vec_f64(), conv.shape()).requires_grad_();
-    let y = yc.relu().unwrap().max_pool2d((2, 2), (2, 2), (0, 0)).unwrap();
+    let y = yc
+        .relu()
+        .unwrap()
+        .max_pool2d((2, 2), (2, 2), (0, 0))
+        .unwrap();
     assert_eq!(y.shape(), y_shape);
     let gyt = f64_tensor(gy, y_shape);
     y.mul(&gyt).unwrap().sum_all().unwrap().backward().unwrap();
     let dyc = yc.grad().unwrap();
-    conv.mul(&dyc).unwrap().sum_all().unwrap().backward().unwrap();
+    conv.mul(&dyc)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     // |terms|: the same products on absolute values.
     let (xa, wa) = (
         f64_tensor(x, xs).abs().unwrap().requires_grad_(),
@@ -154,7 +163,10 @@ fn block_matches_reference(dtype: DType) {
         }
     }
 }
-dtype_tests!(block_matches_f64_composition, super::block_matches_reference);
+dtype_tests!(
+    block_matches_f64_composition,
+    super::block_matches_reference
+);
 
 /// The fused op equals the three ops in the same dtype: the same GEMMs run on the same
 /// numbers, so the output is identical; F32 gradients agree within accumulation order.
@@ -196,7 +208,12 @@ fn block_equals_unfused(dtype: DType) {
             continue;
         }
         for (i, (a, b)) in gf.iter().zip(&gu).enumerate() {
-            assert_close(&format!("{dtype} {case:?} grad {i}"), a, b, permissive(dtype));
+            assert_close(
+                &format!("{dtype} {case:?} grad {i}"),
+                a,
+                b,
+                permissive(dtype),
+            );
         }
     }
 }

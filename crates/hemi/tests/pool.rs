@@ -303,8 +303,16 @@ fn max_pool_ties_padding_nan() {
         // The 2×2 stride-2 fast path keeps the same rules: a tie goes to the first cell
         // (row-major), the last NaN wins, a NaN before a larger value still wins.
         let v = vec![
-            1.0, 3.0, f64::NAN, 5.0, 7.0, //
-            3.0, 2.0, f64::NAN, 0.0, 9.0,
+            1.0,
+            3.0,
+            f64::NAN,
+            5.0,
+            7.0, //
+            3.0,
+            2.0,
+            f64::NAN,
+            0.0,
+            9.0,
         ];
         let x = Tensor::from_f64_vec(v, &[1, 1, 2, 5], dtype).unwrap();
         let (y, idx) = x.max_pool2d_with_indices((2, 2), (2, 2), (0, 0)).unwrap();

@@ -93,7 +93,11 @@ fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom, f
             let r1 = &plane[(2 * i + 1) * wo..(2 * i + 1) * wo + 2 * pw];
             let base = (c * ph + i) * pw;
             let (o, ix) = (&mut out[base..base + pw], &mut idx[base..base + pw]);
-            let done = if fast { row_pair_fast(r0, r1, o, ix) } else { 0 };
+            let done = if fast {
+                row_pair_fast(r0, r1, o, ix)
+            } else {
+                0
+            };
             pick_pairs(&r0[2 * done..], &mut top[done..], &mut top_at[done..], 0);
             pick_pairs(&r1[2 * done..], &mut bot[done..], &mut bot_at[done..], 2);
             for j in done..pw {
@@ -113,8 +117,8 @@ fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom, f
     }
 }
 
-/// The outputs of a row pair that the AVX2 kernel computes (a multiple of 8 from the
-/// start; the caller finishes the rest with the plain loop), or 0 without AVX2.
+/// The outputs of a row pair that the AVX2 kernel computes (all of them), or 0 without
+/// AVX2 (the caller's plain loop then computes them).
 #[inline]
 fn row_pair_fast(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
@@ -171,45 +175,74 @@ mod x86 {
         out: &mut [f32],
         idx: &mut [u8],
     ) -> usize {
-        let n = out.len().min(idx.len()).min(r0.len() / 2).min(r1.len() / 2) / 8 * 8;
-        let one = _mm256_set1_epi32(1);
-        let mut at = [0i32; 8];
+        let len = out.len().min(idx.len()).min(r0.len() / 2).min(r1.len() / 2);
+        let n = len / 8 * 8;
         for j in (0..n).step_by(8) {
             // SAFETY: j + 8 <= n <= r0.len() / 2, so 16 floats from 2j are in bounds.
             let (a0, a1) = unsafe { deinterleave(r0.as_ptr().add(2 * j)) };
             let (b0, b1) = unsafe { deinterleave(r1.as_ptr().add(2 * j)) };
-            let (top, t_take) = pick(a0, a1);
-            let (bot, b_take) = pick(b0, b1);
-            let (best, take) = pick(top, bot);
-            // Window index: top row 0/1, bottom row 2/3.
-            let t_at = _mm256_and_si256(_mm256_castps_si256(t_take), one);
-            let b_at = _mm256_add_epi32(
-                _mm256_and_si256(_mm256_castps_si256(b_take), one),
-                _mm256_set1_epi32(2),
-            );
-            let w_at = _mm256_castps_si256(_mm256_blendv_ps(
-                _mm256_castsi256_ps(t_at),
-                _mm256_castsi256_ps(b_at),
-                take,
-            ));
-            let pass = _mm256_cmp_ps::<_CMP_GT_OQ>(best, _mm256_setzero_ps());
-            let keep = _mm256_or_ps(pass, _mm256_cmp_ps::<_CMP_UNORD_Q>(best, best));
-            let o = _mm256_and_ps(best, keep);
-            let w_at = _mm256_castps_si256(_mm256_blendv_ps(
-                _mm256_castsi256_ps(_mm256_set1_epi32(MASKED as i32)),
-                _mm256_castsi256_ps(w_at),
-                pass,
-            ));
-            // SAFETY: j + 8 <= n <= out.len(); `at` holds 8 i32.
-            unsafe {
-                _mm256_storeu_ps(out.as_mut_ptr().add(j), o);
-                _mm256_storeu_si256(at.as_mut_ptr().cast(), w_at);
-            }
+            let (o, at) = eight(a0, a1, b0, b1);
+            // SAFETY: j + 8 <= n <= out.len().
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), o) };
             for (d, &v) in idx[j..j + 8].iter_mut().zip(&at) {
                 *d = v as u8;
             }
         }
-        n
+        // The last (fewer than 8) outputs from zero-padded copies of the rows: the padded
+        // lanes are computed and dropped. (Small CNN maps have such tails on every row:
+        // 15 = 8 + 7, 6 = 0 + 6.)
+        let rest = len - n;
+        if rest > 0 {
+            let (mut t0, mut t1) = ([0f32; 16], [0f32; 16]);
+            t0[..2 * rest].copy_from_slice(&r0[2 * n..2 * len]);
+            t1[..2 * rest].copy_from_slice(&r1[2 * n..2 * len]);
+            // SAFETY: t0 and t1 hold 16 floats.
+            let (a0, a1) = unsafe { deinterleave(t0.as_ptr()) };
+            let (b0, b1) = unsafe { deinterleave(t1.as_ptr()) };
+            let (o, at) = eight(a0, a1, b0, b1);
+            let mut ob = [0f32; 8];
+            // SAFETY: ob holds 8 floats.
+            unsafe { _mm256_storeu_ps(ob.as_mut_ptr(), o) };
+            out[n..len].copy_from_slice(&ob[..rest]);
+            for (d, &v) in idx[n..len].iter_mut().zip(&at) {
+                *d = v as u8;
+            }
+        }
+        len
+    }
+
+    /// Eight pooled outputs from the even/odd elements of the top (a) and bottom (b) rows:
+    /// values after the ReLU and window indices (`MASKED` where no gradient flows).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn eight(a0: __m256, a1: __m256, b0: __m256, b1: __m256) -> (__m256, [i32; 8]) {
+        let one = _mm256_set1_epi32(1);
+        let mut at = [0i32; 8];
+        let (top, t_take) = pick(a0, a1);
+        let (bot, b_take) = pick(b0, b1);
+        let (best, take) = pick(top, bot);
+        // Window index: top row 0/1, bottom row 2/3.
+        let t_at = _mm256_and_si256(_mm256_castps_si256(t_take), one);
+        let b_at = _mm256_add_epi32(
+            _mm256_and_si256(_mm256_castps_si256(b_take), one),
+            _mm256_set1_epi32(2),
+        );
+        let w_at = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(t_at),
+            _mm256_castsi256_ps(b_at),
+            take,
+        ));
+        let pass = _mm256_cmp_ps::<_CMP_GT_OQ>(best, _mm256_setzero_ps());
+        let keep = _mm256_or_ps(pass, _mm256_cmp_ps::<_CMP_UNORD_Q>(best, best));
+        let o = _mm256_and_ps(best, keep);
+        let w_at = _mm256_castps_si256(_mm256_blendv_ps(
+            _mm256_castsi256_ps(_mm256_set1_epi32(MASKED as i32)),
+            _mm256_castsi256_ps(w_at),
+            pass,
+        ));
+        // SAFETY: `at` holds 8 i32.
+        unsafe { _mm256_storeu_si256(at.as_mut_ptr().cast(), w_at) };
+        (o, at)
     }
 }
 
@@ -367,10 +400,7 @@ fn backward_runs<T: Store>(
             .enumerate()
             .map(|(r, d)| run(r, Some(d)))
             .collect(),
-        _ => (0..n_runs)
-            .into_par_iter()
-            .map(|r| run(r, None))
-            .collect(),
+        _ => (0..n_runs).into_par_iter().map(|r| run(r, None)).collect(),
     }
 }
 

@@ -332,10 +332,13 @@ fn conv_block(
                 .ok_or_else(|| Error::dtype(op, x_saved.dtype(), "saved input"))?;
             let w = w_saved.values::<f32>();
             let grads = backward(dy, &idx, xsrc, &w, &geom, want_dx.then_some(dtype));
-            let dx = grads.dx.map(|st| {
-                Tensor::from_storage(Arc::new(st), Layout::contiguous(x_saved.shape()))
-            });
-            let mut out = vec![dx, Some(Tensor::from_values(grads.dw, w_saved.shape(), dtype))];
+            let dx = grads
+                .dx
+                .map(|st| Tensor::from_storage(Arc::new(st), Layout::contiguous(x_saved.shape())));
+            let mut out = vec![
+                dx,
+                Some(Tensor::from_values(grads.dw, w_saved.shape(), dtype)),
+            ];
             if has_bias {
                 out.push(Some(Tensor::from_values(grads.db, &[geom.c_out], dtype)));
             }
