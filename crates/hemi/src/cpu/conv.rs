@@ -115,9 +115,15 @@ fn for_each_col_row(g: &Conv2dGeom, mut f: impl FnMut(usize, usize, isize, isize
 /// Unfolds one image `x [c_in, h, w]` into `col [c_in*kh*kw, h_out*w_out]` (zeros where the
 /// window reads padding).
 pub fn im2col<C: Real>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
+    im2col_ld(x, col, g.l(), g)
+}
+
+/// `im2col` into the first `h_out*w_out` columns of a matrix with row stride `ld` (several
+/// images side by side: image `i`'s columns start at `col[i * L..]`).
+pub fn im2col_ld<C: Real>(x: &[C], col: &mut [C], ld: usize, g: &Conv2dGeom) {
     let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
     for_each_col_row(g, |row, c, off_h, off_w| {
-        let dst = &mut col[row * l..(row + 1) * l];
+        let dst = &mut col[row * ld..row * ld + l];
         let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
         let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
@@ -148,9 +154,14 @@ pub fn im2col<C: Real>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
 /// The adjoint of `im2col`: adds each column entry into the input pixel it was read from.
 /// `dx [c_in, h, w]` is accumulated into (callers pass zeros).
 pub fn col2im<C: Real>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
+    col2im_ld(col, dx, g.l(), g)
+}
+
+/// `col2im` from the first `h_out*w_out` columns of a matrix with row stride `ld`.
+pub fn col2im_ld<C: Real>(col: &[C], dx: &mut [C], ld: usize, g: &Conv2dGeom) {
     let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
     for_each_col_row(g, |row, c, off_h, off_w| {
-        let src = &col[row * l..(row + 1) * l];
+        let src = &col[row * ld..row * ld + l];
         let plane = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
         let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
         let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
@@ -177,7 +188,7 @@ pub fn col2im<C: Real>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
 
 /// The column matrix of one image: the image itself for pointwise convolutions, else
 /// `im2col` into `scratch`.
-pub(crate) fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> &'a [C] {
+fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> &'a [C] {
     if g.is_pointwise() {
         return x;
     }
@@ -187,7 +198,7 @@ pub(crate) fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
-pub(crate) fn image_forward<C: Real>(
+fn image_forward<C: Real>(
     x: &[C],
     w: &[C],
     bias: Option<&[C]>,
@@ -232,7 +243,7 @@ pub fn conv2d_forward<C: Real>(x: &[C], w: &[C], bias: Option<&[C]>, g: &Conv2dG
 }
 
 /// Input gradient of one image: `dcol = w^T x dy` per group, then col2im into `dx`.
-pub(crate) fn image_backward_input<C: Real>(
+fn image_backward_input<C: Real>(
     dy: &[C],
     w: &[C],
     dx: &mut [C],

@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::cpu::chunked::Src;
-use crate::cpu::conv::{columns, image_backward_input, image_forward, Conv2dGeom};
+use crate::cpu::conv::{col2im_ld, im2col_ld, Conv2dGeom};
 use crate::cpu::gemm::{matmul_into_par, MatRef};
 use crate::dtype::{convert, DType};
 use crate::ops::reduce::sum_slice;
@@ -73,10 +73,18 @@ struct FwdScratch {
     pooled: Vec<f32>,
 }
 
-/// ReLU and 2×2 pooling of one convolution output image `y [c_out, h_out, w_out]` into
+/// ReLU and 2×2 pooling of one convolution output image (channel `c`'s plane at
+/// `y[c * ld..]`, `ld` the row stride of a group's output matrix) into
 /// `out [c_out, h_out/2, w_out/2]` and the window index of each maximum (row-major 0..4,
 /// first maximum wins ties, the last NaN wins; `MASKED` where the ReLU gives 0 or NaN).
-fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom, fast: bool) {
+fn relu_pool_image(
+    y: &[f32],
+    ld: usize,
+    out: &mut [f32],
+    idx: &mut [u8],
+    g: &Conv2dGeom,
+    fast: bool,
+) {
     let (ho, wo) = (g.h_out, g.w_out);
     let (ph, pw) = (ho / 2, wo / 2);
     // The winners of each row's pairs, then of the two rows: every step is a loop of
@@ -87,7 +95,7 @@ fn relu_pool_image(y: &[f32], out: &mut [f32], idx: &mut [u8], g: &Conv2dGeom, f
     let mut bot = vec![0f32; pw];
     let mut bot_at = vec![0u8; pw];
     for c in 0..g.c_out {
-        let plane = &y[c * ho * wo..(c + 1) * ho * wo];
+        let plane = &y[c * ld..c * ld + ho * wo];
         for i in 0..ph {
             let r0 = &plane[2 * i * wo..2 * i * wo + 2 * pw];
             let r1 = &plane[(2 * i + 1) * wo..(2 * i + 1) * wo + 2 * pw];
@@ -289,19 +297,68 @@ fn forward_into<T: Store>(
     if pooled == 0 {
         return out;
     }
-    out.par_chunks_mut(pooled)
-        .zip(idx.par_chunks_mut(pooled))
+    let (l, gs) = (g.l(), group_size(g));
+    let single = g.n <= gs;
+    out.par_chunks_mut(gs * pooled)
+        .zip(idx.par_chunks_mut(gs * pooled))
         .enumerate()
-        .for_each_init(FwdScratch::default, |s, (i, (o, ix))| {
-            s.x.resize(g.in_image(), 0.0);
-            s.y.resize(g.out_image(), 0.0);
+        .for_each_init(FwdScratch::default, |s, (gi, (o, ix))| {
+            let cnt = o.len() / pooled;
+            let ld = cnt * l;
+            group_columns(x, g, gi * gs, cnt, &mut s.x, &mut s.col);
+            s.y.resize(g.c_out * ld, 0.0);
+            let (k, m) = (g.k(), g.c_out_g());
+            for grp in 0..g.groups {
+                let a = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k);
+                let b = strided(&s.col[grp * k * ld..], k, ld);
+                let dst = &mut s.y[grp * m * ld..(grp + 1) * m * ld];
+                if let Some(bias) = bias {
+                    for (row, &b) in dst.chunks_exact_mut(ld).zip(&bias[grp * m..(grp + 1) * m]) {
+                        row.fill(b);
+                    }
+                }
+                matmul_into_par(dst, a, b, bias.is_some(), single);
+            }
             s.pooled.resize(pooled, 0.0);
-            let xi = x.read(i * g.in_image(), &mut s.x);
-            image_forward(xi, w, bias, &mut s.y, &mut s.col, g, false);
-            relu_pool_image(&s.y, &mut s.pooled, ix, g, true);
-            T::store(&s.pooled, o);
+            for j in 0..cnt {
+                let span = j * pooled..(j + 1) * pooled;
+                relu_pool_image(&s.y[j * l..], ld, &mut s.pooled, &mut ix[span.clone()], g, true);
+                T::store(&s.pooled, &mut o[span]);
+            }
         });
     out
+}
+
+/// Images per GEMM: enough that a product has about 1024 columns (each image adds
+/// `h_out*w_out`), so the weight is packed once per group instead of once per image and the
+/// weight gradient's products run over long reductions; at most 16.
+fn group_size(g: &Conv2dGeom) -> usize {
+    1024usize.div_ceil(g.l().max(1)).clamp(1, 16).min(g.n.max(1))
+}
+
+/// A row-major `rows x cols` matrix with row stride `cols` at the start of `data`.
+fn strided(data: &[f32], rows: usize, cols: usize) -> MatRef<'_, f32> {
+    MatRef::row_major(data, rows, cols)
+}
+
+/// The column matrix of images `first..first + cnt` side by side: `[c_in*kh*kw, cnt*L]`,
+/// image `j`'s columns at `j*L..(j+1)*L`.
+fn group_columns(
+    x: Src<'_>,
+    g: &Conv2dGeom,
+    first: usize,
+    cnt: usize,
+    xb: &mut Vec<f32>,
+    col: &mut Vec<f32>,
+) {
+    let (l, rows) = (g.l(), g.c_in * g.kh * g.kw);
+    let ld = cnt * l;
+    col.resize(rows * ld, 0.0);
+    xb.resize(g.in_image(), 0.0);
+    for j in 0..cnt {
+        let xi = x.read((first + j) * g.in_image(), xb);
+        im2col_ld(xi, &mut col[j * l..], ld, g);
+    }
 }
 
 /// Gradients of the block: the input gradient in `dx_dtype` (when `dx_dtype` is given),
@@ -380,17 +437,22 @@ fn backward_runs<T: Store>(
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
     let n_runs = g.n.div_ceil(per_run);
     let single = n_runs == 1;
+    let gs = group_size(g);
     let run = |r: usize, dx_run: Option<&mut [T]>| {
         let mut dw = vec![0f32; g.weight_len()];
         let mut db = vec![0f32; g.c_out];
         let mut s = BwdScratch::default();
         let mut dx_run = dx_run;
-        for i in r * per_run..((r + 1) * per_run).min(g.n) {
-            let local = i - r * per_run;
-            let dxi = dx_run
+        let (start, end) = (r * per_run, ((r + 1) * per_run).min(g.n));
+        let mut first = start;
+        while first < end {
+            let cnt = gs.min(end - first);
+            let local = first - start;
+            let dxg = dx_run
                 .as_deref_mut()
-                .map(|d| &mut d[local * g.in_image()..(local + 1) * g.in_image()]);
-            image_backward(dy, idx, x, w, g, i, &mut s, &mut dw, &mut db, dxi, single);
+                .map(|d| &mut d[local * g.in_image()..(local + cnt) * g.in_image()]);
+            group_backward(dy, idx, x, w, g, first, cnt, &mut s, &mut dw, &mut db, dxg, single);
+            first += cnt;
         }
         (dw, db)
     };
@@ -404,16 +466,19 @@ fn backward_runs<T: Store>(
     }
 }
 
-/// One image of the backward: the masked output gradient rebuilt in scratch, then
-/// `dw += dy · colᵀ`, `db += Σ dy`, and `dx = col2im(wᵀ · dy)` when wanted.
+/// Images `first..first + cnt` of the backward, side by side: their masked output
+/// gradients rebuilt in scratch as one `[c_out, cnt*L]` matrix, then `dw += dy · colᵀ`
+/// (one product over all their pixels), `db += Σ dy`, and, when wanted,
+/// `dx = col2im(wᵀ · dy)` image by image.
 #[allow(clippy::too_many_arguments)]
-fn image_backward<T: Store>(
+fn group_backward<T: Store>(
     dy: Src<'_>,
     idx: &[u8],
     x: Src<'_>,
     w: &[f32],
     g: &Conv2dGeom,
-    i: usize,
+    first: usize,
+    cnt: usize,
     s: &mut BwdScratch,
     dw: &mut [f32],
     db: &mut [f32],
@@ -424,41 +489,50 @@ fn image_backward<T: Store>(
     let (ho, wo) = (g.h_out, g.w_out);
     let (ph, pw) = (ho / 2, wo / 2);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    s.dy_pooled.resize(pooled, 0.0);
-    let dyp = dy.read(i * pooled, &mut s.dy_pooled);
-    let ix = &idx[i * pooled..(i + 1) * pooled];
+    let ld = cnt * l;
     s.dy.clear();
-    s.dy.resize(g.out_image(), 0.0);
-    for c in 0..g.c_out {
-        for r in 0..ph {
-            for q in 0..pw {
-                let o = (c * ph + r) * pw + q;
-                let t = ix[o];
-                if t != MASKED {
-                    let (dr, dc) = ((t >> 1) as usize, (t & 1) as usize);
-                    s.dy[c * l + (2 * r + dr) * wo + 2 * q + dc] = dyp[o];
+    s.dy.resize(g.c_out * ld, 0.0);
+    s.dy_pooled.resize(pooled, 0.0);
+    for j in 0..cnt {
+        let i = first + j;
+        let dyp = dy.read(i * pooled, &mut s.dy_pooled);
+        let ix = &idx[i * pooled..(i + 1) * pooled];
+        for c in 0..g.c_out {
+            let plane = &mut s.dy[c * ld + j * l..c * ld + (j + 1) * l];
+            for r in 0..ph {
+                for q in 0..pw {
+                    let o = (c * ph + r) * pw + q;
+                    let t = ix[o];
+                    if t != MASKED {
+                        let (dr, dc) = ((t >> 1) as usize, (t & 1) as usize);
+                        plane[(2 * r + dr) * wo + 2 * q + dc] = dyp[o];
+                    }
                 }
             }
         }
     }
-    for (b, row) in db.iter_mut().zip(s.dy.chunks_exact(l)) {
+    for (b, row) in db.iter_mut().zip(s.dy.chunks_exact(ld)) {
         *b += sum_slice(row);
     }
-    s.x.resize(g.in_image(), 0.0);
-    let xi = x.read(i * g.in_image(), &mut s.x);
-    let col = columns(xi, &mut s.col, g);
+    group_columns(x, g, first, cnt, &mut s.x, &mut s.col);
     for grp in 0..g.groups {
-        let a = MatRef::row_major(&s.dy[grp * m * l..(grp + 1) * m * l], m, l);
-        let bt = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l).t();
+        let a = strided(&s.dy[grp * m * ld..], m, ld);
+        let bt = strided(&s.col[grp * k * ld..], k, ld).t();
         matmul_into_par(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
     }
     if let Some(dx) = dx {
-        s.dx.clear();
+        // The column matrix is spent: its buffer takes wᵀ · dy.
+        for grp in 0..g.groups {
+            let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
+            let b = strided(&s.dy[grp * m * ld..], m, ld);
+            matmul_into_par(&mut s.col[grp * k * ld..(grp + 1) * k * ld], wt, b, false, par);
+        }
         s.dx.resize(g.in_image(), 0.0);
-        let mut col_scratch = std::mem::take(&mut s.col);
-        image_backward_input(&s.dy, w, &mut s.dx, &mut col_scratch, g, par);
-        s.col = col_scratch;
-        T::store(&s.dx, dx);
+        for (j, dxi) in dx.chunks_exact_mut(g.in_image()).enumerate().take(cnt) {
+            s.dx.fill(0.0);
+            col2im_ld(&s.col[j * l..], &mut s.dx, ld, g);
+            T::store(&s.dx, dxi);
+        }
     }
 }
 
@@ -501,8 +575,9 @@ mod tests {
             let n = pooled_image(&g);
             let (mut o1, mut i1) = (vec![0f32; n], vec![0u8; n]);
             let (mut o2, mut i2) = (vec![0f32; n], vec![0u8; n]);
-            relu_pool_image(&y, &mut o1, &mut i1, &g, true);
-            relu_pool_image(&y, &mut o2, &mut i2, &g, false);
+            let ld = ho * wo;
+            relu_pool_image(&y, ld, &mut o1, &mut i1, &g, true);
+            relu_pool_image(&y, ld, &mut o2, &mut i2, &g, false);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&o1), bits(&o2), "{ho}x{wo}");
             assert_eq!(i1, i2, "{ho}x{wo}");
