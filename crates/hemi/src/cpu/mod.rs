@@ -4,4 +4,5 @@
 pub mod chunked;
 pub mod conv;
 pub mod gemm;
+pub mod gemm_half;
 pub mod pool;
