@@ -255,9 +255,8 @@ fn small_shapes_every_layout() {
 
 #[test]
 fn odd_sizes_across_block_edges() {
-    // KC is 256 for every kernel, MC 144 (F32 panels) or 336 (pairs), NC 2048; MR×NR is 6×16
-    // or 14×32. Sizes straddle each: partial tiles, odd k, k > KC (balanced k blocks), m > MC,
-    // n > NC.
+    // KC is 512 (F32 panels) or 384 (pairs), MC 144 or 336, NC 2048; MR×NR is 6×16 or 14×32.
+    // Sizes straddle each: partial tiles, odd k, k > KC (balanced k blocks), m > MC, n > NC.
     let shapes = [
         (17, 33, 67),
         (67, 17, 3),
@@ -268,6 +267,7 @@ fn odd_sizes_across_block_edges() {
         (150, 513, 40),
         (340, 31, 37),
         (5, 9, 2100),
+        (9, 1030, 7),
     ];
     let mut rng = Generator::new(2);
     for kernel in kernels() {
@@ -333,8 +333,8 @@ fn large_parallel_matches_serial() {
         };
         let case = Case {
             m: 300,
-            k: 257,
-            n: 513,
+            k: 513,
+            n: 257,
             a_dtype,
             b_dtype,
             a_layout: Layout::RowMajor,
@@ -364,8 +364,8 @@ fn large_parallel_matches_serial() {
     for dtype in [DType::F32, DType::BF16] {
         let case = Case {
             m: 300,
-            k: 257,
-            n: 513,
+            k: 513,
+            n: 257,
             a_dtype: dtype,
             b_dtype: dtype,
             a_layout: Layout::RowMajor,
@@ -469,32 +469,32 @@ fn dispatcher_picks_the_best_kernel_for_the_cpu() {
 
 /// GFLOP/s at 1024³ on 2 threads, median of 5 (run with `--ignored --nocapture`): the gemm
 /// crate on F32, the gemm crate after converting F16/BF16 operands to F32 (conversion timed),
-/// and gemm_half on F32, F16 and BF16 with the avx2-fma kernel, plus BF16 with the kernel the
-/// dispatcher picks.
+/// and gemm_half on F32, F16 and BF16 with the F32-panel kernel (`avx2-fma` where the CPU has
+/// it), plus BF16 with the kernel the dispatcher picks. The cases take turns, rep by rep, so
+/// that load from other processes falls on all of them alike. `GEMM_HALF_BENCH_N`, `_THREADS`,
+/// `_REPS` and `_ONLY` (a substring of the case names) change the defaults.
 #[test]
 #[ignore]
 fn bench_gemm_half() {
     use hemi::dtype::convert::{bf16_to_f32, f16_to_f32};
     use std::time::Instant;
 
-    let size: usize = std::env::var("GEMM_HALF_BENCH_N")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1024);
-    let threads: usize = std::env::var("GEMM_HALF_BENCH_THREADS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
-    let reps: usize = std::env::var("GEMM_HALF_BENCH_REPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    let (n, threads, reps) = (
+        env("GEMM_HALF_BENCH_N", 1024),
+        env("GEMM_HALF_BENCH_THREADS", 2),
+        env("GEMM_HALF_BENCH_REPS", 5),
+    );
     let only = std::env::var("GEMM_HALF_BENCH_ONLY").unwrap_or_default();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .unwrap();
-    let n = size;
     let mut rng = Generator::new(7);
     let a32: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
     let b32: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
@@ -502,110 +502,120 @@ fn bench_gemm_half() {
     let b16: Vec<f16> = b32.iter().map(|&x| f16::from_f32(x)).collect();
     let ab: Vec<bf16> = a32.iter().map(|&x| bf16::from_f32(x)).collect();
     let bb: Vec<bf16> = b32.iter().map(|&x| bf16::from_f32(x)).collect();
-    let mut dst = vec![0f32; n * n];
-    let flops = 2.0 * (n * n * n) as f64;
-    let mut time = |name: &str, f: &mut dyn FnMut(&mut [f32])| {
-        if !name.contains(only.as_str()) {
-            return;
-        }
-        f(&mut dst); // warm-up: page faults, pack buffers
-        let mut secs: Vec<f64> = (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f(&mut dst);
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        secs.sort_by(f64::total_cmp);
-        let (median, best) = (flops / secs[reps / 2] / 1e9, flops / secs[0] / 1e9);
-        println!("{name:<40} {median:7.1} GFLOP/s (best {best:.1})");
+    let sq = |d: Operand<'static>| HalfMat {
+        data: d,
+        rows: n,
+        cols: n,
+        rs: n as isize,
+        cs: 1,
     };
-    fn square<'a>(d: impl Into<Operand<'a>>, n: usize) -> HalfMat<'a> {
-        HalfMat::row_major(d, n, n)
-    }
-    let avx2 = if Kernel::Avx2Fma.is_available() {
+    // 'static views for the boxed closures below: the buffers live until the end of the test.
+    let (a32, b32): (&'static [f32], &'static [f32]) = (a32.leak(), b32.leak());
+    let (a16, b16): (&'static [f16], &'static [f16]) = (a16.leak(), b16.leak());
+    let (ab, bb): (&'static [bf16], &'static [bf16]) = (ab.leak(), bb.leak());
+    let kernel = if Kernel::Avx2Fma.is_available() {
         Kernel::Avx2Fma
     } else {
         Kernel::PortableF32
     };
-    println!("{n}^3, {threads} threads, F32-panel kernel {}", avx2.name());
+    let convert_then_gemm = |x: &dyn Fn(&mut [f32]), y: &dyn Fn(&mut [f32]), d: &mut [f32]| {
+        let (mut xs, mut ys) = (vec![0f32; n * n], vec![0f32; n * n]);
+        x(&mut xs);
+        y(&mut ys);
+        matmul_into(
+            d,
+            MatRef::row_major(&xs, n, n),
+            MatRef::row_major(&ys, n, n),
+            false,
+        )
+    };
+    type Case<'a> = (String, Box<dyn Fn(&mut [f32]) + Sync + 'a>);
+    let auto = kernel_name(DType::BF16, DType::BF16);
+    let cases: Vec<Case> = vec![
+        (
+            "gemm crate, F32".into(),
+            Box::new(move |d: &mut [f32]| {
+                matmul_into(
+                    d,
+                    MatRef::row_major(a32, n, n),
+                    MatRef::row_major(b32, n, n),
+                    false,
+                )
+            }),
+        ),
+        (
+            "convert F16 -> F32, then gemm crate".into(),
+            Box::new(move |d: &mut [f32]| {
+                convert_then_gemm(&|x| f16_to_f32(a16, x), &|y| f16_to_f32(b16, y), d)
+            }),
+        ),
+        (
+            "convert BF16 -> F32, then gemm crate".into(),
+            Box::new(move |d: &mut [f32]| {
+                convert_then_gemm(&|x| bf16_to_f32(ab, x), &|y| bf16_to_f32(bb, y), d)
+            }),
+        ),
+        (
+            "gemm_half F32".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half F16".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half BF16".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(ab.into()), sq(bb.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half F32 x F32ᵀ".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()).t(), false, true)
+            }),
+        ),
+        (
+            "gemm_half F16 x F16ᵀ".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()).t(), false, true)
+            }),
+        ),
+        (
+            format!("gemm_half BF16, dispatched ({auto})"),
+            Box::new(move |d: &mut [f32]| gemm(d, sq(ab.into()), sq(bb.into()), false, true)),
+        ),
+    ];
+    let cases: Vec<Case> = cases
+        .into_iter()
+        .filter(|(name, _)| name.contains(&only))
+        .collect();
+    let mut dst = vec![0f32; n * n];
+    let mut secs = vec![Vec::new(); cases.len()];
     pool.install(|| {
-        time("gemm crate, F32", &mut |d| {
-            matmul_into(
-                d,
-                MatRef::row_major(&a32, n, n),
-                MatRef::row_major(&b32, n, n),
-                false,
-            )
-        });
-        time("convert F16 -> F32, then gemm crate", &mut |d| {
-            let (mut x, mut y) = (vec![0f32; n * n], vec![0f32; n * n]);
-            f16_to_f32(&a16, &mut x);
-            f16_to_f32(&b16, &mut y);
-            matmul_into(
-                d,
-                MatRef::row_major(&x, n, n),
-                MatRef::row_major(&y, n, n),
-                false,
-            )
-        });
-        time("convert BF16 -> F32, then gemm crate", &mut |d| {
-            let (mut x, mut y) = (vec![0f32; n * n], vec![0f32; n * n]);
-            bf16_to_f32(&ab, &mut x);
-            bf16_to_f32(&bb, &mut y);
-            matmul_into(
-                d,
-                MatRef::row_major(&x, n, n),
-                MatRef::row_major(&y, n, n),
-                false,
-            )
-        });
-        time("gemm_half F32", &mut |d| {
-            gemm_with(
-                avx2,
-                d,
-                square(&a32[..], n),
-                square(&b32[..], n),
-                false,
-                true,
-            )
-        });
-        time("gemm_half F16", &mut |d| {
-            gemm_with(
-                avx2,
-                d,
-                square(&a16[..], n),
-                square(&b16[..], n),
-                false,
-                true,
-            )
-        });
-        time("gemm_half BF16", &mut |d| {
-            gemm_with(avx2, d, square(&ab[..], n), square(&bb[..], n), false, true)
-        });
-        time("gemm_half F32 x F32ᵀ", &mut |d| {
-            gemm_with(
-                avx2,
-                d,
-                square(&a32[..], n),
-                square(&b32[..], n).t(),
-                false,
-                true,
-            )
-        });
-        time("gemm_half BF16 x BF16ᵀ", &mut |d| {
-            gemm_with(
-                avx2,
-                d,
-                square(&ab[..], n),
-                square(&bb[..], n).t(),
-                false,
-                true,
-            )
-        });
-        let auto = kernel_name(DType::BF16, DType::BF16);
-        time(&format!("gemm_half BF16 ({auto})"), &mut |d| {
-            gemm(d, square(&ab[..], n), square(&bb[..], n), false, true)
-        });
+        for (_, f) in &cases {
+            f(&mut dst); // warm-up: page faults, pack buffers
+        }
+        for _ in 0..reps {
+            for ((_, f), s) in cases.iter().zip(&mut secs) {
+                let t = Instant::now();
+                f(&mut dst);
+                s.push(t.elapsed().as_secs_f64());
+            }
+        }
     });
+    println!(
+        "{n}^3, {threads} threads, F32-panel kernel {}",
+        kernel.name()
+    );
+    let flops = 2.0 * (n * n * n) as f64;
+    for ((name, _), s) in cases.iter().zip(&mut secs) {
+        s.sort_by(f64::total_cmp);
+        let (median, best) = (flops / s[reps / 2] / 1e9, flops / s[0] / 1e9);
+        println!("{name:<40} {median:7.1} GFLOP/s (best {best:.1})");
+    }
 }
