@@ -629,10 +629,10 @@ fn bf16_bits_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
-/// BF16 pairs: panel t holds rows `i0 + t*W ..` of `x`; `panel[q * W + r] = bits x(i0 + t*W
-/// + r, p0 + 2q) | bits x(i0 + t*W + r, p0 + 2q + 1) << 16` for q < ceil(kc / 2), the high half
-/// zero past kc, rows past `h` zero. This is the layout `vdpbf16ps` reads: lane j of a
-/// register holds the even k index in its low 16 bits.
+/// BF16 pairs: panel t holds rows `i0 + t*W ..` of `x`; with i = i0 + t*W + r,
+/// `panel[q * W + r] = bits x(i, p0 + 2q) | bits x(i, p0 + 2q + 1) << 16` for q < ceil(kc / 2),
+/// the high half zero past kc, rows past `h` zero. This is the layout `vdpbf16ps` reads: lane
+/// j of a register holds the even k index in its low 16 bits.
 #[inline(always)]
 fn pack_pairs<const W: usize>(
     x: &HalfMat<'_>,
