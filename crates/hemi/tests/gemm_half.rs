@@ -441,11 +441,13 @@ fn pair_kernel_rejects_f32_operands() {
 #[test]
 fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     #[cfg(target_arch = "x86_64")]
-    let (bf16_dot, avx2) = (
-        std::arch::is_x86_feature_detected!("avx512bf16")
-            && std::arch::is_x86_feature_detected!("avx512f"),
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
-    );
+    let (bf16_dot, avx2) = {
+        use std::arch::is_x86_feature_detected as has;
+        (
+            has!("avx512f") && has!("avx512bw") && has!("avx512bf16"),
+            has!("avx2") && has!("fma") && has!("f16c"),
+        )
+    };
     #[cfg(not(target_arch = "x86_64"))]
     let (bf16_dot, avx2) = (false, false);
     let f32_kernel = if avx2 { "avx2-fma" } else { "portable" };

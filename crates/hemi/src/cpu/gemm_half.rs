@@ -180,7 +180,8 @@ pub enum Kernel {
     /// AVX2 + FMA on F32 panels (6×16 tiles, 12 ymm accumulators): any operand dtypes
     /// (needs F16C too, for packing F16; every AVX2 CPU has it).
     Avx2Fma,
-    /// AVX-512 BF16 `vdpbf16ps` on BF16-pair panels (14×32 tiles, 28 zmm accumulators).
+    /// AVX-512 BF16 `vdpbf16ps` on BF16-pair panels (14×32 tiles, 28 zmm accumulators). Needs
+    /// AVX-512 F, BW and BF16 (Rust's `avx512bf16` implies BW, which the packing code uses).
     Avx512Bf16,
 }
 
@@ -214,6 +215,7 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Bf16 => {
                 std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -930,8 +932,8 @@ mod x86 {
     /// `run_tile` compiled for AVX-512 BF16.
     ///
     /// # Safety
-    /// The CPU has AVX-512F and AVX-512 BF16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
+    /// The CPU has AVX-512 F, BW and BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn run_tile_avx512bf16(
         job: &Job<'_>,
         rows: Range<usize>,
