@@ -42,6 +42,7 @@ const LAYOUTS: [Layout; 4] = [
 struct Mat {
     store: Store,
     exact: Vec<f64>,
+    layout: Layout,
     rows: usize,
     cols: usize,
     rs: isize,
@@ -77,6 +78,7 @@ impl Mat {
         Mat {
             store,
             exact,
+            layout,
             rows,
             cols,
             rs: rs as isize,
@@ -90,12 +92,16 @@ impl Mat {
             Store::F16(v) => Operand::F16(v),
             Store::BF16(v) => Operand::BF16(v),
         };
-        HalfMat {
-            data,
-            rows: self.rows,
-            cols: self.cols,
-            rs: self.rs,
-            cs: self.cs,
+        match self.layout {
+            // Through the API's own transpose.
+            Layout::Transposed => HalfMat::row_major(data, self.cols, self.rows).t(),
+            _ => HalfMat {
+                data,
+                rows: self.rows,
+                cols: self.cols,
+                rs: self.rs,
+                cs: self.cs,
+            },
         }
     }
 
