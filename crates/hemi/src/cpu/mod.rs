@@ -5,4 +5,5 @@ pub mod chunked;
 pub mod conv;
 pub mod conv_block;
 pub mod gemm;
+pub mod gemm_half;
 pub mod pool;

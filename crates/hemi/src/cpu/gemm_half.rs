@@ -1,0 +1,1179 @@
+//! hemi's own blocked GEMM over F32, F16 and BF16 operands (mixed or not), accumulating in
+//! F32: `dst (F32, row-major) = [dst +] a·b` on strided views.
+//!
+//! Why not the `gemm` crate for half operands: it takes F32 operands, so an F16/BF16 product
+//! first needed a full-size converted copy of each operand. Here conversion happens while
+//! packing, on cache-sized blocks, and BF16×BF16 runs on `vdpbf16ps` where the CPU has it.
+//!
+//! The scheme is Goto/BLIS blocking:
+//! ```text
+//! for jc in n, step NC                  B block KC×NC (L3)
+//!   for pc in k, step KC                pack B[pc.., jc..] into NR-column panels
+//!     for ic in m, step MC              pack A[ic.., pc..] into MR-row panels (L2)
+//!       for jr, ir                      microkernel: the MR×NR tile of C += A panel · B panel
+//! ```
+//! A B micro-panel (KC×NR) stays in L1 while the A micro-panels of the block stream past it.
+//! Edges (m % MR, n % NR, odd k) are zero-padded in the panels; a partial tile of C is computed
+//! whole into a stack buffer and only its valid part is stored.
+//!
+//! Two packed formats, each with a plain-Rust kernel beside the SIMD one (same panels, so the
+//! packing of both formats is tested on any CPU):
+//! - F32 panels, 6×16 tiles: `avx2-fma` (12 ymm accumulators) and `portable`. Any operand
+//!   dtype; F16 converts with `vcvtph2ps` (F16C) in the `avx2-fma` path and through `half`
+//!   in the portable one, BF16 by a 16-bit shift.
+//! - BF16 pairs, 14×32 tiles: `avx512bf16` and `portable-bf16-pairs`. BF16×BF16 only. Each
+//!   packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1 (high half); A is
+//!   broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and `vdpbf16ps` adds both
+//!   products to an F32 accumulator (28 zmm accumulators hide its latency).
+//!
+//! Numerics: every sum is accumulated in F32 in k order within a KC block, blocks added in
+//! order; the result of an element does not depend on the thread count or on where the
+//! element falls in the tiling (edge tiles run the same kernel), only on the kernel and k.
+//! The `avx512bf16` kernel inherits the instruction's DAZ/FTZ (Intel SDM, VDPBF16PS): BF16
+//! subnormal inputs count as zero and F32 subnormal partial sums flush to zero.
+//!
+//! Threads: `gemm` may be called from any thread, also from inside rayon tasks. Each thread
+//! keeps its pack buffers (up to 4.3 MiB: A block MC×KC, B block KC×NC) in a thread-local
+//! workspace between calls.
+
+use crate::DType;
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::ops::Range;
+
+/// Products with fewer multiply-adds than this stay on the calling thread.
+const PAR_MIN_MACS: usize = 64 * 64 * 64;
+/// The largest KC of any kernel (size of the stack buffers used while packing).
+const MAX_KC: usize = 512;
+/// The largest MR·NR of any kernel (stack buffer of an edge tile).
+const MAX_TILE: usize = 14 * 32;
+
+// ---------------------------------------------------------------------------------------------
+// Operands
+
+/// The storage of one operand.
+#[derive(Clone, Copy, Debug)]
+pub enum Operand<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl Operand<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Operand::F32(_) => DType::F32,
+            Operand::F16(_) => DType::F16,
+            Operand::BF16(_) => DType::BF16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Operand::F32(s) => s.len(),
+            Operand::F16(s) => s.len(),
+            Operand::BF16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<'a> From<&'a [f32]> for Operand<'a> {
+    fn from(s: &'a [f32]) -> Self {
+        Operand::F32(s)
+    }
+}
+
+impl<'a> From<&'a [f16]> for Operand<'a> {
+    fn from(s: &'a [f16]) -> Self {
+        Operand::F16(s)
+    }
+}
+
+impl<'a> From<&'a [bf16]> for Operand<'a> {
+    fn from(s: &'a [bf16]) -> Self {
+        Operand::BF16(s)
+    }
+}
+
+/// A strided read-only matrix view: element (i, j) is at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct HalfMat<'a> {
+    pub data: Operand<'a>,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl<'a> HalfMat<'a> {
+    /// A row-major contiguous `rows x cols` matrix.
+    pub fn row_major(data: impl Into<Operand<'a>>, rows: usize, cols: usize) -> Self {
+        HalfMat {
+            data: data.into(),
+            rows,
+            cols,
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+
+    /// The transpose, without copying.
+    pub fn t(self) -> Self {
+        HalfMat {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    fn offset(&self, i: usize, j: usize) -> isize {
+        i as isize * self.rs + j as isize * self.cs
+    }
+
+    /// Panics unless every element of the view lies inside `data`: after this, the offsets
+    /// the packing computes are in bounds.
+    fn check_bounds(&self, what: &str) {
+        if self.rows == 0 || self.cols == 0 {
+            return;
+        }
+        let span = |n: usize, s: isize| (n as isize - 1).checked_mul(s);
+        let (Some(di), Some(dj)) = (span(self.rows, self.rs), span(self.cols, self.cs)) else {
+            panic!("gemm_half: {what} strides overflow");
+        };
+        let lo = di.min(0) + dj.min(0);
+        let hi = di.max(0).checked_add(dj.max(0));
+        assert!(
+            lo >= 0 && hi.is_some_and(|hi| (hi as usize) < self.data.len()),
+            "gemm_half: {what} view {}x{} (strides {}, {}) out of bounds of {} elements",
+            self.rows,
+            self.cols,
+            self.rs,
+            self.cs,
+            self.data.len()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernels and dispatch
+
+/// A microkernel with its packed format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust on F32 panels (6×16 tiles): any CPU, any operand dtypes.
+    PortableF32,
+    /// Plain Rust on BF16-pair panels (14×32 tiles), emulating `vdpbf16ps` (both products of
+    /// a pair added to the F32 accumulator in turn): BF16×BF16 only. Slow; it exists so the
+    /// pair format is tested on CPUs without AVX-512 BF16.
+    PortableBf16Pairs,
+    /// AVX2 + FMA on F32 panels (6×16 tiles, 12 ymm accumulators): any operand dtypes
+    /// (needs F16C too, for packing F16; every AVX2 CPU has it).
+    Avx2Fma,
+    /// AVX-512 BF16 `vdpbf16ps` on BF16-pair panels (14×32 tiles, 28 zmm accumulators). Needs
+    /// AVX-512 F, BW and BF16 (Rust's `avx512bf16` implies BW, which the packing code uses).
+    Avx512Bf16,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 4] = [
+        Kernel::PortableF32,
+        Kernel::PortableBf16Pairs,
+        Kernel::Avx2Fma,
+        Kernel::Avx512Bf16,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::PortableF32 => "portable",
+            Kernel::PortableBf16Pairs => "portable-bf16-pairs",
+            Kernel::Avx2Fma => "avx2-fma",
+            Kernel::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_available(self) -> bool {
+        match self {
+            Kernel::PortableF32 | Kernel::PortableBf16Pairs => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2Fma => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Avx2Fma | Kernel::Avx512Bf16 => false,
+        }
+    }
+
+    /// Whether the kernel's packed format holds operands of these dtypes.
+    pub fn accepts(self, a: DType, b: DType) -> bool {
+        let half_or_f32 = |d| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+        match self {
+            Kernel::PortableF32 | Kernel::Avx2Fma => half_or_f32(a) && half_or_f32(b),
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => a == DType::BF16 && b == DType::BF16,
+        }
+    }
+
+    /// (MR, NR): the tile of C one microkernel call computes.
+    fn tile_shape(self) -> (usize, usize) {
+        match self {
+            Kernel::PortableF32 | Kernel::Avx2Fma => (6, 16),
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (14, 32),
+        }
+    }
+}
+
+/// The kernel `gemm` runs for operands of these dtypes on this CPU: `avx512bf16` for
+/// BF16×BF16 where the CPU has it, else `avx2-fma` where it has AVX2 and FMA, else `portable`.
+pub fn select_kernel(a: DType, b: DType) -> Kernel {
+    if a == DType::BF16 && b == DType::BF16 && Kernel::Avx512Bf16.is_available() {
+        Kernel::Avx512Bf16
+    } else if Kernel::Avx2Fma.is_available() {
+        Kernel::Avx2Fma
+    } else {
+        Kernel::PortableF32
+    }
+}
+
+/// Name of the microkernel `gemm` would run for these operand dtypes (for benches and logs).
+pub fn kernel_name(a: DType, b: DType) -> &'static str {
+    select_kernel(a, b).name()
+}
+
+/// `dst = (accumulate ? dst : 0) + a·b`, `dst` row-major contiguous `a.rows x b.cols`,
+/// accumulated in F32 with the kernel `select_kernel` picks. `parallel` lets it split the
+/// output over rayon's pool (products under 64³ multiply-adds stay on the calling thread);
+/// pass false from inside a task that is already parallel. Panics on mismatched shapes or
+/// out-of-bounds views (callers validate user input first).
+pub fn gemm(dst: &mut [f32], a: HalfMat<'_>, b: HalfMat<'_>, accumulate: bool, parallel: bool) {
+    let kernel = select_kernel(a.dtype(), b.dtype());
+    gemm_with(kernel, dst, a, b, accumulate, parallel)
+}
+
+/// As `gemm`, with the kernel chosen by the caller (tests, benches). Panics if the CPU lacks
+/// the kernel or its format does not take these dtypes.
+pub fn gemm_with(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: HalfMat<'_>,
+    b: HalfMat<'_>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(
+        b.rows, k,
+        "gemm_half: inner dims ({m}x{k} · {}x{n})",
+        b.rows
+    );
+    assert!(dst.len() >= m * n, "gemm_half: dst too small for {m}x{n}");
+    a.check_bounds("lhs");
+    b.check_bounds("rhs");
+    assert!(
+        kernel.is_available(),
+        "gemm_half: this CPU cannot run {}",
+        kernel.name()
+    );
+    assert!(
+        kernel.accepts(a.dtype(), b.dtype()),
+        "gemm_half: {} does not take {:?} x {:?}",
+        kernel.name(),
+        a.dtype(),
+        b.dtype()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(0.0);
+        }
+        return;
+    }
+    let job = Job {
+        a,
+        b,
+        c: DstPtr(dst.as_mut_ptr()),
+        ldc: n,
+        k,
+        accumulate,
+    };
+    let threads = if parallel && m * n * k >= PAR_MIN_MACS {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let (mr, nr) = kernel.tile_shape();
+    let (tm, tn) = split(m, n, k, mr, nr, threads);
+    if tm >= m && tn >= n {
+        run_task(kernel, &job, 0..m, 0..n);
+        return;
+    }
+    let tasks: Vec<(Range<usize>, Range<usize>)> = (0..m)
+        .step_by(tm)
+        .flat_map(|i| {
+            (0..n)
+                .step_by(tn)
+                .map(move |j| (i..m.min(i + tm), j..n.min(j + tn)))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .for_each(|(rows, cols)| run_task(kernel, &job, rows, cols));
+}
+
+/// Tile sizes (rows, cols) of the output, whole MR×NR micro-tiles each, for `threads` tasks.
+/// Each task packs its own panels, so A is packed once per tile column and B once per tile
+/// row; among the grids that give every thread a tile, pick the one with the least work on
+/// the busiest thread, counting a packed element as `PACK_COST` multiply-adds (packing
+/// converts and scatters element by element, the microkernel does 8–32 multiply-adds per
+/// instruction).
+fn split(m: usize, n: usize, k: usize, mr: usize, nr: usize, threads: usize) -> (usize, usize) {
+    const PACK_COST: usize = 16;
+    let (mp, np) = (m.div_ceil(mr), n.div_ceil(nr));
+    if threads <= 1 || mp * np == 1 {
+        return (m, n);
+    }
+    let mut best = (usize::MAX, m, n);
+    for gm in 1..=threads.min(mp) {
+        let gn = threads.div_ceil(gm).min(np);
+        let (tm, tn) = (mp.div_ceil(gm) * mr, np.div_ceil(gn) * nr);
+        let tiles = m.div_ceil(tm) * n.div_ceil(tn);
+        let per_thread = tiles.div_ceil(threads);
+        let cost = per_thread * (tm * tn * k + PACK_COST * k * (tm + tn));
+        if cost < best.0 {
+            best = (cost, tm, tn);
+        }
+    }
+    (best.1, best.2)
+}
+
+/// One product, shared by the tasks that compute its tiles.
+struct Job<'a> {
+    a: HalfMat<'a>,
+    b: HalfMat<'a>,
+    c: DstPtr,
+    ldc: usize,
+    k: usize,
+    accumulate: bool,
+}
+
+/// The output buffer, written by several tasks at once.
+#[derive(Clone, Copy)]
+struct DstPtr(*mut f32);
+// SAFETY: `gemm_with` holds the `&mut [f32]` for the whole product, and its tasks write
+// disjoint rectangles of it (the tiles `split` makes), each from one thread only.
+unsafe impl Send for DstPtr {}
+// SAFETY: as above.
+unsafe impl Sync for DstPtr {}
+
+fn run_task(kernel: Kernel, job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
+    with_workspace(|ws| match kernel {
+        Kernel::PortableF32 => run_tile::<PortableF32>(job, rows, cols, ws),
+        Kernel::PortableBf16Pairs => run_tile::<PortablePairs>(job, rows, cols, ws),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked `Kernel::Avx2Fma.is_available()` (AVX2, FMA, F16C).
+        Kernel::Avx2Fma => unsafe { x86::run_tile_avx2(job, rows, cols, ws) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked `Kernel::Avx512Bf16.is_available()`.
+        Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16(job, rows, cols, ws) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Avx2Fma | Kernel::Avx512Bf16 => unreachable!("checked by is_available"),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The blocked driver
+
+/// A microkernel, its packed format and the blocking that suits it.
+trait Micro {
+    /// Packed element: an F32 value, or two BF16 bit patterns in a u32.
+    type P: Packed;
+    /// k indices per packed step: 1 (F32 panels) or 2 (BF16 pairs).
+    const KSTEP: usize;
+    const MR: usize;
+    const NR: usize;
+    /// k indices per block (a multiple of 8). Each block is one more load and store of C per
+    /// tile, which costs when k is small (on Zen 3, 8192×288×64 ran 1.7× faster with one k
+    /// block than with two), so KC is as large as keeps the KC×NR B micro-panel in L1.
+    const KC: usize;
+    /// Rows per A block (a multiple of MR): an MC×KC A block stays in L2.
+    const MC: usize;
+    /// Columns per B block (a multiple of NR): a KC×NC B block stays in L3.
+    const NC: usize;
+    /// Packs rows `i0..i0 + h`, k indices `p0..p0 + kc` of `a` into `ceil(h / MR)` panels of
+    /// `ceil(kc / KSTEP) * MR` elements each (see the format).
+    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [Self::P]);
+    /// Packs columns `j0..j0 + w` of B, given as `bt` = Bᵀ, into NR-wide panels likewise.
+    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [Self::P]);
+    /// `c[r*ldc + j] = (load_c ? c[r*ldc + j] : 0) + Σ_steps a·b` for r < MR, j < NR, the
+    /// sum accumulated in F32 from zero and added to C at the end.
+    ///
+    /// # Safety
+    /// `a` holds `steps * MR` and `b` `steps * NR` readable elements; `c` is MR rows of NR
+    /// writable F32 at stride `ldc`; the CPU has the kernel's features.
+    unsafe fn tile(
+        steps: usize,
+        a: *const Self::P,
+        b: *const Self::P,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    );
+}
+
+/// Computes the rectangle `rows x cols` of the product. Inlined into each kernel's entry
+/// point, so the packing compiles with that kernel's target features.
+#[inline(always)]
+fn run_tile<M: Micro>(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>, ws: &mut Workspace) {
+    let (mr, nr) = (M::MR, M::NR);
+    let k = job.k;
+    // Equal k blocks, so that no block is a sliver: k = 600 gives blocks of 304 and 296.
+    let kc_max = k.div_ceil(k.div_ceil(M::KC)).next_multiple_of(8).min(M::KC);
+    let steps_max = kc_max.div_ceil(M::KSTEP);
+    let mc_max = rows.len().min(M::MC).next_multiple_of(mr);
+    let nc_max = cols.len().min(M::NC).next_multiple_of(nr);
+    let (apack, bpack) = ws.buffers::<M::P>(mc_max * steps_max, nc_max * steps_max);
+    let bt = job.b.t();
+    let mut edge = [0f32; MAX_TILE];
+
+    for jc in cols.clone().step_by(M::NC) {
+        let nc = (cols.end - jc).min(M::NC);
+        let n_panels = nc.div_ceil(nr);
+        for pc in (0..k).step_by(kc_max) {
+            let kc = (k - pc).min(kc_max);
+            let steps = kc.div_ceil(M::KSTEP);
+            let (a_len, b_len) = (steps * mr, steps * nr);
+            M::pack_b(&bt, jc, nc, pc, kc, &mut bpack[..n_panels * b_len]);
+            // The first k block overwrites C unless the caller accumulates.
+            let load_c = job.accumulate || pc > 0;
+            for ic in rows.clone().step_by(M::MC) {
+                let mc = (rows.end - ic).min(M::MC);
+                let m_panels = mc.div_ceil(mr);
+                M::pack_a(&job.a, ic, mc, pc, kc, &mut apack[..m_panels * a_len]);
+                for jp in 0..n_panels {
+                    let j = jc + jp * nr;
+                    let w = (nc - jp * nr).min(nr);
+                    let bp = bpack[jp * b_len..].as_ptr();
+                    for ip in 0..m_panels {
+                        let i = ic + ip * mr;
+                        let h = (mc - ip * mr).min(mr);
+                        let ap = apack[ip * a_len..].as_ptr();
+                        if h == mr && w == nr {
+                            // SAFETY: the panels hold `steps` steps of MR and NR elements;
+                            // rows i..i+MR and columns j..j+NR lie inside this task's
+                            // rectangle of dst (m x n, row stride ldc = n).
+                            unsafe {
+                                let c = job.c.0.add(i * job.ldc + j);
+                                M::tile(steps, ap, bp, c, job.ldc, load_c)
+                            };
+                        } else {
+                            // SAFETY: as above, with `edge` (MR x NR, stride NR) as C.
+                            unsafe { M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, false) };
+                            for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
+                                // SAFETY: row i+r, columns j..j+w are inside this task's
+                                // rectangle of dst, which no other task touches.
+                                let dst = unsafe {
+                                    let row = job.c.0.add((i + r) * job.ldc + j);
+                                    std::slice::from_raw_parts_mut(row, w)
+                                };
+                                for (d, &t) in dst.iter_mut().zip(tile_row) {
+                                    *d = if load_c { *d + t } else { t };
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing. A panels are packed from A with W = MR, B panels from Bᵀ with W = NR, so one
+// function per format serves both: row r of a panel is row i0 + r of `x`.
+
+/// k indices packed together when a block's panel rows are contiguous in memory: the packing
+/// walks PACK_STEPS k indices of every panel in turn, so that it reads each k index's row of
+/// the block from start to end (PACK_STEPS sequential streams) rather than a W-wide piece of
+/// it per panel (a new cache line per piece, half of it used, for BF16 with W = 16).
+const PACK_STEPS: usize = 16;
+
+/// F32 panels: panel t holds rows `i0 + t*W ..` of `x`; `panel[p * W + r] = x(i0 + t*W + r,
+/// p0 + p)` as F32 for p < kc, rows past `h` zero. `simd`: the caller runs with AVX2 and
+/// F16C enabled (the `avx2-fma` kernel).
+#[inline(always)]
+fn pack_f32<const W: usize>(
+    x: &HalfMat<'_>,
+    i0: usize,
+    h: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut [f32],
+    simd: bool,
+) {
+    let (n_panels, plen) = (h.div_ceil(W), kc * W);
+    let out = &mut out[..n_panels * plen];
+    if x.rs == 1 && h > 1 {
+        // The rows of one k index are contiguous (row-major B, column-major A): convert them
+        // straight into place, a run of constant length W where the panel is full.
+        for ps in (0..kc).step_by(PACK_STEPS) {
+            for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
+                let w = (h - t * W).min(W);
+                let steps = panel
+                    .chunks_exact_mut(W)
+                    .enumerate()
+                    .skip(ps)
+                    .take(PACK_STEPS);
+                for (p, step) in steps {
+                    let at = x.offset(i0 + t * W, p0 + p);
+                    if w == W {
+                        load_run(x.data, at, 1, &mut step[..W], simd);
+                    } else {
+                        load_run(x.data, at, 1, &mut step[..w], simd);
+                        step[w..].fill(0.0);
+                    }
+                }
+            }
+        }
+    } else {
+        // One row at a time along k (contiguous for row-major A), scattered with stride W.
+        let mut buf = [0f32; MAX_KC];
+        for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
+            let w = (h - t * W).min(W);
+            for r in 0..w {
+                let at = x.offset(i0 + t * W + r, p0);
+                let run: &[f32] = match x.data {
+                    Operand::F32(s) if x.cs == 1 => &s[at as usize..][..kc],
+                    _ => {
+                        load_run(x.data, at, x.cs, &mut buf[..kc], simd);
+                        &buf[..kc]
+                    }
+                };
+                for (step, &v) in panel.chunks_exact_mut(W).zip(run) {
+                    step[r] = v;
+                }
+            }
+            if w < W {
+                for step in panel.chunks_exact_mut(W) {
+                    step[w..].fill(0.0);
+                }
+            }
+        }
+    }
+}
+
+/// Converts `out.len()` elements of `src`, starting at `start`, `stride` apart, to F32.
+/// The view's `check_bounds` keeps them in bounds; indexing checks again.
+#[inline(always)]
+fn load_run(src: Operand<'_>, start: isize, stride: isize, out: &mut [f32], simd: bool) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd; // always false there
+    let n = out.len();
+    let s = start as usize;
+    let at = |t: usize| (start + t as isize * stride) as usize;
+    match src {
+        Operand::F32(x) if stride == 1 => out.copy_from_slice(&x[s..s + n]),
+        Operand::F32(x) => out.iter_mut().enumerate().for_each(|(t, o)| *o = x[at(t)]),
+        Operand::F16(x) if stride == 1 => {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` is set only by the avx2-fma kernel, available with F16C.
+                unsafe { x86::f16_to_f32_f16c(&x[s..s + n], out) };
+                return;
+            }
+            x[s..s + n].convert_to_f32_slice(out)
+        }
+        Operand::F16(x) => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(t, o)| *o = x[at(t)].to_f32()),
+        Operand::BF16(x) if stride == 1 => {
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` is set only by the avx2-fma kernel, available with AVX2.
+                unsafe { x86::bf16_to_f32_avx2(&x[s..s + n], out) };
+                return;
+            }
+            for (o, h) in out.iter_mut().zip(&x[s..s + n]) {
+                *o = bf16_bits_to_f32(h.to_bits());
+            }
+        }
+        Operand::BF16(x) => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(t, o)| *o = bf16_bits_to_f32(x[at(t)].to_bits())),
+    }
+}
+
+/// BF16 is the top half of an F32. (A signalling NaN stays signalling; in a product it makes
+/// a NaN all the same.)
+#[inline(always)]
+fn bf16_bits_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// BF16 pairs: panel t holds rows `i0 + t*W ..` of `x`; with i = i0 + t*W + r,
+/// `panel[q * W + r] = bits x(i, p0 + 2q) | bits x(i, p0 + 2q + 1) << 16` for q < ceil(kc / 2),
+/// the high half zero past kc, rows past `h` zero. This is the layout `vdpbf16ps` reads: lane
+/// j of a register holds the even k index in its low 16 bits.
+#[inline(always)]
+fn pack_pairs<const W: usize>(
+    x: &HalfMat<'_>,
+    i0: usize,
+    h: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut [u32],
+) {
+    let Operand::BF16(s) = x.data else {
+        unreachable!("gemm_with checks that pair kernels get BF16 operands")
+    };
+    let steps = kc.div_ceil(2);
+    let (n_panels, plen) = (h.div_ceil(W), steps * W);
+    let out = &mut out[..n_panels * plen];
+    let bits = |o: isize| s[o as usize].to_bits() as u32;
+    if x.rs == 1 && h > 1 {
+        // The rows of one k index are contiguous: zip the runs of k indices 2q and 2q + 1,
+        // PACK_STEPS k indices of every panel in turn (see PACK_STEPS).
+        for qs in (0..steps).step_by(PACK_STEPS / 2) {
+            for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
+                let w = (h - t * W).min(W);
+                let pair_steps = panel.chunks_exact_mut(W).enumerate().skip(qs);
+                for (q, step) in pair_steps.take(PACK_STEPS / 2) {
+                    let p = p0 + 2 * q;
+                    let lo = &s[x.offset(i0 + t * W, p) as usize..][..w];
+                    if 2 * q + 1 < kc {
+                        let hi = &s[x.offset(i0 + t * W, p + 1) as usize..][..w];
+                        for ((o, l), h) in step.iter_mut().zip(lo).zip(hi) {
+                            *o = l.to_bits() as u32 | (h.to_bits() as u32) << 16;
+                        }
+                    } else {
+                        for (o, l) in step.iter_mut().zip(lo) {
+                            *o = l.to_bits() as u32;
+                        }
+                    }
+                    step[w..].fill(0);
+                }
+            }
+        }
+    } else {
+        // One row at a time along k, pairs of neighbours, scattered with stride W.
+        for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
+            let w = (h - t * W).min(W);
+            for r in 0..w {
+                let at = x.offset(i0 + t * W + r, p0);
+                if x.cs == 1 {
+                    let run = &s[at as usize..][..kc];
+                    for (step, pair) in panel.chunks_exact_mut(W).zip(run.chunks(2)) {
+                        let hi = pair.get(1).map_or(0, |h| h.to_bits() as u32);
+                        step[r] = pair[0].to_bits() as u32 | hi << 16;
+                    }
+                } else {
+                    for (q, step) in panel.chunks_exact_mut(W).enumerate() {
+                        let lo = bits(at + 2 * q as isize * x.cs);
+                        let hi = if 2 * q + 1 < kc {
+                            bits(at + (2 * q + 1) as isize * x.cs)
+                        } else {
+                            0
+                        };
+                        step[r] = lo | hi << 16;
+                    }
+                }
+            }
+            if w < W {
+                for step in panel.chunks_exact_mut(W) {
+                    step[w..].fill(0);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pack buffers
+
+/// A packed element type: 4 bytes, every bit pattern valid.
+///
+/// # Safety
+/// Only for types of size 4, alignment <= 64, with no invalid bit patterns.
+unsafe trait Packed: Copy + 'static {}
+// SAFETY: 4-byte plain numbers.
+unsafe impl Packed for f32 {}
+// SAFETY: as above.
+unsafe impl Packed for u32 {}
+
+/// A cache line of the pack buffers: panels start on line boundaries, so a B step of 16
+/// F32 (or 32 u32 pairs) is one (or two) whole lines.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u32; 16]);
+
+/// The A and B pack buffers of one thread, kept between products so that a training step's
+/// hundreds of products do not each allocate and page-fault fresh buffers.
+#[derive(Default)]
+struct Workspace {
+    a: Vec<Line>,
+    b: Vec<Line>,
+}
+
+impl Workspace {
+    fn buffers<P: Packed>(&mut self, a_len: usize, b_len: usize) -> (&mut [P], &mut [P]) {
+        (as_packed(&mut self.a, a_len), as_packed(&mut self.b, b_len))
+    }
+}
+
+fn as_packed<P: Packed>(buf: &mut Vec<Line>, len: usize) -> &mut [P] {
+    let lines = len.div_ceil(16);
+    if buf.len() < lines {
+        buf.resize(lines, Line([0; 16]));
+    }
+    // SAFETY: the buffer holds at least `len` 4-byte elements, 64-byte aligned and
+    // initialised; `Packed` types are 4 bytes with every bit pattern valid; the returned
+    // slice borrows the buffer mutably.
+    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<P>(), len) }
+}
+
+thread_local! {
+    static WORKSPACE: RefCell<Workspace> = RefCell::new(Workspace::default());
+}
+
+/// Runs `f` with this thread's workspace (a fresh one in the unlikely case it is in use,
+/// e.g. a product started from inside another's task).
+fn with_workspace<R>(f: impl FnOnce(&mut Workspace) -> R) -> R {
+    WORKSPACE.with(|ws| match ws.try_borrow_mut() {
+        Ok(mut ws) => f(&mut ws),
+        Err(_) => f(&mut Workspace::default()),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable kernels (any CPU; the reference for the SIMD ones on the same panels)
+
+/// Blocking of the F32-panel kernels, for Zen 3 (32 KiB L1d, 512 KiB L2 per core): the B
+/// micro-panel is 512 × 16 F32 = 32 KiB (measured faster than 256, as the gemm crate's KC >=
+/// 512), an A block 144 × 512 F32 = 288 KiB.
+struct PortableF32;
+
+impl Micro for PortableF32 {
+    type P = f32;
+    const KSTEP: usize = 1;
+    const MR: usize = 6;
+    const NR: usize = 16;
+    const KC: usize = 512;
+    const MC: usize = 144;
+    const NC: usize = 2048;
+
+    #[inline(always)]
+    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [f32]) {
+        pack_f32::<6>(a, i0, h, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [f32]) {
+        pack_f32::<16>(bt, j0, w, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(a, steps * 6),
+                std::slice::from_raw_parts(b, steps * 16),
+            )
+        };
+        let mut acc = [[0f32; 16]; 6];
+        for (ap, bp) in a.chunks_exact(6).zip(b.chunks_exact(16)) {
+            for (acc_row, &x) in acc.iter_mut().zip(ap) {
+                for (s, &y) in acc_row.iter_mut().zip(bp) {
+                    *s += x * y;
+                }
+            }
+        }
+        // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
+        unsafe { store_tile(&acc, c, ldc, load_c) }
+    }
+}
+
+/// Blocking of the BF16-pair kernels, for Sapphire Rapids / Zen 4 (48 / 32 KiB L1d, 2 / 1 MiB
+/// L2 per core): the B micro-panel is 192 pair steps × 32 × 4 B = 24 KiB, an A block 336 × 192
+/// × 4 B = 252 KiB.
+struct PortablePairs;
+
+impl Micro for PortablePairs {
+    type P = u32;
+    const KSTEP: usize = 2;
+    const MR: usize = 14;
+    const NR: usize = 32;
+    const KC: usize = 384;
+    const MC: usize = 336;
+    const NC: usize = 2048;
+
+    #[inline(always)]
+    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [u32]) {
+        pack_pairs::<14>(a, i0, h, p0, kc, out)
+    }
+
+    #[inline(always)]
+    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [u32]) {
+        pack_pairs::<32>(bt, j0, w, p0, kc, out)
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(a, steps * 14),
+                std::slice::from_raw_parts(b, steps * 32),
+            )
+        };
+        let mut acc = [[0f32; 32]; 14];
+        for (ap, bp) in a.chunks_exact(14).zip(b.chunks_exact(32)) {
+            for (acc_row, &x) in acc.iter_mut().zip(ap) {
+                let (x0, x1) = (
+                    bf16_bits_to_f32(x as u16),
+                    bf16_bits_to_f32((x >> 16) as u16),
+                );
+                for (s, &y) in acc_row.iter_mut().zip(bp) {
+                    let (y0, y1) = (
+                        bf16_bits_to_f32(y as u16),
+                        bf16_bits_to_f32((y >> 16) as u16),
+                    );
+                    // As `vdpbf16ps` (Intel SDM): products of BF16 values are exact in F32;
+                    // the odd k index's is added first, then the even one's.
+                    *s += x1 * y1;
+                    *s += x0 * y0;
+                }
+            }
+        }
+        // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
+        unsafe { store_tile(&acc, c, ldc, load_c) }
+    }
+}
+
+/// Stores an accumulator tile: `c = (load_c ? c : 0) + acc`.
+///
+/// # Safety
+/// `c` is R rows of N writable F32 at stride `ldc`.
+#[inline(always)]
+unsafe fn store_tile<const R: usize, const N: usize>(
+    acc: &[[f32; N]; R],
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    for (r, acc_row) in acc.iter().enumerate() {
+        // SAFETY: row r of C, N elements, per the caller's guarantee.
+        let row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), N) };
+        for (d, &s) in row.iter_mut().zip(acc_row) {
+            *d = if load_c { *d + s } else { s };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// x86-64 kernels selected at run time
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{pack_f32, pack_pairs, run_tile, HalfMat, Job, Micro, Workspace};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// `run_tile` compiled for AVX2 + FMA + F16C (packing included).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn run_tile_avx2(
+        job: &Job<'_>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        ws: &mut Workspace,
+    ) {
+        run_tile::<Avx2Fma>(job, rows, cols, ws)
+    }
+
+    /// `run_tile` compiled for AVX-512 BF16.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn run_tile_avx512bf16(
+        job: &Job<'_>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        ws: &mut Workspace,
+    ) {
+        run_tile::<Avx512Bf16>(job, rows, cols, ws)
+    }
+
+    /// F16 -> F32 with `vcvtph2ps`, 8 per instruction; a tail of under 8 goes through a
+    /// zero-padded buffer (short runs are common: an A panel row of a column-major A is 6).
+    ///
+    /// # Safety
+    /// The CPU has F16C.
+    #[inline]
+    #[target_feature(enable = "avx,f16c")]
+    pub(super) unsafe fn f16_to_f32_f16c(src: &[f16], out: &mut [f32]) {
+        let n = src.len().min(out.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n elements of both slices; unaligned 16- and 32-byte accesses.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        if i < n {
+            let mut h = [0u16; 8];
+            let mut f = [0f32; 8];
+            for (d, s) in h.iter_mut().zip(&src[i..n]) {
+                *d = s.to_bits();
+            }
+            // SAFETY: 8-element stack buffers.
+            unsafe {
+                _mm256_storeu_ps(
+                    f.as_mut_ptr(),
+                    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())),
+                )
+            };
+            out[i..n].copy_from_slice(&f[..n - i]);
+        }
+    }
+
+    /// BF16 -> F32 (a 16-bit shift), 8 per step with `vpmovzxwd` + `vpslld`: LLVM unrolls a
+    /// 16-element run of the plain loop into scalar code instead.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_to_f32_avx2(src: &[bf16], out: &mut [f32]) {
+        let n = src.len().min(out.len());
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n elements of both slices; unaligned 16- and 32-byte accesses.
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                let f = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+                _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), f);
+            }
+            i += 8;
+        }
+        for (o, h) in out[i..n].iter_mut().zip(&src[i..n]) {
+            *o = super::bf16_bits_to_f32(h.to_bits());
+        }
+    }
+
+    /// Blocking as `PortableF32`.
+    struct Avx2Fma;
+
+    impl Micro for Avx2Fma {
+        type P = f32;
+        const KSTEP: usize = 1;
+        const MR: usize = 6;
+        const NR: usize = 16;
+        const KC: usize = 512;
+        const MC: usize = 144;
+        const NC: usize = 2048;
+
+        #[inline(always)]
+        fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [f32]) {
+            pack_f32::<6>(a, i0, h, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [f32]) {
+            pack_f32::<16>(bt, j0, w, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        unsafe fn tile(
+            steps: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            ldc: usize,
+            load_c: bool,
+        ) {
+            // SAFETY: forwarded from the caller (who also guarantees AVX2 + FMA).
+            unsafe { tile_6x16(steps, a, b, c, ldc, load_c) }
+        }
+    }
+
+    /// 6×16 F32 tile: per k step, two B loads, six A broadcasts, twelve FMAs into twelve
+    /// ymm accumulators (FMA latency 4 × 2 ports = 8 needed in flight).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_6x16(
+        steps: usize,
+        mut a: *const f32,
+        mut b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // Start fetching the C tile (a row of 16 F32 may span two lines): its rows are a row
+        // stride apart, usually out of L1, and loading them only at the end stalls.
+        for r in 0..6 {
+            // SAFETY: prefetches are hints, and these addresses lie in the C tile.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc).cast());
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 15).cast());
+            }
+        }
+        let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+        for _ in 0..steps {
+            // SAFETY: the caller guarantees `steps` steps of 6 (a) and 16 (b) floats.
+            unsafe {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let x = _mm256_broadcast_ss(&*a.add(r));
+                    acc_row[0] = _mm256_fmadd_ps(x, b0, acc_row[0]);
+                    acc_row[1] = _mm256_fmadd_ps(x, b1, acc_row[1]);
+                }
+                a = a.add(6);
+                b = b.add(16);
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            // SAFETY: the caller guarantees 6 rows of 16 floats at stride ldc.
+            unsafe {
+                let row = c.add(r * ldc);
+                let (mut lo, mut hi) = (acc_row[0], acc_row[1]);
+                if load_c {
+                    lo = _mm256_add_ps(_mm256_loadu_ps(row), lo);
+                    hi = _mm256_add_ps(_mm256_loadu_ps(row.add(8)), hi);
+                }
+                _mm256_storeu_ps(row, lo);
+                _mm256_storeu_ps(row.add(8), hi);
+            }
+        }
+    }
+
+    /// Blocking as `PortablePairs`.
+    struct Avx512Bf16;
+
+    impl Micro for Avx512Bf16 {
+        type P = u32;
+        const KSTEP: usize = 2;
+        const MR: usize = 14;
+        const NR: usize = 32;
+        const KC: usize = 384;
+        const MC: usize = 336;
+        const NC: usize = 2048;
+
+        #[inline(always)]
+        fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [u32]) {
+            pack_pairs::<14>(a, i0, h, p0, kc, out)
+        }
+
+        #[inline(always)]
+        fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [u32]) {
+            pack_pairs::<32>(bt, j0, w, p0, kc, out)
+        }
+
+        #[inline(always)]
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            load_c: bool,
+        ) {
+            // SAFETY: forwarded from the caller (who also guarantees AVX-512 BF16).
+            unsafe { tile_14x32(steps, a, b, c, ldc, load_c) }
+        }
+    }
+
+    /// 14×32 BF16-pair tile: per pair of k indices, two B loads (32 columns × 2 BF16), 14 A
+    /// broadcasts, 28 `vdpbf16ps` into 28 zmm accumulators (3 registers left for B and the
+    /// broadcast). 28 independent chains cover the instruction's latency (5–6 cycles) at two
+    /// per cycle.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn tile_14x32(
+        steps: usize,
+        mut a: *const u32,
+        mut b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        for r in 0..14 {
+            // SAFETY: prefetches are hints, and these addresses lie in the C tile (a row of
+            // 32 F32 spans two or three lines).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc).cast());
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16).cast());
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 31).cast());
+            }
+        }
+        let mut acc = [[_mm512_setzero_ps(); 2]; 14];
+        for _ in 0..steps {
+            // SAFETY: the caller guarantees `steps` steps of 14 (a) and 32 (b) u32; the
+            // transmutes reinterpret 512 bits of integers as 32 BF16 (same size, any bits).
+            unsafe {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.cast()));
+                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(16).cast()));
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(r) as i32));
+                    acc_row[0] = _mm512_dpbf16_ps(acc_row[0], x, b0);
+                    acc_row[1] = _mm512_dpbf16_ps(acc_row[1], x, b1);
+                }
+                a = a.add(14);
+                b = b.add(32);
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            // SAFETY: the caller guarantees 14 rows of 32 floats at stride ldc.
+            unsafe {
+                let row = c.add(r * ldc);
+                let (mut lo, mut hi) = (acc_row[0], acc_row[1]);
+                if load_c {
+                    lo = _mm512_add_ps(_mm512_loadu_ps(row), lo);
+                    hi = _mm512_add_ps(_mm512_loadu_ps(row.add(16)), hi);
+                }
+                _mm512_storeu_ps(row, lo);
+                _mm512_storeu_ps(row.add(16), hi);
+            }
+        }
+    }
+}

@@ -1,0 +1,629 @@
+//! hemi's own GEMM (`cpu::gemm_half`) against a plain f64 product of the exactly represented
+//! inputs, for every kernel this CPU can run (the portable kernels of both packed formats
+//! always run), every operand dtype pair a kernel takes, odd sizes around the blocking
+//! parameters, transposed and strided views, and accumulate on and off.
+
+use half::{bf16, f16};
+use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
+use hemi::cpu::gemm_half::{gemm, gemm_with, kernel_name, select_kernel, HalfMat, Kernel, Operand};
+use hemi::{DType, Generator};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// An operand's buffer in the dtype under test.
+enum Store {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+/// How a test matrix sits in its buffer.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// Row-major, contiguous.
+    RowMajor,
+    /// The transpose of a row-major buffer (`.t()`): column-major, rs = 1.
+    Transposed,
+    /// Row-major with padded rows: rs = cols + 3, cs = 1.
+    Padded,
+    /// Neither stride 1: rs = 2·cols + 1, cs = 2.
+    Strided,
+}
+
+const LAYOUTS: [Layout; 4] = [
+    Layout::RowMajor,
+    Layout::Transposed,
+    Layout::Padded,
+    Layout::Strided,
+];
+
+/// A random matrix: its buffer, its view, and the exact value of every buffer element.
+/// Buffer elements outside the view are NaN, so a kernel that reads past the view fails.
+struct Mat {
+    store: Store,
+    exact: Vec<f64>,
+    layout: Layout,
+    rows: usize,
+    cols: usize,
+    rs: isize,
+    cs: isize,
+}
+
+impl Mat {
+    fn random(rows: usize, cols: usize, dtype: DType, layout: Layout, rng: &mut Generator) -> Mat {
+        let (len, rs, cs) = match layout {
+            Layout::RowMajor => (rows * cols, cols, 1),
+            Layout::Transposed => (rows * cols, 1, rows),
+            Layout::Padded => (rows * (cols + 3), cols + 3, 1),
+            Layout::Strided => (rows * (2 * cols + 1), 2 * cols + 1, 2),
+        };
+        let mut exact = vec![f64::NAN; len.max(1)];
+        for i in 0..rows {
+            for j in 0..cols {
+                exact[i * rs + j * cs] = rng.uniform(-1.0, 1.0);
+            }
+        }
+        // Round into the dtype; keep the rounded values as the exact inputs.
+        let store = match dtype {
+            DType::F32 => Store::F32(exact.iter().map(|&x| x as f32).collect()),
+            DType::F16 => Store::F16(exact.iter().map(|&x| f16::from_f64(x)).collect()),
+            DType::BF16 => Store::BF16(exact.iter().map(|&x| bf16::from_f64(x)).collect()),
+            _ => unreachable!(),
+        };
+        let exact = match &store {
+            Store::F32(v) => v.iter().map(|&x| f64::from(x)).collect(),
+            Store::F16(v) => v.iter().map(|&x| x.to_f64()).collect(),
+            Store::BF16(v) => v.iter().map(|&x| x.to_f64()).collect(),
+        };
+        Mat {
+            store,
+            exact,
+            layout,
+            rows,
+            cols,
+            rs: rs as isize,
+            cs: cs as isize,
+        }
+    }
+
+    fn view(&self) -> HalfMat<'_> {
+        let data = match &self.store {
+            Store::F32(v) => Operand::F32(v),
+            Store::F16(v) => Operand::F16(v),
+            Store::BF16(v) => Operand::BF16(v),
+        };
+        match self.layout {
+            // Through the API's own transpose.
+            Layout::Transposed => HalfMat::row_major(data, self.cols, self.rows).t(),
+            _ => HalfMat {
+                data,
+                rows: self.rows,
+                cols: self.cols,
+                rs: self.rs,
+                cs: self.cs,
+            },
+        }
+    }
+
+    fn exact_view(&self) -> MatRef<'_, f64> {
+        MatRef {
+            data: &self.exact,
+            rows: self.rows,
+            cols: self.cols,
+            rs: self.rs,
+            cs: self.cs,
+        }
+    }
+}
+
+/// One product case.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    m: usize,
+    k: usize,
+    n: usize,
+    a_dtype: DType,
+    b_dtype: DType,
+    a_layout: Layout,
+    b_layout: Layout,
+    accumulate: bool,
+    parallel: bool,
+}
+
+/// Runs one case with `kernel` and checks every element; returns the result for callers
+/// that compare runs.
+fn check(kernel: Kernel, case: Case, rng: &mut Generator) -> Vec<f32> {
+    let Case { m, k, n, .. } = case;
+    let a = Mat::random(m, k, case.a_dtype, case.a_layout, rng);
+    let b = Mat::random(k, n, case.b_dtype, case.b_layout, rng);
+    // Accumulate onto random values; otherwise start from NaN, which must be overwritten.
+    let c0: Vec<f32> = (0..m * n)
+        .map(|_| {
+            if case.accumulate {
+                rng.uniform(-1.0, 1.0) as f32
+            } else {
+                f32::NAN
+            }
+        })
+        .collect();
+    let mut got = c0.clone();
+    gemm_with(
+        kernel,
+        &mut got,
+        a.view(),
+        b.view(),
+        case.accumulate,
+        case.parallel,
+    );
+
+    let want = matmul_reference(a.exact_view(), b.exact_view());
+    // Σ_p |a_ip|·|b_pj|: the same product on absolute values (NaN gaps stay outside views).
+    let abs = |v: &[f64]| -> Vec<f64> { v.iter().map(|x| x.abs()).collect() };
+    let (a_abs, b_abs) = (abs(&a.exact), abs(&b.exact));
+    let abs_sum = matmul_reference(
+        MatRef {
+            data: &a_abs,
+            ..a.exact_view()
+        },
+        MatRef {
+            data: &b_abs,
+            ..b.exact_view()
+        },
+    );
+    for i in 0..m {
+        for j in 0..n {
+            let idx = i * n + j;
+            let (start, start_abs) = if case.accumulate {
+                (f64::from(c0[idx]), f64::from(c0[idx]).abs())
+            } else {
+                (0.0, 0.0)
+            };
+            let w = start + want[idx];
+            // Tolerance: the inputs are exact in f64, so the only errors are the kernel's F32
+            // roundings. Each of the k + 1 terms (k products and the start value) is added to
+            // an F32 sum once; a product is rounded at most once more (exact with FMA and for
+            // BF16×BF16). Recursive summation in any order and grouping (k blocks, pairs) has
+            // |error| <= γ_{k+1} · Σ|terms|, γ_n = n·u / (1 − n·u), u = 2^-24 (Higham,
+            // "Accuracy and Stability of Numerical Algorithms", §3.1 and §4.2); the product
+            // roundings add u per term. So 2·(k+2)·u·Σ|terms| bounds it with room to spare,
+            // while a dropped or doubled term, or one from a wrong row, is far larger.
+            let tol = 2.0 * (k as f64 + 2.0) * f64::powi(2.0, -24) * (abs_sum[idx] + start_abs);
+            let g = f64::from(got[idx]);
+            assert!(
+                (g - w).abs() <= tol + 1e-30,
+                "{} {case:?}: ({i}, {j}) got {g}, want {w} (tol {tol:e})",
+                kernel.name()
+            );
+        }
+    }
+    got
+}
+
+/// The kernels this CPU can run, printed so a test log shows which ran.
+fn kernels() -> Vec<Kernel> {
+    let ks: Vec<Kernel> = Kernel::ALL
+        .into_iter()
+        .filter(|k| k.is_available())
+        .collect();
+    let names: Vec<&str> = ks.iter().map(|k| k.name()).collect();
+    println!("gemm_half kernels run: {names:?}");
+    ks
+}
+
+/// The dtype pairs a kernel takes: all nine for the F32-panel kernels, BF16×BF16 for the
+/// pair kernels.
+fn dtype_pairs(kernel: Kernel) -> Vec<(DType, DType)> {
+    let mut pairs = Vec::new();
+    for a in DTYPES {
+        for b in DTYPES {
+            if kernel.accepts(a, b) {
+                pairs.push((a, b));
+            }
+        }
+    }
+    pairs
+}
+
+#[test]
+fn small_shapes_every_layout() {
+    let mut rng = Generator::new(1);
+    let shapes = [
+        (1, 1, 1),
+        (1, 7, 1),
+        (3, 3, 3),
+        (3, 1, 17),
+        (17, 2, 3),
+        (7, 5, 33),
+    ];
+    for kernel in kernels() {
+        for (a_dtype, b_dtype) in dtype_pairs(kernel) {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                for a_layout in LAYOUTS {
+                    for b_layout in LAYOUTS {
+                        let case = Case {
+                            m,
+                            k,
+                            n,
+                            a_dtype,
+                            b_dtype,
+                            a_layout,
+                            b_layout,
+                            accumulate: s % 2 == 1,
+                            parallel: false,
+                        };
+                        check(kernel, case, &mut rng);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn odd_sizes_across_block_edges() {
+    // KC is 512 (F32 panels) or 384 (pairs), MC 144 or 336, NC 2048; MR×NR is 6×16 or 14×32.
+    // Sizes straddle each: partial tiles, odd k, k > KC (balanced k blocks), m > MC, n > NC.
+    let shapes = [
+        (17, 33, 67),
+        (67, 17, 3),
+        (130, 67, 33),
+        (33, 130, 17),
+        (3, 600, 5),
+        (29, 257, 31),
+        (150, 513, 40),
+        (340, 31, 37),
+        (5, 9, 2100),
+        (9, 1030, 7),
+    ];
+    let mut rng = Generator::new(2);
+    for kernel in kernels() {
+        for (d, (a_dtype, b_dtype)) in dtype_pairs(kernel).into_iter().enumerate() {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                let case = Case {
+                    m,
+                    k,
+                    n,
+                    a_dtype,
+                    b_dtype,
+                    a_layout: LAYOUTS[(s + d) % 4],
+                    b_layout: LAYOUTS[(s / 2 + d) % 4],
+                    accumulate: (s + d) % 2 == 0,
+                    parallel: false,
+                };
+                check(kernel, case, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn accumulate_on_and_off_for_every_dtype_pair() {
+    let mut rng = Generator::new(3);
+    let kernel = select_kernel(DType::F32, DType::F32);
+    for a_dtype in DTYPES {
+        for b_dtype in DTYPES {
+            for accumulate in [false, true] {
+                let case = Case {
+                    m: 19,
+                    k: 301,
+                    n: 35,
+                    a_dtype,
+                    b_dtype,
+                    a_layout: Layout::RowMajor,
+                    b_layout: Layout::Transposed,
+                    accumulate,
+                    parallel: false,
+                };
+                check(kernel, case, &mut rng);
+                // And through the dispatcher, which may pick another kernel for BF16×BF16.
+                check(select_kernel(a_dtype, b_dtype), case, &mut rng);
+            }
+        }
+    }
+}
+
+/// Large enough for several blocks per task on several threads; the result must also be
+/// bit-identical to the serial one (an element's sum order depends on the kernel and k only).
+#[test]
+fn large_parallel_matches_serial() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    let mut rng = Generator::new(4);
+    for kernel in kernels() {
+        let (a_dtype, b_dtype) = if kernel.accepts(DType::F16, DType::BF16) {
+            (DType::F16, DType::BF16)
+        } else {
+            (DType::BF16, DType::BF16)
+        };
+        let case = Case {
+            m: 300,
+            k: 513,
+            n: 257,
+            a_dtype,
+            b_dtype,
+            a_layout: Layout::RowMajor,
+            b_layout: Layout::RowMajor,
+            accumulate: false,
+            parallel: true,
+        };
+        let mut seeded = rng.fork();
+        let par = pool.install(|| check(kernel, case, &mut seeded.clone()));
+        let ser = check(
+            kernel,
+            Case {
+                parallel: false,
+                ..case
+            },
+            &mut seeded,
+        );
+        assert!(
+            par.iter()
+                .zip(&ser)
+                .all(|(p, s)| p.to_bits() == s.to_bits()),
+            "{}: parallel and serial results differ",
+            kernel.name()
+        );
+    }
+    // The dispatcher on F32 x F32 and BF16 x BF16 (transposed rhs, as `linear` uses it).
+    for dtype in [DType::F32, DType::BF16] {
+        let case = Case {
+            m: 300,
+            k: 513,
+            n: 257,
+            a_dtype: dtype,
+            b_dtype: dtype,
+            a_layout: Layout::RowMajor,
+            b_layout: Layout::Transposed,
+            accumulate: true,
+            parallel: true,
+        };
+        pool.install(|| check(select_kernel(dtype, dtype), case, &mut rng));
+    }
+}
+
+#[test]
+fn empty_and_zero_k() {
+    let a = [1.0f32; 6];
+    // k = 0: the product is zero; overwrite clears dst, accumulate leaves it.
+    let mut dst = vec![5.0f32; 4];
+    let (a0, b0) = (
+        HalfMat::row_major(&a[..0], 2, 0),
+        HalfMat::row_major(&a[..0], 0, 2),
+    );
+    gemm(&mut dst, a0, b0, true, true);
+    assert_eq!(dst, [5.0; 4]);
+    gemm(&mut dst, a0, b0, false, true);
+    assert_eq!(dst, [0.0; 4]);
+    // m = 0 or n = 0: nothing to write.
+    let mut none: Vec<f32> = vec![];
+    gemm(
+        &mut none,
+        HalfMat::row_major(&a[..0], 0, 3),
+        HalfMat::row_major(&a[..], 3, 2),
+        false,
+        true,
+    );
+    gemm(
+        &mut none,
+        HalfMat::row_major(&a[..], 2, 3),
+        HalfMat::row_major(&a[..0], 3, 0),
+        false,
+        true,
+    );
+}
+
+#[test]
+#[should_panic(expected = "out of bounds")]
+fn view_out_of_bounds_panics() {
+    let a = [1.0f32; 6];
+    let mut dst = [0.0f32; 4];
+    let bad = HalfMat {
+        data: Operand::F32(&a),
+        rows: 2,
+        cols: 3,
+        rs: 4,
+        cs: 1,
+    };
+    gemm(
+        &mut dst,
+        bad,
+        HalfMat::row_major(&a[..], 3, 2),
+        false,
+        false,
+    );
+}
+
+#[test]
+#[should_panic(expected = "does not take")]
+fn pair_kernel_rejects_f32_operands() {
+    let a = [1.0f32; 4];
+    let mut dst = [0.0f32; 4];
+    let m = HalfMat::row_major(&a[..], 2, 2);
+    gemm_with(Kernel::PortableBf16Pairs, &mut dst, m, m, false, false);
+}
+
+#[test]
+fn dispatcher_picks_the_best_kernel_for_the_cpu() {
+    #[cfg(target_arch = "x86_64")]
+    let (bf16_dot, avx2) = {
+        use std::arch::is_x86_feature_detected as has;
+        (
+            has!("avx512f") && has!("avx512bw") && has!("avx512bf16"),
+            has!("avx2") && has!("fma") && has!("f16c"),
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (bf16_dot, avx2) = (false, false);
+    let f32_kernel = if avx2 { "avx2-fma" } else { "portable" };
+    let bf16_kernel = if bf16_dot { "avx512bf16" } else { f32_kernel };
+    println!(
+        "bf16 x bf16 -> {}, otherwise {}",
+        kernel_name(DType::BF16, DType::BF16),
+        f32_kernel
+    );
+    assert_eq!(kernel_name(DType::BF16, DType::BF16), bf16_kernel);
+    for a in DTYPES {
+        for b in DTYPES {
+            if (a, b) != (DType::BF16, DType::BF16) {
+                assert_eq!(kernel_name(a, b), f32_kernel, "{a:?} x {b:?}");
+            }
+        }
+    }
+    assert_eq!(Kernel::Avx512Bf16.is_available(), bf16_dot);
+    assert_eq!(Kernel::Avx2Fma.is_available(), avx2);
+}
+
+/// GFLOP/s at 1024³ on 2 threads, median of 5 (run with `--ignored --nocapture`): the gemm
+/// crate on F32, the gemm crate after converting F16/BF16 operands to F32 (conversion timed),
+/// and gemm_half on F32, F16 and BF16 with the F32-panel kernel (`avx2-fma` where the CPU has
+/// it), plus BF16 with the kernel the dispatcher picks. The cases take turns, rep by rep, so
+/// that load from other processes falls on all of them alike. `GEMM_HALF_BENCH_N`, `_THREADS`,
+/// `_REPS` and `_ONLY` (a substring of the case names) change the defaults.
+#[test]
+#[ignore]
+fn bench_gemm_half() {
+    use hemi::dtype::convert::{bf16_to_f32, f16_to_f32};
+    use std::time::Instant;
+
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    let (n, threads, reps) = (
+        env("GEMM_HALF_BENCH_N", 1024),
+        env("GEMM_HALF_BENCH_THREADS", 2),
+        env("GEMM_HALF_BENCH_REPS", 5),
+    );
+    let only = std::env::var("GEMM_HALF_BENCH_ONLY").unwrap_or_default();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let mut rng = Generator::new(7);
+    let a32: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+    let b32: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+    let a16: Vec<f16> = a32.iter().map(|&x| f16::from_f32(x)).collect();
+    let b16: Vec<f16> = b32.iter().map(|&x| f16::from_f32(x)).collect();
+    let ab: Vec<bf16> = a32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let bb: Vec<bf16> = b32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let sq = |d: Operand<'static>| HalfMat {
+        data: d,
+        rows: n,
+        cols: n,
+        rs: n as isize,
+        cs: 1,
+    };
+    // 'static views for the boxed closures below: the buffers live until the end of the test.
+    let (a32, b32): (&'static [f32], &'static [f32]) = (a32.leak(), b32.leak());
+    let (a16, b16): (&'static [f16], &'static [f16]) = (a16.leak(), b16.leak());
+    let (ab, bb): (&'static [bf16], &'static [bf16]) = (ab.leak(), bb.leak());
+    let kernel = if Kernel::Avx2Fma.is_available() {
+        Kernel::Avx2Fma
+    } else {
+        Kernel::PortableF32
+    };
+    let convert_then_gemm = |x: &dyn Fn(&mut [f32]), y: &dyn Fn(&mut [f32]), d: &mut [f32]| {
+        let (mut xs, mut ys) = (vec![0f32; n * n], vec![0f32; n * n]);
+        x(&mut xs);
+        y(&mut ys);
+        matmul_into(
+            d,
+            MatRef::row_major(&xs, n, n),
+            MatRef::row_major(&ys, n, n),
+            false,
+        )
+    };
+    type Case<'a> = (String, Box<dyn Fn(&mut [f32]) + Sync + 'a>);
+    let auto = kernel_name(DType::BF16, DType::BF16);
+    let cases: Vec<Case> = vec![
+        (
+            "gemm crate, F32".into(),
+            Box::new(move |d: &mut [f32]| {
+                matmul_into(
+                    d,
+                    MatRef::row_major(a32, n, n),
+                    MatRef::row_major(b32, n, n),
+                    false,
+                )
+            }),
+        ),
+        (
+            "convert F16 -> F32, then gemm crate".into(),
+            Box::new(move |d: &mut [f32]| {
+                convert_then_gemm(&|x| f16_to_f32(a16, x), &|y| f16_to_f32(b16, y), d)
+            }),
+        ),
+        (
+            "convert BF16 -> F32, then gemm crate".into(),
+            Box::new(move |d: &mut [f32]| {
+                convert_then_gemm(&|x| bf16_to_f32(ab, x), &|y| bf16_to_f32(bb, y), d)
+            }),
+        ),
+        (
+            "gemm_half F32".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half F16".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half BF16".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(ab.into()), sq(bb.into()), false, true)
+            }),
+        ),
+        (
+            "gemm_half F32 x F32ᵀ".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()).t(), false, true)
+            }),
+        ),
+        (
+            "gemm_half F16 x F16ᵀ".into(),
+            Box::new(move |d: &mut [f32]| {
+                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()).t(), false, true)
+            }),
+        ),
+        (
+            format!("gemm_half BF16, dispatched ({auto})"),
+            Box::new(move |d: &mut [f32]| gemm(d, sq(ab.into()), sq(bb.into()), false, true)),
+        ),
+    ];
+    let cases: Vec<Case> = cases
+        .into_iter()
+        .filter(|(name, _)| name.contains(&only))
+        .collect();
+    let mut dst = vec![0f32; n * n];
+    let mut secs = vec![Vec::new(); cases.len()];
+    pool.install(|| {
+        for (_, f) in &cases {
+            f(&mut dst); // warm-up: page faults, pack buffers
+        }
+        for _ in 0..reps {
+            for ((_, f), s) in cases.iter().zip(&mut secs) {
+                let t = Instant::now();
+                f(&mut dst);
+                s.push(t.elapsed().as_secs_f64());
+            }
+        }
+    });
+    println!(
+        "{n}^3, {threads} threads, F32-panel kernel {}",
+        kernel.name()
+    );
+    let flops = 2.0 * (n * n * n) as f64;
+    for ((name, _), s) in cases.iter().zip(&mut secs) {
+        s.sort_by(f64::total_cmp);
+        let (median, best) = (flops / s[reps / 2] / 1e9, flops / s[0] / 1e9);
+        println!("{name:<40} {median:7.1} GFLOP/s (best {best:.1})");
+    }
+}
