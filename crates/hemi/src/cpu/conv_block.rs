@@ -322,7 +322,14 @@ fn forward_into<T: Store>(
             s.pooled.resize(pooled, 0.0);
             for j in 0..cnt {
                 let span = j * pooled..(j + 1) * pooled;
-                relu_pool_image(&s.y[j * l..], ld, &mut s.pooled, &mut ix[span.clone()], g, true);
+                relu_pool_image(
+                    &s.y[j * l..],
+                    ld,
+                    &mut s.pooled,
+                    &mut ix[span.clone()],
+                    g,
+                    true,
+                );
                 T::store(&s.pooled, &mut o[span]);
             }
         });
@@ -333,7 +340,10 @@ fn forward_into<T: Store>(
 /// `h_out*w_out`), so the weight is packed once per group instead of once per image and the
 /// weight gradient's products run over long reductions; at most 16.
 fn group_size(g: &Conv2dGeom) -> usize {
-    1024usize.div_ceil(g.l().max(1)).clamp(1, 16).min(g.n.max(1))
+    1024usize
+        .div_ceil(g.l().max(1))
+        .clamp(1, 16)
+        .min(g.n.max(1))
 }
 
 /// A row-major `rows x cols` matrix with row stride `cols` at the start of `data`.
@@ -451,7 +461,9 @@ fn backward_runs<T: Store>(
             let dxg = dx_run
                 .as_deref_mut()
                 .map(|d| &mut d[local * g.in_image()..(local + cnt) * g.in_image()]);
-            group_backward(dy, idx, x, w, g, first, cnt, &mut s, &mut dw, &mut db, dxg, single);
+            group_backward(
+                dy, idx, x, w, g, first, cnt, &mut s, &mut dw, &mut db, dxg, single,
+            );
             first += cnt;
         }
         (dw, db)
@@ -525,7 +537,13 @@ fn group_backward<T: Store>(
         for grp in 0..g.groups {
             let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
             let b = strided(&s.dy[grp * m * ld..], m, ld);
-            matmul_into_par(&mut s.col[grp * k * ld..(grp + 1) * k * ld], wt, b, false, par);
+            matmul_into_par(
+                &mut s.col[grp * k * ld..(grp + 1) * k * ld],
+                wt,
+                b,
+                false,
+                par,
+            );
         }
         s.dx.resize(g.in_image(), 0.0);
         for (j, dxi) in dx.chunks_exact_mut(g.in_image()).enumerate().take(cnt) {

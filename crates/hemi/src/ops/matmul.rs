@@ -16,6 +16,8 @@ use std::borrow::Cow;
 use rayon::prelude::*;
 
 use crate::cpu::gemm::{matmul_into_par, MatRef};
+use crate::cpu::gemm_half::{self, HalfMat};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::layout::{broadcast_shapes, contiguous_strides};
 use crate::tensor::{CpuStorage, Layout, Real, Tensor};
@@ -25,11 +27,47 @@ use crate::tensor::{CpuStorage, Layout, Real, Tensor};
 const SMALL_PRODUCT: usize = 64 * 64 * 64;
 
 /// One operand of a product in the compute type: a buffer and where each element of the
-/// view sits in it (`offset + Σ i_d * strides[d]`).
+/// view sits in it (`offset + Σ i_d * strides[d]`). An F16/BF16 operand of an F32 product
+/// is not converted: `half` borrows its storage and `cpu::gemm_half` converts inside its
+/// packing, block by block.
 struct Operand<'a, C: Clone> {
     buf: Cow<'a, [C]>,
+    half: Option<gemm_half::Operand<'a>>,
     offset: usize,
     strides: Vec<usize>,
+}
+
+/// A matrix of an operand: in the compute type, or half-precision values.
+#[derive(Clone, Copy)]
+enum Mat<'a, C> {
+    Plain(MatRef<'a, C>),
+    Half(HalfMat<'a>),
+}
+
+/// A matrix as `gemm_half` takes it (F32 compute only).
+fn as_half<C: Real>(m: Mat<'_, C>) -> HalfMat<'_> {
+    match m {
+        Mat::Half(h) => h,
+        Mat::Plain(p) => HalfMat {
+            data: gemm_half::Operand::F32(C::as_f32(p.data).expect("half operands: F32 compute")),
+            rows: p.rows,
+            cols: p.cols,
+            rs: p.rs,
+            cs: p.cs,
+        },
+    }
+}
+
+/// `dst (+)= a · b`: the `gemm` crate when both matrices are in the compute type, else
+/// hemi's GEMM (`cpu::gemm_half`, F32 accumulation) on the half-precision values as stored.
+fn product_into<C: Real>(dst: &mut [C], a: Mat<'_, C>, b: Mat<'_, C>, acc: bool, par: bool) {
+    match (a, b) {
+        (Mat::Plain(a), Mat::Plain(b)) => matmul_into_par(dst, a, b, acc, par),
+        _ => {
+            let dst = C::as_f32_mut(dst).expect("half operands: F32 compute");
+            gemm_half::gemm(dst, as_half(a), as_half(b), acc, par);
+        }
+    }
 }
 
 impl<'a, C: Real> Operand<'a, C> {
@@ -53,16 +91,34 @@ impl<'a, C: Real> Operand<'a, C> {
             .filter(|&(_, &s)| s != 0)
             .map(|(&d, _)| d)
             .product();
+        if C::DTYPE == DType::F32 {
+            let start = layout.offset();
+            let half = match storage {
+                CpuStorage::F16(v) => Some(gemm_half::Operand::F16(&v[start..start + span])),
+                CpuStorage::BF16(v) => Some(gemm_half::Operand::BF16(&v[start..start + span])),
+                _ => None,
+            };
+            if half.is_some() {
+                return Operand {
+                    buf: Cow::Owned(Vec::new()),
+                    half,
+                    offset: 0,
+                    strides: strides.to_vec(),
+                };
+            }
+        }
         if storage.dtype() == C::DTYPE || span <= 2 * distinct + 64 {
             let range = Layout::new(vec![span], vec![1], layout.offset());
             Operand {
                 buf: C::load(storage, &range),
+                half: None,
                 offset: 0,
                 strides: strides.to_vec(),
             }
         } else {
             Operand {
                 buf: C::load(storage, layout),
+                half: None,
                 offset: 0,
                 strides: contiguous_strides(shape),
             }
@@ -70,14 +126,31 @@ impl<'a, C: Real> Operand<'a, C> {
     }
 
     /// The matrix (rows, cols) starting at `offset`, with the view's last two strides.
-    fn mat(&self, offset: usize, rows: usize, cols: usize) -> MatRef<'_, C> {
+    fn mat(&self, offset: usize, rows: usize, cols: usize) -> Mat<'_, C> {
         let r = self.strides.len();
-        MatRef {
-            data: &self.buf[offset..],
-            rows,
-            cols,
-            rs: self.strides[r - 2] as isize,
-            cs: self.strides[r - 1] as isize,
+        let (rs, cs) = (self.strides[r - 2] as isize, self.strides[r - 1] as isize);
+        match self.half {
+            Some(gemm_half::Operand::F16(v)) => Mat::Half(HalfMat {
+                data: gemm_half::Operand::F16(&v[offset..]),
+                rows,
+                cols,
+                rs,
+                cs,
+            }),
+            Some(gemm_half::Operand::BF16(v)) => Mat::Half(HalfMat {
+                data: gemm_half::Operand::BF16(&v[offset..]),
+                rows,
+                cols,
+                rs,
+                cs,
+            }),
+            _ => Mat::Plain(MatRef {
+                data: &self.buf[offset..],
+                rows,
+                cols,
+                rs,
+                cs,
+            }),
         }
     }
 
@@ -160,12 +233,17 @@ fn product<C: Real>(a: &Tensor, b: &Tensor, batch: &[usize], bias: Option<&[C]>)
     let b_count: usize = b.shape()[..rb - 2].iter().product();
     if b_count == 1 {
         if let Some(rs) = merged_row_stride(a.shape(), &oa.strides) {
-            let tall = MatRef {
-                rs: rs as isize,
-                rows: count * m,
-                ..oa.mat(oa.offset, m, k)
+            let tall = match oa.mat(oa.offset, count * m, k) {
+                Mat::Plain(p) => Mat::Plain(MatRef {
+                    rs: rs as isize,
+                    ..p
+                }),
+                Mat::Half(h) => Mat::Half(HalfMat {
+                    rs: rs as isize,
+                    ..h
+                }),
             };
-            matmul_into_par(&mut out, tall, ob.mat(ob.offset, k, n), accumulate, true);
+            product_into(&mut out, tall, ob.mat(ob.offset, k, n), accumulate, true);
             return out;
         }
     }
@@ -175,7 +253,7 @@ fn product<C: Real>(a: &Tensor, b: &Tensor, batch: &[usize], bias: Option<&[C]>)
         ob.batch_offsets(b.shape(), batch),
     );
     let one = |i: usize, dst: &mut [C], par: bool| {
-        matmul_into_par(
+        product_into(
             dst,
             oa.mat(offs_a[i], m, k),
             ob.mat(offs_b[i], k, n),

@@ -191,10 +191,20 @@ pub trait Real:
     fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]>;
     /// Rounds values of this type into a storage of `dtype`.
     fn store(v: Vec<Self>, dtype: DType) -> CpuStorage;
+    /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// `s` as F32 values when this type is `f32`.
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 impl Real for f32 {
     const DTYPE: DType = DType::F32;
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
     fn from_f64(x: f64) -> Self {
         x as f32
     }
@@ -214,6 +224,12 @@ impl Real for f32 {
 
 impl Real for f64 {
     const DTYPE: DType = DType::F64;
+    fn as_f32(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
+        None
+    }
     fn from_f64(x: f64) -> Self {
         x
     }
