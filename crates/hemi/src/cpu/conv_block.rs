@@ -514,11 +514,13 @@ fn group_backward<T: Store>(
             for r in 0..ph {
                 for q in 0..pw {
                     let o = (c * ph + r) * pw + q;
+                    // Branch-free (whether a window passes a gradient is data): a masked
+                    // window writes 0 into its own first cell, which is 0 already.
                     let t = ix[o];
-                    if t != MASKED {
-                        let (dr, dc) = ((t >> 1) as usize, (t & 1) as usize);
-                        plane[(2 * r + dr) * wo + 2 * q + dc] = dyp[o];
-                    }
+                    let pass = t != MASKED;
+                    let t = if pass { t as usize } else { 0 };
+                    let v = if pass { dyp[o] } else { 0.0 };
+                    plane[(2 * r + (t >> 1)) * wo + 2 * q + (t & 1)] = v;
                 }
             }
         }
