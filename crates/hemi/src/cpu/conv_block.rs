@@ -132,7 +132,21 @@ fn row_pair_fast(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usi
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present (checked just above).
-        return unsafe { x86::row_pair_avx2(r0, r1, out, idx) };
+        return unsafe { x86::row_pair_avx2::<true>(r0, r1, out, idx) };
+    }
+    let _ = (r0, r1, out, idx);
+    0
+}
+
+/// A 2×2 stride-2 max-pool (no ReLU) of the row pair `r0`, `r1` with the same kernel, for
+/// `max_pool2d`: the maxima and their window indices (0..4 row-major; first maximum wins
+/// ties, the last NaN wins). Returns how many outputs it computed: all of them, or 0
+/// without AVX2.
+pub(crate) fn max_pool_row_pair(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above).
+        return unsafe { x86::row_pair_avx2::<false>(r0, r1, out, idx) };
     }
     let _ = (r0, r1, out, idx);
     0
@@ -175,9 +189,10 @@ mod x86 {
     }
 
     /// `relu_pool_image`'s rules for one row pair, 8 outputs at a time (the plain loop
-    /// beside it is the reference, held equal by a test on random data with ties and NaN).
+    /// beside it is the reference, held equal by a test on random data with ties and NaN);
+    /// without `RELU`, plain max-pooling (every window index kept).
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn row_pair_avx2(
+    pub(super) unsafe fn row_pair_avx2<const RELU: bool>(
         r0: &[f32],
         r1: &[f32],
         out: &mut [f32],
@@ -189,7 +204,7 @@ mod x86 {
             // SAFETY: j + 8 <= n <= r0.len() / 2, so 16 floats from 2j are in bounds.
             let (a0, a1) = unsafe { deinterleave(r0.as_ptr().add(2 * j)) };
             let (b0, b1) = unsafe { deinterleave(r1.as_ptr().add(2 * j)) };
-            let (o, at) = eight(a0, a1, b0, b1);
+            let (o, at) = eight::<RELU>(a0, a1, b0, b1);
             // SAFETY: j + 8 <= n <= out.len().
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), o) };
             for (d, &v) in idx[j..j + 8].iter_mut().zip(&at) {
@@ -207,7 +222,7 @@ mod x86 {
             // SAFETY: t0 and t1 hold 16 floats.
             let (a0, a1) = unsafe { deinterleave(t0.as_ptr()) };
             let (b0, b1) = unsafe { deinterleave(t1.as_ptr()) };
-            let (o, at) = eight(a0, a1, b0, b1);
+            let (o, at) = eight::<RELU>(a0, a1, b0, b1);
             let mut ob = [0f32; 8];
             // SAFETY: ob holds 8 floats.
             unsafe { _mm256_storeu_ps(ob.as_mut_ptr(), o) };
@@ -223,7 +238,12 @@ mod x86 {
     /// values after the ReLU and window indices (`MASKED` where no gradient flows).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn eight(a0: __m256, a1: __m256, b0: __m256, b1: __m256) -> (__m256, [i32; 8]) {
+    fn eight<const RELU: bool>(
+        a0: __m256,
+        a1: __m256,
+        b0: __m256,
+        b1: __m256,
+    ) -> (__m256, [i32; 8]) {
         let one = _mm256_set1_epi32(1);
         let mut at = [0i32; 8];
         let (top, t_take) = pick(a0, a1);
@@ -240,6 +260,11 @@ mod x86 {
             _mm256_castsi256_ps(b_at),
             take,
         ));
+        if !RELU {
+            // SAFETY: `at` holds 8 i32.
+            unsafe { _mm256_storeu_si256(at.as_mut_ptr().cast(), w_at) };
+            return (best, at);
+        }
         let pass = _mm256_cmp_ps::<_CMP_GT_OQ>(best, _mm256_setzero_ps());
         let keep = _mm256_or_ps(pass, _mm256_cmp_ps::<_CMP_UNORD_Q>(best, best));
         let o = _mm256_and_ps(best, keep);

@@ -150,24 +150,44 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>
 #[inline]
 fn max_pool_2x2_plane<C: Real>(plane: &[C], o: &mut [C], ix: &mut [u32], g: &Pool2dGeom) {
     let w = g.w;
+    let mut at = vec![0u8; g.w_out];
     for oh in 0..g.h_out {
-        let r0 = &plane[2 * oh * w..2 * oh * w + w];
-        let r1 = &plane[(2 * oh + 1) * w..(2 * oh + 1) * w + w];
+        let (r0, r1) = (2 * oh * w, (2 * oh + 1) * w);
         let (orow, irow) = (
             &mut o[oh * g.w_out..(oh + 1) * g.w_out],
             &mut ix[oh * g.w_out..(oh + 1) * g.w_out],
         );
+        // F32 rows go through the fused conv block's vector kernel (window indices, turned
+        // into flat ones below); the loop after it is the plain reference and the rest.
+        let done = match (C::as_f32(plane), C::as_f32_mut(orow)) {
+            (Some(p), Some(out)) => crate::cpu::conv_block::max_pool_row_pair(
+                &p[r0..r0 + w],
+                &p[r1..r1 + w],
+                out,
+                &mut at,
+            ),
+            _ => 0,
+        };
+        for (ow, (iv, &t)) in irow.iter_mut().zip(&at).enumerate().take(done) {
+            let t = t as usize;
+            *iv = ((2 * oh + (t >> 1)) * w + 2 * ow + (t & 1)) as u32;
+        }
         let base = (2 * oh * w) as u32;
-        for (ow, (ov, iv)) in orow.iter_mut().zip(irow.iter_mut()).enumerate() {
+        let (top, bot) = (&plane[r0..r0 + w], &plane[r1..r1 + w]);
+        for ow in done..g.w_out {
             let c = 2 * ow;
-            let (mut best, mut at) = (r0[c], c as u32);
-            for (v, pos) in [(r0[c + 1], c + 1), (r1[c], w + c), (r1[c + 1], w + c + 1)] {
+            let (mut best, mut at) = (top[c], c as u32);
+            for (v, pos) in [
+                (top[c + 1], c + 1),
+                (bot[c], w + c),
+                (bot[c + 1], w + c + 1),
+            ] {
                 let take = v > best || v.is_nan();
                 best = if take { v } else { best };
                 at = if take { pos as u32 } else { at };
             }
-            *ov = best;
-            *iv = base + at;
+            orow[ow] = best;
+            irow[ow] = base + at;
         }
     }
 }
