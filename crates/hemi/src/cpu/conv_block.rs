@@ -1,15 +1,15 @@
-//! Convolution, bias, ReLU and a 2×2 stride-2 max-pool as one kernel, image by image: the
-//! block every small CNN repeats (`pool(relu(conv(x)))`).
+//! Convolution, bias, ReLU and a 2×2 stride-2 max-pool as one kernel, a small group of
+//! images at a time: the block every small CNN repeats (`pool(relu(conv(x)))`).
 //!
 //! Run as three ops, the block writes the convolution's output for the whole batch, reads it
 //! back for the ReLU, writes that, reads it back for the pool, and on the way back scatters
 //! the pooled gradient into a full-size zeroed buffer, masks it with the ReLU into another,
 //! and only then runs the convolution's backward: five full-size passes over memory per
-//! direction (at batch 128, CifarNet's first block is 29 MB per pass). Here each image's
-//! convolution output exists only in an L2-sized scratch buffer while it is pooled; the
-//! backward rebuilds each image's masked output gradient in scratch and runs the weight,
-//! bias and input gradients from it at once. The batch never exists at full resolution, in
-//! time or in memory.
+//! direction (at batch 128, CifarNet's first block is 29 MB per pass). Here a group's
+//! convolution output (one GEMM over its images side by side, ~1024 columns) exists only in
+//! a scratch buffer while it is pooled; the backward rebuilds the group's masked output
+//! gradient in scratch and runs the weight, bias and input gradients from it at once. The
+//! batch never exists at full resolution, in time or in memory.
 //!
 //! The maths is the composition's: `pool(relu(y)) = relu(pool(y))` (ReLU is monotone), so
 //! the pool runs on the convolution's F32 output and the ReLU on the pooled value; a pooled

@@ -284,7 +284,7 @@ impl Tensor {
 }
 
 /// The fused block on a contiguous F32/F16/BF16 input `x` (a contiguous copy of `input`,
-/// or `input` itself): forward, and a backward that runs in one pass per image.
+/// or `input` itself): forward, and a backward that runs in one pass per group of images.
 fn conv_block(
     x: &Tensor,
     input: &Tensor,
