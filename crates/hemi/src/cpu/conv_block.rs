@@ -335,7 +335,7 @@ fn forward_into<T: Store>(
             let (k, m) = (g.k(), g.c_out_g());
             for grp in 0..g.groups {
                 let a = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k);
-                let b = strided(&s.col[grp * k * ld..], k, ld);
+                let b = MatRef::row_major(&s.col[grp * k * ld..], k, ld);
                 let dst = &mut s.y[grp * m * ld..(grp + 1) * m * ld];
                 if let Some(bias) = bias {
                     for (row, &b) in dst.chunks_exact_mut(ld).zip(&bias[grp * m..(grp + 1) * m]) {
@@ -371,11 +371,6 @@ fn group_size(g: &Conv2dGeom) -> usize {
         .min(g.n.max(1))
 }
 
-/// A row-major `rows x cols` matrix with row stride `cols` at the start of `data`.
-fn strided(data: &[f32], rows: usize, cols: usize) -> MatRef<'_, f32> {
-    MatRef::row_major(data, rows, cols)
-}
-
 /// The column matrix of images `first..first + cnt` side by side: `[c_in*kh*kw, cnt*L]`,
 /// image `j`'s columns at `j*L..(j+1)*L`.
 fn group_columns(
@@ -404,6 +399,9 @@ pub struct Grads {
     pub db: Vec<f32>,
 }
 
+/// One run's partial (weight, bias) gradients.
+type Partial = (Vec<f32>, Vec<f32>);
+
 /// Per-thread scratch of the backward.
 #[derive(Default)]
 struct BwdScratch {
@@ -430,23 +428,34 @@ pub fn backward(
 ) -> Grads {
     let runs = g.n.min(rayon::current_num_threads()).max(1);
     let per_run = g.n.div_ceil(runs).max(1);
+    // The input gradient, when wanted, in its dtype's buffer.
+    fn with_dx<T: Store>(
+        wrap: fn(Vec<T>) -> CpuStorage,
+        run: impl FnOnce(&mut [T]) -> Vec<Partial>,
+        len: usize,
+    ) -> (Option<CpuStorage>, Vec<Partial>) {
+        let mut dx = vec![T::default(); len];
+        let p = run(&mut dx);
+        (Some(wrap(dx)), p)
+    }
+    let len = g.n * g.in_image();
     let (dx, partials) = match dx_dtype {
         None => (None, backward_runs::<f32>(dy, idx, x, w, g, per_run, None)),
-        Some(DType::F16) => {
-            let mut dx = vec![f16::ZERO; g.n * g.in_image()];
-            let p = backward_runs(dy, idx, x, w, g, per_run, Some(&mut dx));
-            (Some(CpuStorage::F16(dx)), p)
-        }
-        Some(DType::BF16) => {
-            let mut dx = vec![bf16::ZERO; g.n * g.in_image()];
-            let p = backward_runs(dy, idx, x, w, g, per_run, Some(&mut dx));
-            (Some(CpuStorage::BF16(dx)), p)
-        }
-        Some(_) => {
-            let mut dx = vec![0f32; g.n * g.in_image()];
-            let p = backward_runs(dy, idx, x, w, g, per_run, Some(&mut dx));
-            (Some(CpuStorage::F32(dx)), p)
-        }
+        Some(DType::F16) => with_dx(
+            CpuStorage::F16,
+            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
+            len,
+        ),
+        Some(DType::BF16) => with_dx(
+            CpuStorage::BF16,
+            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
+            len,
+        ),
+        Some(_) => with_dx(
+            CpuStorage::F32,
+            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
+            len,
+        ),
     };
     let mut it = partials.into_iter();
     let (mut dw, mut db) = it
@@ -469,7 +478,7 @@ fn backward_runs<T: Store>(
     g: &Conv2dGeom,
     per_run: usize,
     dx: Option<&mut [T]>,
-) -> Vec<(Vec<f32>, Vec<f32>)> {
+) -> Vec<Partial> {
     let n_runs = g.n.div_ceil(per_run);
     let single = n_runs == 1;
     let gs = group_size(g);
@@ -555,15 +564,15 @@ fn group_backward<T: Store>(
     }
     group_columns(x, g, first, cnt, &mut s.x, &mut s.col);
     for grp in 0..g.groups {
-        let a = strided(&s.dy[grp * m * ld..], m, ld);
-        let bt = strided(&s.col[grp * k * ld..], k, ld).t();
+        let a = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
+        let bt = MatRef::row_major(&s.col[grp * k * ld..], k, ld).t();
         matmul_into_par(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
     }
     if let Some(dx) = dx {
         // The column matrix is spent: its buffer takes wᵀ · dy.
         for grp in 0..g.groups {
             let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
-            let b = strided(&s.dy[grp * m * ld..], m, ld);
+            let b = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
             matmul_into_par(
                 &mut s.col[grp * k * ld..(grp + 1) * k * ld],
                 wt,

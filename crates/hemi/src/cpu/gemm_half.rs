@@ -80,6 +80,20 @@ impl Operand<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The elements `range` of the storage, as an operand of the same dtype.
+    pub fn slice(
+        self,
+        range: impl std::slice::SliceIndex<[f32], Output = [f32]>
+            + std::slice::SliceIndex<[f16], Output = [f16]>
+            + std::slice::SliceIndex<[bf16], Output = [bf16]>,
+    ) -> Self {
+        match self {
+            Operand::F32(s) => Operand::F32(&s[range]),
+            Operand::F16(s) => Operand::F16(&s[range]),
+            Operand::BF16(s) => Operand::BF16(&s[range]),
+        }
+    }
 }
 
 impl<'a> From<&'a [f32]> for Operand<'a> {

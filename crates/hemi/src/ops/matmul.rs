@@ -92,10 +92,10 @@ impl<'a, C: Real> Operand<'a, C> {
             .map(|(&d, _)| d)
             .product();
         if C::DTYPE == DType::F32 {
-            let start = layout.offset();
+            let range = layout.offset()..layout.offset() + span;
             let half = match storage {
-                CpuStorage::F16(v) => Some(gemm_half::Operand::F16(&v[start..start + span])),
-                CpuStorage::BF16(v) => Some(gemm_half::Operand::BF16(&v[start..start + span])),
+                CpuStorage::F16(v) => Some(gemm_half::Operand::F16(v).slice(range)),
+                CpuStorage::BF16(v) => Some(gemm_half::Operand::BF16(v).slice(range)),
                 _ => None,
             };
             if half.is_some() {
@@ -130,21 +130,14 @@ impl<'a, C: Real> Operand<'a, C> {
         let r = self.strides.len();
         let (rs, cs) = (self.strides[r - 2] as isize, self.strides[r - 1] as isize);
         match self.half {
-            Some(gemm_half::Operand::F16(v)) => Mat::Half(HalfMat {
-                data: gemm_half::Operand::F16(&v[offset..]),
+            Some(h) => Mat::Half(HalfMat {
+                data: h.slice(offset..),
                 rows,
                 cols,
                 rs,
                 cs,
             }),
-            Some(gemm_half::Operand::BF16(v)) => Mat::Half(HalfMat {
-                data: gemm_half::Operand::BF16(&v[offset..]),
-                rows,
-                cols,
-                rs,
-                cs,
-            }),
-            _ => Mat::Plain(MatRef {
+            None => Mat::Plain(MatRef {
                 data: &self.buf[offset..],
                 rows,
                 cols,
