@@ -38,6 +38,14 @@ impl<'a> Src<'a> {
         })
     }
 
+    pub fn dtype(&self) -> DType {
+        match self {
+            Src::F32(_) => DType::F32,
+            Src::F16(_) => DType::F16,
+            Src::BF16(_) => DType::BF16,
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Src::F32(v) => v.len(),

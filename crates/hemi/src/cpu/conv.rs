@@ -11,8 +11,12 @@
 
 use rayon::prelude::*;
 
+use half::{bf16, f16};
+use num_traits::Zero;
+
 use crate::cpu::chunked::{per_block, Src};
 use crate::cpu::gemm::{matmul_into_par, MatRef};
+use crate::cpu::gemm_half::{self, HalfMat, Operand};
 use crate::dtype::DType;
 use crate::tensor::{CpuStorage, Real};
 
@@ -120,19 +124,19 @@ pub fn im2col<C: Real>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
 
 /// `im2col` into the first `h_out*w_out` columns of a matrix with row stride `ld` (several
 /// images side by side: image `i`'s columns start at `col[i * L..]`).
-pub fn im2col_ld<C: Real>(x: &[C], col: &mut [C], ld: usize, g: &Conv2dGeom) {
+pub fn im2col_ld<C: Copy + Default>(x: &[C], col: &mut [C], ld: usize, g: &Conv2dGeom) {
     let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
     for_each_col_row(g, |row, c, off_h, off_w| {
         let dst = &mut col[row * ld..row * ld + l];
         let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
         let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
-        dst[..oh_lo * wo].fill(C::zero());
-        dst[oh_hi * wo..].fill(C::zero());
+        dst[..oh_lo * wo].fill(C::default());
+        dst[oh_hi * wo..].fill(C::default());
         for oh in oh_lo..oh_hi {
             let out = &mut dst[oh * wo..(oh + 1) * wo];
-            out[..ow_lo].fill(C::zero());
-            out[ow_hi..].fill(C::zero());
+            out[..ow_lo].fill(C::default());
+            out[ow_hi..].fill(C::default());
             if ow_lo == ow_hi {
                 continue;
             }
@@ -188,22 +192,22 @@ pub fn col2im_ld<C: Real>(col: &[C], dx: &mut [C], ld: usize, g: &Conv2dGeom) {
 
 /// The column matrix of one image: the image itself for pointwise convolutions, else
 /// `im2col` into `scratch`.
-fn columns<'a, C: Real>(x: &'a [C], scratch: &'a mut Vec<C>, g: &Conv2dGeom) -> &'a [C] {
+fn columns<'a, T: Copy + Default>(x: &'a [T], scratch: &'a mut Vec<T>, g: &Conv2dGeom) -> &'a [T] {
     if g.is_pointwise() {
         return x;
     }
-    scratch.resize(g.col_len(), C::zero());
-    im2col(x, scratch, g);
+    scratch.resize(g.col_len(), T::default());
+    im2col_ld(x, scratch, g.l(), g);
     scratch
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
-fn image_forward<C: Real>(
-    x: &[C],
-    w: &[C],
-    bias: Option<&[C]>,
-    y: &mut [C],
-    scratch: &mut Vec<C>,
+fn image_forward<T: ConvElem>(
+    x: &[T],
+    w: &[T],
+    bias: Option<&[T::Acc]>,
+    y: &mut [T::Acc],
+    scratch: &mut Vec<T>,
     g: &Conv2dGeom,
     par: bool,
 ) {
@@ -218,14 +222,19 @@ fn image_forward<C: Real>(
                 row.fill(b);
             }
         }
-        matmul_into_par(dst, a, b, bias.is_some(), par);
+        T::product(dst, a, b, bias.is_some(), par);
     }
 }
 
 /// Convolution forward: `x [n, c_in, h, w]`, `w [c_out, c_in/groups, kh, kw]`, optional
 /// `bias [c_out]` -> `y [n, c_out, h_out, w_out]`. Parallel over images (each GEMM on its
 /// thread); a single image gets a parallel GEMM instead.
-pub fn conv2d_forward<C: Real>(x: &[C], w: &[C], bias: Option<&[C]>, g: &Conv2dGeom) -> Vec<C> {
+pub fn conv2d_forward<C: Real + ConvElem<Acc = C>>(
+    x: &[C],
+    w: &[C],
+    bias: Option<&[C]>,
+    g: &Conv2dGeom,
+) -> Vec<C> {
     let mut y = vec![C::zero(); g.n * g.out_image()];
     if y.is_empty() {
         return y;
@@ -243,25 +252,25 @@ pub fn conv2d_forward<C: Real>(x: &[C], w: &[C], bias: Option<&[C]>, g: &Conv2dG
 }
 
 /// Input gradient of one image: `dcol = w^T x dy` per group, then col2im into `dx`.
-fn image_backward_input<C: Real>(
-    dy: &[C],
-    w: &[C],
-    dx: &mut [C],
-    scratch: &mut Vec<C>,
+fn image_backward_input<T: ConvElem>(
+    dy: &[T],
+    w: &[T],
+    dx: &mut [T::Acc],
+    scratch: &mut Vec<T::Acc>,
     g: &Conv2dGeom,
     par: bool,
 ) {
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     let pointwise = g.is_pointwise();
     if !pointwise {
-        scratch.resize(g.col_len(), C::zero());
+        scratch.resize(g.col_len(), T::Acc::zero());
     }
     // Pointwise: the column matrix is the image, so the product lands in dx directly.
-    let dcol: &mut [C] = if pointwise { dx } else { scratch };
+    let dcol: &mut [T::Acc] = if pointwise { dx } else { scratch };
     for grp in 0..g.groups {
         let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
         let b = MatRef::row_major(&dy[grp * m * l..(grp + 1) * m * l], m, l);
-        matmul_into_par(&mut dcol[grp * k * l..(grp + 1) * k * l], wt, b, false, par);
+        T::product(&mut dcol[grp * k * l..(grp + 1) * k * l], wt, b, false, par);
     }
     if !pointwise {
         col2im(scratch, dx, g);
@@ -270,7 +279,11 @@ fn image_backward_input<C: Real>(
 
 /// Gradient of the convolution with respect to its input: `dy [n, c_out, h_out, w_out]`,
 /// `w` -> `dx [n, c_in, h, w]`. Parallel over images.
-pub fn conv2d_backward_input<C: Real>(dy: &[C], w: &[C], g: &Conv2dGeom) -> Vec<C> {
+pub fn conv2d_backward_input<C: Real + ConvElem<Acc = C>>(
+    dy: &[C],
+    w: &[C],
+    g: &Conv2dGeom,
+) -> Vec<C> {
     let mut dx = vec![C::zero(); g.n * g.in_image()];
     if dx.is_empty() {
         return dx;
@@ -296,67 +309,35 @@ pub fn conv2d_backward_input<C: Real>(dy: &[C], w: &[C], g: &Conv2dGeom) -> Vec<
 /// The batch is split into one contiguous run of images per thread; each run sums into its
 /// own buffer, and the buffers are added in run order, so the result does not depend on
 /// scheduling (it depends only on the thread count, which fixes the split).
-pub fn conv2d_backward_weight<C: Real>(x: &[C], dy: &[C], g: &Conv2dGeom) -> Vec<C> {
-    backward_weight_from(x, dy, g)
-}
-
-/// Where a kernel reads image `i` of a batch from: a slice in the compute type (borrowed),
-/// or a half-precision buffer converted image by image (`Src`, into `buf`).
-trait Images<C>: Sync {
-    /// The `buf.len()` values from `start` (in `buf`, or borrowed).
-    fn image<'a>(&'a self, start: usize, buf: &'a mut [C]) -> &'a [C];
-}
-
-impl<C: Real> Images<C> for &[C] {
-    fn image<'a>(&'a self, start: usize, buf: &'a mut [C]) -> &'a [C] {
-        &self[start..start + buf.len()]
-    }
-}
-
-impl Images<f32> for Src<'_> {
-    fn image<'a>(&'a self, start: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.read(start, buf)
-    }
-}
-
-/// The weight gradient over any image sources: the batch is split into one contiguous run
-/// of images per thread, each run sums into its own buffer and the buffers are added in run
-/// order (the result depends on the thread count, never on scheduling).
-fn backward_weight_from<C: Real>(x: impl Images<C>, dy: impl Images<C>, g: &Conv2dGeom) -> Vec<C> {
+/// Half inputs give an F32 gradient (`T::Acc`).
+pub fn conv2d_backward_weight<T: ConvElem>(x: &[T], dy: &[T], g: &Conv2dGeom) -> Vec<T::Acc> {
     let len = g.weight_len();
     if g.n == 0 || len == 0 || g.l() == 0 {
-        return vec![C::zero(); len];
+        return vec![T::Acc::zero(); len];
     }
     let runs = g.n.min(rayon::current_num_threads()).max(1);
     let per_run = g.n.div_ceil(runs);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     let partial = |r: usize| {
-        let mut dw = vec![C::zero(); len];
+        let mut dw = vec![T::Acc::zero(); len];
         let mut scratch = Vec::new();
-        let mut xb = vec![C::zero(); g.in_image()];
-        let mut db = vec![C::zero(); g.out_image()];
         for i in r * per_run..((r + 1) * per_run).min(g.n) {
-            let xi = x.image(i * g.in_image(), &mut xb);
-            let dyi = dy.image(i * g.out_image(), &mut db);
+            let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
+            let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             let col = columns(xi, &mut scratch, g);
             for grp in 0..g.groups {
                 let a = MatRef::row_major(&dyi[grp * m * l..(grp + 1) * m * l], m, l);
                 let bt = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l).t();
                 // One run holds the whole batch only when there is one thread or one image:
                 // then the GEMM may use the threads itself.
-                matmul_into_par(
-                    &mut dw[grp * m * k..(grp + 1) * m * k],
-                    a,
-                    bt,
-                    true,
-                    runs == 1,
-                );
+                let dst = &mut dw[grp * m * k..(grp + 1) * m * k];
+                T::product(dst, a, bt, true, runs == 1);
             }
         }
         dw
     };
     let n_runs = g.n.div_ceil(per_run);
-    let mut partials: Vec<Vec<C>> = (0..n_runs).into_par_iter().map(partial).collect();
+    let mut partials: Vec<Vec<T::Acc>> = (0..n_runs).into_par_iter().map(partial).collect();
     let mut dw = partials.remove(0);
     for p in &partials {
         for (d, &v) in dw.iter_mut().zip(p) {
@@ -402,50 +383,138 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
     y
 }
 
-// ----- half-precision tensors, image by image ---------------------------------------------
+// ----- element types -------------------------------------------------------------------------
 //
-// The same kernels for F16/BF16 (or F32) tensors that convert one image at a time to F32
-// inside the batch loop and round each result image straight into the output buffer: a
-// half-precision batch never exists in F32 (at batch 512 the F32 copy of CifarNet's first
-// activation gradient alone was 128 MiB). Results equal the F32 kernels' on the converted
-// values: the same GEMMs run on the same numbers.
+// The kernels above run on any `ConvElem`: F32 and F64 through the `gemm` crate, and F16/BF16
+// as stored, without an F32 copy of the batch: the column matrix is unfolded in the tensor's
+// own dtype (a gather, exact) and multiplied by `gemm_half`, which converts inside its
+// packing (or, for BF16 on CPUs with AVX-512 BF16, multiplies BF16 pairs with `vdpbf16ps`),
+// with F32 results. Products of two F16 or two BF16 values are exact in F32, so the half
+// paths compute what the F32 kernels compute on the converted values, up to summation order.
 
-/// `conv2d_forward` over a contiguous F32/F16/BF16 input; the output in `dtype`.
+/// An element type the convolution kernels unfold and multiply as stored; products and
+/// their sums are in `Acc` (the type itself for F32/F64, F32 for F16/BF16).
+pub trait ConvElem: Copy + Default + Send + Sync + 'static {
+    type Acc: Real;
+    /// `dst = [dst +] a · b` in `Acc`; `par` lets the product use the thread pool.
+    fn product(
+        dst: &mut [Self::Acc],
+        a: MatRef<'_, Self>,
+        b: MatRef<'_, Self>,
+        acc: bool,
+        par: bool,
+    );
+}
+
+impl ConvElem for f32 {
+    type Acc = f32;
+    fn product(dst: &mut [f32], a: MatRef<'_, f32>, b: MatRef<'_, f32>, acc: bool, par: bool) {
+        matmul_into_par(dst, a, b, acc, par)
+    }
+}
+
+impl ConvElem for f64 {
+    type Acc = f64;
+    fn product(dst: &mut [f64], a: MatRef<'_, f64>, b: MatRef<'_, f64>, acc: bool, par: bool) {
+        matmul_into_par(dst, a, b, acc, par)
+    }
+}
+
+/// `a · b` of half views through `gemm_half`.
+fn half_product<'a, E>(dst: &mut [f32], a: MatRef<'a, E>, b: MatRef<'a, E>, acc: bool, par: bool)
+where
+    &'a [E]: Into<Operand<'a>>,
+{
+    let view = |m: MatRef<'a, E>| HalfMat {
+        data: m.data.into(),
+        rows: m.rows,
+        cols: m.cols,
+        rs: m.rs,
+        cs: m.cs,
+    };
+    gemm_half::gemm(dst, view(a), view(b), acc, par)
+}
+
+impl ConvElem for f16 {
+    type Acc = f32;
+    fn product(dst: &mut [f32], a: MatRef<'_, f16>, b: MatRef<'_, f16>, acc: bool, par: bool) {
+        half_product(dst, a, b, acc, par)
+    }
+}
+
+impl ConvElem for bf16 {
+    type Acc = f32;
+    fn product(dst: &mut [f32], a: MatRef<'_, bf16>, b: MatRef<'_, bf16>, acc: bool, par: bool) {
+        half_product(dst, a, b, acc, par)
+    }
+}
+
+/// `Some(body)` with `$a`, `$b` bound to the slices of two `Src` of one dtype (F32, F16 or
+/// BF16), `None` for a mix.
+macro_rules! same_elem {
+    (($a:expr, $b:expr), |$x:ident, $y:ident| $body:expr) => {
+        match ($a, $b) {
+            (Src::F32($x), Src::F32($y)) => Some($body),
+            (Src::F16($x), Src::F16($y)) => Some($body),
+            (Src::BF16($x), Src::BF16($y)) => Some($body),
+            _ => None,
+        }
+    };
+}
+pub(crate) use same_elem;
+
+// ----- F32/F16/BF16 tensors, results rounded image by image -----------------------------------
+//
+// For tensors that may be F16/BF16 (autocast's case): each image's F32 result is rounded
+// straight into the output buffer, so the batch never exists in F32 (at batch 512 the F32
+// copy of CifarNet's first activation gradient alone was 128 MiB).
+
+/// `conv2d_forward` over contiguous `x` and `w` of one dtype (F32/F16/BF16; `None` for a
+/// mix), the output in that dtype.
 pub fn conv2d_forward_blocks(
     x: Src<'_>,
-    w: &[f32],
+    w: Src<'_>,
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
-    dtype: DType,
 ) -> Option<CpuStorage> {
-    per_block(g.n, g.out_image(), dtype, |i, y| {
-        let mut xb = vec![0f32; g.in_image()];
-        let xi = x.read(i * g.in_image(), &mut xb);
-        image_forward(xi, w, bias, y, &mut Vec::new(), g, false);
-    })
+    fn run<T: ConvElem<Acc = f32>>(
+        x: &[T],
+        w: &[T],
+        bias: Option<&[f32]>,
+        g: &Conv2dGeom,
+        dtype: DType,
+    ) -> Option<CpuStorage> {
+        per_block(g.n, g.out_image(), dtype, |i, y| {
+            let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
+            image_forward(xi, w, bias, y, &mut Vec::new(), g, g.n == 1);
+        })
+    }
+    let dtype = x.dtype();
+    same_elem!((x, w), |x, w| run(x, w, bias, g, dtype)).flatten()
 }
 
-/// `conv2d_backward_input` from a contiguous F32/F16/BF16 gradient; `dx` in `dtype`.
-pub fn conv2d_backward_input_blocks(
-    dy: Src<'_>,
-    w: &[f32],
-    g: &Conv2dGeom,
-    dtype: DType,
-) -> Option<CpuStorage> {
-    per_block(g.n, g.in_image(), dtype, |i, dx| {
-        if g.out_image() == 0 {
-            return;
-        }
-        let mut db = vec![0f32; g.out_image()];
-        let dyi = dy.read(i * g.out_image(), &mut db);
-        image_backward_input(dyi, w, dx, &mut Vec::new(), g, false);
-    })
+/// `conv2d_backward_input` from contiguous `dy` and `w` of one dtype; `dx` in that dtype.
+pub fn conv2d_backward_input_blocks(dy: Src<'_>, w: Src<'_>, g: &Conv2dGeom) -> Option<CpuStorage> {
+    fn run<T: ConvElem<Acc = f32>>(
+        dy: &[T],
+        w: &[T],
+        g: &Conv2dGeom,
+        dtype: DType,
+    ) -> Option<CpuStorage> {
+        per_block(g.n, g.in_image(), dtype, |i, dx| {
+            if g.out_image() > 0 {
+                let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+                image_backward_input(dyi, w, dx, &mut Vec::new(), g, g.n == 1);
+            }
+        })
+    }
+    let dtype = dy.dtype();
+    same_elem!((dy, w), |dy, w| run(dy, w, g, dtype)).flatten()
 }
 
-/// `conv2d_backward_weight` from contiguous F32/F16/BF16 input and gradient, with the
-/// same split of the batch into runs (so the same sums in the same order).
-pub fn conv2d_backward_weight_blocks(x: Src<'_>, dy: Src<'_>, g: &Conv2dGeom) -> Vec<f32> {
-    backward_weight_from(x, dy, g)
+/// `conv2d_backward_weight` (F32) from contiguous `x` and `dy` of one dtype.
+pub fn conv2d_backward_weight_blocks(x: Src<'_>, dy: Src<'_>, g: &Conv2dGeom) -> Option<Vec<f32>> {
+    same_elem!((x, dy), |x, dy| conv2d_backward_weight(x, dy, g))
 }
 
 #[cfg(test)]

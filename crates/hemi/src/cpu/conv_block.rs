@@ -14,16 +14,18 @@
 //! The maths is the composition's: `pool(relu(y)) = relu(pool(y))` (ReLU is monotone), so
 //! the pool runs on the convolution's F32 output and the ReLU on the pooled value; a pooled
 //! value that is not positive passes no gradient (ReLU's derivative there is 0), which the
-//! window index records as `MASKED`. For F16/BF16 tensors the images are converted to F32
-//! one at a time and the pooled output is rounded once, as the unfused ops round it.
+//! window index records as `MASKED`. F16/BF16 tensors are unfolded and multiplied as stored
+//! (`gemm_half`: converted inside its packing, or BF16 pairs on `vdpbf16ps`), the
+//! convolution output is F32, and the pooled output is rounded once, as the unfused ops
+//! round it.
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::cpu::chunked::Src;
-use crate::cpu::conv::{col2im_ld, im2col_ld, Conv2dGeom};
-use crate::cpu::gemm::{matmul_into_par, MatRef};
-use crate::dtype::{convert, DType};
+use crate::cpu::conv::{col2im_ld, im2col_ld, same_elem, Conv2dGeom, ConvElem};
+use crate::cpu::gemm::MatRef;
+use crate::dtype::convert;
 use crate::ops::reduce::sum_slice;
 use crate::tensor::CpuStorage;
 
@@ -40,14 +42,43 @@ fn pooled_image(g: &Conv2dGeom) -> usize {
     g.c_out * (g.h_out / 2) * (g.w_out / 2)
 }
 
-/// A buffer element type the F32 results are rounded into.
-trait Store: Copy + Default + Send + Sync {
+/// An element type of the block's tensors: multiplied as stored (`ConvElem`), F32 results
+/// rounded into it.
+trait Store: ConvElem<Acc = f32> {
+    /// `dst = src` rounded to this type.
     fn store(src: &[f32], dst: &mut [Self]);
+    /// The F32 sum of `v` (in `sum_slice`'s order for F32).
+    fn sum(v: &[Self]) -> f32;
+    fn of(src: Src<'_>) -> Option<&[Self]>;
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+}
+
+/// The F32 sum of half values, converted a chunk at a time.
+fn sum_converted<T: Copy>(v: &[T], widen: fn(&[T], &mut [f32])) -> f32 {
+    let mut buf = [0f32; 1024];
+    let mut total = 0.0;
+    for c in v.chunks(buf.len()) {
+        widen(c, &mut buf[..c.len()]);
+        total += sum_slice(&buf[..c.len()]);
+    }
+    total
 }
 
 impl Store for f32 {
     fn store(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    fn sum(v: &[f32]) -> f32 {
+        sum_slice(v)
+    }
+    fn of(src: Src<'_>) -> Option<&[f32]> {
+        match src {
+            Src::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn into_storage(v: Vec<f32>) -> CpuStorage {
+        CpuStorage::F32(v)
     }
 }
 
@@ -55,22 +86,54 @@ impl Store for f16 {
     fn store(src: &[f32], dst: &mut [f16]) {
         convert::f32_to_f16(src, dst);
     }
+    fn sum(v: &[f16]) -> f32 {
+        sum_converted(v, convert::f16_to_f32)
+    }
+    fn of(src: Src<'_>) -> Option<&[f16]> {
+        match src {
+            Src::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn into_storage(v: Vec<f16>) -> CpuStorage {
+        CpuStorage::F16(v)
+    }
 }
 
 impl Store for bf16 {
     fn store(src: &[f32], dst: &mut [bf16]) {
         convert::f32_to_bf16(src, dst);
     }
+    fn sum(v: &[bf16]) -> f32 {
+        sum_converted(v, convert::bf16_to_f32)
+    }
+    fn of(src: Src<'_>) -> Option<&[bf16]> {
+        match src {
+            Src::BF16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn into_storage(v: Vec<bf16>) -> CpuStorage {
+        CpuStorage::BF16(v)
+    }
 }
 
-/// Per-thread scratch of the forward: one converted input image, one convolution output
-/// image, the column matrix and one pooled image in F32.
-#[derive(Default)]
-struct FwdScratch {
-    x: Vec<f32>,
+/// Per-thread scratch of the forward: the group's column matrix (in the tensors' dtype), its
+/// F32 convolution output and one pooled image in F32.
+struct FwdScratch<T> {
+    col: Vec<T>,
     y: Vec<f32>,
-    col: Vec<f32>,
     pooled: Vec<f32>,
+}
+
+impl<T> Default for FwdScratch<T> {
+    fn default() -> Self {
+        FwdScratch {
+            col: Vec::new(),
+            y: Vec::new(),
+            pooled: Vec::new(),
+        }
+    }
 }
 
 /// ReLU and 2×2 pooling of one convolution output image (channel `c`'s plane at
@@ -290,29 +353,25 @@ fn pick_pairs(row: &[f32], best: &mut [f32], at: &mut [u8], first: u8) {
     }
 }
 
-/// Forward of the block over a contiguous F32/F16/BF16 input `x [n, c_in, h, w]` with F32
-/// weight and bias: the pooled output in `dtype` and the window index of every output.
+/// Forward of the block over contiguous `x [n, c_in, h, w]` and weight of one dtype (F32,
+/// F16 or BF16; `None` for a mix), F32 bias: the pooled output in that dtype and the window
+/// index of every output.
 pub fn forward(
     x: Src<'_>,
-    w: &[f32],
+    w: Src<'_>,
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
-    dtype: DType,
 ) -> Option<(CpuStorage, Vec<u8>)> {
-    let out_len = g.n * pooled_image(g);
-    let mut idx = vec![0u8; out_len];
-    let storage = match dtype {
-        DType::F32 => CpuStorage::F32(forward_into::<f32>(x, w, bias, g, &mut idx)),
-        DType::F16 => CpuStorage::F16(forward_into::<f16>(x, w, bias, g, &mut idx)),
-        DType::BF16 => CpuStorage::BF16(forward_into::<bf16>(x, w, bias, g, &mut idx)),
-        _ => return None,
-    };
-    Some((storage, idx))
+    let mut idx = vec![0u8; g.n * pooled_image(g)];
+    let out = same_elem!((x, w), |x, w| Store::into_storage(forward_into(
+        x, w, bias, g, &mut idx
+    )))?;
+    Some((out, idx))
 }
 
 fn forward_into<T: Store>(
-    x: Src<'_>,
-    w: &[f32],
+    x: &[T],
+    w: &[T],
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
     idx: &mut [u8],
@@ -330,7 +389,7 @@ fn forward_into<T: Store>(
         .for_each_init(FwdScratch::default, |s, (gi, (o, ix))| {
             let cnt = o.len() / pooled;
             let ld = cnt * l;
-            group_columns(x, g, gi * gs, cnt, &mut s.x, &mut s.col);
+            group_columns(x, g, gi * gs, cnt, &mut s.col);
             s.y.resize(g.c_out * ld, 0.0);
             let (k, m) = (g.k(), g.c_out_g());
             for grp in 0..g.groups {
@@ -342,7 +401,7 @@ fn forward_into<T: Store>(
                         row.fill(b);
                     }
                 }
-                matmul_into_par(dst, a, b, bias.is_some(), single);
+                T::product(dst, a, b, bias.is_some(), single);
             }
             s.pooled.resize(pooled, 0.0);
             for j in 0..cnt {
@@ -373,26 +432,24 @@ fn group_size(g: &Conv2dGeom) -> usize {
 
 /// The column matrix of images `first..first + cnt` side by side: `[c_in*kh*kw, cnt*L]`,
 /// image `j`'s columns at `j*L..(j+1)*L`.
-fn group_columns(
-    x: Src<'_>,
+fn group_columns<T: Copy + Default>(
+    x: &[T],
     g: &Conv2dGeom,
     first: usize,
     cnt: usize,
-    xb: &mut Vec<f32>,
-    col: &mut Vec<f32>,
+    col: &mut Vec<T>,
 ) {
-    let (l, rows) = (g.l(), g.c_in * g.kh * g.kw);
+    let (l, rows, img) = (g.l(), g.c_in * g.kh * g.kw, g.in_image());
     let ld = cnt * l;
-    col.resize(rows * ld, 0.0);
-    xb.resize(g.in_image(), 0.0);
+    col.resize(rows * ld, T::default());
     for j in 0..cnt {
-        let xi = x.read((first + j) * g.in_image(), xb);
+        let xi = &x[(first + j) * img..(first + j + 1) * img];
         im2col_ld(xi, &mut col[j * l..], ld, g);
     }
 }
 
-/// Gradients of the block: the input gradient in `dx_dtype` (when `dx_dtype` is given),
-/// and the weight and bias gradients in F32.
+/// Gradients of the block: the input gradient in the tensors' dtype (when wanted), and the
+/// weight and bias gradients in F32.
 pub struct Grads {
     pub dx: Option<CpuStorage>,
     pub dw: Vec<f32>,
@@ -402,18 +459,28 @@ pub struct Grads {
 /// One run's partial (weight, bias) gradients.
 type Partial = (Vec<f32>, Vec<f32>);
 
-/// Per-thread scratch of the backward.
-#[derive(Default)]
-struct BwdScratch {
-    dy_pooled: Vec<f32>,
-    dy: Vec<f32>,
-    x: Vec<f32>,
-    col: Vec<f32>,
+/// Per-thread scratch of the backward: the group's masked output gradient and column
+/// matrix in the tensors' dtype, the F32 column gradient and one F32 input-gradient image.
+struct BwdScratch<T> {
+    dy: Vec<T>,
+    col: Vec<T>,
+    dcol: Vec<f32>,
     dx: Vec<f32>,
 }
 
-/// Backward of the block from the pooled output gradient `dy` (contiguous, F32/F16/BF16),
-/// the forward's window indices, its input and its F32 weight.
+impl<T> Default for BwdScratch<T> {
+    fn default() -> Self {
+        BwdScratch {
+            dy: Vec::new(),
+            col: Vec::new(),
+            dcol: Vec::new(),
+            dx: Vec::new(),
+        }
+    }
+}
+
+/// Backward of the block from the pooled output gradient `dy`, the forward's window
+/// indices, its input and its weight, all contiguous and of one dtype (`None` for a mix).
 ///
 /// The batch is split into one contiguous run of images per thread; each run sums its
 /// weight and bias gradients into its own buffers, added in run order afterwards (the
@@ -422,40 +489,36 @@ pub fn backward(
     dy: Src<'_>,
     idx: &[u8],
     x: Src<'_>,
-    w: &[f32],
+    w: Src<'_>,
     g: &Conv2dGeom,
-    dx_dtype: Option<DType>,
+    want_dx: bool,
+) -> Option<Grads> {
+    same_elem!((x, w), |x, w| backward_as(
+        Store::of(dy)?,
+        idx,
+        x,
+        w,
+        g,
+        want_dx
+    ))
+}
+
+fn backward_as<T: Store>(
+    dy: &[T],
+    idx: &[u8],
+    x: &[T],
+    w: &[T],
+    g: &Conv2dGeom,
+    want_dx: bool,
 ) -> Grads {
     let runs = g.n.min(rayon::current_num_threads()).max(1);
     let per_run = g.n.div_ceil(runs).max(1);
-    // The input gradient, when wanted, in its dtype's buffer.
-    fn with_dx<T: Store>(
-        wrap: fn(Vec<T>) -> CpuStorage,
-        run: impl FnOnce(&mut [T]) -> Vec<Partial>,
-        len: usize,
-    ) -> (Option<CpuStorage>, Vec<Partial>) {
-        let mut dx = vec![T::default(); len];
-        let p = run(&mut dx);
-        (Some(wrap(dx)), p)
-    }
-    let len = g.n * g.in_image();
-    let (dx, partials) = match dx_dtype {
-        None => (None, backward_runs::<f32>(dy, idx, x, w, g, per_run, None)),
-        Some(DType::F16) => with_dx(
-            CpuStorage::F16,
-            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
-            len,
-        ),
-        Some(DType::BF16) => with_dx(
-            CpuStorage::BF16,
-            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
-            len,
-        ),
-        Some(_) => with_dx(
-            CpuStorage::F32,
-            |d| backward_runs(dy, idx, x, w, g, per_run, Some(d)),
-            len,
-        ),
+    let (dx, partials) = if want_dx {
+        let mut dx = vec![T::default(); g.n * g.in_image()];
+        let p = backward_runs(dy, idx, x, w, g, per_run, Some(&mut dx));
+        (Some(T::into_storage(dx)), p)
+    } else {
+        (None, backward_runs(dy, idx, x, w, g, per_run, None))
     };
     let mut it = partials.into_iter();
     let (mut dw, mut db) = it
@@ -471,10 +534,10 @@ pub fn backward(
 /// The runs of the backward: each returns its partial (dw, db); `dx` (when wanted) is
 /// written image by image.
 fn backward_runs<T: Store>(
-    dy: Src<'_>,
+    dy: &[T],
     idx: &[u8],
-    x: Src<'_>,
-    w: &[f32],
+    x: &[T],
+    w: &[T],
     g: &Conv2dGeom,
     per_run: usize,
     dx: Option<&mut [T]>,
@@ -495,9 +558,8 @@ fn backward_runs<T: Store>(
             let dxg = dx_run
                 .as_deref_mut()
                 .map(|d| &mut d[local * g.in_image()..(local + cnt) * g.in_image()]);
-            group_backward(
-                dy, idx, x, w, g, first, cnt, &mut s, &mut dw, &mut db, dxg, single,
-            );
+            let grads = (&mut dw[..], &mut db[..], dxg);
+            group_backward(dy, idx, x, w, g, first..first + cnt, &mut s, grads, single);
             first += cnt;
         }
         (dw, db)
@@ -512,36 +574,37 @@ fn backward_runs<T: Store>(
     }
 }
 
-/// Images `first..first + cnt` of the backward, side by side: their masked output
-/// gradients rebuilt in scratch as one `[c_out, cnt*L]` matrix, then `dw += dy · colᵀ`
-/// (one product over all their pixels), `db += Σ dy`, and, when wanted,
-/// `dx = col2im(wᵀ · dy)` image by image.
+/// Where a group's backward adds its weight and bias gradients (F32) and writes its input
+/// gradient (when wanted).
+type GroupGrads<'a, T> = (&'a mut [f32], &'a mut [f32], Option<&'a mut [T]>);
+
+/// Images `images` of the backward, side by side: their masked output gradients rebuilt
+/// in scratch as one `[c_out, cnt*L]` matrix (the gradient's own values, so exact in its
+/// dtype), then `dw += dy · colᵀ` (one product over all their pixels), `db += Σ dy`, and,
+/// when wanted, `dx = col2im(wᵀ · dy)` image by image.
 #[allow(clippy::too_many_arguments)]
 fn group_backward<T: Store>(
-    dy: Src<'_>,
+    dy: &[T],
     idx: &[u8],
-    x: Src<'_>,
-    w: &[f32],
+    x: &[T],
+    w: &[T],
     g: &Conv2dGeom,
-    first: usize,
-    cnt: usize,
-    s: &mut BwdScratch,
-    dw: &mut [f32],
-    db: &mut [f32],
-    dx: Option<&mut [T]>,
+    images: std::ops::Range<usize>,
+    s: &mut BwdScratch<T>,
+    (dw, db, dx): GroupGrads<'_, T>,
     par: bool,
 ) {
     let pooled = pooled_image(g);
     let (ho, wo) = (g.h_out, g.w_out);
     let (ph, pw) = (ho / 2, wo / 2);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
+    let (first, cnt) = (images.start, images.len());
     let ld = cnt * l;
     s.dy.clear();
-    s.dy.resize(g.c_out * ld, 0.0);
-    s.dy_pooled.resize(pooled, 0.0);
+    s.dy.resize(g.c_out * ld, T::default());
     for j in 0..cnt {
         let i = first + j;
-        let dyp = dy.read(i * pooled, &mut s.dy_pooled);
+        let dyp = &dy[i * pooled..(i + 1) * pooled];
         let ix = &idx[i * pooled..(i + 1) * pooled];
         for c in 0..g.c_out {
             let plane = &mut s.dy[c * ld + j * l..c * ld + (j + 1) * l];
@@ -553,38 +616,33 @@ fn group_backward<T: Store>(
                     let t = ix[o];
                     let pass = t != MASKED;
                     let t = if pass { t as usize } else { 0 };
-                    let v = if pass { dyp[o] } else { 0.0 };
+                    let v = if pass { dyp[o] } else { T::default() };
                     plane[(2 * r + (t >> 1)) * wo + 2 * q + (t & 1)] = v;
                 }
             }
         }
     }
     for (b, row) in db.iter_mut().zip(s.dy.chunks_exact(ld)) {
-        *b += sum_slice(row);
+        *b += T::sum(row);
     }
-    group_columns(x, g, first, cnt, &mut s.x, &mut s.col);
+    group_columns(x, g, first, cnt, &mut s.col);
     for grp in 0..g.groups {
         let a = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
         let bt = MatRef::row_major(&s.col[grp * k * ld..], k, ld).t();
-        matmul_into_par(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
+        T::product(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
     }
     if let Some(dx) = dx {
-        // The column matrix is spent: its buffer takes wᵀ · dy.
+        s.dcol.resize(g.groups * k * ld, 0.0);
         for grp in 0..g.groups {
             let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
             let b = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
-            matmul_into_par(
-                &mut s.col[grp * k * ld..(grp + 1) * k * ld],
-                wt,
-                b,
-                false,
-                par,
-            );
+            let dst = &mut s.dcol[grp * k * ld..(grp + 1) * k * ld];
+            T::product(dst, wt, b, false, par);
         }
         s.dx.resize(g.in_image(), 0.0);
         for (j, dxi) in dx.chunks_exact_mut(g.in_image()).enumerate().take(cnt) {
             s.dx.fill(0.0);
-            col2im_ld(&s.col[j * l..], &mut s.dx, ld, g);
+            col2im_ld(&s.dcol[j * l..], &mut s.dx, ld, g);
             T::store(&s.dx, dxi);
         }
     }

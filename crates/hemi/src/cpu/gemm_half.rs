@@ -41,6 +41,7 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Products with fewer multiply-adds than this stay on the calling thread.
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
@@ -255,9 +256,36 @@ impl Kernel {
     }
 }
 
-/// The kernel `gemm` runs for operands of these dtypes on this CPU: `avx512bf16` for
-/// BF16×BF16 where the CPU has it, else `avx2-fma` where it has AVX2 and FMA, else `portable`.
+/// The kernel `force_kernel` set, as its index in `Kernel::ALL` (`NONE_FORCED`: none).
+static FORCED: AtomicUsize = AtomicUsize::new(NONE_FORCED);
+const NONE_FORCED: usize = usize::MAX;
+
+/// Makes `gemm` run `kernel` for every product in the process whose dtypes it takes (others
+/// keep the automatic choice), or restores the automatic choice (`None`). For tests and
+/// benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel: e.g. the
+/// BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs` on CPUs
+/// without AVX-512. Panics if this CPU cannot run `kernel`.
+pub fn force_kernel(kernel: Option<Kernel>) {
+    let index = kernel.map_or(NONE_FORCED, |k| {
+        assert!(
+            k.is_available(),
+            "gemm_half: this CPU cannot run {}",
+            k.name()
+        );
+        Kernel::ALL.iter().position(|&x| x == k).expect("listed")
+    });
+    FORCED.store(index, Ordering::Relaxed);
+}
+
+/// The kernel `gemm` runs for operands of these dtypes on this CPU: the one `force_kernel`
+/// set where it takes them, else `avx512bf16` for BF16×BF16 where the CPU has it, else
+/// `avx2-fma` where it has AVX2 and FMA, else `portable`.
 pub fn select_kernel(a: DType, b: DType) -> Kernel {
+    if let Some(&k) = Kernel::ALL.get(FORCED.load(Ordering::Relaxed)) {
+        if k.accepts(a, b) {
+            return k;
+        }
+    }
     if a == DType::BF16 && b == DType::BF16 && Kernel::Avx512Bf16.is_available() {
         Kernel::Avx512Bf16
     } else if Kernel::Avx2Fma.is_available() {

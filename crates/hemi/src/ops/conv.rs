@@ -298,17 +298,17 @@ fn conv_block(
     use crate::tensor::Layout;
     use std::sync::Arc;
     let dtype = x.dtype();
+    let w_saved = weight.detach().contiguous()?;
     let (out, idx) = {
-        let xs = x.storage();
-        let src = Src::of(&xs, x.layout())
-            .ok_or_else(|| Error::dtype(op, dtype, "expected a contiguous float input"))?;
-        let w = weight.values::<f32>();
+        let (xs, ws) = (x.storage(), w_saved.storage());
         let b = bias.map(|b| b.values::<f32>());
-        forward(src, &w, b.as_deref(), &geom, dtype)
-            .ok_or_else(|| Error::dtype(op, dtype, "expected F32, F16 or BF16"))?
+        Src::of(&xs, x.layout())
+            .zip(Src::of(&ws, w_saved.layout()))
+            .and_then(|(xsrc, wsrc)| forward(xsrc, wsrc, b.as_deref(), &geom))
+            .ok_or_else(|| Error::dtype(op, dtype, "expected F32, F16 or BF16 of one dtype"))?
     };
     let idx = Arc::new(idx);
-    let (x_saved, w_saved) = (x.detach(), weight.detach());
+    let x_saved = x.detach();
     let want_dx = input.requires_grad();
     let has_bias = bias.is_some();
     let mut inputs = vec![input, weight];
@@ -319,19 +319,13 @@ fn conv_block(
         op,
         &inputs,
         move |g| {
-            let g = if g.is_contiguous() {
-                g.clone()
-            } else {
-                g.contiguous()?
-            };
-            let gs = g.storage();
-            let dy = Src::of(&gs, g.layout())
+            let g = contiguous_as(g, dtype)?;
+            let (gs, xs, ws) = (g.storage(), x_saved.storage(), w_saved.storage());
+            let grads = Src::of(&gs, g.layout())
+                .zip(Src::of(&xs, x_saved.layout()))
+                .zip(Src::of(&ws, w_saved.layout()))
+                .and_then(|((dy, x), w)| backward(dy, &idx, x, w, &geom, want_dx))
                 .ok_or_else(|| Error::dtype(op, g.dtype(), "gradient of the block"))?;
-            let xs = x_saved.storage();
-            let xsrc = Src::of(&xs, x_saved.layout())
-                .ok_or_else(|| Error::dtype(op, x_saved.dtype(), "saved input"))?;
-            let w = w_saved.values::<f32>();
-            let grads = backward(dy, &idx, xsrc, &w, &geom, want_dx.then_some(dtype));
             let dx = grads
                 .dx
                 .map(|st| Tensor::from_storage(Arc::new(st), Layout::contiguous(x_saved.shape())));
@@ -372,17 +366,16 @@ fn conv2d_half(
     {
         return None;
     }
-    let xs = x.storage();
+    let w_saved = weight.detach().contiguous().ok()?;
     let out = {
-        let src = Src::of(&xs, x.layout())?;
-        let w = weight.values::<f32>();
+        let (xs, ws) = (x.storage(), w_saved.storage());
         let b = bias.map(|b| b.values::<f32>());
-        conv2d_forward_blocks(src, &w, b.as_deref(), geom, dtype)?
+        let (xsrc, wsrc) = (Src::of(&xs, x.layout())?, Src::of(&ws, w_saved.layout())?);
+        conv2d_forward_blocks(xsrc, wsrc, b.as_deref(), geom)?
     };
-    drop(xs);
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
-    let (x_saved, w_saved) = (x.detach(), weight.detach());
+    let x_saved = x.detach();
     let has_bias = bias.is_some();
     let geom = *geom;
     Some(Tensor::from_op(
@@ -391,18 +384,15 @@ fn conv2d_half(
         OP,
         &inputs,
         move |g| {
-            let g = if g.is_contiguous() {
-                g.clone()
-            } else {
-                g.contiguous()?
-            };
+            let g = contiguous_as(g, dtype)?;
             let gs = g.storage();
             let dy = Src::of(&gs, g.layout())
                 .ok_or_else(|| Error::dtype(OP, g.dtype(), "gradient of a half conv2d"))?;
             let dx = if want.0 {
-                let w = w_saved.values::<f32>();
-                let st =
-                    conv2d_backward_input_blocks(dy, &w, &geom, dtype).expect("half dtype checked");
+                let ws = w_saved.storage();
+                let wsrc = Src::of(&ws, w_saved.layout()).expect("checked in the forward");
+                let st = conv2d_backward_input_blocks(dy, wsrc, &geom)
+                    .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
                 Some(Tensor::from_storage(
                     Arc::new(st),
                     Layout::contiguous(x_saved.shape()),
@@ -413,7 +403,8 @@ fn conv2d_half(
             let dw = if want.1 {
                 let xs = x_saved.storage();
                 let xsrc = Src::of(&xs, x_saved.layout()).expect("checked in the forward");
-                let dw = conv2d_backward_weight_blocks(xsrc, dy, &geom);
+                let dw = conv2d_backward_weight_blocks(xsrc, dy, &geom)
+                    .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
                 Some(Tensor::from_values(dw, w_saved.shape(), dtype))
             } else {
                 None
@@ -429,6 +420,20 @@ fn conv2d_half(
             Ok(grads)
         },
     ))
+}
+
+/// `g` contiguous and in `dtype` (the half kernels read a gradient of the output's dtype).
+fn contiguous_as(g: &Tensor, dtype: DType) -> Result<Tensor> {
+    let g = if g.dtype() == dtype {
+        g.clone()
+    } else {
+        g.to_dtype(dtype)?
+    };
+    if g.is_contiguous() {
+        Ok(g)
+    } else {
+        g.contiguous()
+    }
 }
 
 /// The bias gradient (per channel, `dy` summed over images and pixels) from a contiguous

@@ -5,6 +5,8 @@
 
 use hemi::{DType, Generator, Result, Tensor};
 
+pub mod block;
+
 /// Generates one `#[test]` per training dtype from a body `fn(DType)`:
 /// `dtype_tests!(name, body);` gives `name::f32`, `name::f16`, `name::bf16`.
 #[macro_export]
