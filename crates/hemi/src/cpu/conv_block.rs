@@ -6,7 +6,7 @@
 //! the pooled gradient into a full-size zeroed buffer, masks it with the ReLU into another,
 //! and only then runs the convolution's backward: five full-size passes over memory per
 //! direction (at batch 128, CifarNet's first block is 29 MB per pass). Here a group's
-//! convolution output (one GEMM over its images side by side, ~1024 columns) exists only in
+//! convolution output (one GEMM over its images side by side, >= 128 columns) exists only in
 //! a scratch buffer while it is pooled; the backward rebuilds the group's masked output
 //! gradient in scratch and runs the weight, bias and input gradients from it at once. The
 //! batch never exists at full resolution, in time or in memory.
@@ -420,15 +420,21 @@ fn forward_into<T: Store>(
     out
 }
 
-/// Images per GEMM: enough that a product has about 1024 columns (each image adds
-/// `h_out*w_out`), so the weight is packed once per group instead of once per image and the
-/// weight gradient's products run over long reductions; at most 16.
+/// Images per GEMM: enough that a product has at least `GROUP_COLUMNS` columns (each image
+/// adds `h_out*w_out`), at most 16.
 fn group_size(g: &Conv2dGeom) -> usize {
-    1024usize
+    GROUP_COLUMNS
         .div_ceil(g.l().max(1))
         .clamp(1, 16)
         .min(g.n.max(1))
 }
+
+/// Columns per group. Small groups keep a group's column matrix and convolution output near
+/// L2 instead of spilling them to L3 between im2col, the GEMM's packing and the pool; that
+/// outweighs packing the weight once per image. CifarNet (one image per group at 128, 7 and 2
+/// at the earlier 1024), `hemi bench train`, 6 alternating runs on the 2-core Zen 3, median
+/// images/s: fp32 977 (128) / 940 (256) / 770 (1024); amp-fp16 870 / 845 / 785.
+const GROUP_COLUMNS: usize = 128;
 
 /// The column matrix of images `first..first + cnt` side by side: `[c_in*kh*kw, cnt*L]`,
 /// image `j`'s columns at `j*L..(j+1)*L`.

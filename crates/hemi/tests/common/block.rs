@@ -19,9 +19,10 @@ pub fn cases() -> Vec<Case> {
         // Pointwise (the column matrix is the image) and a single image.
         ([2, 7, 6, 5], [3, 7, 1, 1], o, true),
         ([1, 3, 16, 13], [8, 3, 3, 3], o.dilation(2), true),
-        // Several images per GEMM (the kernel groups images to ~1024 columns: 3 here) with
-        // a partial last group, in the forward and in each thread's run of the backward.
-        ([7, 4, 20, 20], [6, 4, 3, 3], o.padding(1), true),
+        // Several images per GEMM (the kernel groups images to >= 128 columns: 4 of 36
+        // here) with a partial last group, in the forward (4 + 4 + 1) and in each thread's
+        // run of the backward (4 + 1 and 4 on two threads).
+        ([9, 4, 6, 6], [6, 4, 3, 3], o.padding(1), true),
         // CifarNet's first block at batch 2.
         ([2, 3, 32, 32], [64, 3, 3, 3], o, true),
     ]
