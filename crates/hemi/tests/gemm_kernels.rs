@@ -10,7 +10,7 @@
 mod common;
 use common::block::block_matches_reference;
 use common::*;
-use hemi::cpu::gemm_half::{force_kernel, Kernel};
+use hemi::cpu::gemm_half::{force_kernel, kernel_name, Kernel};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
 use std::sync::Mutex;
@@ -28,6 +28,11 @@ fn on_each_kernel(dtype: DType, f: impl Fn(Kernel)) {
     assert!(kernels.len() >= if dtype == DType::BF16 { 2 } else { 1 });
     for k in kernels {
         force_kernel(Some(k));
+        assert_eq!(
+            kernel_name(dtype, dtype),
+            k.name(),
+            "the forced kernel runs"
+        );
         // Restores the automatic choice even when `f` panics.
         struct Reset;
         impl Drop for Reset {

@@ -1,7 +1,7 @@
 //! 2-D convolution kernels over plain buffers: im2col / col2im and the im2col + GEMM
 //! forward and backward (input, weight) of a grouped, strided, padded, dilated convolution,
 //! parallel over the batch. No autograd and no validation here: `ops/conv.rs` checks the
-//! shapes and hands over contiguous buffers in the compute type.
+//! shapes and hands over contiguous buffers (F32/F64, or F16/BF16 multiplied as stored).
 //!
 //! Layout: input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`, output
 //! `[n, c_out, h_out, w_out]`, all row-major contiguous. Per image, the column matrix is
@@ -390,7 +390,10 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
 // own dtype (a gather, exact) and multiplied by `gemm_half`, which converts inside its
 // packing (or, for BF16 on CPUs with AVX-512 BF16, multiplies BF16 pairs with `vdpbf16ps`),
 // with F32 results. Products of two F16 or two BF16 values are exact in F32, so the half
-// paths compute what the F32 kernels compute on the converted values, up to summation order.
+// paths compute what the F32 kernels compute on the converted values, up to summation order
+// (and, on the `avx512bf16` kernel, with subnormal inputs and partial sums flushed to zero, as
+// `vdpbf16ps` does). On CPUs without AVX2 `gemm_half` runs its portable kernel, slower than
+// the `gemm` crate's SIMD code there.
 
 /// An element type the convolution kernels unfold and multiply as stored; products and
 /// their sums are in `Acc` (the type itself for F32/F64, F32 for F16/BF16).

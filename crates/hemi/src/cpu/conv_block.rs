@@ -6,7 +6,8 @@
 //! the pooled gradient into a full-size zeroed buffer, masks it with the ReLU into another,
 //! and only then runs the convolution's backward: five full-size passes over memory per
 //! direction (at batch 128, CifarNet's first block is 29 MB per pass). Here a group's
-//! convolution output (one GEMM over its images side by side, >= 128 columns) exists only in
+//! convolution output (one GEMM over its images side by side, >= 128 columns where the
+//! batch allows, at most 16 images) exists only in
 //! a scratch buffer while it is pooled; the backward rebuilds the group's masked output
 //! gradient in scratch and runs the weight, bias and input gradients from it at once. The
 //! batch never exists at full resolution, in time or in memory.

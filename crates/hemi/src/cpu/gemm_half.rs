@@ -265,6 +265,11 @@ const NONE_FORCED: usize = usize::MAX;
 /// benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel: e.g. the
 /// BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs` on CPUs
 /// without AVX-512. Panics if this CPU cannot run `kernel`.
+///
+/// The setting is global, not scoped: every thread's products switch at once, so results
+/// computed while another thread changes it may mix kernels (each kernel sums in its own
+/// order). Callers that set it serialise among themselves (`tests/gemm_kernels.rs` holds a
+/// lock) and set it back to `None`.
 pub fn force_kernel(kernel: Option<Kernel>) {
     let index = kernel.map_or(NONE_FORCED, |k| {
         assert!(

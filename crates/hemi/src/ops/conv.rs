@@ -3,8 +3,9 @@
 //! the forward.
 //!
 //! Dtypes: the output has the promoted dtype of input, weight and bias (PyTorch's rule; F16
-//! with BF16 gives F32). Half inputs are converted to F32 once, in bulk; products are summed
-//! in F32 (F64 for F64) and the output is rounded once (the precision contract).
+//! with BF16 gives F32). Inputs of one half dtype are multiplied as stored (`gemm_half`), mixes
+//! are converted to the promoted dtype first; products are summed in F32 (F64 for F64) and the
+//! output is rounded once (the precision contract).
 
 use crate::cpu::conv::{
     conv2d_backward_input, conv2d_backward_weight, conv2d_forward, conv_out_size, Conv2dGeom,
@@ -341,9 +342,10 @@ fn conv_block(
     ))
 }
 
-/// `conv2d` when the inputs are all F16 or all BF16 and contiguous (autocast's case): the
-/// kernels convert image by image (`cpu::conv::*_blocks`), so neither the batch nor its
-/// gradients exist in F32. `None` otherwise (the general path handles it).
+/// `conv2d` when the inputs are all F16 or all BF16 (autocast's case): the kernels unfold and
+/// multiply the images as stored (`cpu::conv::*_blocks`, `gemm_half`) and round each image's
+/// F32 result into the output, so neither the batch nor its gradients exist in F32. `None`
+/// otherwise (the general path handles it).
 fn conv2d_half(
     x: &Tensor,
     weight: &Tensor,
@@ -366,16 +368,21 @@ fn conv2d_half(
     {
         return None;
     }
-    let w_saved = weight.detach().contiguous().ok()?;
+    // Contiguous copies (half-size) of strided views, so that every layout takes the same
+    // kernels and gives the same bits.
+    let (x_saved, w_saved) = (
+        x.detach().contiguous().ok()?,
+        weight.detach().contiguous().ok()?,
+    );
     let out = {
-        let (xs, ws) = (x.storage(), w_saved.storage());
+        let (xs, ws) = (x_saved.storage(), w_saved.storage());
         let b = bias.map(|b| b.values::<f32>());
-        let (xsrc, wsrc) = (Src::of(&xs, x.layout())?, Src::of(&ws, w_saved.layout())?);
+        let xsrc = Src::of(&xs, x_saved.layout())?;
+        let wsrc = Src::of(&ws, w_saved.layout())?;
         conv2d_forward_blocks(xsrc, wsrc, b.as_deref(), geom)?
     };
     let mut inputs = vec![x, weight];
     inputs.extend(bias);
-    let x_saved = x.detach();
     let has_bias = bias.is_some();
     let geom = *geom;
     Some(Tensor::from_op(
