@@ -52,6 +52,8 @@ trait Store: ConvElem<Acc = f32> {
     fn sum(v: &[Self]) -> f32;
     fn of(src: Src<'_>) -> Option<&[Self]>;
     fn into_storage(v: Vec<Self>) -> CpuStorage;
+    /// `v` itself when this type is F32 (to reuse an F32 scratch buffer for F32 results).
+    fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 /// The F32 sum of half values, converted a chunk at a time.
@@ -81,6 +83,9 @@ impl Store for f32 {
     fn into_storage(v: Vec<f32>) -> CpuStorage {
         CpuStorage::F32(v)
     }
+    fn as_f32_mut(v: &mut [f32]) -> Option<&mut [f32]> {
+        Some(v)
+    }
 }
 
 impl Store for f16 {
@@ -99,6 +104,9 @@ impl Store for f16 {
     fn into_storage(v: Vec<f16>) -> CpuStorage {
         CpuStorage::F16(v)
     }
+    fn as_f32_mut(_: &mut [f16]) -> Option<&mut [f32]> {
+        None
+    }
 }
 
 impl Store for bf16 {
@@ -116,6 +124,9 @@ impl Store for bf16 {
     }
     fn into_storage(v: Vec<bf16>) -> CpuStorage {
         CpuStorage::BF16(v)
+    }
+    fn as_f32_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
+        None
     }
 }
 
@@ -467,7 +478,8 @@ pub struct Grads {
 type Partial = (Vec<f32>, Vec<f32>);
 
 /// Per-thread scratch of the backward: the group's masked output gradient and column
-/// matrix in the tensors' dtype, the F32 column gradient and one F32 input-gradient image.
+/// matrix in the tensors' dtype, the F32 column gradient (F16/BF16; F32 reuses the column
+/// matrix) and one F32 input-gradient image.
 struct BwdScratch<T> {
     dy: Vec<T>,
     col: Vec<T>,
@@ -639,17 +651,25 @@ fn group_backward<T: Store>(
         T::product(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
     }
     if let Some(dx) = dx {
-        s.dcol.resize(g.groups * k * ld, 0.0);
+        // wᵀ · dy, in F32: into the spent column matrix when that is F32, else a buffer of
+        // its own.
+        let dcol: &mut [f32] = match T::as_f32_mut(&mut s.col) {
+            Some(col) => col,
+            None => {
+                s.dcol.resize(g.groups * k * ld, 0.0);
+                &mut s.dcol
+            }
+        };
         for grp in 0..g.groups {
             let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
             let b = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
-            let dst = &mut s.dcol[grp * k * ld..(grp + 1) * k * ld];
+            let dst = &mut dcol[grp * k * ld..(grp + 1) * k * ld];
             T::product(dst, wt, b, false, par);
         }
         s.dx.resize(g.in_image(), 0.0);
         for (j, dxi) in dx.chunks_exact_mut(g.in_image()).enumerate().take(cnt) {
             s.dx.fill(0.0);
-            col2im_ld(&s.dcol[j * l..], &mut s.dx, ld, g);
+            col2im_ld(&dcol[j * l..], &mut s.dx, ld, g);
             T::store(&s.dx, dxi);
         }
     }
