@@ -45,8 +45,11 @@ fn on_each_kernel(dtype: DType, f: impl Fn(Kernel)) {
     }
 }
 
-fn f64_tensor(v: &[f64], shape: &[usize]) -> Tensor {
-    Tensor::from_f64_vec(v.to_vec(), shape, DType::F64).unwrap()
+/// An F64 leaf holding `v` (or |v| with `abs`, for the sums of |terms| of the bounds).
+fn f64_leaf(v: &[f64], shape: &[usize], abs: bool) -> Tensor {
+    let t = Tensor::from_f64_vec(v.to_vec(), shape, DType::F64).unwrap();
+    let t = if abs { t.abs().unwrap() } else { t };
+    t.requires_grad_()
 }
 
 #[test]
@@ -81,21 +84,13 @@ fn conv2d_matches_f64(dtype: DType, kernel: Kernel) {
 
         // F64 reference and, on absolute values, the sums of |terms| for the bounds.
         let run = |abs: bool| {
-            let a = |v: &[f64], s: &[usize]| {
-                let t = f64_tensor(v, s);
-                if abs {
-                    t.abs().unwrap()
-                } else {
-                    t
-                }
-            };
             let (xr, wr, br) = (
-                a(&xv, &xs).requires_grad_(),
-                a(&wv, &ws).requires_grad_(),
-                a(&bv, &[ws[0]]).requires_grad_(),
+                f64_leaf(&xv, &xs, abs),
+                f64_leaf(&wv, &ws, abs),
+                f64_leaf(&bv, &[ws[0]], abs),
             );
             let yr = xr.conv2d(&wr, Some(&br), opts).unwrap();
-            let g = a(&gyv, y.shape());
+            let g = f64_leaf(&gyv, y.shape(), abs);
             yr.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
             let grad = |t: &Tensor| t.grad().unwrap().to_vec_f64();
             [yr.to_vec_f64(), grad(&xr), grad(&wr), grad(&br)]
@@ -151,18 +146,8 @@ fn matmul_on_each_kernel() {
             let g = Tensor::from_f64_vec(gv.clone(), &[m, n], dtype).unwrap();
             y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
             let run = |abs: bool| {
-                let t = |v: &[f64], s: &[usize]| {
-                    let t = f64_tensor(v, s);
-                    if abs {
-                        t.abs().unwrap()
-                    } else {
-                        t
-                    }
-                };
-                let (ar, br) = (
-                    t(&av, &[m, k]).requires_grad_(),
-                    t(&bv, &[k, n]).requires_grad_(),
-                );
+                let t = |v: &[f64], s: &[usize]| f64_leaf(v, s, abs);
+                let (ar, br) = (t(&av, &[m, k]), t(&bv, &[k, n]));
                 let yr = ar.matmul(&br).unwrap();
                 yr.mul(&t(&gv, &[m, n]))
                     .unwrap()
