@@ -153,6 +153,24 @@ pub fn per_block(
     dtype: DType,
     kernel: impl Fn(usize, &mut [f32]) + Sync,
 ) -> Option<CpuStorage> {
+    per_block_with(
+        n_blocks,
+        block_len,
+        dtype,
+        || (),
+        |_, i, out| kernel(i, out),
+    )
+}
+
+/// `per_block` with per-task scratch: `init()` makes one `S` for each task of rayon's split
+/// (not per block), which `kernel(scratch, block, out)` reuses, e.g. an im2col buffer.
+pub fn per_block_with<S>(
+    n_blocks: usize,
+    block_len: usize,
+    dtype: DType,
+    init: impl Fn() -> S + Sync + Send,
+    kernel: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+) -> Option<CpuStorage> {
     let n = n_blocks * block_len;
     if block_len == 0 {
         return CpuStorage::from_f32(Vec::new(), dtype).into();
@@ -162,33 +180,44 @@ pub fn per_block(
             let mut out = vec![0f32; n];
             out.par_chunks_mut(block_len)
                 .enumerate()
-                .for_each(|(i, o)| kernel(i, o));
+                .for_each_init(&init, |s, (i, o)| kernel(s, i, o));
             CpuStorage::F32(out)
         }
-        DType::F16 => {
-            let mut out = vec![f16::ZERO; n];
-            out.par_chunks_mut(block_len).enumerate().for_each_init(
-                || vec![0f32; block_len],
-                |buf, (i, o)| {
-                    buf.fill(0.0);
-                    kernel(i, buf);
-                    convert::f32_to_f16(buf, o);
-                },
-            );
-            CpuStorage::F16(out)
-        }
-        DType::BF16 => {
-            let mut out = vec![bf16::ZERO; n];
-            out.par_chunks_mut(block_len).enumerate().for_each_init(
-                || vec![0f32; block_len],
-                |buf, (i, o)| {
-                    buf.fill(0.0);
-                    kernel(i, buf);
-                    convert::f32_to_bf16(buf, o);
-                },
-            );
-            CpuStorage::BF16(out)
-        }
+        DType::F16 => CpuStorage::F16(rounded_blocks(
+            n,
+            block_len,
+            &init,
+            &kernel,
+            convert::f32_to_f16,
+        )),
+        DType::BF16 => CpuStorage::BF16(rounded_blocks(
+            n,
+            block_len,
+            &init,
+            &kernel,
+            convert::f32_to_bf16,
+        )),
         _ => return None,
     })
+}
+
+/// The blocks of `per_block_with` for a half output `T`: each computed into a zeroed F32
+/// buffer kept with the task's scratch, then rounded into the output.
+fn rounded_blocks<S, T: Copy + Default + Send>(
+    n: usize,
+    block_len: usize,
+    init: &(impl Fn() -> S + Sync + Send),
+    kernel: &(impl Fn(&mut S, usize, &mut [f32]) + Sync),
+    round: fn(&[f32], &mut [T]),
+) -> Vec<T> {
+    let mut out = vec![T::default(); n];
+    out.par_chunks_mut(block_len).enumerate().for_each_init(
+        || (init(), vec![0f32; block_len]),
+        |(s, buf), (i, o)| {
+            buf.fill(0.0);
+            kernel(s, i, buf);
+            round(buf, o);
+        },
+    );
+    out
 }

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use half::{bf16, f16};
 use num_traits::Zero;
 
-use crate::cpu::chunked::{per_block, Src};
+use crate::cpu::chunked::{per_block_with, Src};
 use crate::cpu::gemm::{matmul_into_par, MatRef};
 use crate::cpu::gemm_half::{self, HalfMat, Operand};
 use crate::dtype::DType;
@@ -487,9 +487,9 @@ pub fn conv2d_forward_blocks(
         g: &Conv2dGeom,
         dtype: DType,
     ) -> Option<CpuStorage> {
-        per_block(g.n, g.out_image(), dtype, |i, y| {
+        per_block_with(g.n, g.out_image(), dtype, Vec::new, |col, i, y| {
             let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
-            image_forward(xi, w, bias, y, &mut Vec::new(), g, g.n == 1);
+            image_forward(xi, w, bias, y, col, g, g.n == 1);
         })
     }
     let dtype = x.dtype();
@@ -504,10 +504,10 @@ pub fn conv2d_backward_input_blocks(dy: Src<'_>, w: Src<'_>, g: &Conv2dGeom) -> 
         g: &Conv2dGeom,
         dtype: DType,
     ) -> Option<CpuStorage> {
-        per_block(g.n, g.in_image(), dtype, |i, dx| {
+        per_block_with(g.n, g.in_image(), dtype, Vec::new, |dcol, i, dx| {
             if g.out_image() > 0 {
                 let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
-                image_backward_input(dyi, w, dx, &mut Vec::new(), g, g.n == 1);
+                image_backward_input(dyi, w, dx, dcol, g, g.n == 1);
             }
         })
     }
