@@ -16,7 +16,7 @@ use num_traits::Zero;
 
 use crate::cpu::chunked::{per_block_with, Src};
 use crate::cpu::gemm::{matmul_into_par, MatRef};
-use crate::cpu::gemm_half::{self, HalfMat, Operand};
+use crate::cpu::gemm_half::{self, Operand};
 use crate::dtype::DType;
 use crate::tensor::{CpuStorage, Real};
 
@@ -118,7 +118,7 @@ fn for_each_col_row(g: &Conv2dGeom, mut f: impl FnMut(usize, usize, isize, isize
 
 /// Unfolds one image `x [c_in, h, w]` into `col [c_in*kh*kw, h_out*w_out]` (zeros where the
 /// window reads padding).
-pub fn im2col<C: Real>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
+pub fn im2col<C: Copy + Default>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
     im2col_ld(x, col, g.l(), g)
 }
 
@@ -197,7 +197,7 @@ fn columns<'a, T: Copy + Default>(x: &'a [T], scratch: &'a mut Vec<T>, g: &Conv2
         return x;
     }
     scratch.resize(g.col_len(), T::default());
-    im2col_ld(x, scratch, g.l(), g);
+    im2col(x, scratch, g);
     scratch
 }
 
@@ -428,14 +428,7 @@ fn half_product<'a, E>(dst: &mut [f32], a: MatRef<'a, E>, b: MatRef<'a, E>, acc:
 where
     &'a [E]: Into<Operand<'a>>,
 {
-    let view = |m: MatRef<'a, E>| HalfMat {
-        data: m.data.into(),
-        rows: m.rows,
-        cols: m.cols,
-        rs: m.rs,
-        cs: m.cs,
-    };
-    gemm_half::gemm(dst, view(a), view(b), acc, par)
+    gemm_half::gemm(dst, a.into(), b.into(), acc, par)
 }
 
 impl ConvElem for f16 {

@@ -36,6 +36,7 @@
 //! keeps its pack buffers (up to 4.3 MiB: A block MC×KC, B block KC×NC) in a thread-local
 //! workspace between calls.
 
+use crate::cpu::gemm::MatRef;
 use crate::DType;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
@@ -123,6 +124,22 @@ pub struct HalfMat<'a> {
     pub cols: usize,
     pub rs: isize,
     pub cs: isize,
+}
+
+/// The same view of an F32/F16/BF16 slice (`cpu::gemm`'s view type).
+impl<'a, E> From<MatRef<'a, E>> for HalfMat<'a>
+where
+    &'a [E]: Into<Operand<'a>>,
+{
+    fn from(m: MatRef<'a, E>) -> Self {
+        HalfMat {
+            data: m.data.into(),
+            rows: m.rows,
+            cols: m.cols,
+            rs: m.rs,
+            cs: m.cs,
+        }
+    }
 }
 
 impl<'a> HalfMat<'a> {
@@ -608,6 +625,7 @@ fn pack_f32<const W: usize>(
         let mut buf = [0f32; MAX_KC];
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if simd && W.is_multiple_of(8) {
