@@ -78,8 +78,16 @@ fn main() {
         },
         Command::Bench(args) => bench::run(args),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    match result {
+        Ok(()) => {}
+        // The shell's code for a run ended by SIGINT.
+        Err(e @ hemi::Error::Interrupted(_)) => {
+            eprintln!("{e}");
+            std::process::exit(130);
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }

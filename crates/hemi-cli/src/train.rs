@@ -1,8 +1,10 @@
 //! `hemi train` and `hemi eval`: the documents' CIFAR-10 recipe from the command line.
 
 use std::fs::File;
+use std::io::IsTerminal;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,7 +19,8 @@ use hemi::data::{
 use hemi::models::{CifarNet, Mlp};
 use hemi::nn::Module;
 use hemi::train::{
-    evaluate_with, load_checkpoint, train, Event, OptimizerKind, RunInfo, Summary, TrainConfig,
+    class_difference, evaluate_with, load_checkpoint, train, DivergenceConfig, Event,
+    OptimizerKind, RunInfo, Summary, TrainConfig,
 };
 use hemi::{Error, Generator, Result};
 
@@ -85,15 +88,31 @@ pub struct TrainArgs {
     /// Size of the built-in synthetic training set.
     #[arg(long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
     synthetic_size: usize,
-    /// Write a checkpoint here after every epoch.
+    /// Checkpoint root: a checkpoint directory (epoch-0003/...) is written into it after every
+    /// epoch and on Ctrl-C. A directory that already holds checkpoints needs --resume.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
-    /// Continue the run checkpointed in --checkpoint-dir.
+    /// Continue from the newest complete checkpoint in --checkpoint-dir.
     #[arg(long)]
     resume: bool,
-    /// Write JSON lines of metrics (one per log line, one per epoch) to this file.
+    /// With --resume: settings that may differ from the checkpoint's run, comma-separated
+    /// (e.g. `lr,epochs`); any other difference is an error that lists them.
+    #[arg(long, value_delimiter = ',')]
+    r#override: Vec<String>,
+    /// Keep only the newest N checkpoints.
+    #[arg(long)]
+    keep: Option<usize>,
+    /// Also keep the checkpoint with the best test accuracy (with --keep).
+    #[arg(long)]
+    keep_best: bool,
+    /// Write JSON lines of metrics (one per log line, one per epoch) to this file; with
+    /// --resume they are appended.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// A loss-scaled run stops as diverged when more than this fraction of the last 100 steps
+    /// was skipped for inf/NaN gradients (1 never stops).
+    #[arg(long, default_value_t = 0.5)]
+    max_skipped_fraction: f64,
     /// No progress bar (log lines only).
     #[arg(long)]
     quiet: bool,
@@ -113,7 +132,8 @@ pub(crate) fn parse_precision(s: &str) -> std::result::Result<Precision, String>
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// A checkpoint directory written by `hemi train --checkpoint-dir`.
+    /// A checkpoint root written by `hemi train --checkpoint-dir` (its newest complete
+    /// checkpoint is used) or one checkpoint directory in it (`ck/epoch-0003`).
     #[arg(long)]
     checkpoint: PathBuf,
     /// Override the data directory recorded in the checkpoint.
@@ -297,14 +317,88 @@ fn io_err(path: &Path, e: std::io::Error) -> Error {
     }
 }
 
+/// The largest `--synthetic-size`: 2^24 images of 3 KiB are 48 GiB already.
+const MAX_SYNTHETIC: usize = 1 << 24;
+
+/// Installs the Ctrl-C / SIGTERM handling of a training run: the first signal sets the
+/// returned flag (the loop stops at the next step boundary and checkpoints), a second one
+/// exits at once with status 130.
+fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Registered first, so it runs first: with the flag already set, exit now.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())
+            .and_then(|_| signal_hook::flag::register(sig, flag.clone()))
+            .map_err(|e| Error::Msg(format!("installing the signal handler: {e}")))?;
+    }
+    Ok(flag)
+}
+
+/// The metrics file, opened on its first line so that a run that fails its checks leaves
+/// an existing file as it was; a resumed run appends.
+struct Metrics {
+    path: PathBuf,
+    append: bool,
+    file: Option<BufWriter<File>>,
+}
+
+impl Metrics {
+    fn write(&mut self, line: &serde_json::Value, flush: bool) -> Result<()> {
+        let err = |e: std::io::Error| Error::Io {
+            path: format!("metrics file {}", self.path.display()),
+            source: e,
+        };
+        if self.file.is_none() {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(self.append)
+                .truncate(!self.append)
+                .open(&self.path)
+                .map_err(err)?;
+            self.file = Some(BufWriter::new(f));
+        }
+        let f = self.file.as_mut().expect("opened above");
+        writeln!(f, "{line}").map_err(err)?;
+        if flush {
+            f.flush().map_err(err)?;
+        }
+        Ok(())
+    }
+}
+
 pub fn run_train(args: TrainArgs) -> Result<()> {
+    if args.synthetic_size == 0 || args.synthetic_size > MAX_SYNTHETIC {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "--synthetic-size {} is out of range (1..={MAX_SYNTHETIC})",
+                args.synthetic_size
+            ),
+        ));
+    }
+    if args.resume && args.checkpoint_dir.is_none() {
+        return Err(Error::arg("train", "--resume needs --checkpoint-dir"));
+    }
+    if !args.r#override.is_empty() && !args.resume {
+        return Err(Error::arg("train", "--override only applies with --resume"));
+    }
+    if let Some(p) = &args.metrics {
+        if p.is_dir() {
+            return Err(Error::Msg(format!(
+                "metrics file {}: is a directory",
+                p.display()
+            )));
+        }
+    }
     if let Some(t) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
             .build_global()
             .map_err(|e| Error::Msg(format!("--threads {t}: {e}")))?;
     }
-    let data = load_data(args.dataset, &args.data_dir, args.seed, args.synthetic_size)?;
+    let data_dir = std::path::absolute(&args.data_dir).map_err(|e| io_err(&args.data_dir, e))?;
+    let data = load_data(args.dataset, &data_dir, args.seed, args.synthetic_size)?;
     println!("data: {}", data.description);
     let shape = data.train.image_shape();
     let classes = data.train.num_classes();
@@ -334,20 +428,41 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         log_every: args.log_every,
         checkpoint_dir: args.checkpoint_dir.clone(),
         resume: args.resume,
+        overrides: args.r#override.clone(),
+        keep: args.keep,
+        keep_best: args.keep_best,
+        stop: Some(stop_flag()?),
+        divergence: DivergenceConfig {
+            max_skipped_fraction: args.max_skipped_fraction,
+            ..Default::default()
+        },
         stop_after: None,
         precision: args.precision,
         grad_stats: args.grad_stats,
         seed: args.seed,
         ..Default::default()
     };
+    let mut settings = std::collections::BTreeMap::new();
+    settings.insert("batch_size".to_string(), args.batch_size.to_string());
+    settings.insert("augment".to_string(), args.augment.to_string());
+    if data.name == "synthetic" {
+        settings.insert(
+            "synthetic_size".to_string(),
+            args.synthetic_size.to_string(),
+        );
+    }
     let info = RunInfo {
         model: model_name.into(),
         dataset: data.name.into(),
-        data_dir: Some(args.data_dir.clone()),
+        data_dir: (data.name != "synthetic").then(|| data_dir.clone()),
         input_shape: shape,
         classes,
+        class_names: data.train.class_names().to_vec(),
+        train_len: data.train.len(),
+        test_len: data.test.len(),
         seed: args.seed,
         precision: args.precision.name().into(),
+        settings,
     };
     println!(
         "model: {model_name} ({} parameters), optimizer {} lr {} momentum {}, batch {}, {} epochs, {} threads, precision {}",
@@ -362,16 +477,18 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     );
     let precision = args.precision;
     let show_scale = precision.loss_scaling();
-    let mut metrics = match &args.metrics {
-        Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| io_err(p, e))?)),
-        None => None,
-    };
+    let mut metrics = args.metrics.as_ref().map(|p| Metrics {
+        path: p.clone(),
+        append: args.resume,
+        file: None,
+    });
+    // The bar only on a terminal: a hidden bar would swallow the log lines.
+    let use_bar = !args.quiet && std::io::stderr().is_terminal();
     let mut bar: Option<ProgressBar> = None;
     let mut bar_start = Instant::now();
     let mut bar_images = 0usize;
     let mut running = 0.0;
     let mut batches = 0usize;
-    let quiet = args.quiet;
     let mut write_err: Option<Error> = None;
     let mut on_event = |ev: &Event| match ev {
         Event::Start {
@@ -392,10 +509,10 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             scale,
             skipped,
         } => {
-            if quiet {
+            if !use_bar {
                 return;
             }
-            if *batch == 1 {
+            if bar.is_none() {
                 let b = ProgressBar::new(batches as u64);
                 b.set_style(
                     ProgressStyle::with_template(
@@ -439,14 +556,15 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                 line += &format!("  (scale {scale}, skipped {skipped})");
             }
             match &bar {
-                Some(b) => b.println(line),
+                Some(b) => b.suspend(|| println!("{line}")),
                 None => println!("{line}"),
             }
             if let Some(m) = metrics.as_mut() {
+                // JSON has no NaN: a non-finite loss is written as null.
                 let j = json!({"kind": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
                                "images_per_s": images_per_s, "scale": scale, "skipped": skipped});
-                if let Err(e) = writeln!(m, "{j}") {
-                    write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
+                if let Err(e) = m.write(&j, false) {
+                    write_err.get_or_insert(e);
                 }
             }
         }
@@ -468,20 +586,27 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                 let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
                                "test_accuracy": test_accuracy, "seconds": seconds,
                                "images_per_s": images_per_s, "precision": precision.name()});
-                if let Err(e) = writeln!(m, "{j}").and_then(|_| m.flush()) {
-                    write_err.get_or_insert(Error::Msg(format!("metrics file: {e}")));
+                if let Err(e) = m.write(&j, true) {
+                    write_err.get_or_insert(e);
                 }
             }
         }
     };
-    let summary = train(
+    let result = train(
         model.as_mut(),
         &train_loader,
         &test_loader,
         &cfg,
         &info,
         &mut on_event,
-    )?;
+    );
+    if let Some(b) = bar.take() {
+        b.finish_and_clear();
+    }
+    if let Some(m) = metrics.as_mut().and_then(|m| m.file.as_mut()) {
+        let _ = m.flush();
+    }
+    let summary = result?;
     if let Some(e) = write_err {
         return Err(e);
     }
@@ -553,7 +678,31 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             )))
         }
     };
-    let data = load_data(kind, &dir, ck.info.seed, 0)?;
+    let data = load_data(kind, &dir, ck.info.seed, 1)?;
+    let names = data.test.class_names();
+    if data.test.num_classes() != ck.info.classes
+        || (!ck.info.class_names.is_empty() && names != ck.info.class_names.as_slice())
+    {
+        return Err(Error::Msg(format!(
+            "{}: the test set's classes differ from the checkpoint's, so its labels would not \
+             mean the same: {}",
+            dir.display(),
+            class_difference(
+                &ck.info.class_names,
+                names,
+                ck.info.classes,
+                data.test.num_classes()
+            )
+        )));
+    }
+    if data.test.image_shape() != ck.info.input_shape {
+        return Err(Error::Msg(format!(
+            "{}: test images are {:?}, the checkpoint's model takes {:?}",
+            dir.display(),
+            data.test.image_shape(),
+            ck.info.input_shape
+        )));
+    }
     let precision = Precision::parse(&ck.info.precision)?;
     let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
     precision.prepare_model(model.as_mut())?;
@@ -562,7 +711,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let (acc, loss) = evaluate_with(model.as_mut(), &test, precision)?;
     println!(
         "checkpoint {} (after epoch {}, precision {precision}), data: {}",
-        args.checkpoint.display(),
+        ck.dir.display(),
         ck.epochs_done,
         data.description
     );

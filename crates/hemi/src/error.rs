@@ -54,6 +54,14 @@ pub enum Error {
     #[error("{path}: {msg}")]
     Data { path: String, msg: String },
 
+    /// Training stopped on request (Ctrl-C, SIGTERM): where it stopped and what was saved.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
+
+    /// Training diverged (non-finite losses, a collapsed loss scale).
+    #[error("{0}")]
+    Diverged(String),
+
     /// Anything else, with a message.
     #[error("{0}")]
     Msg(String),

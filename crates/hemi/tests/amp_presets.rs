@@ -165,6 +165,7 @@ fn info() -> RunInfo {
         classes: 10,
         seed: 1,
         precision: String::new(),
+        ..Default::default()
     }
 }
 

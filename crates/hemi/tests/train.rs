@@ -35,6 +35,7 @@ fn info() -> RunInfo {
         classes: 10,
         seed: 1,
         precision: "fp32".into(),
+        ..Default::default()
     }
 }
 
@@ -191,13 +192,33 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
     let e = train(&mut model(), &tr, &te, &cfg, &info(), &mut |_| {})
         .unwrap_err()
         .to_string();
-    assert!(e.contains("state.json"), "{e}");
-    // A corrupt state file names itself.
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("state.json"), b"{ not json").unwrap();
+    assert!(e.contains("no complete checkpoint"), "{e}");
+    // A checkpoint directory whose state file was replaced names the file and the problem.
+    let ck = dir.join("epoch-0001");
+    std::fs::create_dir_all(&ck).unwrap();
+    let cfg1 = TrainConfig {
+        resume: false,
+        checkpoint_dir: Some(
+            std::env::temp_dir().join(format!("hemi-train-src-{}", std::process::id())),
+        ),
+        ..cfg.clone()
+    };
+    let _ = std::fs::remove_dir_all(cfg1.checkpoint_dir.as_ref().unwrap());
+    train(&mut model(), &tr, &te, &cfg1, &info(), &mut |_| {}).unwrap();
+    let src = cfg1.checkpoint_dir.as_ref().unwrap().join("epoch-0001");
+    for f in [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+        "MANIFEST.json",
+    ] {
+        std::fs::copy(src.join(f), ck.join(f)).unwrap();
+    }
+    std::fs::write(ck.join("state.json"), b"{ not json").unwrap();
     let e = train(&mut model(), &tr, &te, &cfg, &info(), &mut |_| {})
         .unwrap_err()
         .to_string();
-    assert!(e.contains("state.json") && e.contains("JSON"), "{e}");
+    assert!(e.contains("state.json") && e.contains("bytes"), "{e}");
+    std::fs::remove_dir_all(cfg1.checkpoint_dir.as_ref().unwrap()).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -6,19 +6,26 @@
 //! The loop reports through `Event`s; the CLI turns them into a progress bar, log lines and
 //! a metrics file.
 
-mod checkpoint;
+pub mod checkpoint;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
-pub use checkpoint::{load_checkpoint, save_checkpoint, Checkpoint, RunInfo};
+pub use checkpoint::{
+    latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, Checkpoint, Progress,
+    RunInfo,
+};
 
 use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use crate::data::DataLoader;
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::ops::loss::{cross_entropy, CrossEntropyOptions};
-use crate::optim::{Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
+use crate::optim::{
+    Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, OptimizerState, Sgd, SgdConfig,
+};
 use crate::tensor::Tensor;
 
 /// Which optimizer to build.
@@ -61,10 +68,24 @@ pub struct TrainConfig {
     /// `None`: the optimizer's default (0 for SGD and Adam, 0.01 for AdamW).
     pub weight_decay: Option<f64>,
     pub log_every: usize,
-    /// Where a checkpoint is written after every epoch.
+    /// The checkpoint root: a checkpoint directory (`epoch-0003/`...) is written into it after
+    /// every epoch, and when the run is stopped through `stop`.
     pub checkpoint_dir: Option<PathBuf>,
-    /// Continue from the checkpoint in `checkpoint_dir`.
+    /// Continue from the newest complete checkpoint in `checkpoint_dir`. Without it, a
+    /// `checkpoint_dir` that already holds checkpoints is an error (nothing is overwritten).
     pub resume: bool,
+    /// Settings (`RunInfo::flat` names: `lr`, `epochs`, `data_dir`...) a resumed run may
+    /// change; any other difference from the checkpoint's run is an error listing them.
+    pub overrides: Vec<String>,
+    /// Keep only the newest `keep` checkpoints (all when `None`).
+    pub keep: Option<usize>,
+    /// Also keep the checkpoint with the best test accuracy.
+    pub keep_best: bool,
+    /// Set from outside (a Ctrl-C handler) to stop at the next step boundary: the run writes a
+    /// mid-epoch checkpoint (when it has a `checkpoint_dir`) and returns `Error::Interrupted`.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// When a loss-scaled run counts as diverged.
+    pub divergence: DivergenceConfig,
     /// Stop after this many epochs in total (as if interrupted), keeping the checkpoint.
     pub stop_after: Option<usize>,
     /// The precision preset (default amp-fp16, the documents' mode).
@@ -89,6 +110,11 @@ impl Default for TrainConfig {
             log_every: 200,
             checkpoint_dir: None,
             resume: false,
+            overrides: Vec::new(),
+            keep: None,
+            keep_best: false,
+            stop: None,
+            divergence: DivergenceConfig::default(),
             stop_after: None,
             precision: Precision::AmpFp16,
             scaler: GradScalerConfig::default(),
@@ -96,6 +122,87 @@ impl Default for TrainConfig {
             seed: 0,
         }
     }
+}
+
+/// When a run with loss scaling has diverged rather than hit passing overflows. Runs without
+/// loss scaling stop at the first non-finite loss. A loss-scaled run stops when
+/// - more than `max_skipped_fraction` of the last `min_steps`..`window` steps had a
+///   non-finite loss (the forward pass itself blew up: no scale can fix that), or
+/// - more than `max_skipped_fraction` of the last `window` steps were skipped (checked once
+///   `window` steps were taken, so that a scale settling down from a high start, one skip
+///   per halving, is not mistaken for divergence), or
+/// - the scale fell below `min_scale` (it has collapsed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DivergenceConfig {
+    /// 1.0 never stops on skipped steps.
+    pub max_skipped_fraction: f64,
+    pub window: usize,
+    pub min_steps: usize,
+    /// A loss scale below this has collapsed: the gradients overflow even unscaled.
+    pub min_scale: f64,
+}
+
+impl Default for DivergenceConfig {
+    fn default() -> Self {
+        DivergenceConfig {
+            max_skipped_fraction: 0.5,
+            window: 100,
+            min_steps: 16,
+            // 2^-24: gradients that overflow F16 at this scale are above 2^40.
+            min_scale: 5.960_464_477_539_063e-8,
+        }
+    }
+}
+
+impl DivergenceConfig {
+    fn validate(&self) -> Result<()> {
+        if !(self.max_skipped_fraction > 0.0 && self.max_skipped_fraction <= 1.0) {
+            return Err(Error::arg(
+                "train",
+                format!(
+                    "max_skipped_fraction must be in (0, 1], got {}",
+                    self.max_skipped_fraction
+                ),
+            ));
+        }
+        if self.window == 0 || self.min_steps == 0 {
+            return Err(Error::arg("train", "window and min_steps must be >= 1"));
+        }
+        Ok(())
+    }
+}
+
+/// The settings of `cfg` that change a run's result, for the checkpoint's `RunInfo`.
+fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
+    let s = &cfg.scaler;
+    let mut v = vec![
+        ("epochs", cfg.epochs.to_string()),
+        ("optimizer", cfg.optimizer.name().to_string()),
+        ("lr", cfg.lr.to_string()),
+        ("momentum", cfg.momentum.to_string()),
+        (
+            "weight_decay",
+            cfg.weight_decay.map_or("default".into(), |w| w.to_string()),
+        ),
+    ];
+    if cfg.precision.loss_scaling() {
+        v.extend([
+            ("scaler.init_scale", s.init_scale.to_string()),
+            ("scaler.growth_factor", s.growth_factor.to_string()),
+            ("scaler.backoff_factor", s.backoff_factor.to_string()),
+            ("scaler.growth_interval", s.growth_interval.to_string()),
+            ("scaler.hysteresis", s.hysteresis.to_string()),
+            (
+                "scaler.min_scale",
+                s.min_scale.map_or("none".into(), |x| x.to_string()),
+            ),
+            (
+                "scaler.max_scale",
+                s.max_scale.map_or("none".into(), |x| x.to_string()),
+            ),
+        ]);
+    }
+    v
 }
 
 /// Builds the configured optimizer over `params`.
@@ -276,6 +383,168 @@ pub fn evaluate_with(
     Ok((correct as f64 / total as f64, loss_sum / total as f64))
 }
 
+/// Overwrites the optimizer's saved hyperparameters with the new run's, for the settings
+/// named in `overrides` (`lr`, `momentum`, `weight_decay`).
+fn apply_overrides(st: &mut OptimizerState, cfg: &TrainConfig) {
+    let mut set = |name: &str, v: f64| {
+        if let Some(x) = st.scalars.iter_mut().find(|(n, _)| n == name) {
+            x.1 = v;
+        }
+    };
+    for o in &cfg.overrides {
+        match o.as_str() {
+            "lr" => set("lr", cfg.lr),
+            "momentum" if cfg.optimizer == OptimizerKind::Sgd => set("momentum", cfg.momentum),
+            "weight_decay" => {
+                if let Some(w) = cfg.weight_decay {
+                    set("weight_decay", w);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Checks everything that can be checked before the first step, so that a bad setup fails
+/// in a second instead of after an epoch.
+fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result<()> {
+    if cfg.log_every == 0 {
+        return Err(Error::arg("train", "log_every must be > 0"));
+    }
+    if cfg.epochs == 0 {
+        return Err(Error::arg("train", "epochs must be >= 1"));
+    }
+    if cfg.keep == Some(0) {
+        return Err(Error::arg(
+            "train",
+            "keep must be >= 1 (the newest checkpoint)",
+        ));
+    }
+    cfg.divergence.validate()?;
+    if train.num_batches() == 0 {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "the training set gives no batches ({} samples, batch size {})",
+                train.dataset().len(),
+                train.config().batch_size
+            ),
+        ));
+    }
+    if test.dataset().is_empty() {
+        return Err(Error::arg("train", "the test set is empty"));
+    }
+    if train.sample_shape() != test.sample_shape() {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "training samples are {:?} but test samples {:?}",
+                train.sample_shape(),
+                test.sample_shape()
+            ),
+        ));
+    }
+    let (a, b) = (train.dataset().num_classes(), test.dataset().num_classes());
+    let (na, nb) = (train.dataset().class_names(), test.dataset().class_names());
+    if a != b || na != nb {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "the training and test sets have different classes, so labels would not mean \
+                 the same: {}",
+                class_difference(na, nb, a, b)
+            ),
+        ));
+    }
+    if let Some(dir) = &cfg.checkpoint_dir {
+        checkpoint::check_writable(dir)?;
+        for p in checkpoint::remove_stray(dir)? {
+            eprintln!("removed {} (left by an interrupted save)", p.display());
+        }
+        if !cfg.resume {
+            if let Some(last) = latest_checkpoint(dir)? {
+                return Err(Error::Msg(format!(
+                    "{}: already holds checkpoints (newest {}); pass --resume to continue that \
+                     run, or choose another directory (nothing was overwritten)",
+                    dir.display(),
+                    last.display()
+                )));
+            }
+        }
+    } else if cfg.resume {
+        return Err(Error::arg("train", "--resume needs a checkpoint directory"));
+    }
+    Ok(())
+}
+
+/// Says how two class lists differ: the names only one side has, or the counts.
+pub fn class_difference(train: &[String], test: &[String], a: usize, b: usize) -> String {
+    let only = |x: &[String], y: &[String]| -> Vec<String> {
+        x.iter().filter(|n| !y.contains(n)).cloned().collect()
+    };
+    let (ta, tb) = (only(train, test), only(test, train));
+    let mut parts = Vec::new();
+    if !ta.is_empty() {
+        parts.push(format!("only in the training set: {}", ta.join(", ")));
+    }
+    if !tb.is_empty() {
+        parts.push(format!("only in the test set: {}", tb.join(", ")));
+    }
+    if parts.is_empty() && train != test {
+        parts.push("the same names in another order".to_string());
+    }
+    if parts.is_empty() {
+        parts.push(format!("{a} classes vs {b}"));
+    }
+    parts.join("; ")
+}
+
+/// The recent steps' (skipped, non-finite loss) flags, to tell a loss-scaled run that has
+/// diverged.
+#[derive(Default)]
+struct SkipWindow {
+    flags: std::collections::VecDeque<(bool, bool)>,
+    skipped: usize,
+    bad_loss: usize,
+}
+
+impl SkipWindow {
+    fn push(&mut self, skipped: bool, bad_loss: bool, window: usize) {
+        self.flags.push_back((skipped, bad_loss));
+        self.skipped += usize::from(skipped);
+        self.bad_loss += usize::from(bad_loss);
+        while self.flags.len() > window {
+            let (s, b) = self.flags.pop_front().expect("longer than window");
+            self.skipped -= usize::from(s);
+            self.bad_loss -= usize::from(b);
+        }
+    }
+
+    /// Why the run counts as diverged, if it does.
+    fn diverged(&self, d: &DivergenceConfig, scale: f64) -> Option<String> {
+        let n = self.flags.len();
+        let frac = |k: usize| k as f64 / n.max(1) as f64;
+        if n >= d.min_steps && frac(self.bad_loss) > d.max_skipped_fraction {
+            Some(format!(
+                "{} of the last {n} losses were inf/NaN",
+                self.bad_loss
+            ))
+        } else if n >= d.window && frac(self.skipped) > d.max_skipped_fraction {
+            Some(format!(
+                "{} of the last {n} steps were skipped for inf/NaN gradients",
+                self.skipped
+            ))
+        } else if scale < d.min_scale {
+            Some(format!(
+                "the loss scale collapsed to {scale} (below {:e})",
+                d.min_scale
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 /// Trains `model` on `train` for `cfg.epochs` epochs, evaluating on `test` after each.
 /// `info` describes the run for checkpoints (model, data set, seed).
 pub fn train(
@@ -286,15 +555,17 @@ pub fn train(
     info: &RunInfo,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<Summary> {
-    if cfg.log_every == 0 {
-        return Err(Error::arg("train", "log_every must be > 0"));
-    }
+    preflight(train, test, cfg)?;
     let precision = cfg.precision;
-    // The checkpoint records the precision the run actually uses.
-    let info = &RunInfo {
+    // The checkpoint records the precision and the settings the run actually uses.
+    let mut info = RunInfo {
         precision: precision.name().to_string(),
         ..info.clone()
     };
+    for (k, v) in config_settings(cfg) {
+        info.settings.insert(k.to_string(), v);
+    }
+    let info = &info;
     precision.prepare_model(model)?;
     let mut opt = AmpOptimizer::new(
         precision,
@@ -303,34 +574,35 @@ pub fn train(
         cfg.seed,
         |params| build_optimizer(cfg, params),
     )?;
-    let mut first_epoch = 1;
+    let mut start_at = Progress::default();
     if cfg.resume {
-        let dir = cfg
-            .checkpoint_dir
-            .as_ref()
-            .ok_or_else(|| Error::arg("train", "--resume needs a checkpoint directory"))?;
-        let ck = load_checkpoint(dir)?;
-        if ck.info.model != info.model {
+        let dir = cfg.checkpoint_dir.as_ref().expect("checked in preflight");
+        let mut ck = load_checkpoint(dir)?;
+        ck.info.check_resume(info, &cfg.overrides, &ck.dir)?;
+        if ck.progress.epochs_done >= cfg.epochs {
             return Err(Error::Msg(format!(
-                "{}: checkpoint is for model {:?}, not {:?}",
-                dir.display(),
-                ck.info.model,
-                info.model
+                "{}: the checkpoint already holds {} of {} epochs; nothing to resume (train \
+                 longer with --epochs N --override epochs)",
+                ck.dir.display(),
+                ck.progress.epochs_done,
+                cfg.epochs
             )));
         }
-        if ck.info.precision != info.precision {
+        if ck.progress.batches_done >= train.num_batches() {
             return Err(Error::Msg(format!(
-                "{}: checkpoint was trained with precision {}, not {}; resume with the same \
-                 --precision",
-                dir.display(),
-                ck.info.precision,
-                info.precision
+                "{}: the checkpoint stopped after batch {} of an epoch, but an epoch now has {} \
+                 batches",
+                ck.dir.display(),
+                ck.progress.batches_done,
+                train.num_batches()
             )));
         }
         model.load_state_dict(&ck.model)?;
+        apply_overrides(&mut ck.optimizer, cfg);
         opt.load_state_dict(&ck.optimizer, ck.scaler.as_ref())?;
-        first_epoch = ck.epochs_done + 1;
+        start_at = ck.progress;
     }
+    let first_epoch = start_at.epochs_done + 1;
     let last = cfg.stop_after.map_or(cfg.epochs, |s| s.min(cfg.epochs));
     on_event(&Event::Start {
         first_epoch,
@@ -359,7 +631,7 @@ pub fn train(
         final_scale: opt.scale(),
         grad_stats: Vec::new(),
         epochs_run: 0,
-        last_epoch: first_epoch.saturating_sub(1),
+        last_epoch: start_at.epochs_done,
         test_accuracy: f64::NAN,
         train_images: 0,
         train_seconds: 0.0,
@@ -368,13 +640,45 @@ pub fn train(
     /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
     const MAX_BAD_LOSSES: usize = 50;
     let mut bad_losses = 0usize;
+    let div = &cfg.divergence;
+    let mut window = SkipWindow::default();
+    let stopping = || cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
     model.set_training(true);
     for epoch in first_epoch..=last {
         let start = Instant::now();
-        let (mut epoch_loss, mut epoch_batches, mut epoch_images) = (0.0, 0usize, 0usize);
+        let first_batch = if epoch == first_epoch {
+            start_at.batches_done
+        } else {
+            0
+        };
+        let (mut epoch_loss, mut epoch_batches, mut epoch_images) = if first_batch > 0 {
+            (
+                start_at.partial_loss_sum,
+                start_at.partial_batches,
+                start_at.partial_images,
+            )
+        } else {
+            (0.0, 0, 0)
+        };
+        let mut trained_images = 0usize;
         let (mut log_loss, mut log_batches, mut log_images, mut log_start) =
             (0.0, 0usize, 0usize, Instant::now());
-        for (b, batch) in train.epoch(epoch as u64 - 1).enumerate() {
+        for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
+            if stopping() {
+                return Err(interrupt(
+                    cfg,
+                    model,
+                    &opt,
+                    info,
+                    Progress {
+                        epochs_done: epoch - 1,
+                        batches_done: b,
+                        partial_loss_sum: epoch_loss,
+                        partial_batches: epoch_batches,
+                        partial_images: epoch_images,
+                    },
+                ));
+            }
             let batch = batch?;
             opt.zero_grad();
             let loss = {
@@ -387,20 +691,22 @@ pub fn train(
             // skipped and the scale backs off. Only a run that keeps producing them, or one
             // without a scaler, has diverged.
             bad_losses = if lv.is_finite() { 0 } else { bad_losses + 1 };
-            if bad_losses
-                > if precision.loss_scaling() {
-                    MAX_BAD_LOSSES
+            let scaled = precision.loss_scaling();
+            if bad_losses > if scaled { MAX_BAD_LOSSES } else { 0 } {
+                let advice = if scaled {
+                    "lower the learning rate"
+                } else if precision == Precision::Fp32 {
+                    "lower the learning rate, or add gradient clipping"
                 } else {
-                    0
-                }
-            {
-                return Err(Error::Msg(format!(
-                    "epoch {epoch}, batch {}: the loss is {lv} ({bad_losses} in a row); training \
-                     diverged (lower the learning rate, or use a loss-scaled or F32 precision); \
-                     the last checkpoint is intact",
+                    "lower the learning rate, or use a loss-scaled or F32 precision"
+                };
+                return Err(Error::Diverged(format!(
+                    "epoch {epoch}, batch {}: the loss is {lv} ({bad_losses} in a row); \
+                     training diverged ({advice}); the last checkpoint is intact",
                     b + 1
                 )));
             }
+            let skipped_before_step = opt.skipped_steps();
             opt.backward(&loss)?;
             if cfg.grad_stats {
                 opt.unscale()?;
@@ -415,8 +721,21 @@ pub fn train(
                 }
             }
             let (scale, skipped) = (opt.scale(), opt.skipped_steps());
+            if scaled {
+                window.push(skipped > skipped_before_step, !lv.is_finite(), div.window);
+                if let Some(why) = window.diverged(div, scale) {
+                    return Err(Error::Diverged(format!(
+                        "epoch {epoch}, batch {}: {why}, loss scale {scale}; training diverged \
+                         (lower the learning rate; the limit is --max-skipped-fraction {}); the \
+                         last checkpoint is intact",
+                        b + 1,
+                        div.max_skipped_fraction,
+                    )));
+                }
+            }
             let n = batch.len();
             epoch_images += n;
+            trained_images += n;
             log_images += n;
             if lv.is_finite() {
                 epoch_loss += lv;
@@ -437,7 +756,7 @@ pub fn train(
                 on_event(&Event::Log {
                     epoch,
                     step: b + 1,
-                    loss: log_loss / log_batches.max(1) as f64,
+                    loss: mean_or_nan(log_loss, log_batches),
                     lr: opt.optimizer().lr(),
                     images_per_s: log_images as f64 / secs.max(1e-9),
                     scale,
@@ -452,18 +771,27 @@ pub fn train(
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
         summary.test_accuracy = acc;
-        summary.train_images += epoch_images;
+        summary.train_images += trained_images;
         summary.train_seconds += train_secs;
         if let Some(dir) = &cfg.checkpoint_dir {
             let (opt_state, scaler_state) = opt.state_dict();
-            save_checkpoint(dir, model, &opt_state, scaler_state.as_ref(), epoch, info)?;
+            save_checkpoint(
+                dir,
+                model,
+                &opt_state,
+                scaler_state.as_ref(),
+                Progress::epoch(epoch),
+                Some(acc),
+                info,
+            )?;
+            checkpoint::prune_checkpoints(dir, cfg.keep, cfg.keep_best)?;
         }
         on_event(&Event::Epoch {
             epoch,
-            train_loss: epoch_loss / epoch_batches.max(1) as f64,
+            train_loss: mean_or_nan(epoch_loss, epoch_batches),
             test_accuracy: acc,
             seconds,
-            images_per_s: epoch_images as f64 / train_secs.max(1e-9),
+            images_per_s: trained_images as f64 / train_secs.max(1e-9),
         });
     }
     summary.steps = steps;
@@ -473,4 +801,63 @@ pub fn train(
         summary.grad_stats = grad_stats;
     }
     Ok(summary)
+}
+
+/// The mean of `n` losses summing to `sum`; NaN when every loss was inf/NaN, so that a run
+/// whose losses are all non-finite never reports 0.
+fn mean_or_nan(sum: f64, n: usize) -> f64 {
+    if n == 0 {
+        f64::NAN
+    } else {
+        sum / n as f64
+    }
+}
+
+/// Writes the mid-epoch checkpoint of a stopped run and builds the error that reports it.
+fn interrupt(
+    cfg: &TrainConfig,
+    model: &dyn Module,
+    opt: &AmpOptimizer,
+    info: &RunInfo,
+    at: Progress,
+) -> Error {
+    let Some(dir) = &cfg.checkpoint_dir else {
+        return Error::Interrupted(format!(
+            "stopped at epoch {}, batch {} (no --checkpoint-dir: nothing saved)",
+            at.epochs_done + 1,
+            at.batches_done
+        ));
+    };
+    if at.batches_done == 0 && at.epochs_done > 0 {
+        // At an epoch boundary the epoch's checkpoint was just written.
+        return Error::Interrupted(format!(
+            "stopped after epoch {}; resume with --resume (checkpoint in {})",
+            at.epochs_done,
+            dir.display()
+        ));
+    }
+    let (opt_state, scaler_state) = opt.state_dict();
+    match save_checkpoint(
+        dir,
+        model,
+        &opt_state,
+        scaler_state.as_ref(),
+        at,
+        None,
+        info,
+    ) {
+        Ok(p) => Error::Interrupted(format!(
+            "stopped at epoch {}, batch {}; checkpoint {} written, continue with --resume",
+            at.epochs_done + 1,
+            at.batches_done,
+            p.display()
+        )),
+        Err(e) => Error::Interrupted(format!(
+            "stopped at epoch {}, batch {}; the mid-epoch checkpoint could not be written \
+             ({e}); the last complete checkpoint in {} is intact",
+            at.epochs_done + 1,
+            at.batches_done,
+            dir.display()
+        )),
+    }
 }
