@@ -134,12 +134,73 @@ impl ConvLayer {
     }
 }
 
+/// The largest batch a benchmark takes (CifarNet activations at 2^16 images are ~40 GiB).
+const MAX_BATCH: usize = 1 << 16;
+
+/// Checks that a benchmark needing `bytes` (None: the size overflowed) fits in the memory
+/// this machine has available, so that a mistyped size is an error, not a crash.
+fn fits(what: &str, bytes: Option<usize>) -> Result<()> {
+    let avail = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            let line = s
+                .lines()
+                .find(|l| l.starts_with("MemAvailable:"))?
+                .to_owned();
+            line.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map(|kb| kb.saturating_mul(1024));
+    match (bytes, avail) {
+        (None, _) => Err(Error::arg(
+            "bench",
+            format!("{what}: the size overflows (more than 2^64 bytes)"),
+        )),
+        (Some(b), Some(a)) if b > a => Err(Error::arg(
+            "bench",
+            format!(
+                "{what}: needs about {:.1} GiB, {:.1} GiB available",
+                b as f64 / (1u64 << 30) as f64,
+                a as f64 / (1u64 << 30) as f64
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_batch(b: usize) -> Result<()> {
+    if b == 0 || b > MAX_BATCH {
+        return Err(Error::arg(
+            "bench",
+            format!("--batch-size {b} is out of range (1..={MAX_BATCH})"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.threads == 0 || args.reps == 0 {
         return Err(Error::arg(
             "bench",
             "--threads and --reps must be at least 1",
         ));
+    }
+    match &args.which {
+        Which::Matmul { sizes } => {
+            for &n in sizes {
+                // a, b, the product and the baseline's copies: about 40 bytes per element.
+                fits(
+                    &format!("--sizes {n}"),
+                    n.checked_mul(n).and_then(|e| e.checked_mul(40)),
+                )?;
+            }
+        }
+        Which::Convert { n } => fits(&format!("--n {n}"), n.checked_mul(16))?,
+        Which::Train { batch_size, .. } | Which::Pool { batch_size } => check_batch(*batch_size)?,
+        Which::Conv { batch_size, .. } => {
+            if let Some(b) = batch_size {
+                check_batch(*b)?
+            }
+        }
     }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(args.threads)

@@ -112,3 +112,25 @@ fn half_tensors_take_half_the_memory() {
     assert_eq!(h.storage().size_in_bytes(), 2000);
     assert_eq!(DType::BF16.size_in_bytes(), 2);
 }
+
+/// Shape products are checked: a shape whose element count overflows (or whose bytes would
+/// not fit in memory's address range) is an error naming the op, never a wrapped size.
+#[test]
+fn overflowing_shapes_are_errors() {
+    let huge = [1usize << 32, 1 << 32];
+    for r in [
+        Tensor::zeros(&huge, DType::F32),
+        Tensor::full(&[usize::MAX, 2], 1.0, DType::F16),
+        Tensor::rand(&huge, 0.0, 1.0, DType::F32, &mut hemi::Generator::new(0)),
+        Tensor::randn(&huge, 0.0, 1.0, DType::F32, &mut hemi::Generator::new(0)),
+        Tensor::randint(&huge, 3, &mut hemi::Generator::new(0)),
+        Tensor::from_vec(vec![0f32; 4], &[1 << 63, 2, 2]),
+        Tensor::zeros(&[4], DType::F32).and_then(|t| t.reshape(&[1 << 62, 4])),
+    ] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("too many elements"), "{e}");
+    }
+    // 2^61 elements wrap nothing in usize but are 2^64 bytes at 8 per element.
+    let e = Tensor::zeros(&[1 << 61], DType::F64).unwrap_err().to_string();
+    assert!(e.contains("too many elements"), "{e}");
+}

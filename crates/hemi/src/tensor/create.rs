@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
+use super::layout::checked_numel;
 use super::{CpuStorage, Layout, Tensor};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -40,7 +41,7 @@ impl IntoStorage for i64 {
 }
 
 fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
-    let n: usize = shape.iter().product();
+    let n = checked_numel(op, shape)?;
     if n != len {
         return Err(Error::shape(
             op,
@@ -82,7 +83,7 @@ impl Tensor {
 
     /// Every element `value`.
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
+        let n = checked_numel("full", shape)?;
         let storage = match dtype {
             DType::F16 => CpuStorage::F16(vec![f16::from_f64(value); n]),
             DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(value); n]),
@@ -136,7 +137,7 @@ impl Tensor {
                 format!("need lo <= hi, got {lo} and {hi}"),
             ));
         }
-        let n: usize = shape.iter().product();
+        let n = checked_numel("rand", shape)?;
         let v: Vec<f64> = (0..n).map(|_| rng.uniform(lo, hi)).collect();
         Tensor::from_f64_vec(v, shape, dtype)
     }
@@ -152,7 +153,7 @@ impl Tensor {
         if std.is_nan() || std < 0.0 {
             return Err(Error::arg("randn", format!("std must be >= 0, got {std}")));
         }
-        let n: usize = shape.iter().product();
+        let n = checked_numel("randn", shape)?;
         let v: Vec<f64> = (0..n).map(|_| mean + std * rng.normal()).collect();
         Tensor::from_f64_vec(v, shape, dtype)
     }
@@ -162,7 +163,7 @@ impl Tensor {
         if high == 0 {
             return Err(Error::arg("randint", "high must be > 0"));
         }
-        let n: usize = shape.iter().product();
+        let n = checked_numel("randint", shape)?;
         let v: Vec<i64> = (0..n).map(|_| rng.below(high) as i64).collect();
         Tensor::from_vec(v, shape)
     }

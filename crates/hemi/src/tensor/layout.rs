@@ -161,6 +161,19 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
     Ok(out)
 }
 
+/// The number of elements of `shape`, checked: a product that overflows, or a tensor whose
+/// bytes (at 8 per element, the widest dtype) would not fit in `isize`, is an error naming
+/// `op` and the shape instead of a wrapped size that lets a kernel run out of bounds.
+pub fn checked_numel(op: &'static str, shape: &[usize]) -> crate::error::Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n.checked_mul(8).is_some_and(|b| b <= isize::MAX as usize))
+        .ok_or_else(|| {
+            crate::error::Error::shape(op, format!("shape {shape:?} has too many elements"))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

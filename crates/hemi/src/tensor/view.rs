@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 impl Tensor {
     /// The same elements in a new shape (a view when contiguous, a copy otherwise).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
+        let n = super::layout::checked_numel("reshape", shape)?;
         if n != self.numel() {
             return Err(Error::shape(
                 "reshape",
