@@ -368,6 +368,8 @@ impl Metrics {
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
+    // First, so that a Ctrl-C during data loading is already a clean stop.
+    let stop = stop_flag()?;
     if args.synthetic_size == 0 || args.synthetic_size > MAX_SYNTHETIC {
         return Err(Error::arg(
             "train",
@@ -431,7 +433,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         overrides: args.r#override.clone(),
         keep: args.keep,
         keep_best: args.keep_best,
-        stop: Some(stop_flag()?),
+        stop: Some(stop),
         divergence: DivergenceConfig {
             max_skipped_fraction: args.max_skipped_fraction,
             ..Default::default()

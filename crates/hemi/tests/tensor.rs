@@ -131,6 +131,8 @@ fn overflowing_shapes_are_errors() {
         assert!(e.contains("too many elements"), "{e}");
     }
     // 2^61 elements wrap nothing in usize but are 2^64 bytes at 8 per element.
-    let e = Tensor::zeros(&[1 << 61], DType::F64).unwrap_err().to_string();
+    let e = Tensor::zeros(&[1 << 61], DType::F64)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("too many elements"), "{e}");
 }

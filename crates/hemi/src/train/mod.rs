@@ -666,6 +666,7 @@ pub fn train(
         for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
             if stopping() {
                 return Err(interrupt(
+                    steps,
                     cfg,
                     model,
                     &opt,
@@ -815,6 +816,7 @@ fn mean_or_nan(sum: f64, n: usize) -> f64 {
 
 /// Writes the mid-epoch checkpoint of a stopped run and builds the error that reports it.
 fn interrupt(
+    steps: u64,
     cfg: &TrainConfig,
     model: &dyn Module,
     opt: &AmpOptimizer,
@@ -828,6 +830,13 @@ fn interrupt(
             at.batches_done
         ));
     };
+    if steps == 0 {
+        return Error::Interrupted(format!(
+            "stopped before the first step (epoch {}, batch {}); nothing new to save",
+            at.epochs_done + 1,
+            at.batches_done
+        ));
+    }
     if at.batches_done == 0 && at.epochs_done > 0 {
         // At an epoch boundary the epoch's checkpoint was just written.
         return Error::Interrupted(format!(
