@@ -203,8 +203,9 @@ fn random_event(rng: &mut Generator) -> Option<f32> {
 
 // ----- the scale trajectory -----------------------------------------------------------------
 
-/// PyTorch's SGD with momentum (no dampening) in F32, in the operation order of hemi's Sgd,
-/// so that a correctly fed optimizer matches it bit for bit.
+/// PyTorch's SGD with momentum (no dampening) in F32 with its CPU kernels' rounding
+/// (`buf.mul_(momentum).add_(grad)`, then `param.add_(buf, alpha=-lr)` as one fused
+/// multiply-add), so that a correctly fed optimizer matches it bit for bit.
 struct SgdRef {
     params: Vec<Vec<f32>>,
     bufs: Vec<Option<Vec<f32>>>,
@@ -223,7 +224,7 @@ impl SgdRef {
                 } else {
                     self.momentum * *b + 1.0 * g
                 };
-                *p += -self.lr * *b;
+                *p = b.mul_add(-self.lr, *p);
             }
         }
     }
