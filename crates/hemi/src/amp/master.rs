@@ -11,7 +11,7 @@
 //!
 //! One step, per parameter with a gradient:
 //! ```text
-//! master.grad = f32(param.grad) / scale        one fused pass, noting inf/NaN
+//! master.grad = f32(param.grad) * inv_scale    one fused pass, noting inf/NaN
 //! any inf/NaN?  skip: params, masters and optimizer state unchanged; scale backs off
 //! otherwise     clip_grad_norm(masters) (optional); inner.step() on the masters;
 //!               param = round(master)          nearest-even or stochastic; scale update

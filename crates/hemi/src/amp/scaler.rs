@@ -180,8 +180,9 @@ impl LossScale {
         })
     }
 
-    /// A static scale that never changes (apex's `static_loss_scale`); overflowing steps are
-    /// still counted as skipped.
+    /// A static scale that never changes (apex's `static_loss_scale`), rounded to F32 like
+    /// every scale (apex multiplies F32 tensors by it); overflowing steps are still counted
+    /// as skipped.
     pub fn fixed(scale: f64) -> Result<LossScale> {
         let cfg = GradScalerConfig {
             init_scale: scale,
