@@ -34,7 +34,6 @@ fn dynamic(init_scale: f64, growth_interval: u64) -> LossScaling {
     LossScaling::Dynamic(GradScalerConfig {
         init_scale,
         growth_interval,
-        max_scale: None,
         ..GradScalerConfig::default()
     })
 }

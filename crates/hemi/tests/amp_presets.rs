@@ -235,7 +235,6 @@ fn resume_restores_the_loss_scale_and_master_weights() {
             precision: p,
             scaler: GradScalerConfig {
                 init_scale: 2f64.powi(40),
-                max_scale: None,
                 ..Default::default()
             },
             ..Default::default()

@@ -11,9 +11,10 @@ use hemi::{DType, Generator, Result, Tensor};
 
 // ----- references ---------------------------------------------------------------------------
 
-/// PyTorch's `_amp_update_scale_`, line for line.
+/// PyTorch's `_amp_update_scale_cpu_kernel`, line for line: the scale is a float, the
+/// factors doubles, each product is taken in double and stored into the float.
 struct TorchRule {
-    scale: f64,
+    scale: f32,
     growth_tracker: u64,
     growth_factor: f64,
     backoff_factor: f64,
@@ -23,12 +24,12 @@ struct TorchRule {
 impl TorchRule {
     fn update(&mut self, found_inf: bool) {
         if found_inf {
-            self.scale *= self.backoff_factor;
+            self.scale = (f64::from(self.scale) * self.backoff_factor) as f32;
             self.growth_tracker = 0;
         } else {
             let successful = self.growth_tracker + 1;
             if successful == self.growth_interval {
-                let grown = self.scale * self.growth_factor;
+                let grown = (f64::from(self.scale) * self.growth_factor) as f32;
                 if grown.is_finite() {
                     self.scale = grown;
                 }
@@ -184,7 +185,6 @@ fn cfg(init_scale: f64, growth_interval: u64) -> GradScalerConfig {
     GradScalerConfig {
         init_scale,
         growth_interval,
-        max_scale: None,
         ..GradScalerConfig::default()
     }
 }
@@ -203,8 +203,9 @@ fn random_event(rng: &mut Generator) -> Option<f32> {
 
 // ----- the scale trajectory -----------------------------------------------------------------
 
-/// PyTorch's SGD with momentum (no dampening) in F32, in the operation order of hemi's Sgd,
-/// so that a correctly fed optimizer matches it bit for bit.
+/// PyTorch's SGD with momentum (no dampening) in F32 with its CPU kernels' rounding
+/// (`buf.mul_(momentum).add_(grad)`, then `param.add_(buf, alpha=-lr)` as one fused
+/// multiply-add), so that a correctly fed optimizer matches it bit for bit.
 struct SgdRef {
     params: Vec<Vec<f32>>,
     bufs: Vec<Option<Vec<f32>>>,
@@ -223,7 +224,7 @@ impl SgdRef {
                 } else {
                     self.momentum * *b + 1.0 * g
                 };
-                *p += -self.lr * *b;
+                *p = b.mul_add(-self.lr, *p);
             }
         }
     }
@@ -242,7 +243,7 @@ fn scale_trajectory_matches_pytorch_rule_through_sgd() {
         momentum: 0.9,
     };
     let mut reference = TorchRule {
-        scale: 65536.0,
+        scale: 65536.0f32,
         growth_tracker: 0,
         growth_factor: 2.0,
         backoff_factor: 0.5,
@@ -293,7 +294,11 @@ fn scale_trajectory_matches_pytorch_rule_through_sgd() {
         scaler.update().unwrap();
         let old = reference.scale;
         reference.update(event.is_some());
-        assert_eq!(scaler.get_scale(), reference.scale, "step {step}: scale");
+        assert_eq!(
+            scaler.get_scale(),
+            f64::from(reference.scale),
+            "step {step}: scale"
+        );
         grew += usize::from(reference.scale > old);
         backed_off += usize::from(reference.scale < old);
     }
@@ -305,13 +310,13 @@ fn scale_trajectory_matches_pytorch_rule_through_sgd() {
     assert_eq!(scaler.loss_scale().steps(), 300);
 }
 
-/// The rule at the edge of f64: growth that would overflow to inf is refused (the tracker
-/// still resets), as in PyTorch.
+/// The rule at the edge of F32 (the scale's type, as PyTorch's): growth that would overflow
+/// to inf is refused (the tracker still resets), so the scale tops out at 2^127.
 #[test]
 fn growth_to_infinity_is_refused() {
     let mut rng = Generator::new(3);
-    let init = 2f64.powi(1020);
-    let mut scale = LossScale::new(cfg(init, 2)).unwrap();
+    let init = 2f32.powi(124);
+    let mut scale = LossScale::new(cfg(f64::from(init), 2)).unwrap();
     let mut reference = TorchRule {
         scale: init,
         growth_tracker: 0,
@@ -325,9 +330,9 @@ fn growth_to_infinity_is_refused() {
         let old = reference.scale;
         reference.update(found_inf);
         refused +=
-            usize::from(!found_inf && old == 2f64.powi(1023) && reference.growth_tracker == 0);
+            usize::from(!found_inf && old == 2f32.powi(127) && reference.growth_tracker == 0);
         scale.update(found_inf);
-        assert_eq!(scale.scale(), reference.scale, "step {step}");
+        assert_eq!(scale.scale(), f64::from(reference.scale), "step {step}");
         assert_eq!(
             scale.state().get("growth_tracker"),
             Some(reference.growth_tracker as f64),
@@ -335,7 +340,7 @@ fn growth_to_infinity_is_refused() {
         );
     }
     assert!(refused >= 3, "growth was refused only {refused} times");
-    assert!(scale.scale().is_finite());
+    assert!(scale.scale() <= 2f64.powi(127));
 }
 
 #[test]
@@ -441,8 +446,8 @@ fn min_scale_floor_keeps_stepping() {
 fn max_scale_caps_growth() {
     assert_eq!(
         GradScalerConfig::default().max_scale,
-        Some(2f64.powi(24)),
-        "apex's cap"
+        None,
+        "PyTorch's GradScaler has no cap (apex amp's 2^24 is opt-in)"
     );
     let cap = 3.0 * 2f64.powi(19); // not a power-of-two multiple of the scale
     let mut s = LossScale::new(GradScalerConfig {
@@ -498,14 +503,71 @@ fn update_to_sets_the_scale() {
     assert!(scaler.step(&mut opt).unwrap());
     scaler.update().unwrap();
     assert_eq!(scaler.get_scale(), 512.0);
-    for bad in [0.0, -2.0, f64::NAN, f64::INFINITY] {
+    // 2^128 and 1e-50 are finite and > 0 in f64 but not in F32, the scale's type.
+    for bad in [0.0, -2.0, f64::NAN, f64::INFINITY, 2f64.powi(128), 1e-50] {
         assert_contains(&err_msg(scaler.update_to(bad)), "finite and > 0");
     }
+    assert_eq!(scaler.get_scale(), 512.0);
+    // The new scale is rounded to F32, as PyTorch's `fill_` of its F32 scale tensor.
+    scaler.update_to(0.1).unwrap();
+    assert_eq!(scaler.get_scale(), f64::from(0.1f32));
+    // No ceiling by default; a configured one is enforced.
+    scaler.update_to(2f64.powi(100)).unwrap();
+    let mut capped = GradScaler::new(GradScalerConfig {
+        max_scale: Some(2f64.powi(24)),
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
     assert_contains(
-        &err_msg(scaler.update_to(2f64.powi(25))),
+        &err_msg(capped.update_to(2f64.powi(25))),
         "outside [min_scale, max_scale]",
     );
-    assert_eq!(scaler.get_scale(), 512.0);
+    assert_eq!(capped.get_scale(), 65536.0);
+}
+
+/// Unscaling is PyTorch's `_amp_foreach_non_finite_check_and_unscale_`: F32 gradients times
+/// `inv = f32(1 / f64(scale))`, F64 gradients times that same F32 `inv` widened, and inf/NaN
+/// looked for in the scaled gradients read, not in the products.
+#[test]
+fn unscale_arithmetic_is_pytorchs() {
+    let p = Tensor::from_f32_vec(vec![0.0; 3], &[3], DType::F32)
+        .unwrap()
+        .requires_grad_();
+    let q = Tensor::from_f32_vec(vec![0.0; 2], &[2], DType::F32)
+        .unwrap()
+        .requires_grad_();
+    let opt = sgd(&[p.clone(), q.clone()], 0.1, 0.0);
+    // A scale whose reciprocal is not an F32: inv is rounded once, from the f64 reciprocal.
+    let mut scaler = GradScaler::new(cfg(3.0, 2000)).unwrap();
+    let inv = (1.0f64 / 3.0) as f32;
+    assert_eq!(scaler.loss_scale().inv_scale(), inv);
+    let g = vec![1.0f32, -7.5, 3.0e-30];
+    p.set_grad(Some(
+        Tensor::from_f32_vec(g.clone(), &[3], DType::F32).unwrap(),
+    ));
+    let g64 = vec![1.0f64 / 7.0, 5.0];
+    q.set_grad(Some(
+        Tensor::from_f64_vec(g64.clone(), &[2], DType::F64).unwrap(),
+    ));
+    scaler.unscale_(&opt).unwrap();
+    let want: Vec<f32> = g.iter().map(|&x| x * inv).collect();
+    assert_eq!(p.grad().unwrap().to_vec_f32(), want);
+    let want64: Vec<f64> = g64.iter().map(|&x| x * f64::from(inv)).collect();
+    assert_eq!(q.grad().unwrap().to_vec_f64(), want64);
+    scaler.update().unwrap();
+
+    // Below a scale of 1, inv > 1 can overflow a finite gradient: PyTorch checks the
+    // gradients it reads, so this is not an overflow and the step is not skipped.
+    let mut scaler = GradScaler::new(cfg(0.25, 2000)).unwrap();
+    let mut opt = sgd(std::slice::from_ref(&p), 0.1, 0.0);
+    p.set_grad(Some(
+        Tensor::from_f32_vec(vec![f32::MAX / 2.0, 1.0, 0.0], &[3], DType::F32).unwrap(),
+    ));
+    scaler.unscale_(&opt).unwrap();
+    assert_eq!(p.grad().unwrap().to_vec_f32()[..2], [f32::INFINITY, 4.0]);
+    assert!(scaler.step(&mut opt).unwrap(), "no inf/NaN was read");
+    scaler.update().unwrap();
+    assert_eq!(scaler.skipped_steps(), 0);
 }
 
 // ----- checkpoints ---------------------------------------------------------------------------
@@ -606,6 +668,7 @@ fn bad_states_are_rejected_and_change_nothing() {
         (with("growth_tracker", Some(1.5)), "non-negative integer"),
         (with("hysteresis_left", Some(0.0)), "hysteresis_left"),
         (with("scale", Some(f64::INFINITY)), "finite and > 0"),
+        (with("scale", Some(2f64.powi(128))), "finite and > 0"),
         (with("backoff_factor", Some(1.0)), "backoff_factor"),
         (with("steps", None), "no scalar \"steps\""),
         (with("enabled", Some(0.0)), "disabled"),
@@ -838,6 +901,8 @@ fn misuse_is_an_error_with_a_message() {
         (cfg(-4.0, 10), "the scale must be finite and > 0"),
         (cfg(f64::NAN, 10), "the scale must be finite and > 0"),
         (cfg(f64::INFINITY, 10), "the scale must be finite and > 0"),
+        // Finite in f64, inf in F32 (the scale's type).
+        (cfg(1e39, 10), "the scale must be finite and > 0"),
         (cfg(1.0, 0), "growth_interval must be >= 1"),
         (
             GradScalerConfig {

@@ -1192,3 +1192,86 @@ fn clip_grad_value_clamps() {
     }
     assert!(clip_grad_value(&[], -1.0).is_err());
 }
+
+// ----- timing (not a test of speed: run it by hand) -----------------------------------------
+
+/// Prints the time of one optimizer step over CifarNet's parameters (1.26M, F32):
+/// `cargo test --release -p hemi --test optim -- --ignored --nocapture step_timing`.
+#[test]
+#[ignore]
+fn step_timing_on_cifar_net_sized_parameters() {
+    const SHAPES: [&[usize]; 8] = [
+        &[64, 3, 3, 3],
+        &[64],
+        &[128, 64, 3, 3],
+        &[128],
+        &[256, 4608],
+        &[256],
+        &[10, 256],
+        &[10],
+    ];
+    let mut rng = Generator::new(5);
+    let params: Vec<Tensor> = SHAPES
+        .iter()
+        .map(|s| {
+            Tensor::rand(s, -1.0, 1.0, DType::F32, &mut rng)
+                .unwrap()
+                .requires_grad_()
+        })
+        .collect();
+    let n: usize = params.iter().map(Tensor::numel).sum();
+    let grads: Vec<Tensor> = SHAPES
+        .iter()
+        .map(|s| Tensor::rand(s, -1e-3, 1e-3, DType::F32, &mut rng).unwrap())
+        .collect();
+    let sgd = |momentum, weight_decay, nesterov| {
+        move |p| -> Box<dyn Optimizer> {
+            Box::new(
+                Sgd::new(
+                    p,
+                    SgdConfig {
+                        lr: 1e-3,
+                        momentum,
+                        weight_decay,
+                        nesterov,
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            )
+        }
+    };
+    type Build = Box<dyn Fn(Vec<Tensor>) -> Box<dyn Optimizer>>;
+    let builds: Vec<(&str, Build)> = vec![
+        ("sgd", Box::new(sgd(0.0, 0.0, false))),
+        ("sgd momentum 0.9", Box::new(sgd(0.9, 0.0, false))),
+        ("sgd nesterov + wd", Box::new(sgd(0.9, 5e-4, true))),
+        (
+            "adam",
+            Box::new(|p| Box::new(Adam::new(p, AdamConfig::default()).unwrap())),
+        ),
+        (
+            "adamw",
+            Box::new(|p| Box::new(AdamW::new(p, AdamWConfig::default()).unwrap())),
+        ),
+    ];
+    for (name, build) in builds {
+        let ps: Vec<Tensor> = params.iter().map(|p| p.detach().requires_grad_()).collect();
+        let mut opt = build(ps.clone());
+        let mut times = Vec::new();
+        for _ in 0..30 {
+            for (p, g) in ps.iter().zip(&grads) {
+                p.set_grad(Some(g.clone()));
+            }
+            let t = std::time::Instant::now();
+            opt.step().unwrap();
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        println!(
+            "{name:20} {n} params: median {:.2} ms/step (min {:.2})",
+            times[times.len() / 2],
+            times[0]
+        );
+    }
+}

@@ -11,7 +11,7 @@
 //!
 //! One step, per parameter with a gradient:
 //! ```text
-//! master.grad = f32(param.grad) / scale        one fused pass, noting inf/NaN
+//! master.grad = f32(param.grad) * inv_scale    one fused pass, noting inf/NaN
 //! any inf/NaN?  skip: params, masters and optimizer state unchanged; scale backs off
 //! otherwise     clip_grad_norm(masters) (optional); inner.step() on the masters;
 //!               param = round(master)          nearest-even or stochastic; scale update
@@ -37,7 +37,8 @@ pub enum LossScaling {
     None,
     /// A fixed scale (apex's `static_loss_scale`).
     Static(f64),
-    /// A dynamic scale (apex's `dynamic_loss_scale=True`; PyTorch's rule, see `LossScale`).
+    /// A dynamic scale (apex's `dynamic_loss_scale=True`; PyTorch's rule and F32 arithmetic,
+    /// see `LossScale`).
     Dynamic(GradScalerConfig),
 }
 
@@ -61,6 +62,10 @@ pub struct MasterConfig {
 impl Default for MasterConfig {
     /// fp16-master: dynamic scaling with PyTorch's defaults, nearest-even write-back, no
     /// clipping, persistent masters.
+    ///
+    /// No ceiling on the scale, as apex's `FP16_Optimizer` (its `DynamicLossScaler` has none);
+    /// it is apex's `amp` (O1/O2 through `amp.initialize`) whose `LossScaler` caps the scale
+    /// at 2^24: set `max_scale: Some(2^24)` for that trajectory.
     fn default() -> Self {
         MasterConfig {
             loss_scaling: LossScaling::Dynamic(GradScalerConfig::default()),
@@ -222,7 +227,7 @@ impl Optimizer for Fp16Optimizer {
         const OP: &str = "Fp16Optimizer::step";
         check_grads(OP, &self.params)?;
         // 1. Unscale into F32 master gradients, noting inf/NaN (one pass per gradient).
-        let inv = (1.0 / self.scale.scale()) as f32;
+        let inv = self.scale.inv_scale();
         let mut grads: Vec<Option<Vec<f32>>> = Vec::with_capacity(self.params.len());
         let mut found_inf = false;
         for p in &self.params {

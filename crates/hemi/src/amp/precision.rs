@@ -187,6 +187,12 @@ impl AmpOptimizer {
     /// Builds the preset's optimizer over `params` (a model already cast with
     /// `Precision::prepare_model`); `build` makes the user's optimizer over the tensors it is
     /// given (the F32 masters under fp16-master and pure-bf16).
+    ///
+    /// `scaler` configures the dynamic loss scale of amp-fp16 and fp16-master (the other
+    /// presets ignore it). `GradScalerConfig::default()` is PyTorch's GradScaler, with no
+    /// ceiling, for both; the apex anchors differ here: apex's `amp` (O1, O2) caps its scale at
+    /// 2^24 while its `FP16_Optimizer` does not. Pass `max_scale: Some(2^24)` to follow apex
+    /// amp.
     pub fn new(
         precision: Precision,
         params: Vec<Tensor>,

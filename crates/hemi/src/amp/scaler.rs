@@ -8,6 +8,13 @@
 //! backs off; after `growth_interval` clean steps S grows again, so it hovers just below
 //! the overflow threshold.
 //!
+//! The arithmetic is PyTorch's, bit for bit (`tests/torch_parity.rs`): the scale is an F32
+//! (PyTorch keeps it in a one-element F32 tensor), so it can never exceed 2^127 (a growth whose
+//! F32 result would be inf is refused); growth and backoff multiply it in f64 and round the
+//! product to F32 once (`_amp_update_scale_cpu_kernel`); unscaling multiplies each F32
+//! gradient by `inv = f32(1 / f64(scale))` and looks for inf/NaN in the scaled gradients it
+//! reads (`_amp_foreach_non_finite_check_and_unscale_`).
+//!
 //! Two pieces: `LossScale`, the scale's state machine (shared with `Fp16Optimizer`), and
 //! `GradScaler`, which adds PyTorch's per-optimizer protocol around it:
 //!
@@ -28,10 +35,11 @@ use crate::optim::Optimizer;
 use crate::tensor::{CpuStorage, Tensor, TensorId};
 
 /// Configuration of a dynamic loss scale (PyTorch's `GradScaler` arguments and defaults,
-/// plus DeepSpeed's `hysteresis` and `min_loss_scale` and apex's `max_loss_scale`).
+/// plus DeepSpeed's `hysteresis` and `min_loss_scale` and apex's `max_loss_scale`). The
+/// defaults are PyTorch's and reproduce its trajectory exactly; the extras are opt-in.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GradScalerConfig {
-    /// The scale before the first step (PyTorch: 2^16).
+    /// The scale before the first step (PyTorch: 2^16), rounded to F32 as PyTorch does.
     pub init_scale: f64,
     /// Multiplier applied after `growth_interval` consecutive clean steps (> 1).
     pub growth_factor: f64,
@@ -52,7 +60,9 @@ pub struct GradScalerConfig {
     /// At the floor, overflowing steps are still skipped and training goes on; the first
     /// time the floor stops a backoff, a warning is printed once.
     pub min_scale: Option<f64>,
-    /// A ceiling for the scale (apex's `max_loss_scale`, 2^24): growth never exceeds it.
+    /// A ceiling for the scale: growth never exceeds it. `None` (PyTorch; also apex's
+    /// `FP16_Optimizer`): only F32's range bounds it, at 2^127 for power-of-two factors.
+    /// apex's `amp` (opt levels O1/O2) caps at `Some(2^24)` (its `max_loss_scale`).
     pub max_scale: Option<f64>,
 }
 
@@ -66,18 +76,23 @@ impl Default for GradScalerConfig {
             enabled: true,
             hysteresis: 1,
             min_scale: None,
-            max_scale: Some(16_777_216.0),
+            max_scale: None,
         }
     }
 }
 
 impl GradScalerConfig {
-    /// Checks the values; `scale` stands for the initial (or restored) scale.
+    /// Checks the values; `scale` stands for the initial (or restored) scale, which must be
+    /// finite and > 0 once rounded to F32.
     fn validate(&self, op: &'static str, scale: f64) -> Result<()> {
         let bad = |msg: String| Err(Error::arg(op, msg));
-        if !(scale.is_finite() && scale > 0.0) {
-            return bad(format!("the scale must be finite and > 0, got {scale}"));
+        let s32 = scale as f32;
+        if !(s32.is_finite() && s32 > 0.0) {
+            return bad(format!(
+                "the scale must be finite and > 0 in F32, got {scale}"
+            ));
         }
+        let scale = f64::from(s32);
         if !(self.growth_factor.is_finite() && self.growth_factor > 1.0) {
             return bad(format!(
                 "growth_factor must be finite and > 1, got {}",
@@ -120,21 +135,24 @@ impl GradScalerConfig {
 /// ```text
 /// found_inf:  growth_tracker = 0
 ///             if hysteresis_left > 1 { hysteresis_left -= 1 }           (absorbed)
-///             else { scale = max(scale * backoff_factor, min_scale) }
+///             else { scale = f32(max(scale * backoff_factor, min_scale)) }
 /// clean:      growth_tracker += 1
 ///             if growth_tracker == growth_interval {
 ///                 growth_tracker = 0; hysteresis_left = hysteresis
-///                 grown = min(scale * growth_factor, max_scale)
+///                 grown = f32(min(scale * growth_factor, max_scale))
 ///                 if grown is finite { scale = grown }
 ///             }
 /// ```
-/// With hysteresis 1 and no min/max this is exactly PyTorch's rule.
+/// The scale is an F32; the products are taken in f64 and rounded to F32 once, as PyTorch's
+/// kernel does (`float * double` stored into a float). With hysteresis 1 and no min/max this
+/// is exactly PyTorch's rule.
 #[derive(Clone, Debug)]
 pub struct LossScale {
     cfg: GradScalerConfig,
     /// False for a static scale: `update` counts steps but never changes the scale.
     dynamic: bool,
-    scale: f64,
+    /// F32, as PyTorch's scale tensor: never inf, at most 2^127 with a growth factor of 2.
+    scale: f32,
     growth_tracker: u64,
     hysteresis_left: u32,
     skipped: u64,
@@ -152,7 +170,7 @@ impl LossScale {
         cfg.validate("LossScale::new", cfg.init_scale)?;
         Ok(LossScale {
             dynamic: true,
-            scale: cfg.init_scale,
+            scale: cfg.init_scale as f32,
             growth_tracker: 0,
             hysteresis_left: cfg.hysteresis,
             skipped: 0,
@@ -162,8 +180,9 @@ impl LossScale {
         })
     }
 
-    /// A static scale that never changes (apex's `static_loss_scale`); overflowing steps are
-    /// still counted as skipped.
+    /// A static scale that never changes (apex's `static_loss_scale`), rounded to F32 like
+    /// every scale (apex multiplies F32 tensors by it); overflowing steps are still counted
+    /// as skipped.
     pub fn fixed(scale: f64) -> Result<LossScale> {
         let cfg = GradScalerConfig {
             init_scale: scale,
@@ -177,13 +196,19 @@ impl LossScale {
         Ok(s)
     }
 
-    /// The current scale (1 when the config is disabled).
+    /// The current scale (1 when the config is disabled); an F32 value.
     pub fn scale(&self) -> f64 {
         if self.cfg.enabled {
-            self.scale
+            f64::from(self.scale)
         } else {
             1.0
         }
+    }
+
+    /// `1 / scale` as the unscaling multiplies by it: the reciprocal taken in f64 and rounded
+    /// to F32 once (PyTorch's `scale.double().reciprocal().float()`).
+    pub fn inv_scale(&self) -> f32 {
+        (1.0 / self.scale()) as f32
     }
 
     /// True for a dynamic scale, false for `fixed`.
@@ -217,10 +242,12 @@ impl LossScale {
             if self.growth_tracker == self.cfg.growth_interval {
                 self.growth_tracker = 0;
                 self.hysteresis_left = self.cfg.hysteresis;
-                let mut grown = self.scale * self.cfg.growth_factor;
+                let mut grown = f64::from(self.scale) * self.cfg.growth_factor;
                 if let Some(m) = self.cfg.max_scale {
                     grown = grown.min(m);
                 }
+                // Grows only if the F32 result is finite: never past F32's range to inf.
+                let grown = grown as f32;
                 if grown.is_finite() {
                     self.scale = grown;
                 }
@@ -229,7 +256,7 @@ impl LossScale {
     }
 
     fn back_off(&mut self) {
-        let mut next = self.scale * self.cfg.backoff_factor;
+        let mut next = f64::from(self.scale) * self.cfg.backoff_factor;
         if let Some(m) = self.cfg.min_scale {
             if next < m {
                 next = m;
@@ -242,14 +269,16 @@ impl LossScale {
                 }
             }
         }
-        self.scale = next;
+        self.scale = next as f32;
     }
 
-    /// Sets the scale (PyTorch's `update(new_scale)`); the growth tracker and hysteresis are
-    /// kept. Errors unless `s` is finite, > 0 and within [min_scale, max_scale].
+    /// Sets the scale, rounded to F32 (PyTorch's `update(new_scale)`, a `fill_` of its F32
+    /// tensor); the growth tracker and hysteresis are kept. Errors unless `s` is finite and
+    /// > 0 in F32 and within [min_scale, max_scale].
     pub fn set_scale(&mut self, s: f64) -> Result<()> {
         const OP: &str = "LossScale::set_scale";
-        if !(s.is_finite() && s > 0.0) {
+        let s32 = s as f32;
+        if !(s32.is_finite() && s32 > 0.0) {
             return Err(Error::arg(
                 OP,
                 format!("the scale must be finite and > 0, got {s}"),
@@ -264,7 +293,7 @@ impl LossScale {
                 ),
             ));
         }
-        self.scale = s;
+        self.scale = s32;
         Ok(())
     }
 
@@ -283,7 +312,7 @@ impl LossScale {
         let c = &self.cfg;
         let flag = |b: bool| f64::from(u8::from(b));
         let mut scalars = vec![
-            ("scale", self.scale),
+            ("scale", f64::from(self.scale)),
             ("growth_tracker", self.growth_tracker as f64),
             ("hysteresis_left", f64::from(self.hysteresis_left)),
             ("skipped_steps", self.skipped as f64),
@@ -377,7 +406,7 @@ impl LossScale {
             ));
         }
         self.cfg = cfg;
-        self.scale = scale;
+        self.scale = scale as f32;
         self.growth_tracker = growth_tracker;
         self.hysteresis_left = hysteresis_left as u32;
         self.skipped = skipped;
@@ -479,9 +508,14 @@ impl<'a> ScalarReader<'a> {
 /// still in L1 when the multiply-and-check loop reads it (16 KiB of F32).
 const CHUNK: usize = 4096;
 
-/// The gradient `g` times `inv` in F32, and whether any result is inf or NaN: one pass over
-/// the gradient (F16/BF16 are converted in cache-sized chunks with the bulk SIMD conversion,
-/// then scaled in place while hot). F64 gradients are read through F32 (use `unscale_f64`).
+/// The gradient `g` times `inv` in F32, and whether any element of `g` is inf or NaN: one
+/// pass over the gradient (F16/BF16 are converted in cache-sized chunks with the bulk SIMD
+/// conversion, then scaled in place while hot). F64 gradients are read through F32 (use
+/// `unscale_f64`).
+///
+/// As PyTorch's `_amp_foreach_non_finite_check_and_unscale_` (and apex), the check is on the
+/// scaled gradient read, not on the product: a finite gradient times an `inv` above 1 (a
+/// scale below 1) that overflows is not an overflow of the backward pass.
 pub(crate) fn unscale_f32(g: &Tensor, inv: f32) -> (Vec<f32>, bool) {
     let storage = g.storage();
     let range = g.layout().contiguous_range();
@@ -490,8 +524,8 @@ pub(crate) fn unscale_f32(g: &Tensor, inv: f32) -> (Vec<f32>, bool) {
     match (&*storage, range) {
         (CpuStorage::F32(v), Some(r)) => {
             for (o, &x) in out.iter_mut().zip(&v[r]) {
+                bad |= !x.is_finite();
                 *o = x * inv;
-                bad |= !o.is_finite();
             }
         }
         (CpuStorage::F16(v), Some(r)) => {
@@ -515,23 +549,25 @@ pub(crate) fn unscale_f32(g: &Tensor, inv: f32) -> (Vec<f32>, bool) {
     (out, bad)
 }
 
-/// `x *= inv` over `o`; true when any result is inf or NaN.
+/// `x *= inv` over `o`; true when any input is inf or NaN.
 fn scale_in_place(o: &mut [f32], inv: f32) -> bool {
     let mut bad = false;
     for x in o.iter_mut() {
-        *x *= inv;
         bad |= !x.is_finite();
+        *x *= inv;
     }
     bad
 }
 
-/// `g * inv` in f64 for an F64 gradient, and whether any result is inf or NaN.
-fn unscale_f64(g: &Tensor, inv: f64) -> (Vec<f64>, bool) {
+/// `g * inv` in f64 for an F64 gradient (PyTorch multiplies a double gradient by its F32
+/// `inv_scale` widened to double), and whether any element of `g` is inf or NaN.
+fn unscale_f64(g: &Tensor, inv: f32) -> (Vec<f64>, bool) {
+    let inv = f64::from(inv);
     let mut v = g.to_vec_f64();
     let mut bad = false;
     for x in v.iter_mut() {
-        *x *= inv;
         bad |= !x.is_finite();
+        *x *= inv;
     }
     (v, bad)
 }
@@ -650,14 +686,12 @@ impl GradScaler {
                 }
             }
         }
-        // PyTorch computes the reciprocal in double and rounds it to float once.
-        let inv64 = 1.0 / self.loss.scale();
-        let inv = inv64 as f32;
+        let inv = self.loss.inv_scale();
         let mut found_inf = false;
         for p in params {
             let Some(g) = p.grad() else { continue };
             let new = if g.dtype() == DType::F64 {
-                let (v, bad) = unscale_f64(&g, inv64);
+                let (v, bad) = unscale_f64(&g, inv);
                 found_inf |= bad;
                 Tensor::from_f64_vec(v, g.shape(), DType::F64)?
             } else {
@@ -730,9 +764,10 @@ impl GradScaler {
         Ok(())
     }
 
-    /// Sets the scale directly (PyTorch's `update(new_scale)`) and returns every optimizer to
-    /// READY; no inf checks are needed and the growth tracker is kept. Errors unless the new
-    /// scale is finite, > 0 and within [min_scale, max_scale]. Disabled: nothing.
+    /// Sets the scale directly, rounded to F32 (PyTorch's `update(new_scale)`), and returns
+    /// every optimizer to READY; no inf checks are needed and the growth tracker is kept.
+    /// Errors unless the new scale is finite and > 0 in F32 and within [min_scale,
+    /// max_scale]. Disabled: nothing.
     pub fn update_to(&mut self, new_scale: f64) -> Result<()> {
         if !self.is_enabled() {
             return Ok(());
@@ -742,7 +777,7 @@ impl GradScaler {
         Ok(())
     }
 
-    /// The current scale; 1 when disabled (as PyTorch).
+    /// The current scale, an F32 value; 1 when disabled (as PyTorch).
     pub fn get_scale(&self) -> f64 {
         self.loss.scale()
     }

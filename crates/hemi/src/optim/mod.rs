@@ -3,7 +3,9 @@
 //! Every optimizer keeps its state in F32 whatever the parameter dtype, reads F16/BF16
 //! parameters and gradients as F32, computes the update in one fused F32 loop per parameter
 //! and rounds once into the parameter's dtype (`optimizer.rs` says why). The update rules
-//! and defaults are PyTorch's, step for step, so that a run can be compared with it.
+//! and defaults are PyTorch's, step for step, and so is the F32 rounding of its CPU kernels
+//! (fused multiply-adds where ATen fuses), so that a run reproduces PyTorch's bit for bit
+//! (`tests/torch_parity.rs`).
 
 mod adam;
 mod clip;

@@ -295,6 +295,28 @@ impl<'a> StateReader<'a> {
     }
 }
 
+/// Whether the update loops can run their FMA build: x86-64 with AVX2 and FMA (checked once
+/// per call; `is_x86_feature_detected!` caches the answer).
+///
+/// Why the loops care (PyTorch parity, see `sgd.rs` and `adam.rs`): PyTorch's CPU kernels
+/// fuse `a + alpha * b` into one fused multiply-add, and hemi's loops reproduce that with
+/// `f32::mul_add`. `mul_add` is correctly rounded on every target, so both builds give the
+/// same bits; but without the `fma` target feature it is a call to libm's `fmaf` per element,
+/// many times slower than the one `vfmadd` instruction (and it stops vectorization). The x86
+/// default target has no FMA, hence a copy of each loop compiled with
+/// `#[target_feature(enable = "avx2,fma")]`, chosen at run time. (aarch64's baseline has FMA.)
+#[inline]
+pub(crate) fn has_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Checks a hyper-parameter is finite and >= 0 (PyTorch's "Invalid learning rate" family).
 pub(crate) fn check_nonneg(op: &'static str, name: &str, v: f64) -> Result<()> {
     if v.is_finite() && v >= 0.0 {

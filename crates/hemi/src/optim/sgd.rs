@@ -64,6 +64,10 @@ impl SgdConfig {
 /// g = g + momentum * b   (nesterov)   or   g = b   (otherwise)
 /// p = p - lr * g
 /// ```
+///
+/// The F32 arithmetic is PyTorch's CPU arithmetic, bit for bit (`tests/torch_parity.rs`):
+/// each `x + a * y` above is one fused multiply-add, `momentum * b` is rounded on its own,
+/// and the hyper-parameters are rounded to F32 once, as ATen does with Python floats.
 pub struct Sgd {
     params: Vec<Tensor>,
     config: SgdConfig,
@@ -95,30 +99,116 @@ impl Sgd {
     }
 }
 
-/// One SGD step over one parameter's values, in place: the fused loop of the rule above.
+/// One SGD step over one parameter's values, in place (`buf`: the parameter's momentum
+/// buffer, created here on its first step).
 fn sgd_update(p: &mut [f32], g: &[f32], buf: &mut Option<Vec<f32>>, c: &SgdConfig) {
-    let lr = c.lr as f32;
-    let wd = c.weight_decay as f32;
-    let momentum = c.momentum as f32;
-    let keep = (1.0 - c.dampening) as f32;
+    // Python floats reach ATen as double Scalars, which the F32 kernels cast to float.
+    let s = SgdScalars {
+        neg_lr: (-c.lr) as f32,
+        weight_decay: c.weight_decay as f32,
+        momentum: c.momentum as f32,
+        keep: (1.0 - c.dampening) as f32,
+    };
+    let wd = c.weight_decay != 0.0;
+    if c.momentum == 0.0 {
+        return match wd {
+            false => sgd_loop::<false, false, false, false>(p, g, &mut [], s),
+            true => sgd_loop::<true, false, false, false>(p, g, &mut [], s),
+        };
+    }
     // The first step takes the buffer as the (weight-decayed) gradient itself.
     let first = buf.is_none();
-    let buf = (c.momentum != 0.0).then(|| buf.get_or_insert_with(|| vec![0.0; p.len()]));
-    match buf {
-        None => {
-            for (p, &g) in p.iter_mut().zip(g) {
-                let d = if wd != 0.0 { g + wd * *p } else { g };
-                *p += -lr * d;
-            }
+    let b = buf.get_or_insert_with(|| vec![0.0; p.len()]);
+    match (wd, first, c.nesterov) {
+        (false, false, false) => sgd_loop::<false, true, false, false>(p, g, b, s),
+        (false, false, true) => sgd_loop::<false, true, false, true>(p, g, b, s),
+        (false, true, false) => sgd_loop::<false, true, true, false>(p, g, b, s),
+        (false, true, true) => sgd_loop::<false, true, true, true>(p, g, b, s),
+        (true, false, false) => sgd_loop::<true, true, false, false>(p, g, b, s),
+        (true, false, true) => sgd_loop::<true, true, false, true>(p, g, b, s),
+        (true, true, false) => sgd_loop::<true, true, true, false>(p, g, b, s),
+        (true, true, true) => sgd_loop::<true, true, true, true>(p, g, b, s),
+    }
+}
+
+/// The hyper-parameters as the F32 kernel sees them.
+#[derive(Clone, Copy)]
+struct SgdScalars {
+    neg_lr: f32,
+    weight_decay: f32,
+    momentum: f32,
+    /// `1 - dampening`.
+    keep: f32,
+}
+
+/// `sgd_kernel` compiled with FMA where the CPU has it (`has_fma` says why), else as is.
+fn sgd_loop<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    buf: &mut [f32],
+    s: SgdScalars,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if super::optimizer::has_fma() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fma<
+            const WD: bool,
+            const MOMENTUM: bool,
+            const FIRST: bool,
+            const NESTEROV: bool,
+        >(
+            p: &mut [f32],
+            g: &[f32],
+            buf: &mut [f32],
+            s: SgdScalars,
+        ) {
+            sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
         }
-        Some(buf) => {
-            for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                let d = if wd != 0.0 { g + wd * *p } else { g };
-                *b = if first { d } else { momentum * *b + keep * d };
-                let d = if c.nesterov { d + momentum * *b } else { *b };
-                *p += -lr * d;
-            }
+        // SAFETY: selected only after `has_fma()` detected AVX2 and FMA.
+        return unsafe { fma::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s) };
+    }
+    sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
+}
+
+/// PyTorch's `_single_tensor_sgd`, element by element, rounding where its CPU kernels round:
+/// every `x.add(y, alpha=a)` is one fused multiply-add `y * a + x` (ATen's vectorised `add`
+/// is `fmadd(other, alpha, self)`, and its scalar tail is contracted the same way), and
+/// `buf.mul_(momentum)` is a separate F32 product. The configuration is in the const
+/// parameters so that each loop is branch-free and vectorises.
+#[inline(always)]
+fn sgd_kernel<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    buf: &mut [f32],
+    s: SgdScalars,
+) {
+    let n = p.len();
+    let g = &g[..n];
+    let buf = if MOMENTUM { &mut buf[..n] } else { buf };
+    for i in 0..n {
+        // grad = grad.add(param, alpha=weight_decay)
+        let mut d = if WD {
+            p[i].mul_add(s.weight_decay, g[i])
+        } else {
+            g[i]
+        };
+        if MOMENTUM {
+            // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1-dampening)
+            let b = if FIRST {
+                d
+            } else {
+                d.mul_add(s.keep, buf[i] * s.momentum)
+            };
+            buf[i] = b;
+            // grad = grad.add(buf, alpha=momentum) (Nesterov), else grad = buf
+            d = if NESTEROV {
+                b.mul_add(s.momentum, d)
+            } else {
+                b
+            };
         }
+        // param.add_(grad, alpha=-lr)
+        p[i] = d.mul_add(s.neg_lr, p[i]);
     }
 }
 
@@ -192,5 +282,54 @@ impl Optimizer for Sgd {
         self.config = config;
         self.momentum_buffers = buffers;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) with a spread of magnitudes, different for each `k`.
+    fn data(n: usize, k: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
+                x * [1.0, 1e-3, 37.0][i % 3]
+            })
+            .collect()
+    }
+
+    fn agree<const WD: bool, const M: bool, const F: bool, const N: bool>() {
+        let s = SgdScalars {
+            neg_lr: -0.0123,
+            weight_decay: 1e-3,
+            momentum: 0.9,
+            keep: 0.7,
+        };
+        // Lengths around 8- and 16-lane vectors and their tails.
+        for n in [1, 7, 8, 9, 15, 17, 31, 33, 100] {
+            let (mut p1, g, mut b1) = (data(n, 1), data(n, 2), data(n, 3));
+            let (mut p2, mut b2) = (p1.clone(), b1.clone());
+            let (b1, b2): (&mut [f32], &mut [f32]) = if M {
+                (&mut b1, &mut b2)
+            } else {
+                (&mut [], &mut [])
+            };
+            sgd_loop::<WD, M, F, N>(&mut p1, &g, b1, s); // the FMA build where there is one
+            sgd_kernel::<WD, M, F, N>(&mut p2, &g, b2, s); // the portable build
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2), "n {n}");
+            assert_eq!(bits(b1), bits(b2), "n {n}");
+        }
+    }
+
+    #[test]
+    fn fma_and_portable_builds_give_the_same_bits() {
+        agree::<false, false, false, false>();
+        agree::<true, false, false, false>();
+        agree::<false, true, true, false>();
+        agree::<true, true, false, false>();
+        agree::<true, true, false, true>();
+        agree::<false, true, false, true>();
     }
 }
