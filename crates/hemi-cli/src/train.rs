@@ -711,10 +711,18 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     model.load_state_dict(&ck.model)?;
     let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false)?;
     let (acc, loss) = evaluate_with(model.as_mut(), &test, precision)?;
+    let when = if ck.progress.batches_done == 0 {
+        format!("after epoch {}", ck.epochs_done)
+    } else {
+        format!(
+            "stopped in epoch {} after batch {}",
+            ck.epochs_done + 1,
+            ck.progress.batches_done
+        )
+    };
     println!(
-        "checkpoint {} (after epoch {}, precision {precision}), data: {}",
+        "checkpoint {} ({when}, precision {precision}), data: {}",
         ck.dir.display(),
-        ck.epochs_done,
         data.description
     );
     println!(

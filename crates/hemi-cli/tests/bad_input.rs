@@ -11,10 +11,14 @@ use std::process::{Command, Output, Stdio};
 
 use sha2::{Digest, Sha256};
 
-const HEMI: &str = env!("CARGO_BIN_EXE_hemi");
+/// The binary under test: this build's, or `HEMI_BIN` (to show which cases an older build
+/// fails).
+fn hemi_bin() -> String {
+    std::env::var("HEMI_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_hemi").to_string())
+}
 
 fn hemi_in(dir: &Path, args: &[&str]) -> Output {
-    Command::new(HEMI)
+    Command::new(hemi_bin())
         .args(args)
         .current_dir(dir)
         .output()
@@ -583,7 +587,7 @@ fn ctrl_c_writes_a_mid_epoch_checkpoint_and_the_resume_is_bit_identical() {
     succeeds(&run(t.path(), &[&args[..], &[path_str(&whole)]].concat()));
     let cut = t.path().join("cut");
     let full = small(&[&args[..], &[path_str(&cut)]].concat());
-    let mut child = Command::new(HEMI)
+    let mut child = Command::new(hemi_bin())
         .args(&full)
         .current_dir(t.path())
         .stdout(Stdio::piped())
