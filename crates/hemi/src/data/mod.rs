@@ -26,10 +26,10 @@ pub use fetch::{
     fetch_archive, fetch_cifar10, unpack_cifar10, CIFAR10_BYTES, CIFAR10_SHA256, CIFAR10_URL,
 };
 pub use idx::{
-    load_idx, read_idx_images, read_idx_labels, IdxImages, MnistKind, IDX_IMAGES_MAGIC,
-    IDX_LABELS_MAGIC,
+    load_idx, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels, IdxImages,
+    MnistKind, IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC,
 };
-pub use image_folder::{ImageFolder, IMAGE_EXTENSIONS};
+pub use image_folder::{parse_image, ImageFolder, IMAGE_EXTENSIONS, MAX_IMAGE_SIDE};
 pub use loader::{Batch, DataLoader, Epoch, LoaderConfig};
 pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
 pub use transforms::{crop_padded, hflip, random_crop, Augment, Transform};
