@@ -72,8 +72,10 @@ impl Image {
 
     /// An image from interleaved HWC bytes (RGBRGB..., as image decoders produce them).
     pub fn from_hwc(channels: usize, height: usize, width: usize, hwc: &[u8]) -> Result<Image> {
-        let plane = height.checked_mul(width).unwrap_or(usize::MAX);
-        if channels == 0 || Some(hwc.len()) != channels.checked_mul(plane) {
+        let n = height
+            .checked_mul(width)
+            .and_then(|p| p.checked_mul(channels));
+        if channels == 0 || n != Some(hwc.len()) {
             return Err(Error::shape(
                 "Image::from_hwc",
                 format!(
@@ -82,6 +84,7 @@ impl Image {
                 ),
             ));
         }
+        let plane = height * width;
         let mut data = vec![0u8; hwc.len()];
         for (p, px) in hwc.chunks_exact(channels).enumerate() {
             for (c, &v) in px.iter().enumerate() {
