@@ -102,7 +102,7 @@ impl ImageFolder {
     }
 
     /// Reads every image's header (not its pixels) and checks that it is the folder's
-    /// size; the first odd image is an error naming it and both sizes.
+    /// size; an odd image is an error naming it and both sizes.
     pub fn check_sizes(&self) -> Result<()> {
         let want = (self.width, self.height);
         self.files.par_iter().try_for_each(|(path, _)| {

@@ -10,6 +10,12 @@
 //! `Transform` (`transforms.rs`) augments a sample and converts it to float; `DataLoader`
 //! (`loader.rs`) turns a data set into shuffled, transformed `[B, C, H, W]` F32 batches on
 //! worker threads. Malformed files are `Error::Data` naming the file and what is wrong.
+//!
+//! Every reader treats its files as hostile: it opens only regular files (a FIFO would
+//! block forever), checks every size product for overflow, and refuses a size the file
+//! cannot hold before allocating for it. Each parser has an in-memory entry point
+//! (`Cifar10::parse`, `parse_idx_images`, `parse_idx_labels`, `parse_image`) that the
+//! file readers share and the fuzz targets in `fuzz/` call.
 
 mod cifar10;
 mod dataset;
