@@ -39,8 +39,11 @@ pub struct Image {
 impl Image {
     /// An image over planar CHW `data`, which must hold exactly `channels * height * width` bytes.
     pub fn new(channels: usize, height: usize, width: usize, data: Vec<u8>) -> Result<Image> {
-        let n = channels * height * width;
-        if data.len() != n {
+        let n = channels
+            .checked_mul(height)
+            .and_then(|n| n.checked_mul(width));
+        if n != Some(data.len()) {
+            let n = n.map_or("an overflowing number of".to_string(), |n| n.to_string());
             return Err(Error::shape(
                 "Image::new",
                 format!(
@@ -69,8 +72,10 @@ impl Image {
 
     /// An image from interleaved HWC bytes (RGBRGB..., as image decoders produce them).
     pub fn from_hwc(channels: usize, height: usize, width: usize, hwc: &[u8]) -> Result<Image> {
-        let plane = height * width;
-        if channels == 0 || hwc.len() != channels * plane {
+        let n = height
+            .checked_mul(width)
+            .and_then(|p| p.checked_mul(channels));
+        if channels == 0 || n != Some(hwc.len()) {
             return Err(Error::shape(
                 "Image::from_hwc",
                 format!(
@@ -79,6 +84,7 @@ impl Image {
                 ),
             ));
         }
+        let plane = height * width;
         let mut data = vec![0u8; hwc.len()];
         for (p, px) in hwc.chunks_exact(channels).enumerate() {
             for (c, &v) in px.iter().enumerate() {
@@ -184,8 +190,9 @@ impl InMemoryDataset {
         labels: Vec<u32>,
         classes: Vec<String>,
     ) -> Result<InMemoryDataset> {
-        let per: usize = shape.iter().product();
-        if per == 0 || pixels.len() != per * labels.len() {
+        let per = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let total = per.and_then(|p| p.checked_mul(labels.len()));
+        if per == Some(0) || total != Some(pixels.len()) {
             return Err(Error::shape(
                 "InMemoryDataset::new",
                 format!(
@@ -284,14 +291,59 @@ pub(crate) fn io_error(path: &Path, source: std::io::Error) -> Error {
     }
 }
 
-/// Reads a whole file; a missing file is an `Error::Data` that says what belongs there.
-pub(crate) fn read_file(path: &Path, expected: &str) -> Result<Vec<u8>> {
-    match std::fs::read(path) {
-        Ok(bytes) => Ok(bytes),
+/// Checks that `path` (after symlinks) is a regular file and returns its length. Every
+/// reader calls this before opening a file: opening a FIFO blocks until a writer appears
+/// (a hang, not an error), and a directory or device is not data. A missing file is an
+/// `Error::Data` that says what belongs there.
+pub(crate) fn check_regular_file(path: &Path, expected: &str) -> Result<u64> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(m.len()),
+        Ok(m) => Err(data_error(
+            path,
+            format!(
+                "not a regular file ({}): expected {expected} here",
+                file_kind(&m.file_type())
+            ),
+        )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(data_error(
             path,
             format!("file not found: expected {expected} here"),
         )),
         Err(e) => Err(io_error(path, e)),
     }
+}
+
+/// What a non-regular file is, in words.
+pub(crate) fn file_kind(t: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_symlink() {
+        "a symbolic link"
+    } else if t.is_file() {
+        "a regular file"
+    } else {
+        "a special file"
+    }
+}
+
+/// Reads a whole regular file (see `check_regular_file`).
+pub(crate) fn read_file(path: &Path, expected: &str) -> Result<Vec<u8>> {
+    check_regular_file(path, expected)?;
+    std::fs::read(path).map_err(|e| io_error(path, e))
 }

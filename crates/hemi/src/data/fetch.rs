@@ -62,6 +62,14 @@ pub fn fetch_archive(
     if CIFAR10_FILES.iter().all(|f| dest.join(f).is_file()) {
         return Ok(dest);
     }
+    // The directories this call creates, so a failed fetch can take them away again
+    // (an offline `hemi data fetch` must not leave an empty data directory that later
+    // looks like a place where data was put). Directories that existed are never removed.
+    let created: Vec<PathBuf> = data_dir
+        .ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+        .map(Path::to_path_buf)
+        .collect();
     fs::create_dir_all(data_dir).map_err(|e| io_err(data_dir, e))?;
     let archive = data_dir.join(format!(
         ".cifar-10-binary.tar.gz.part{}",
@@ -70,6 +78,13 @@ pub fn fetch_archive(
     let result =
         download(url, &archive, sha256, bytes).and_then(|_| unpack_cifar10(&archive, data_dir));
     let _ = fs::remove_file(&archive);
+    if result.is_err() {
+        // Deepest first; `remove_dir` only removes an empty directory, so anything another
+        // process put there meanwhile stays.
+        for dir in &created {
+            let _ = fs::remove_dir(dir);
+        }
+    }
     result
 }
 

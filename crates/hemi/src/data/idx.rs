@@ -9,8 +9,8 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::dataset::{data_error, read_file, InMemoryDataset, Split};
-use crate::error::Result;
+use super::dataset::{check_regular_file, data_error, read_file, InMemoryDataset, Split};
+use crate::error::{Error, Result};
 
 /// Magic number of an IDX file of unsigned-byte images (3 dimensions).
 pub const IDX_IMAGES_MAGIC: u32 = 0x0000_0803;
@@ -103,9 +103,11 @@ impl MnistKind {
 fn locate(dir: &Path, stem: &str, what: &str) -> Result<PathBuf> {
     let raw = dir.join(stem);
     let gz = dir.join(format!("{stem}.gz"));
-    if raw.is_file() {
+    if raw.exists() {
+        check_regular_file(&raw, &format!("the {what} as an IDX file"))?;
         Ok(raw)
-    } else if gz.is_file() {
+    } else if gz.exists() {
+        check_regular_file(&gz, &format!("the {what} as a gzipped IDX file"))?;
         Ok(gz)
     } else {
         Err(data_error(
@@ -123,35 +125,74 @@ fn locate(dir: &Path, stem: &str, what: &str) -> Result<PathBuf> {
 pub fn load_idx(images: &Path, labels: &Path, classes: Vec<String>) -> Result<InMemoryDataset> {
     let imgs = read_idx_images(images)?;
     let labs = read_idx_labels(labels)?;
-    if imgs.count != labs.len() {
-        return Err(data_error(
-            labels,
-            format!(
-                "{} labels, but the image file {} holds {} images",
-                labs.len(),
-                images.display(),
-                imgs.count
-            ),
-        ));
-    }
-    if let Some(i) = labs.iter().position(|&l| l as usize >= classes.len()) {
-        return Err(data_error(
-            labels,
-            format!(
-                "label {} at index {i} out of range 0..={}",
-                labs[i],
-                classes.len() - 1
-            ),
-        ));
-    }
-    let labs = labs.into_iter().map(u32::from).collect();
-    InMemoryDataset::new([1, imgs.rows, imgs.cols], imgs.pixels, labs, classes)
+    imgs.into_dataset(labs, classes).map_err(|e| match e {
+        // Name both files when the counts disagree.
+        Error::Data { path, msg } if path == MEMORY => Error::Data {
+            path: labels.display().to_string(),
+            msg: format!("{msg} (image file {})", images.display()),
+        },
+        e => e,
+    })
 }
 
-/// Reads and checks an IDX image file (magic 2051).
+impl IdxImages {
+    /// The images with `labels` (one per image, each below `classes.len()`) as a data set
+    /// of `[1, rows, cols]` images.
+    pub fn into_dataset(self, labels: Vec<u8>, classes: Vec<String>) -> Result<InMemoryDataset> {
+        let src = Path::new(MEMORY);
+        if self.count != labels.len() {
+            return Err(data_error(
+                src,
+                format!(
+                    "{} labels, but the image file holds {} images",
+                    labels.len(),
+                    self.count
+                ),
+            ));
+        }
+        if let Some(i) = labels.iter().position(|&l| l as usize >= classes.len()) {
+            return Err(data_error(
+                src,
+                format!(
+                    "label {} at index {i} out of range 0..={}",
+                    labels[i],
+                    classes.len().saturating_sub(1)
+                ),
+            ));
+        }
+        let labels = labels.into_iter().map(u32::from).collect();
+        InMemoryDataset::new([1, self.rows, self.cols], self.pixels, labels, classes)
+    }
+}
+
+/// The name errors of the in-memory parsers give as their source.
+const MEMORY: &str = "<bytes>";
+
+/// Reads and checks an IDX image file (magic 2051), raw or gzipped.
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
-    let bytes = read_maybe_gz(path, "an IDX image file (magic 2051)")?;
-    let dims = header(path, &bytes, IDX_IMAGES_MAGIC, 3, "images")?;
+    let bytes = read_file(path, "an IDX image file (magic 2051)")?;
+    images_from(path, &bytes)
+}
+
+/// Reads and checks an IDX label file (magic 2049), raw or gzipped.
+pub fn read_idx_labels(path: &Path) -> Result<Vec<u8>> {
+    let bytes = read_file(path, "an IDX label file (magic 2049)")?;
+    labels_from(path, &bytes)
+}
+
+/// The bytes of an IDX image file (raw or gzipped) as `read_idx_images` checks them;
+/// errors name the source `<bytes>`.
+pub fn parse_idx_images(bytes: &[u8]) -> Result<IdxImages> {
+    images_from(Path::new(MEMORY), bytes)
+}
+
+/// The bytes of an IDX label file (raw or gzipped) as `read_idx_labels` checks them.
+pub fn parse_idx_labels(bytes: &[u8]) -> Result<Vec<u8>> {
+    labels_from(Path::new(MEMORY), bytes)
+}
+
+fn images_from(path: &Path, bytes: &[u8]) -> Result<IdxImages> {
+    let (dims, pixels) = decode(path, bytes, IDX_IMAGES_MAGIC, 3, "images")?;
     let (count, rows, cols) = (dims[0], dims[1], dims[2]);
     if rows == 0 || cols == 0 {
         return Err(data_error(
@@ -159,34 +200,76 @@ pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
             format!("images of {rows}x{cols}: empty images"),
         ));
     }
-    let body = expect_body(path, &bytes, 16, &[count, rows, cols], "images")?;
     Ok(IdxImages {
         count,
         rows,
         cols,
-        pixels: body.to_vec(),
+        pixels,
     })
 }
 
-/// Reads and checks an IDX label file (magic 2049).
-pub fn read_idx_labels(path: &Path) -> Result<Vec<u8>> {
-    let bytes = read_maybe_gz(path, "an IDX label file (magic 2049)")?;
-    let dims = header(path, &bytes, IDX_LABELS_MAGIC, 1, "labels")?;
-    Ok(expect_body(path, &bytes, 8, &dims, "labels")?.to_vec())
+fn labels_from(path: &Path, bytes: &[u8]) -> Result<Vec<u8>> {
+    Ok(decode(path, bytes, IDX_LABELS_MAGIC, 1, "labels")?.1)
 }
 
-/// The file's bytes, gunzipped when they start with the gzip magic.
-fn read_maybe_gz(path: &Path, expected: &str) -> Result<Vec<u8>> {
-    let bytes = read_file(path, expected)?;
-    if bytes.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::MultiGzDecoder::new(&bytes[..])
-            .read_to_end(&mut out)
-            .map_err(|e| data_error(path, format!("corrupt gzip data: {e}")))?;
-        Ok(out)
-    } else {
-        Ok(bytes)
+/// Deflate expands at most about 1032:1, so a gzip file of `n` bytes holds at most this
+/// many times `n` bytes; a header claiming more is corrupt and is refused before allocating.
+const MAX_GZIP_RATIO: usize = 1032;
+
+/// Checks the header (magic, `ndim` dimensions) of a raw or gzipped (by its magic 1f 8b)
+/// IDX file and returns the dimensions and the elements, whose count must be exactly the
+/// dimensions' product. Nothing is allocated beyond what the file can actually hold.
+fn decode(
+    path: &Path,
+    bytes: &[u8],
+    magic: u32,
+    ndim: usize,
+    what: &str,
+) -> Result<(Vec<usize>, Vec<u8>)> {
+    let header_len = 4 + 4 * ndim;
+    if !bytes.starts_with(&[0x1f, 0x8b]) {
+        let dims = header(path, bytes, magic, ndim, what)?;
+        let body = expect_body(path, bytes.len() - header_len, header_len, &dims, what)?;
+        return Ok((dims, bytes[header_len..header_len + body].to_vec()));
     }
+    let corrupt = |e: std::io::Error| data_error(path, format!("corrupt gzip data: {e}"));
+    let mut gz = flate2::read::MultiGzDecoder::new(bytes);
+    let mut head = Vec::with_capacity(header_len);
+    (&mut gz)
+        .take(header_len as u64)
+        .read_to_end(&mut head)
+        .map_err(corrupt)?;
+    let dims = header(path, &head, magic, ndim, what)?;
+    let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let limit = bytes.len().saturating_mul(MAX_GZIP_RATIO);
+    match n {
+        Some(n) if n <= limit => {
+            let mut body = Vec::with_capacity(n);
+            (&mut gz)
+                .take(n as u64 + 1)
+                .read_to_end(&mut body)
+                .map_err(corrupt)?;
+            expect_body(path, body.len(), header_len, &dims, what)?;
+            Ok((dims, body))
+        }
+        _ => Err(data_error(
+            path,
+            format!(
+                "the header's {what} of {} need {} bytes, more than a {}-byte gzip file can \
+                 hold (deflate expands at most {MAX_GZIP_RATIO}:1): corrupt header",
+                dims_text(&dims),
+                n.map_or("an overflowing number of".to_string(), |n| n.to_string()),
+                bytes.len()
+            ),
+        )),
+    }
+}
+
+fn dims_text(dims: &[usize]) -> String {
+    dims.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("x")
 }
 
 /// Checks the magic number and returns the `ndim` dimensions.
@@ -200,7 +283,7 @@ fn header(path: &Path, bytes: &[u8], magic: u32, ndim: usize, what: &str) -> Res
             ),
         )
     };
-    let word = |i: usize| u32::from_be_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+    let word = |i: usize| u32::from_be_bytes([0, 1, 2, 3].map(|k| bytes[4 * i + k]));
     let len = 4 + 4 * ndim;
     if bytes.len() < 4 {
         return Err(short(len));
@@ -227,33 +310,32 @@ fn header(path: &Path, bytes: &[u8], magic: u32, ndim: usize, what: &str) -> Res
     Ok((1..=ndim).map(|i| word(i) as usize).collect())
 }
 
-/// The elements after a `header_len`-byte header, which must be exactly `dims`' product.
-fn expect_body<'a>(
+/// Checks that `body` bytes after a `header_len`-byte header are exactly `dims`' product
+/// (computed with overflow checks) and returns it.
+fn expect_body(
     path: &Path,
-    bytes: &'a [u8],
+    body: usize,
     header_len: usize,
     dims: &[usize],
     what: &str,
-) -> Result<&'a [u8]> {
+) -> Result<usize> {
     let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-    let body = bytes.len() - header_len;
     if n != Some(body) {
-        let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
         return Err(data_error(
             path,
             format!(
                 "size {} does not match the header's {what} of {} ({} bytes after the \
                  {header_len}-byte header, found {body}): {}",
-                bytes.len(),
-                dims.join("x"),
-                n.map_or("overflowing".to_string(), |n| n.to_string()),
-                if n.is_some_and(|n| body < n) {
-                    "truncated"
-                } else {
+                header_len + body,
+                dims_text(dims),
+                n.map_or("an overflowing number of".to_string(), |n| n.to_string()),
+                if n.is_some_and(|n| body > n) {
                     "trailing bytes"
+                } else {
+                    "truncated"
                 }
             ),
         ));
     }
-    Ok(&bytes[header_len..])
+    Ok(body)
 }

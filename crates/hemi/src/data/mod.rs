@@ -10,6 +10,12 @@
 //! `Transform` (`transforms.rs`) augments a sample and converts it to float; `DataLoader`
 //! (`loader.rs`) turns a data set into shuffled, transformed `[B, C, H, W]` F32 batches on
 //! worker threads. Malformed files are `Error::Data` naming the file and what is wrong.
+//!
+//! Every reader treats its files as hostile: it opens only regular files (a FIFO would
+//! block forever), checks every size product for overflow, and refuses a size the file
+//! cannot hold before allocating for it. Each parser has an in-memory entry point
+//! (`Cifar10::parse`, `parse_idx_images`, `parse_idx_labels`, `parse_image`) that the
+//! file readers share and the fuzz targets in `fuzz/` call.
 
 mod cifar10;
 mod dataset;
@@ -26,10 +32,10 @@ pub use fetch::{
     fetch_archive, fetch_cifar10, unpack_cifar10, CIFAR10_BYTES, CIFAR10_SHA256, CIFAR10_URL,
 };
 pub use idx::{
-    load_idx, read_idx_images, read_idx_labels, IdxImages, MnistKind, IDX_IMAGES_MAGIC,
-    IDX_LABELS_MAGIC,
+    load_idx, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels, IdxImages,
+    MnistKind, IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC,
 };
-pub use image_folder::{ImageFolder, IMAGE_EXTENSIONS};
+pub use image_folder::{parse_image, ImageFolder, IMAGE_EXTENSIONS, MAX_IMAGE_SIDE};
 pub use loader::{Batch, DataLoader, Epoch, LoaderConfig};
 pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
 pub use transforms::{crop_padded, hflip, random_crop, Augment, Transform};

@@ -25,6 +25,7 @@ use std::f32::consts::PI;
 use rayon::prelude::*;
 
 use super::dataset::{Image, InMemoryDataset, Sample, Split};
+use crate::error::{Error, Result};
 use crate::rng::Generator;
 
 /// The class names in label order.
@@ -54,7 +55,29 @@ impl Synthetic {
     /// Image side in pixels.
     pub const SIZE: usize = 32;
 
-    /// `len` images of `split` from `seed` (train and test are independent streams).
+    /// The most images `try_generate` makes: 2,000,000 are 6.1 GB of pixels, 40 times
+    /// CIFAR-10's training set; a larger request is a mistake, not a plan.
+    pub const MAX_LEN: usize = 2_000_000;
+
+    /// `len` images of `split` from `seed`, checking `len` (user input, e.g.
+    /// `--synthetic-size`): 0 or more than `MAX_LEN` is an error naming the size.
+    pub fn try_generate(seed: u64, split: Split, len: usize) -> Result<InMemoryDataset> {
+        if len == 0 || len > Self::MAX_LEN {
+            return Err(Error::arg(
+                "Synthetic::try_generate",
+                format!(
+                    "synthetic data set size {len}: must be 1..={} images ({} bytes each)",
+                    Self::MAX_LEN,
+                    3 * Self::SIZE * Self::SIZE
+                ),
+            ));
+        }
+        Ok(Self::generate(seed, split, len))
+    }
+
+    /// `len` images of `split` from `seed` (train and test are independent streams). For
+    /// a size from user input use `try_generate`; this panics when `len` images cannot be
+    /// allocated.
     pub fn generate(seed: u64, split: Split, len: usize) -> InMemoryDataset {
         let per = 3 * Self::SIZE * Self::SIZE;
         let mut pixels = vec![0u8; per * len];

@@ -156,11 +156,12 @@ pub fn from_safetensors_bytes(
                 )))
             }
         };
-        let n: usize = shape.iter().product();
-        if storage.len() != n {
+        let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if n != Some(storage.len()) || !b.len().is_multiple_of(view.dtype().bitsize() / 8) {
             return Err(bad(format!(
-                "tensor {name}: {} values for shape {shape:?}",
-                storage.len()
+                "tensor {name}: {} bytes of {:?} for shape {shape:?}",
+                b.len(),
+                view.dtype()
             )));
         }
         out.push((
@@ -174,8 +175,16 @@ pub fn from_safetensors_bytes(
     Ok((out, meta.metadata().clone().unwrap_or_default()))
 }
 
-/// Loads named tensors (and metadata) from a safetensors file.
+/// Loads named tensors (and metadata) from a safetensors file. Only a regular file is
+/// opened (a FIFO would block the open forever); everything else is `from_safetensors_bytes`.
 pub fn load_safetensors(path: &Path) -> Result<(NamedTensors, HashMap<String, String>)> {
+    let meta = fs::metadata(path).map_err(|e| io_err(path, e))?;
+    if !meta.is_file() {
+        return Err(Error::Data {
+            path: path.display().to_string(),
+            msg: "not a regular file: expected a safetensors file".into(),
+        });
+    }
     let data = fs::read(path).map_err(|e| io_err(path, e))?;
     from_safetensors_bytes(&path.display().to_string(), &data)
 }
