@@ -495,11 +495,18 @@ fn train_and_test_classes_must_match() {
     folders(t.path(), &["cat", "dog", "emu"], &["cat", "dog"]);
     fails_with(
         &folder_run(t.path(), &[]),
-        &["only in the training set: emu"],
+        &["data/train", "data/test", "only in train: emu"],
     );
     let t = tmp();
     folders(t.path(), &["cat", "dog"], &["cat", "dog", "emu"]);
-    fails_with(&folder_run(t.path(), &[]), &["only in the test set: emu"]);
+    fails_with(&folder_run(t.path(), &[]), &["only in test: emu"]);
+    // An image of another size in the test set is named before training starts.
+    let t = tmp();
+    folders(t.path(), &["cat", "dog"], &["cat", "dog"]);
+    png(&t.path().join("data/test/dog/odd.png"), 9, 8, 7);
+    let o = folder_run(t.path(), &[]);
+    fails_with(&o, &["odd.png"]);
+    assert!(!text(&o).0.contains("[1,"), "trained before failing");
 }
 
 #[test]
@@ -631,4 +638,19 @@ fn ctrl_c_writes_a_mid_epoch_checkpoint_and_the_resume_is_bit_identical() {
             "{f} differs from the uninterrupted run's"
         );
     }
+}
+
+#[test]
+fn a_partial_cifar10_copy_is_named_not_replaced_by_synthetic_data() {
+    let t = tmp();
+    let d = t.path().join("data");
+    std::fs::create_dir(&d).unwrap();
+    for i in 1..=5 {
+        std::fs::write(d.join(format!("data_batch_{i}.bin")), [0u8; 3073]).unwrap();
+    }
+    // `auto` (the default) with test_batch.bin missing.
+    let args = ["train", "--data-dir", "data", "--epochs", "1"];
+    let o = hemi_in(t.path(), &args);
+    let e = fails_with(&o, &["test_batch.bin"]);
+    assert!(!text(&o).0.contains("synthetic"), "{e}");
 }
