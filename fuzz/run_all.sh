@@ -5,12 +5,13 @@
 # left (so editing hemi meanwhile does not start a rebuild). Logs: logs/TARGET.log.
 # From fuzz/:  cargo +nightly fuzz build -O && nohup sh run_all.sh [TARGET...] &
 SECS=${SECS:-1200}
-TARGETS=${*:-"image idx_gz safetensors idx_raw cifar10"}
+TARGETS=${*:-"image idx_gz safetensors idx_raw cifar10 checkpoint_manifest checkpoint_state"}
 BIN=target/x86_64-unknown-linux-gnu/release
 mkdir -p logs
 for t in $TARGETS; do
     case $t in
         cifar10) len=10000 ;;
+        checkpoint_state) len=8192 ;;
         *) len=4096 ;;
     esac
     mkdir -p corpus/$t artifacts/$t

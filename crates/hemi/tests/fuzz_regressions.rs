@@ -15,6 +15,10 @@ fn parse(target: &str, bytes: &[u8]) -> Option<hemi::Result<()>> {
             .and(hemi::data::parse_idx_labels(bytes).map(drop)),
         "image" => hemi::data::parse_image(bytes).map(drop),
         "safetensors" => hemi::io::from_safetensors_bytes("<bytes>", bytes).map(drop),
+        "checkpoint_manifest" => {
+            hemi::train::checkpoint::parse_manifest("<bytes>", bytes).map(drop)
+        }
+        "checkpoint_state" => hemi::train::checkpoint::parse_state("<bytes>", bytes).map(drop),
         _ => return None,
     })
 }
