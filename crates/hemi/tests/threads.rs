@@ -140,7 +140,7 @@ fn train_params(model: &mut dyn Module, precision: Precision, batch: usize, step
         .collect()
 }
 
-const PRESETS: [Precision; 3] = [Precision::Fp32, Precision::AmpFp16, Precision::AmpBf16];
+const PRESETS: [Precision; 6] = Precision::ALL;
 
 #[test]
 fn cifar_net_training_is_bit_identical_on_1_2_3_threads() {
