@@ -318,13 +318,12 @@ pub fn conv2d_backward_weight<T: ConvElem>(x: &[T], dy: &[T], g: &Conv2dGeom) ->
     }
     let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    let partials = runs.map(|r| {
+    let partials = runs.map_init(Vec::new, |scratch, r| {
         let mut dw = vec![T::Acc::zero(); len];
-        let mut scratch = Vec::new();
         for i in runs.range(r, g.n) {
             let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
             let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
-            let col = columns(xi, &mut scratch, g);
+            let col = columns(xi, scratch, g);
             for grp in 0..g.groups {
                 let a = MatRef::row_major(&dyi[grp * m * l..(grp + 1) * m * l], m, l);
                 let bt = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l).t();

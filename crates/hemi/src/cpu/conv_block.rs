@@ -561,10 +561,10 @@ fn backward_runs<T: Store>(
 ) -> Vec<Partial> {
     let single = runs.count == 1;
     let gs = group_size(g);
-    let run = |r: usize, dx_run: Option<&mut [T]>| {
+    // Scratch is per rayon task, reused by the runs the task takes (it holds no results).
+    let run = |s: &mut BwdScratch<T>, r: usize, dx_run: Option<&mut [T]>| {
         let mut dw = vec![0f32; g.weight_len()];
         let mut db = vec![0f32; g.c_out];
-        let mut s = BwdScratch::default();
         let mut dx_run = dx_run;
         let std::ops::Range { start, end } = runs.range(r, g.n);
         let mut first = start;
@@ -575,7 +575,7 @@ fn backward_runs<T: Store>(
                 .as_deref_mut()
                 .map(|d| &mut d[local * g.in_image()..(local + cnt) * g.in_image()]);
             let grads = (&mut dw[..], &mut db[..], dxg);
-            group_backward(dy, idx, x, w, g, first..first + cnt, &mut s, grads, single);
+            group_backward(dy, idx, x, w, g, first..first + cnt, s, grads, single);
             first += cnt;
         }
         (dw, db)
@@ -584,9 +584,9 @@ fn backward_runs<T: Store>(
         Some(dx) if g.in_image() > 0 => dx
             .par_chunks_mut(runs.len * g.in_image())
             .enumerate()
-            .map(|(r, d)| run(r, Some(d)))
+            .map_init(BwdScratch::default, |s, (r, d)| run(s, r, Some(d)))
             .collect(),
-        _ => runs.map(|r| run(r, None)),
+        _ => runs.map_init(BwdScratch::default, |s, r| run(s, r, None)),
     }
 }
 

@@ -51,6 +51,17 @@ impl Runs {
     pub fn map<T: Send>(&self, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
         (0..self.count).into_par_iter().map(f).collect()
     }
+
+    /// `f(scratch, r)` for every run, in parallel, the results in run order; `init()` makes
+    /// one scratch per rayon task, reused by the runs that task takes (so it must carry no
+    /// result from one run to the next).
+    pub fn map_init<S, T: Send>(
+        &self,
+        init: impl Fn() -> S + Sync + Send,
+        f: impl Fn(&mut S, usize) -> T + Sync + Send,
+    ) -> Vec<T> {
+        (0..self.count).into_par_iter().map_init(init, f).collect()
+    }
 }
 
 /// Elements per parallel task of `add_in_order`.
