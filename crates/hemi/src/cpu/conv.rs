@@ -17,6 +17,7 @@ use num_traits::Zero;
 use crate::cpu::chunked::{per_block_with, Src};
 use crate::cpu::gemm::{matmul_into_par, MatRef};
 use crate::cpu::gemm_half::{self, Operand};
+use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::DType;
 use crate::tensor::{CpuStorage, Real};
 
@@ -306,45 +307,35 @@ pub fn conv2d_backward_input<C: Real + ConvElem<Acc = C>>(
 /// Gradient of the convolution with respect to its weight:
 /// `dw_g [c_out/groups, K] = sum_n dy_g[n] [c_out/groups, L] x col_g[n]^T [L, K]`.
 ///
-/// The batch is split into one contiguous run of images per thread; each run sums into its
-/// own buffer, and the buffers are added in run order, so the result does not depend on
-/// scheduling (it depends only on the thread count, which fixes the split).
+/// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
+/// count); each run sums its images in order into its own buffer, and the buffers are added
+/// in run order, so the result is the same on any number of threads.
 /// Half inputs give an F32 gradient (`T::Acc`).
 pub fn conv2d_backward_weight<T: ConvElem>(x: &[T], dy: &[T], g: &Conv2dGeom) -> Vec<T::Acc> {
     let len = g.weight_len();
     if g.n == 0 || len == 0 || g.l() == 0 {
         return vec![T::Acc::zero(); len];
     }
-    let runs = g.n.min(rayon::current_num_threads()).max(1);
-    let per_run = g.n.div_ceil(runs);
+    let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    let partial = |r: usize| {
+    let partials = runs.map_init(Vec::new, |scratch, r| {
         let mut dw = vec![T::Acc::zero(); len];
-        let mut scratch = Vec::new();
-        for i in r * per_run..((r + 1) * per_run).min(g.n) {
+        for i in runs.range(r, g.n) {
             let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
             let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
-            let col = columns(xi, &mut scratch, g);
+            let col = columns(xi, scratch, g);
             for grp in 0..g.groups {
                 let a = MatRef::row_major(&dyi[grp * m * l..(grp + 1) * m * l], m, l);
                 let bt = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l).t();
-                // One run holds the whole batch only when there is one thread or one image:
-                // then the GEMM may use the threads itself.
+                // A single run (one image) lets the GEMM use the threads itself (its
+                // results do not depend on how many).
                 let dst = &mut dw[grp * m * k..(grp + 1) * m * k];
-                T::product(dst, a, bt, true, runs == 1);
+                T::product(dst, a, bt, true, runs.count == 1);
             }
         }
         dw
-    };
-    let n_runs = g.n.div_ceil(per_run);
-    let mut partials: Vec<Vec<T::Acc>> = (0..n_runs).into_par_iter().map(partial).collect();
-    let mut dw = partials.remove(0);
-    for p in &partials {
-        for (d, &v) in dw.iter_mut().zip(p) {
-            *d += v;
-        }
-    }
-    dw
+    });
+    add_in_order(partials, len)
 }
 
 /// Plain direct convolution (f64), the reference the fast path is tested against.

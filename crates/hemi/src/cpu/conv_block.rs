@@ -26,6 +26,7 @@ use rayon::prelude::*;
 use crate::cpu::chunked::Src;
 use crate::cpu::conv::{col2im_ld, im2col_ld, same_elem, Conv2dGeom, ConvElem};
 use crate::cpu::gemm::MatRef;
+use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::convert;
 use crate::ops::reduce::sum_slice;
 use crate::tensor::CpuStorage;
@@ -501,9 +502,9 @@ impl<T> Default for BwdScratch<T> {
 /// Backward of the block from the pooled output gradient `dy`, the forward's window
 /// indices, its input and its weight, all contiguous and of one dtype (`None` for a mix).
 ///
-/// The batch is split into one contiguous run of images per thread; each run sums its
-/// weight and bias gradients into its own buffers, added in run order afterwards (the
-/// result depends on the thread count, never on scheduling, as `conv2d`'s does).
+/// The batch is cut into runs of whole GEMM groups fixed by the batch size (`Runs`, not by
+/// the thread count); each run sums its weight and bias gradients into its own buffers,
+/// added in run order afterwards, so the result is the same on any number of threads.
 pub fn backward(
     dy: Src<'_>,
     idx: &[u8],
@@ -530,24 +531,21 @@ fn backward_as<T: Store>(
     g: &Conv2dGeom,
     want_dx: bool,
 ) -> Grads {
-    let runs = g.n.min(rayon::current_num_threads()).max(1);
-    let per_run = g.n.div_ceil(runs).max(1);
+    // Runs start on group boundaries, so each run's groups are the forward's groups.
+    let runs = Runs::new(g.n, group_size(g), 1);
     let (dx, partials) = if want_dx {
         let mut dx = vec![T::default(); g.n * g.in_image()];
-        let p = backward_runs(dy, idx, x, w, g, per_run, Some(&mut dx));
+        let p = backward_runs(dy, idx, x, w, g, runs, Some(&mut dx));
         (Some(T::into_storage(dx)), p)
     } else {
-        (None, backward_runs(dy, idx, x, w, g, per_run, None))
+        (None, backward_runs(dy, idx, x, w, g, runs, None))
     };
-    let mut it = partials.into_iter();
-    let (mut dw, mut db) = it
-        .next()
-        .unwrap_or_else(|| (vec![0.0; g.weight_len()], vec![0.0; g.c_out]));
-    for (pw, pb) in it {
-        dw.iter_mut().zip(&pw).for_each(|(d, v)| *d += v);
-        db.iter_mut().zip(&pb).for_each(|(d, v)| *d += v);
+    let (pw, pb): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+    Grads {
+        dx,
+        dw: add_in_order(pw, g.weight_len()),
+        db: add_in_order(pb, g.c_out),
     }
-    Grads { dx, dw, db }
 }
 
 /// The runs of the backward: each returns its partial (dw, db); `dx` (when wanted) is
@@ -558,18 +556,17 @@ fn backward_runs<T: Store>(
     x: &[T],
     w: &[T],
     g: &Conv2dGeom,
-    per_run: usize,
+    runs: Runs,
     dx: Option<&mut [T]>,
 ) -> Vec<Partial> {
-    let n_runs = g.n.div_ceil(per_run);
-    let single = n_runs == 1;
+    let single = runs.count == 1;
     let gs = group_size(g);
-    let run = |r: usize, dx_run: Option<&mut [T]>| {
+    // Scratch is per rayon task, reused by the runs the task takes (it holds no results).
+    let run = |s: &mut BwdScratch<T>, r: usize, dx_run: Option<&mut [T]>| {
         let mut dw = vec![0f32; g.weight_len()];
         let mut db = vec![0f32; g.c_out];
-        let mut s = BwdScratch::default();
         let mut dx_run = dx_run;
-        let (start, end) = (r * per_run, ((r + 1) * per_run).min(g.n));
+        let std::ops::Range { start, end } = runs.range(r, g.n);
         let mut first = start;
         while first < end {
             let cnt = gs.min(end - first);
@@ -578,18 +575,18 @@ fn backward_runs<T: Store>(
                 .as_deref_mut()
                 .map(|d| &mut d[local * g.in_image()..(local + cnt) * g.in_image()]);
             let grads = (&mut dw[..], &mut db[..], dxg);
-            group_backward(dy, idx, x, w, g, first..first + cnt, &mut s, grads, single);
+            group_backward(dy, idx, x, w, g, first..first + cnt, s, grads, single);
             first += cnt;
         }
         (dw, db)
     };
     match dx {
         Some(dx) if g.in_image() > 0 => dx
-            .par_chunks_mut(per_run * g.in_image())
+            .par_chunks_mut(runs.len * g.in_image())
             .enumerate()
-            .map(|(r, d)| run(r, Some(d)))
+            .map_init(BwdScratch::default, |s, (r, d)| run(s, r, Some(d)))
             .collect(),
-        _ => (0..n_runs).into_par_iter().map(|r| run(r, None)).collect(),
+        _ => runs.map_init(BwdScratch::default, |s, r| run(s, r, None)),
     }
 }
 

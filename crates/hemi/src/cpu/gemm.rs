@@ -44,6 +44,12 @@ impl<'a, C> MatRef<'a, C> {
 }
 
 /// Threads `gemm` may use for a product of this size (small products stay on one thread).
+///
+/// The thread count changes no bit of the result: `gemm` (0.19, `gemm-common`'s
+/// `gemm_basic_generic`) splits only the output's rows and columns among threads, and cuts
+/// k into blocks whose size comes from the shape and the cache sizes, added into the
+/// output one after another; each microkernel sums its k block in order into one register
+/// per element (`tests/threads.rs` holds it to that).
 fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
     let threads = rayon::current_num_threads();
     if threads > 1 && m * n * k >= 64 * 64 * 64 {

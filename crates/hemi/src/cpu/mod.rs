@@ -7,3 +7,4 @@ pub mod conv_block;
 pub mod gemm;
 pub mod gemm_half;
 pub mod pool;
+pub mod runs;

@@ -21,6 +21,7 @@ use num_traits::{Float, One, Zero};
 
 use super::elementwise::PAR_THRESHOLD;
 use super::reduce::sum_slice;
+use crate::cpu::runs::{add_in_order, Runs};
 use crate::error::{Error, Result};
 use crate::tensor::{Real, Tensor};
 
@@ -500,12 +501,15 @@ fn ln_backward<C: Real>(
 ) -> (Option<Vec<C>>, Vec<C>, Vec<C>) {
     let inv_d = C::one() / C::from_f64(d as f64);
     let mut dx = vec![C::zero(); if need_dx { x.len() } else { 0 }];
-    let chunk = d.max(1);
-    let zeros = || (vec![C::zero(); d], vec![C::zero(); d]);
-    let row = |r: usize, dx_row: Option<&mut [C]>, acc: &mut (Vec<C>, Vec<C>)| {
+    // The parameters' gradients sum over rows: in runs fixed by the shape (each at least
+    // `PAR_THRESHOLD` values), added in run order, so the thread count changes no bit.
+    let rows = stats.len();
+    let runs = Runs::new(rows, 1, (PAR_THRESHOLD / d.max(1)).max(1));
+    // One run's partial: dweight in [..d], dbias in [d..].
+    let row = |r: usize, dx_row: Option<&mut [C]>, acc: &mut [C]| {
         let (mean, rstd) = stats[r];
         let (gr, xr) = (&g[r * d..][..d], &x[r * d..][..d]);
-        let (dweight, dbias) = acc;
+        let (dweight, dbias) = acc.split_at_mut(d);
         for j in 0..d {
             dbias[j] += gr[j];
             dweight[j] += gr[j] * ((xr[j] - mean) * rstd);
@@ -524,30 +528,28 @@ fn ln_backward<C: Real>(
             o[j] = rstd * (gr[j] * wj(j) - dnorm_mean - xhat * dnorm_norm_mean);
         }
     };
-    let add = |mut a: (Vec<C>, Vec<C>), b: (Vec<C>, Vec<C>)| {
-        a.0.iter_mut().zip(&b.0).for_each(|(x, y)| *x += *y);
-        a.1.iter_mut().zip(&b.1).for_each(|(x, y)| *x += *y);
-        a
+    let run = |r: usize, dx_run: Option<&mut [C]>| {
+        let mut acc = vec![C::zero(); 2 * d];
+        let rows = runs.range(r, stats.len());
+        match dx_run {
+            Some(dx_run) => {
+                for (i, o) in rows.zip(dx_run.chunks_exact_mut(d)) {
+                    row(i, Some(o), &mut acc);
+                }
+            }
+            None => rows.for_each(|i| row(i, None, &mut acc)),
+        }
+        acc
     };
-    let min_len = (PAR_THRESHOLD / chunk).max(1);
-    let (dweight, dbias) = if need_dx {
-        dx.par_chunks_mut(chunk)
+    let partials: Vec<Vec<C>> = if need_dx && d > 0 {
+        dx.par_chunks_mut(runs.len * d)
             .enumerate()
-            .with_min_len(min_len)
-            .fold(zeros, |mut acc, (r, o)| {
-                row(r, Some(o), &mut acc);
-                acc
-            })
-            .reduce(zeros, add)
+            .map(|(r, o)| run(r, Some(o)))
+            .collect()
     } else {
-        (0..stats.len())
-            .into_par_iter()
-            .with_min_len(min_len)
-            .fold(zeros, |mut acc, r| {
-                row(r, None, &mut acc);
-                acc
-            })
-            .reduce(zeros, add)
+        runs.map(|r| run(r, None))
     };
+    let mut dweight = add_in_order(partials, 2 * d);
+    let dbias = dweight.split_off(d);
     (need_dx.then_some(dx), dweight, dbias)
 }
