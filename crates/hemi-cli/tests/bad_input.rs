@@ -654,3 +654,27 @@ fn a_partial_cifar10_copy_is_named_not_replaced_by_synthetic_data() {
     let e = fails_with(&o, &["test_batch.bin"]);
     assert!(!text(&o).0.contains("synthetic"), "{e}");
 }
+
+/// A run's checkpoint does not depend on the thread count, so a run resumed with another
+/// `--threads` is still bit-identical.
+#[test]
+fn checkpoints_are_identical_for_1_2_and_3_threads() {
+    let t = tmp();
+    let mut first: Option<Vec<u8>> = None;
+    for n in ["1", "2", "3"] {
+        let ck = format!("ck{n}");
+        succeeds(&run(
+            t.path(),
+            &["--threads", n, "--checkpoint-dir", &ck, "--epochs", "2"],
+        ));
+        let bytes = [
+            read(&t.path().join(&ck).join("epoch-0002/model.safetensors")),
+            read(&t.path().join(&ck).join("epoch-0002/optimizer.safetensors")),
+        ]
+        .concat();
+        match &first {
+            None => first = Some(bytes),
+            Some(f) => assert!(*f == bytes, "--threads {n} gave other weights"),
+        }
+    }
+}
