@@ -63,6 +63,22 @@ fn cfg(dir: &Path, epochs: usize) -> TrainConfig {
     }
 }
 
+/// A checkpoint root holding `epochs` epochs of the `cfg` run.
+fn trained(epochs: usize) -> tempfile::TempDir {
+    let t = tmp();
+    let (tr, te) = loaders();
+    train(
+        &mut model(),
+        &tr,
+        &te,
+        &cfg(t.path(), epochs),
+        &info(),
+        &mut |_| {},
+    )
+    .unwrap();
+    t
+}
+
 fn bits(m: &dyn Module) -> Vec<(String, Vec<u32>)> {
     m.state_dict()
         .into_iter()
@@ -126,17 +142,7 @@ fn every_save_is_a_verified_directory_and_resume_takes_the_newest() {
 
 #[test]
 fn stray_temporaries_are_removed_and_a_moved_aside_checkpoint_is_restored() {
-    let t = tmp();
-    let (tr, te) = loaders();
-    train(
-        &mut model(),
-        &tr,
-        &te,
-        &cfg(t.path(), 1),
-        &info(),
-        &mut |_| {},
-    )
-    .unwrap();
+    let t = trained(1);
     let root = t.path();
     std::fs::create_dir(root.join(".tmp-epoch-0002-77")).unwrap();
     std::fs::write(root.join(".tmp-epoch-0002-77/model.safetensors"), b"x").unwrap();
@@ -151,17 +157,7 @@ fn stray_temporaries_are_removed_and_a_moved_aside_checkpoint_is_restored() {
 
 #[test]
 fn manifest_and_state_parsers_refuse_bad_input_without_panicking() {
-    let t = tmp();
-    let (tr, te) = loaders();
-    train(
-        &mut model(),
-        &tr,
-        &te,
-        &cfg(t.path(), 1),
-        &info(),
-        &mut |_| {},
-    )
-    .unwrap();
+    let t = trained(1);
     let d = t.path().join("epoch-0001");
     let manifest = std::fs::read(d.join("MANIFEST.json")).unwrap();
     let state = std::fs::read(d.join("state.json")).unwrap();
@@ -300,17 +296,8 @@ fn a_stop_request_checkpoints_mid_epoch_and_the_resume_is_bit_identical() {
 
 #[test]
 fn resume_refuses_other_settings_unless_overridden() {
-    let t = tmp();
+    let t = trained(1);
     let (tr, te) = loaders();
-    train(
-        &mut model(),
-        &tr,
-        &te,
-        &cfg(t.path(), 1),
-        &info(),
-        &mut |_| {},
-    )
-    .unwrap();
     let r = TrainConfig {
         resume: true,
         lr: 0.5,

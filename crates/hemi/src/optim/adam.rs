@@ -460,15 +460,7 @@ impl_optimizer!(AdamW, "AdamW");
 mod tests {
     use super::*;
 
-    /// Values in [-1, 1) with a spread of magnitudes, different for each `k`.
-    fn data(n: usize, k: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
-                x * [1.0, 1e-3, 37.0][i % 3]
-            })
-            .collect()
-    }
+    use crate::optim::optimizer::test_data as data;
 
     fn agree<const DECAY: u8, const AMSGRAD: bool>(lerp_small: bool) {
         let k = AdamScalars {

@@ -328,3 +328,15 @@ pub(crate) fn check_nonneg(op: &'static str, name: &str, v: f64) -> Result<()> {
         ))
     }
 }
+
+/// Values in [-1, 1) with a spread of magnitudes, different for each `k` (the optimizer
+/// kernels' unit tests).
+#[cfg(test)]
+pub(crate) fn test_data(n: usize, k: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
+            x * [1.0, 1e-3, 37.0][i % 3]
+        })
+        .collect()
+}

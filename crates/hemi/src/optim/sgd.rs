@@ -289,15 +289,7 @@ impl Optimizer for Sgd {
 mod tests {
     use super::*;
 
-    /// Values in [-1, 1) with a spread of magnitudes, different for each `k`.
-    fn data(n: usize, k: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
-                x * [1.0, 1e-3, 37.0][i % 3]
-            })
-            .collect()
-    }
+    use crate::optim::optimizer::test_data as data;
 
     fn agree<const WD: bool, const M: bool, const F: bool, const N: bool>() {
         let s = SgdScalars {
