@@ -38,6 +38,10 @@ pub enum Error {
     #[error("{op}: invalid argument: {msg}")]
     Arg { op: &'static str, msg: String },
 
+    /// A device that is absent, unusable or mixed with another in one op (names both).
+    #[error("{op}: device error: {msg}")]
+    Device { op: &'static str, msg: String },
+
     /// Misuse of autograd (backward from a non-scalar, from a tensor without a graph...).
     #[error("autograd: {0}")]
     Autograd(String),
@@ -72,6 +76,12 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub fn shape(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Shape {
+            op,
+            msg: msg.into(),
+        }
+    }
+    pub fn device(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Device {
             op,
             msg: msg.into(),
         }

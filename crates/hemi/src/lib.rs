@@ -10,6 +10,7 @@ pub mod amp;
 pub mod autograd;
 pub mod cpu;
 pub mod data;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod io;

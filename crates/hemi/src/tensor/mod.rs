@@ -20,12 +20,7 @@ use crate::autograd::{self, Node};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-/// Where a tensor's storage lives. Only the CPU for now; a CUDA backend adds a variant.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum Device {
-    #[default]
-    Cpu,
-}
+pub use crate::device::Device;
 
 /// Identity of a tensor handle (not of its storage), used by autograd and caches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,0 +1,116 @@
+//! Where a tensor's storage lives: the CPU, or a CUDA GPU by ordinal. Every tensor carries
+//! its device; ops refuse to mix devices (`Device::check_same`), and `Tensor::to_device`
+//! moves data between them.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// A device: the host CPU, or CUDA GPU number `n` (`cuda:n`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+impl Device {
+    pub fn is_cpu(self) -> bool {
+        self == Device::Cpu
+    }
+
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    /// Errors, naming both devices and the op, unless every device in `devices` is the same.
+    pub fn check_same(op: &'static str, devices: &[Device]) -> Result<Device> {
+        let first = devices.first().copied().unwrap_or_default();
+        if let Some(other) = devices.iter().find(|d| **d != first) {
+            return Err(Error::device(
+                op,
+                format!(
+                    "expected all tensors on one device, found {first} and {other} \
+                     (move one with to_device)"
+                ),
+            ));
+        }
+        Ok(first)
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does.
+    fn from_str(s: &str) -> Result<Device> {
+        let bad = |why: &str| {
+            Error::device(
+                "device",
+                format!("cannot parse {s:?} as a device ({why}); expected cpu, cuda or cuda:N"),
+            )
+        };
+        match s.trim() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            t => match t.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n < 1 << 16)
+                    .map(Device::Cuda)
+                    .ok_or_else(|| bad("the ordinal is not a small non-negative integer")),
+                None => Err(bad("unknown device kind")),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints_like_torch_device() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        for bad in [
+            "",
+            "tpu",
+            "cuda:",
+            "cuda:-1",
+            "cuda:x",
+            "cuda:99999999999999999999",
+        ] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains("cannot parse"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn mixed_devices_are_an_error_naming_both() {
+        assert_eq!(
+            Device::check_same("add", &[Device::Cpu, Device::Cpu]).unwrap(),
+            Device::Cpu
+        );
+        let e = Device::check_same("add", &[Device::Cpu, Device::Cuda(1)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("add") && e.contains("cpu") && e.contains("cuda:1"),
+            "{e}"
+        );
+    }
+}
