@@ -8,6 +8,7 @@
 
 pub mod amp;
 pub mod autograd;
+pub mod backend;
 pub mod cpu;
 pub mod data;
 pub mod device;

@@ -136,3 +136,29 @@ fn overflowing_shapes_are_errors() {
         .to_string();
     assert!(e.contains("too many elements"), "{e}");
 }
+
+#[test]
+fn devices_are_real_and_cuda_without_its_backend_is_an_error() {
+    use hemi::nn::Module;
+    use hemi::Device;
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    assert_eq!(x.device(), Device::Cpu);
+    // Moving to where it already is returns the same handle.
+    assert!(x.to_device(Device::Cpu).unwrap().same_storage(&x));
+    let mut rng = Generator::new(1);
+    let mut net = hemi::models::Mlp::new(4, 3, 2, &mut rng).unwrap();
+    let e = x
+        .t()
+        .unwrap()
+        .to_device(Device::Cuda(0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cuda:0") && e.contains("--features cuda"), "{e}");
+    let before: Vec<Vec<f32>> = net.parameters().iter().map(|p| p.to_vec_f32()).collect();
+    let e = net.to_device(Device::Cuda(1)).unwrap_err().to_string();
+    assert!(e.contains("cuda:1"), "{e}");
+    net.to_device(Device::Cpu).unwrap();
+    let after: Vec<Vec<f32>> = net.parameters().iter().map(|p| p.to_vec_f32()).collect();
+    assert_eq!(before, after);
+    assert!(net.parameters().iter().all(|p| p.device() == Device::Cpu));
+}

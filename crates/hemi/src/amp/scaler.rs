@@ -521,7 +521,7 @@ pub(crate) fn unscale_f32(g: &Tensor, inv: f32) -> (Vec<f32>, bool) {
     let range = g.layout().contiguous_range();
     let mut out = vec![0f32; g.numel()];
     let mut bad = false;
-    match (&*storage, range) {
+    match (storage.as_cpu(), range) {
         (CpuStorage::F32(v), Some(r)) => {
             for (o, &x) in out.iter_mut().zip(&v[r]) {
                 bad |= !x.is_finite();

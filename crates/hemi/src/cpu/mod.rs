@@ -8,3 +8,4 @@ pub mod gemm;
 pub mod gemm_half;
 pub mod pool;
 pub mod runs;
+pub mod storage;

@@ -70,7 +70,7 @@ fn st_dtype(d: DType) -> StDtype {
 
 /// Little-endian bytes of a tensor's elements in row-major order.
 fn tensor_bytes(t: &Tensor) -> Vec<u8> {
-    match t.storage().gather(t.layout()) {
+    match t.storage().as_cpu().gather(t.layout()) {
         CpuStorage::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         CpuStorage::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         CpuStorage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -167,7 +167,7 @@ pub fn from_safetensors_bytes(
         out.push((
             name,
             Tensor::from_storage(
-                std::sync::Arc::new(storage),
+                std::sync::Arc::new(storage.into()),
                 crate::tensor::Layout::contiguous(&shape),
             ),
         ));

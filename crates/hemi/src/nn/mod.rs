@@ -148,6 +148,24 @@ pub trait Module: Send {
         Ok(())
     }
 
+    /// Moves every tensor to `device` (PyTorch's `model.to(device)`). Parameters become new
+    /// leaves on that device: build optimizers afterwards (their state is created where
+    /// the parameters are).
+    fn to_device(&mut self, device: crate::Device) -> Result<()> {
+        for slot in self.tensors_mut() {
+            if slot.tensor.device() == device {
+                continue;
+            }
+            let moved = slot.tensor.detach().to_device(device)?;
+            let fresh = Tensor::from_storage(moved.storage(), moved.layout().clone());
+            if slot.kind == Kind::Parameter {
+                fresh.set_requires_grad(true)?;
+            }
+            *slot.tensor = fresh;
+        }
+        Ok(())
+    }
+
     /// Clears the gradients of all parameters.
     fn zero_grad(&self) {
         for p in self.parameters() {

@@ -303,8 +303,8 @@ fn conv_block(
     let (out, idx) = {
         let (xs, ws) = (x.storage(), w_saved.storage());
         let b = bias.map(|b| b.values::<f32>());
-        Src::of(&xs, x.layout())
-            .zip(Src::of(&ws, w_saved.layout()))
+        Src::of(xs.as_cpu(), x.layout())
+            .zip(Src::of(ws.as_cpu(), w_saved.layout()))
             .and_then(|(xsrc, wsrc)| forward(xsrc, wsrc, b.as_deref(), &geom))
             .ok_or_else(|| Error::dtype(op, dtype, "expected F32, F16 or BF16 of one dtype"))?
     };
@@ -315,21 +315,21 @@ fn conv_block(
     let mut inputs = vec![input, weight];
     inputs.extend(bias);
     Ok(Tensor::from_op(
-        Arc::new(out),
+        Arc::new(out.into()),
         Layout::contiguous(&pooled_shape(&geom)),
         op,
         &inputs,
         move |g| {
             let g = contiguous_as(g, dtype)?;
             let (gs, xs, ws) = (g.storage(), x_saved.storage(), w_saved.storage());
-            let grads = Src::of(&gs, g.layout())
-                .zip(Src::of(&xs, x_saved.layout()))
-                .zip(Src::of(&ws, w_saved.layout()))
+            let grads = Src::of(gs.as_cpu(), g.layout())
+                .zip(Src::of(xs.as_cpu(), x_saved.layout()))
+                .zip(Src::of(ws.as_cpu(), w_saved.layout()))
                 .and_then(|((dy, x), w)| backward(dy, &idx, x, w, &geom, want_dx))
                 .ok_or_else(|| Error::dtype(op, g.dtype(), "gradient of the block"))?;
-            let dx = grads
-                .dx
-                .map(|st| Tensor::from_storage(Arc::new(st), Layout::contiguous(x_saved.shape())));
+            let dx = grads.dx.map(|st| {
+                Tensor::from_storage(Arc::new(st.into()), Layout::contiguous(x_saved.shape()))
+            });
             let mut out = vec![
                 dx,
                 Some(Tensor::from_values(grads.dw, w_saved.shape(), dtype)),
@@ -377,8 +377,8 @@ fn conv2d_half(
     let out = {
         let (xs, ws) = (x_saved.storage(), w_saved.storage());
         let b = bias.map(|b| b.values::<f32>());
-        let xsrc = Src::of(&xs, x_saved.layout())?;
-        let wsrc = Src::of(&ws, w_saved.layout())?;
+        let xsrc = Src::of(xs.as_cpu(), x_saved.layout())?;
+        let wsrc = Src::of(ws.as_cpu(), w_saved.layout())?;
         conv2d_forward_blocks(xsrc, wsrc, b.as_deref(), geom)?
     };
     let mut inputs = vec![x, weight];
@@ -386,22 +386,22 @@ fn conv2d_half(
     let has_bias = bias.is_some();
     let geom = *geom;
     Some(Tensor::from_op(
-        Arc::new(out),
+        Arc::new(out.into()),
         Layout::contiguous(&geom.out_shape()),
         OP,
         &inputs,
         move |g| {
             let g = contiguous_as(g, dtype)?;
             let gs = g.storage();
-            let dy = Src::of(&gs, g.layout())
+            let dy = Src::of(gs.as_cpu(), g.layout())
                 .ok_or_else(|| Error::dtype(OP, g.dtype(), "gradient of a half conv2d"))?;
             let dx = if want.0 {
                 let ws = w_saved.storage();
-                let wsrc = Src::of(&ws, w_saved.layout()).expect("checked in the forward");
+                let wsrc = Src::of(ws.as_cpu(), w_saved.layout()).expect("checked in the forward");
                 let st = conv2d_backward_input_blocks(dy, wsrc, &geom)
                     .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
                 Some(Tensor::from_storage(
-                    Arc::new(st),
+                    Arc::new(st.into()),
                     Layout::contiguous(x_saved.shape()),
                 ))
             } else {
@@ -409,7 +409,7 @@ fn conv2d_half(
             };
             let dw = if want.1 {
                 let xs = x_saved.storage();
-                let xsrc = Src::of(&xs, x_saved.layout()).expect("checked in the forward");
+                let xsrc = Src::of(xs.as_cpu(), x_saved.layout()).expect("checked in the forward");
                 let dw = conv2d_backward_weight_blocks(xsrc, dy, &geom)
                     .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
                 Some(Tensor::from_values(dw, w_saved.shape(), dtype))

@@ -385,7 +385,7 @@ pub(crate) fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
     }
     crate::with_compute!(dtype, C => {
         let out = x.with_values::<C, _>(|v| specialize!(op, o => map(v, |v| o.f(v))));
-        let storage = std::sync::Arc::new(C::store(out, dtype));
+        let storage = std::sync::Arc::new(crate::tensor::Storage::from(C::store(out, dtype)));
         let layout = crate::tensor::Layout::contiguous(x.shape());
         // The backward keeps what it needs: the output (a detached handle on the same
         // storage, so the node does not hold its own output) or the input.
@@ -417,7 +417,7 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
     use crate::cpu::chunked::{map1, map2, Src};
     let dtype = x.dtype();
     let xs = x.storage();
-    let src = Src::of(&xs, x.layout())?;
+    let src = Src::of(xs.as_cpu(), x.layout())?;
     // The variant is matched once per chunk, inside the kernel, so that each arm's loop is
     // compiled for a constant variant (a match outside the closure leaves `op` a captured
     // runtime value and the loop dispatches per element).
@@ -426,7 +426,7 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
             *y = o.f(v);
         })
     })?;
-    let storage = std::sync::Arc::new(out);
+    let storage = std::sync::Arc::new(crate::tensor::Storage::from(out));
     let layout = crate::tensor::Layout::contiguous(x.shape());
     let uses_out = op.backward_needs_output();
     let saved = if uses_out {
@@ -441,7 +441,10 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
         &[x],
         move |g| {
             let (gs, ss) = (g.storage(), saved.storage());
-            let chunked = match (Src::of(&gs, g.layout()), Src::of(&ss, saved.layout())) {
+            let chunked = match (
+                Src::of(gs.as_cpu(), g.layout()),
+                Src::of(ss.as_cpu(), saved.layout()),
+            ) {
                 (Some(gv), Some(sv)) => map2(gv, sv, g.dtype(), move |g, s, out| {
                     specialize!(op, o => if uses_out {
                         for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
@@ -456,9 +459,10 @@ fn unary_chunked(x: &Tensor, op: Unary) -> Option<Tensor> {
                 _ => None,
             };
             let gi = match chunked {
-                Some(st) => {
-                    Tensor::from_storage(std::sync::Arc::new(st), Layout::contiguous(g.shape()))
-                }
+                Some(st) => Tensor::from_storage(
+                    std::sync::Arc::new(st.into()),
+                    Layout::contiguous(g.shape()),
+                ),
                 None => crate::with_compute!(g.dtype(), D => {
                     let gv = g.values::<D>();
                     let sv = saved.values::<D>();

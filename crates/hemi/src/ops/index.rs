@@ -15,7 +15,7 @@ use super::elementwise::promote_all;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::{CpuStorage, Layout, Tensor};
+use crate::tensor::{CpuStorage, Layout, Storage, Tensor};
 
 /// A storage element type: the typed buffer inside a `CpuStorage` and back.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
@@ -120,7 +120,7 @@ fn gather_along(
     let inner: usize = shape[dim + 1..].iter().product();
     let storage = x.storage();
     let out = with_elem!(x.dtype(), T => {
-        let src = elems::<T>(&storage, x.layout());
+        let src = elems::<T>(storage.as_cpu(), x.layout());
         let mut out = Vec::with_capacity(outer * idx.len() * inner);
         for o in 0..outer {
             for &i in &idx {
@@ -132,7 +132,7 @@ fn gather_along(
     let dtype = x.dtype();
     let idx = Arc::new(idx);
     Tensor::from_op(
-        Arc::new(out),
+        Arc::new(out.into()),
         Layout::contiguous(&out_shape),
         op,
         &[x],
@@ -251,21 +251,21 @@ impl Tensor {
         let mut out_shape = base.to_vec();
         out_shape[d] = total;
         // Each input in the output dtype (a cast only where the dtypes differ).
-        let parts: Vec<(Arc<CpuStorage>, Layout)> = tensors
+        let parts: Vec<(Arc<Storage>, Layout)> = tensors
             .iter()
             .map(|t| {
-                if t.dtype() == dtype {
+                Ok(if t.dtype() == dtype {
                     (t.storage(), t.layout().clone())
                 } else {
                     (
-                        Arc::new(t.storage().cast(t.layout(), dtype)),
+                        Arc::new(t.storage().cast(t.layout(), dtype)?),
                         Layout::contiguous(t.shape()),
                     )
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let out = with_elem!(dtype, T => {
-            let srcs: Vec<Cow<[T]>> = parts.iter().map(|(s, l)| elems::<T>(s, l)).collect();
+            let srcs: Vec<Cow<[T]>> = parts.iter().map(|(s, l)| elems::<T>(s.as_cpu(), l)).collect();
             let mut out = Vec::with_capacity(outer * total * inner);
             for o in 0..outer {
                 for (src, &len) in srcs.iter().zip(&lens) {
@@ -275,7 +275,7 @@ impl Tensor {
             T::wrap(out)
         });
         Ok(Tensor::from_op(
-            Arc::new(out),
+            Arc::new(out.into()),
             Layout::contiguous(&out_shape),
             OP,
             tensors,

@@ -129,7 +129,7 @@ fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
         let y = rows.map([&xv[..]], |[x], y| {
             if log { log_softmax_row(x, y) } else { softmax_row(x, y) }
         });
-        let storage = Arc::new(C::store(y, dtype));
+        let storage = Arc::new(crate::tensor::Storage::from(C::store(y, dtype)));
         let layout = Layout::contiguous(x.shape());
         // Both backwards need only the output: keep it as a detached handle on its storage.
         let y = Tensor::from_storage(storage.clone(), layout.clone());

@@ -218,8 +218,8 @@ fn product<C: Real>(a: &Tensor, b: &Tensor, batch: &[usize], bias: Option<&[C]>)
     let accumulate = bias.is_some();
     let (sa, sb) = (a.storage(), b.storage());
     let (oa, ob) = (
-        Operand::<C>::new(&sa, a.layout()),
-        Operand::<C>::new(&sb, b.layout()),
+        Operand::<C>::new(sa.as_cpu(), a.layout()),
+        Operand::<C>::new(sb.as_cpu(), b.layout()),
     );
 
     // Every matrix of a against the same b: one tall product (a linear layer's case).

@@ -145,7 +145,7 @@ impl Tensor {
             let out = Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
                 // Half precision: plane by plane in F32, rounded into the half gradient.
                 let ds = dy.storage();
-                if let (true, Some(src)) = (dtype.is_half(), crate::cpu::chunked::Src::of(&ds, dy.layout())) {
+                if let (true, Some(src)) = (dtype.is_half(), crate::cpu::chunked::Src::of(ds.as_cpu(), dy.layout())) {
                     let n_out = g.out_plane();
                     let st = crate::cpu::chunked::per_block(g.planes, g.in_plane(), dtype, |p, dx| {
                         let mut buf = vec![0f32; n_out];
@@ -156,7 +156,7 @@ impl Tensor {
                     })
                     .expect("half dtype");
                     let layout = crate::tensor::Layout::contiguous(&in_shape);
-                    return Ok(vec![Some(Tensor::from_storage(std::sync::Arc::new(st), layout))]);
+                    return Ok(vec![Some(Tensor::from_storage(std::sync::Arc::new(st.into()), layout))]);
                 }
                 let dx = dy.with_values::<C, _>(|dy| max_pool2d_backward(dy, &saved, &g));
                 Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])

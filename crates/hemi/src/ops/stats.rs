@@ -361,7 +361,7 @@ impl Tensor {
         let x = self.detach();
         crate::with_compute!(dtype, C => {
             let out = p.with_values::<C, _>(|v| reduce_rows(v, outer, inner, |r| ext.find(r).0));
-            let storage = Arc::new(C::store(out, dtype));
+            let storage = Arc::new(crate::tensor::Storage::from(C::store(out, dtype)));
             let layout = crate::tensor::Layout::contiguous(&out_shape);
             // The backward keeps the output values through a detached handle on its storage
             // (not the output tensor itself, which would own its own node).

@@ -186,6 +186,6 @@ impl Tensor {
                 ),
             ));
         }
-        Ok(Tensor::from_storage(Arc::new(storage), layout))
+        Ok(Tensor::from_storage(Arc::new(storage.into()), layout))
     }
 }

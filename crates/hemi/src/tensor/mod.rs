@@ -13,8 +13,9 @@ pub mod view;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+pub use crate::cpu::storage::{CpuStorage, Real};
 pub use layout::Layout;
-pub use storage::{CpuStorage, Real};
+pub use storage::Storage;
 
 use crate::autograd::{self, Node};
 use crate::dtype::{DType, Element};
@@ -35,7 +36,7 @@ impl TensorId {
 
 pub(crate) struct TensorImpl {
     id: TensorId,
-    storage: RwLock<Arc<CpuStorage>>,
+    storage: RwLock<Arc<Storage>>,
     layout: Layout,
     dtype: DType,
     device: Device,
@@ -83,14 +84,14 @@ impl Tensor {
     // ----- construction from parts -------------------------------------------------------
 
     /// A tensor over `storage` with `layout`, outside any graph.
-    pub fn from_storage(storage: Arc<CpuStorage>, layout: Layout) -> Tensor {
-        let dtype = storage.dtype();
+    pub fn from_storage(storage: Arc<Storage>, layout: Layout) -> Tensor {
+        let (dtype, device) = (storage.dtype(), storage.device());
         Tensor(Arc::new(TensorImpl {
             id: TensorId::next(),
             storage: RwLock::new(storage),
             layout,
             dtype,
-            device: Device::Cpu,
+            device,
             requires_grad: AtomicBool::new(false),
             grad_fn: None,
             grad: Mutex::new(None),
@@ -98,7 +99,8 @@ impl Tensor {
     }
 
     /// A contiguous tensor of `shape` owning `storage` (whose length must be the numel).
-    pub(crate) fn from_contiguous(storage: CpuStorage, shape: &[usize]) -> Tensor {
+    pub(crate) fn from_contiguous(storage: impl Into<Storage>, shape: &[usize]) -> Tensor {
+        let storage = storage.into();
         debug_assert_eq!(storage.len(), shape.iter().product::<usize>());
         Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape))
     }
@@ -107,14 +109,14 @@ impl Tensor {
     /// requires grad. `backward` maps the output's gradient to one gradient per input
     /// (`None` for inputs that get none); autograd casts each to its input's dtype.
     pub(crate) fn from_op(
-        storage: Arc<CpuStorage>,
+        storage: Arc<Storage>,
         layout: Layout,
         op: &'static str,
         inputs: &[&Tensor],
         backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
     ) -> Tensor {
         let needs_grad = autograd::is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
-        let dtype = storage.dtype();
+        let (dtype, device) = (storage.dtype(), storage.device());
         let grad_fn = needs_grad.then(|| {
             Arc::new(Node {
                 op,
@@ -127,7 +129,7 @@ impl Tensor {
             storage: RwLock::new(storage),
             layout,
             dtype,
-            device: Device::Cpu,
+            device,
             requires_grad: AtomicBool::new(needs_grad),
             grad_fn,
             grad: Mutex::new(None),
@@ -145,7 +147,7 @@ impl Tensor {
     ) -> Tensor {
         debug_assert_eq!(values.len(), shape.iter().product::<usize>());
         Tensor::from_op(
-            Arc::new(C::store(values, dtype)),
+            Arc::new(C::store(values, dtype).into()),
             Layout::contiguous(shape),
             op,
             inputs,
@@ -195,7 +197,7 @@ impl Tensor {
         Ok(self.shape()[self.0.layout.dim("dim", d)?])
     }
     /// The shared storage (cheap: clones an `Arc`).
-    pub fn storage(&self) -> Arc<CpuStorage> {
+    pub fn storage(&self) -> Arc<Storage> {
         self.0
             .storage
             .read()
@@ -313,7 +315,7 @@ impl Tensor {
         let new = if whole(src) {
             src.storage()
         } else {
-            Arc::new(src.storage().gather(src.layout()))
+            Arc::new(src.storage().copy_strided(src.layout())?)
         };
         *self.0.storage.write().expect("storage lock poisoned") = new;
         Ok(())
@@ -323,15 +325,15 @@ impl Tensor {
 
     /// All elements in row-major order, converted to F32.
     pub fn to_vec_f32(&self) -> Vec<f32> {
-        self.storage().to_f32(self.layout()).into_owned()
+        self.storage().as_cpu().to_f32(self.layout()).into_owned()
     }
     /// All elements in row-major order, converted to F64 (exact for every float dtype).
     pub fn to_vec_f64(&self) -> Vec<f64> {
-        self.storage().to_f64(self.layout()).into_owned()
+        self.storage().as_cpu().to_f64(self.layout()).into_owned()
     }
     /// All elements in row-major order as i64 (floats truncate).
     pub fn to_vec_i64(&self) -> Vec<i64> {
-        self.storage().to_i64(self.layout()).into_owned()
+        self.storage().as_cpu().to_i64(self.layout()).into_owned()
     }
     /// All elements as their own Rust type; errors if `T` is not the tensor's dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
@@ -342,7 +344,7 @@ impl Tensor {
                 format!("asked for {}", T::DTYPE),
             ));
         }
-        let s = self.storage().gather(self.layout());
+        let s = self.storage().as_cpu().gather(self.layout());
         // The match proves the element type; the Any downcast turns Vec<X> into Vec<T>.
         let any: Box<dyn std::any::Any> = match s {
             CpuStorage::F16(v) => Box::new(v),
@@ -367,14 +369,14 @@ impl Tensor {
     /// Values in the compute type `C`, contiguous (borrowed when no conversion is needed is
     /// not possible through the lock, so this returns an owned or shared buffer).
     pub(crate) fn values<C: Real>(&self) -> Vec<C> {
-        C::load(&self.storage(), self.layout()).into_owned()
+        C::load(self.storage().as_cpu(), self.layout()).into_owned()
     }
 
     /// Runs `f` on the values in compute type `C` without copying when the tensor is
     /// already contiguous in that type.
     pub(crate) fn with_values<C: Real, R>(&self, f: impl FnOnce(&[C]) -> R) -> R {
         let s = self.storage();
-        let v = C::load(&s, self.layout());
+        let v = C::load(s.as_cpu(), self.layout());
         f(&v)
     }
 
@@ -392,7 +394,7 @@ impl Tensor {
                 "casting a tensor that requires grad to an integer dtype",
             ));
         }
-        let out = self.storage().cast(self.layout(), dtype);
+        let out = self.storage().cast(self.layout(), dtype)?;
         Ok(Tensor::from_op(
             Arc::new(out),
             Layout::contiguous(self.shape()),
@@ -402,12 +404,33 @@ impl Tensor {
         ))
     }
 
+    /// The same values on `device` (differentiable: the gradient moves back), as PyTorch's
+    /// `tensor.to(device)`. Returns `self` when it is already there; an error names the
+    /// device when it is absent or hemi was built without its backend.
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        let src_device = self.device();
+        if device == src_device {
+            return Ok(self.clone());
+        }
+        let out = self
+            .storage()
+            .copy_strided(self.layout())?
+            .to_device(device)?;
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(self.shape()),
+            "to_device",
+            &[self],
+            move |g| Ok(vec![Some(g.to_device(src_device)?)]),
+        ))
+    }
+
     /// A contiguous copy of this tensor, or itself when already contiguous.
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
-        let out = self.storage().gather(self.layout());
+        let out = self.storage().copy_strided(self.layout())?;
         Ok(Tensor::from_op(
             Arc::new(out),
             Layout::contiguous(self.shape()),

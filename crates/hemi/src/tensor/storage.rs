@@ -1,42 +1,53 @@
-//! CPU storage: one typed buffer per dtype, and the bridges between storage dtypes and the
-//! compute types (F32, or F64 for F64 tensors) that kernels work in.
+//! `Storage`: a tensor's buffer, on one backend. The enum is the backend boundary: code above
+//! it (ops, autograd, nn, amp, optim, io) calls `Storage`'s methods, which dispatch to the
+//! backend's implementation of `BackendStorage` (`crate::backend`); nothing above matches on
+//! a backend's own buffer type.
+//!
+//! A CUDA variant joins `Cpu` behind the `cuda` feature once its kernels implement the trait.
 
 use std::borrow::Cow;
 
-use half::{bf16, f16};
+use crate::backend::BackendStorage;
+use crate::cpu::storage::CpuStorage;
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Layout;
 
-use super::layout::Layout;
-use crate::dtype::{convert, DType};
-
-/// A flat buffer of elements on the CPU.
+/// A tensor's buffer on one device.
 #[derive(Clone, Debug)]
-pub enum CpuStorage {
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    I64(Vec<i64>),
+pub enum Storage {
+    Cpu(CpuStorage),
 }
 
-impl CpuStorage {
-    pub fn dtype(&self) -> DType {
-        match self {
-            CpuStorage::F16(_) => DType::F16,
-            CpuStorage::BF16(_) => DType::BF16,
-            CpuStorage::F32(_) => DType::F32,
-            CpuStorage::F64(_) => DType::F64,
-            CpuStorage::I64(_) => DType::I64,
+impl From<CpuStorage> for Storage {
+    fn from(s: CpuStorage) -> Storage {
+        Storage::Cpu(s)
+    }
+}
+
+/// Runs `$body` with `$s` bound to the backend buffer inside `$storage`, wrapping a returned
+/// buffer back into the same variant.
+macro_rules! dispatch {
+    ($storage:expr, $s:ident => $body:expr) => {
+        match $storage {
+            Storage::Cpu($s) => $body,
         }
+    };
+}
+
+impl Storage {
+    pub fn device(&self) -> Device {
+        dispatch!(self, s => BackendStorage::device(s))
     }
 
+    pub fn dtype(&self) -> DType {
+        dispatch!(self, s => BackendStorage::dtype(s))
+    }
+
+    /// Number of elements in the buffer (not of a view over it).
     pub fn len(&self) -> usize {
-        match self {
-            CpuStorage::F16(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::I64(v) => v.len(),
-        }
+        dispatch!(self, s => BackendStorage::len(s))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -47,217 +58,48 @@ impl CpuStorage {
         self.len() * self.dtype().size_in_bytes()
     }
 
-    /// Copies the elements addressed by `layout` into a new contiguous storage.
-    pub fn gather(&self, layout: &Layout) -> CpuStorage {
+    /// The elements addressed by `layout`, copied into a new contiguous buffer on the same
+    /// device.
+    pub fn copy_strided(&self, layout: &Layout) -> Result<Storage> {
+        Ok(dispatch!(self, s => Storage::Cpu(BackendStorage::copy_strided(s, layout)?)))
+    }
+
+    /// The elements addressed by `layout` converted to `dtype` (contiguous, same device):
+    /// round-to-nearest-even, overflow to ±inf, NaN kept.
+    pub fn cast(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
+        Ok(dispatch!(self, s => Storage::Cpu(BackendStorage::cast(s, layout, dtype)?)))
+    }
+
+    /// The whole buffer as a host buffer: borrowed on the CPU, copied from other devices.
+    pub fn to_cpu(&self) -> Result<Cow<'_, CpuStorage>> {
         match self {
-            CpuStorage::F16(v) => CpuStorage::F16(layout.gather(v)),
-            CpuStorage::BF16(v) => CpuStorage::BF16(layout.gather(v)),
-            CpuStorage::F32(v) => CpuStorage::F32(layout.gather(v)),
-            CpuStorage::F64(v) => CpuStorage::F64(layout.gather(v)),
-            CpuStorage::I64(v) => CpuStorage::I64(layout.gather(v)),
+            Storage::Cpu(s) => Ok(Cow::Borrowed(s)),
         }
     }
 
-    /// The elements addressed by `layout` converted to F32 (one bulk conversion).
-    pub fn to_f32(&self, layout: &Layout) -> Cow<'_, [f32]> {
-        if let CpuStorage::F32(v) = self {
-            if let Some(r) = layout.contiguous_range() {
-                return Cow::Borrowed(&v[r]);
-            }
-            return Cow::Owned(layout.gather(v));
+    /// A buffer holding the same elements on `device`.
+    pub fn to_device(&self, device: Device) -> Result<Storage> {
+        if device == self.device() {
+            return Ok(self.clone());
         }
-        let g = self.gather_cow(layout);
-        let mut out = vec![0f32; layout.numel()];
-        match &*g {
-            CpuStorage::F16(v) => convert::f16_to_f32(v, &mut out),
-            CpuStorage::BF16(v) => convert::bf16_to_f32(v, &mut out),
-            CpuStorage::F64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
-            CpuStorage::I64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
-            CpuStorage::F32(_) => unreachable!(),
+        let host = self.to_cpu()?;
+        match device {
+            Device::Cpu => Ok(Storage::Cpu(host.into_owned())),
+            Device::Cuda(_) => Err(crate::error::Error::device(
+                "to_device",
+                format!(
+                    "cannot place a tensor on {device}: hemi was built without the `cuda` \
+                     feature (rebuild with `--features cuda`)"
+                ),
+            )),
         }
-        Cow::Owned(out)
     }
 
-    /// The elements addressed by `layout` converted to F64.
-    pub fn to_f64(&self, layout: &Layout) -> Cow<'_, [f64]> {
-        if let CpuStorage::F64(v) = self {
-            if let Some(r) = layout.contiguous_range() {
-                return Cow::Borrowed(&v[r]);
-            }
-            return Cow::Owned(layout.gather(v));
-        }
-        let g = self.gather_cow(layout);
-        let mut out = vec![0f64; layout.numel()];
-        match &*g {
-            CpuStorage::F16(v) => convert::f16_to_f64(v, &mut out),
-            CpuStorage::BF16(v) => convert::bf16_to_f64(v, &mut out),
-            CpuStorage::F32(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = f64::from(*x)),
-            CpuStorage::I64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f64),
-            CpuStorage::F64(_) => unreachable!(),
-        }
-        Cow::Owned(out)
-    }
-
-    /// The elements addressed by `layout` as i64 (floats truncate toward zero).
-    pub fn to_i64(&self, layout: &Layout) -> Cow<'_, [i64]> {
+    /// The host buffer of a CPU storage, for kernels not yet behind `BackendStorage`.
+    /// Transitional: each remaining call is an op that still runs on the host only.
+    pub(crate) fn as_cpu(&self) -> &CpuStorage {
         match self {
-            CpuStorage::I64(v) => match layout.contiguous_range() {
-                Some(r) => Cow::Borrowed(&v[r]),
-                None => Cow::Owned(layout.gather(v)),
-            },
-            _ => Cow::Owned(self.to_f64(layout).iter().map(|&x| x as i64).collect()),
+            Storage::Cpu(s) => s,
         }
     }
-
-    fn gather_cow(&self, layout: &Layout) -> Cow<'_, CpuStorage> {
-        match layout.contiguous_range() {
-            Some(r) if r.start == 0 && r.end == self.len() => Cow::Borrowed(self),
-            _ => Cow::Owned(self.gather(layout)),
-        }
-    }
-
-    /// Rounds F32 values into a storage of `dtype` (one bulk conversion, nearest-even).
-    pub fn from_f32(v: Vec<f32>, dtype: DType) -> CpuStorage {
-        match dtype {
-            DType::F32 => CpuStorage::F32(v),
-            DType::F16 => {
-                let mut out = vec![f16::ZERO; v.len()];
-                convert::f32_to_f16(&v, &mut out);
-                CpuStorage::F16(out)
-            }
-            DType::BF16 => {
-                let mut out = vec![bf16::ZERO; v.len()];
-                convert::f32_to_bf16(&v, &mut out);
-                CpuStorage::BF16(out)
-            }
-            DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
-            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
-        }
-    }
-
-    /// Rounds F64 values into a storage of `dtype` (a single rounding).
-    pub fn from_f64(v: Vec<f64>, dtype: DType) -> CpuStorage {
-        match dtype {
-            DType::F64 => CpuStorage::F64(v),
-            DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
-            DType::F16 => {
-                let mut out = vec![f16::ZERO; v.len()];
-                convert::f64_to_f16(&v, &mut out);
-                CpuStorage::F16(out)
-            }
-            DType::BF16 => {
-                let mut out = vec![bf16::ZERO; v.len()];
-                convert::f64_to_bf16(&v, &mut out);
-                CpuStorage::BF16(out)
-            }
-            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
-        }
-    }
-
-    /// Converts the addressed elements to `dtype` (contiguous result).
-    pub fn cast(&self, layout: &Layout, dtype: DType) -> CpuStorage {
-        if dtype == self.dtype() {
-            return self.gather(layout);
-        }
-        match (self, dtype) {
-            (CpuStorage::I64(_), _)
-            | (_, DType::I64)
-            | (CpuStorage::F64(_), _)
-            | (_, DType::F64) => CpuStorage::from_f64(self.to_f64(layout).into_owned(), dtype),
-            _ => CpuStorage::from_f32(self.to_f32(layout).into_owned(), dtype),
-        }
-    }
-}
-
-/// A compute type: the float type kernels do arithmetic in. Every storage dtype maps to one:
-/// F64 to `f64`, everything else to `f32` (the precision contract: sums in at least F32).
-pub trait Real:
-    num_traits::Float
-    + std::iter::Sum
-    + std::ops::AddAssign
-    + std::ops::SubAssign
-    + std::ops::MulAssign
-    + std::fmt::Debug
-    + Default
-    + Send
-    + Sync
-    + 'static
-{
-    const DTYPE: DType;
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
-    fn erf(self) -> Self;
-    /// The addressed elements of `s`, converted to this type.
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]>;
-    /// Rounds values of this type into a storage of `dtype`.
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage;
-    /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
-    /// `s` as F32 values when this type is `f32`.
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
-}
-
-impl Real for f32 {
-    const DTYPE: DType = DType::F32;
-    fn as_f32(s: &[f32]) -> Option<&[f32]> {
-        Some(s)
-    }
-    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
-        Some(s)
-    }
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn erf(self) -> Self {
-        libm::erff(self)
-    }
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
-        s.to_f32(layout)
-    }
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
-        CpuStorage::from_f32(v, dtype)
-    }
-}
-
-impl Real for f64 {
-    const DTYPE: DType = DType::F64;
-    fn as_f32(_: &[f64]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
-        None
-    }
-    fn from_f64(x: f64) -> Self {
-        x
-    }
-    fn to_f64(self) -> f64 {
-        self
-    }
-    fn erf(self) -> Self {
-        libm::erf(self)
-    }
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
-        s.to_f64(layout)
-    }
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
-        CpuStorage::from_f64(v, dtype)
-    }
-}
-
-/// Runs `$body` with the type alias `$C` bound to the compute type of `$dtype`
-/// (`f64` for F64, `f32` otherwise).
-#[macro_export]
-macro_rules! with_compute {
-    ($dtype:expr, $C:ident => $body:expr) => {
-        if $dtype == $crate::dtype::DType::F64 {
-            type $C = f64;
-            $body
-        } else {
-            type $C = f32;
-            $body
-        }
-    };
 }

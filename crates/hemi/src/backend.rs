@@ -1,0 +1,29 @@
+//! The backend boundary: what a device's buffer must provide for the ops above it.
+//!
+//! Each backend (`cpu/`, and `cuda/` behind the `cuda` feature) has one buffer type that
+//! implements `BackendStorage`; `tensor::Storage` is the enum over them and dispatches each
+//! call. Every primitive takes the layouts of its inputs (shape, strides, offset), so views
+//! need no copy before a kernel, and returns a new contiguous buffer on the same device.
+//! Ops validate shapes and dtypes, apply autocast and promotion, and record backward before
+//! they call a primitive; primitives assume their arguments were checked.
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Layout;
+
+/// A backend's buffer of elements of one dtype.
+pub trait BackendStorage: Sized + Clone + Send + Sync + std::fmt::Debug + 'static {
+    fn device(&self) -> Device;
+    fn dtype(&self) -> DType;
+    /// Elements in the buffer.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The elements addressed by `layout` in a new contiguous buffer.
+    fn copy_strided(&self, layout: &Layout) -> Result<Self>;
+    /// The elements addressed by `layout` converted to `dtype` (nearest-even, overflow to
+    /// ±inf, NaN kept; floats to I64 truncate toward zero).
+    fn cast(&self, layout: &Layout, dtype: DType) -> Result<Self>;
+}

@@ -1,0 +1,284 @@
+//! The CPU backend's buffer: one typed host vector per dtype, and the bridges between storage
+//! dtypes and the compute types (F32, or F64 for F64 tensors) that kernels work in.
+
+use std::borrow::Cow;
+
+use half::{bf16, f16};
+
+use crate::backend::BackendStorage;
+use crate::device::Device;
+use crate::dtype::{convert, DType};
+use crate::error::Result;
+use crate::tensor::Layout;
+
+/// A flat buffer of elements on the CPU.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+}
+
+impl CpuStorage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::F64(_) => DType::F64,
+            CpuStorage::I64(_) => DType::I64,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::I64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.len() * self.dtype().size_in_bytes()
+    }
+
+    /// Copies the elements addressed by `layout` into a new contiguous storage.
+    pub fn gather(&self, layout: &Layout) -> CpuStorage {
+        match self {
+            CpuStorage::F16(v) => CpuStorage::F16(layout.gather(v)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(layout.gather(v)),
+            CpuStorage::F32(v) => CpuStorage::F32(layout.gather(v)),
+            CpuStorage::F64(v) => CpuStorage::F64(layout.gather(v)),
+            CpuStorage::I64(v) => CpuStorage::I64(layout.gather(v)),
+        }
+    }
+
+    /// The elements addressed by `layout` converted to F32 (one bulk conversion).
+    pub fn to_f32(&self, layout: &Layout) -> Cow<'_, [f32]> {
+        if let CpuStorage::F32(v) = self {
+            if let Some(r) = layout.contiguous_range() {
+                return Cow::Borrowed(&v[r]);
+            }
+            return Cow::Owned(layout.gather(v));
+        }
+        let g = self.gather_cow(layout);
+        let mut out = vec![0f32; layout.numel()];
+        match &*g {
+            CpuStorage::F16(v) => convert::f16_to_f32(v, &mut out),
+            CpuStorage::BF16(v) => convert::bf16_to_f32(v, &mut out),
+            CpuStorage::F64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
+            CpuStorage::I64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
+            CpuStorage::F32(_) => unreachable!(),
+        }
+        Cow::Owned(out)
+    }
+
+    /// The elements addressed by `layout` converted to F64.
+    pub fn to_f64(&self, layout: &Layout) -> Cow<'_, [f64]> {
+        if let CpuStorage::F64(v) = self {
+            if let Some(r) = layout.contiguous_range() {
+                return Cow::Borrowed(&v[r]);
+            }
+            return Cow::Owned(layout.gather(v));
+        }
+        let g = self.gather_cow(layout);
+        let mut out = vec![0f64; layout.numel()];
+        match &*g {
+            CpuStorage::F16(v) => convert::f16_to_f64(v, &mut out),
+            CpuStorage::BF16(v) => convert::bf16_to_f64(v, &mut out),
+            CpuStorage::F32(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = f64::from(*x)),
+            CpuStorage::I64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f64),
+            CpuStorage::F64(_) => unreachable!(),
+        }
+        Cow::Owned(out)
+    }
+
+    /// The elements addressed by `layout` as i64 (floats truncate toward zero).
+    pub fn to_i64(&self, layout: &Layout) -> Cow<'_, [i64]> {
+        match self {
+            CpuStorage::I64(v) => match layout.contiguous_range() {
+                Some(r) => Cow::Borrowed(&v[r]),
+                None => Cow::Owned(layout.gather(v)),
+            },
+            _ => Cow::Owned(self.to_f64(layout).iter().map(|&x| x as i64).collect()),
+        }
+    }
+
+    fn gather_cow(&self, layout: &Layout) -> Cow<'_, CpuStorage> {
+        match layout.contiguous_range() {
+            Some(r) if r.start == 0 && r.end == self.len() => Cow::Borrowed(self),
+            _ => Cow::Owned(self.gather(layout)),
+        }
+    }
+
+    /// Rounds F32 values into a storage of `dtype` (one bulk conversion, nearest-even).
+    pub fn from_f32(v: Vec<f32>, dtype: DType) -> CpuStorage {
+        match dtype {
+            DType::F32 => CpuStorage::F32(v),
+            DType::F16 => {
+                let mut out = vec![f16::ZERO; v.len()];
+                convert::f32_to_f16(&v, &mut out);
+                CpuStorage::F16(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; v.len()];
+                convert::f32_to_bf16(&v, &mut out);
+                CpuStorage::BF16(out)
+            }
+            DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
+            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
+        }
+    }
+
+    /// Rounds F64 values into a storage of `dtype` (a single rounding).
+    pub fn from_f64(v: Vec<f64>, dtype: DType) -> CpuStorage {
+        match dtype {
+            DType::F64 => CpuStorage::F64(v),
+            DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
+            DType::F16 => {
+                let mut out = vec![f16::ZERO; v.len()];
+                convert::f64_to_f16(&v, &mut out);
+                CpuStorage::F16(out)
+            }
+            DType::BF16 => {
+                let mut out = vec![bf16::ZERO; v.len()];
+                convert::f64_to_bf16(&v, &mut out);
+                CpuStorage::BF16(out)
+            }
+            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
+        }
+    }
+
+    /// Converts the addressed elements to `dtype` (contiguous result).
+    pub fn cast(&self, layout: &Layout, dtype: DType) -> CpuStorage {
+        if dtype == self.dtype() {
+            return self.gather(layout);
+        }
+        match (self, dtype) {
+            (CpuStorage::I64(_), _)
+            | (_, DType::I64)
+            | (CpuStorage::F64(_), _)
+            | (_, DType::F64) => CpuStorage::from_f64(self.to_f64(layout).into_owned(), dtype),
+            _ => CpuStorage::from_f32(self.to_f32(layout).into_owned(), dtype),
+        }
+    }
+}
+
+impl BackendStorage for CpuStorage {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn dtype(&self) -> DType {
+        CpuStorage::dtype(self)
+    }
+    fn len(&self) -> usize {
+        CpuStorage::len(self)
+    }
+    fn copy_strided(&self, layout: &Layout) -> Result<Self> {
+        Ok(self.gather(layout))
+    }
+    fn cast(&self, layout: &Layout, dtype: DType) -> Result<Self> {
+        Ok(CpuStorage::cast(self, layout, dtype))
+    }
+}
+
+/// A compute type: the float type kernels do arithmetic in. Every storage dtype maps to one:
+/// F64 to `f64`, everything else to `f32` (the precision contract: sums in at least F32).
+pub trait Real:
+    num_traits::Float
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+    + std::fmt::Debug
+    + Default
+    + Send
+    + Sync
+    + 'static
+{
+    const DTYPE: DType;
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn erf(self) -> Self;
+    /// The addressed elements of `s`, converted to this type.
+    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]>;
+    /// Rounds values of this type into a storage of `dtype`.
+    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage;
+    /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+    /// `s` as F32 values when this type is `f32`.
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl Real for f32 {
+    const DTYPE: DType = DType::F32;
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
+        s.to_f32(layout)
+    }
+    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
+        CpuStorage::from_f32(v, dtype)
+    }
+}
+
+impl Real for f64 {
+    const DTYPE: DType = DType::F64;
+    fn as_f32(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
+        None
+    }
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
+        s.to_f64(layout)
+    }
+    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
+        CpuStorage::from_f64(v, dtype)
+    }
+}
+
+/// Runs `$body` with the type alias `$C` bound to the compute type of `$dtype`
+/// (`f64` for F64, `f32` otherwise).
+#[macro_export]
+macro_rules! with_compute {
+    ($dtype:expr, $C:ident => $body:expr) => {
+        if $dtype == $crate::dtype::DType::F64 {
+            type $C = f64;
+            $body
+        } else {
+            type $C = f32;
+            $body
+        }
+    };
+}
