@@ -19,7 +19,7 @@ use crate::cpu::gemm::{matmul_into_par, MatRef};
 use crate::cpu::gemm_half::{self, Operand};
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::DType;
-use crate::tensor::{CpuStorage, Real};
+use crate::tensor::{CpuStorage, FloatDType};
 
 /// Output size of one spatial dim (PyTorch's formula), or `None` when the dilated kernel
 /// does not fit in the padded input.
@@ -158,12 +158,12 @@ pub fn im2col_ld<C: Copy + Default>(x: &[C], col: &mut [C], ld: usize, g: &Conv2
 
 /// The adjoint of `im2col`: adds each column entry into the input pixel it was read from.
 /// `dx [c_in, h, w]` is accumulated into (callers pass zeros).
-pub fn col2im<C: Real>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
+pub fn col2im<C: FloatDType>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
     col2im_ld(col, dx, g.l(), g)
 }
 
 /// `col2im` from the first `h_out*w_out` columns of a matrix with row stride `ld`.
-pub fn col2im_ld<C: Real>(col: &[C], dx: &mut [C], ld: usize, g: &Conv2dGeom) {
+pub fn col2im_ld<C: FloatDType>(col: &[C], dx: &mut [C], ld: usize, g: &Conv2dGeom) {
     let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
     for_each_col_row(g, |row, c, off_h, off_w| {
         let src = &col[row * ld..row * ld + l];
@@ -230,7 +230,7 @@ fn image_forward<T: ConvElem>(
 /// Convolution forward: `x [n, c_in, h, w]`, `w [c_out, c_in/groups, kh, kw]`, optional
 /// `bias [c_out]` -> `y [n, c_out, h_out, w_out]`. Parallel over images (each GEMM on its
 /// thread); a single image gets a parallel GEMM instead.
-pub fn conv2d_forward<C: Real + ConvElem<Acc = C>>(
+pub fn conv2d_forward<C: FloatDType + ConvElem<Acc = C>>(
     x: &[C],
     w: &[C],
     bias: Option<&[C]>,
@@ -280,7 +280,7 @@ fn image_backward_input<T: ConvElem>(
 
 /// Gradient of the convolution with respect to its input: `dy [n, c_out, h_out, w_out]`,
 /// `w` -> `dx [n, c_in, h, w]`. Parallel over images.
-pub fn conv2d_backward_input<C: Real + ConvElem<Acc = C>>(
+pub fn conv2d_backward_input<C: FloatDType + ConvElem<Acc = C>>(
     dy: &[C],
     w: &[C],
     g: &Conv2dGeom,
@@ -389,7 +389,7 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
 /// An element type the convolution kernels unfold and multiply as stored; products and
 /// their sums are in `Acc` (the type itself for F32/F64, F32 for F16/BF16).
 pub trait ConvElem: Copy + Default + Send + Sync + 'static {
-    type Acc: Real;
+    type Acc: FloatDType;
     /// `dst = [dst +] a · b` in `Acc`; `par` lets the product use the thread pool.
     fn product(
         dst: &mut [Self::Acc],

@@ -1,7 +1,7 @@
 //! Matrix products through the `gemm` crate, on strided row-major views, in the compute
 //! type (F32 or F64). Used by matmul, linear and convolution.
 
-use crate::tensor::Real;
+use crate::tensor::FloatDType;
 
 /// A strided read-only matrix view: element (i, j) is at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -61,13 +61,18 @@ fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
 
 /// `dst = beta * dst + a * b` with `dst` row-major contiguous `a.rows x b.cols`;
 /// `beta` is 0 (overwrite) or 1 (accumulate).
-pub fn matmul_into<C: Real>(dst: &mut [C], a: MatRef<'_, C>, b: MatRef<'_, C>, accumulate: bool) {
+pub fn matmul_into<C: FloatDType>(
+    dst: &mut [C],
+    a: MatRef<'_, C>,
+    b: MatRef<'_, C>,
+    accumulate: bool,
+) {
     matmul_into_par(dst, a, b, accumulate, true)
 }
 
 /// As `matmul_into`; `allow_parallel = false` keeps gemm on the calling thread (for callers
 /// that already parallelise over a batch).
-pub fn matmul_into_par<C: Real>(
+pub fn matmul_into_par<C: FloatDType>(
     dst: &mut [C],
     a: MatRef<'_, C>,
     b: MatRef<'_, C>,

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::Real;
+use crate::tensor::FloatDType;
 
 /// Below this many output elements a pooling loop runs on one thread.
 const PAR_MIN: usize = 1 << 14;
@@ -61,7 +61,7 @@ fn clip(o: usize, s: usize, p: usize, k: usize, size: usize) -> (usize, usize) {
 }
 
 /// Runs `f(out_plane, in_plane)` for every plane, in parallel when the work is large.
-fn for_each_plane<C: Real, T: Send>(
+fn for_each_plane<C: FloatDType, T: Send>(
     out: &mut [T],
     out_plane: usize,
     inp: &[C],
@@ -89,7 +89,7 @@ fn for_each_plane<C: Real, T: Send>(
 /// The indices are `u32` (planes hold fewer than 2^32 values; `Pool2dGeom` is built from
 /// checked shapes): the backward keeps them for every pooled value of the batch, and at 4
 /// bytes instead of 8 they cost half what they did next to a half-precision activation.
-pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>) {
+pub fn max_pool2d_forward<C: FloatDType>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>) {
     let n = g.planes * g.out_plane();
     let mut out = vec![C::zero(); n];
     let mut idx = vec![0u32; n];
@@ -148,7 +148,7 @@ pub fn max_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Vec<u32>
 /// general loop's rules (first maximum wins ties, the last NaN wins) and no per-output
 /// window clipping.
 #[inline]
-fn max_pool_2x2_plane<C: Real>(plane: &[C], o: &mut [C], ix: &mut [u32], g: &Pool2dGeom) {
+fn max_pool_2x2_plane<C: FloatDType>(plane: &[C], o: &mut [C], ix: &mut [u32], g: &Pool2dGeom) {
     let w = g.w;
     let mut at = vec![0u8; g.w_out];
     for oh in 0..g.h_out {
@@ -200,7 +200,7 @@ fn select(c: bool, a: usize, b: usize) -> usize {
 }
 
 /// Max pooling backward: each output gradient goes to its argmax (overlapping windows add).
-pub fn max_pool2d_backward<C: Real>(dy: &[C], idx: &[u32], g: &Pool2dGeom) -> Vec<C> {
+pub fn max_pool2d_backward<C: FloatDType>(dy: &[C], idx: &[u32], g: &Pool2dGeom) -> Vec<C> {
     let mut dx = vec![C::zero(); g.planes * g.in_plane()];
     let n_out = g.out_plane();
     if n_out == 0 {
@@ -242,7 +242,11 @@ fn avg_divisor(
 
 /// Average pooling (padding counts as zeros; the divisor includes it when
 /// `count_include_pad`, PyTorch's default).
-pub fn avg_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom, count_include_pad: bool) -> Vec<C> {
+pub fn avg_pool2d_forward<C: FloatDType>(
+    x: &[C],
+    g: &Pool2dGeom,
+    count_include_pad: bool,
+) -> Vec<C> {
     let mut out = vec![C::zero(); g.planes * g.out_plane()];
     for_each_plane(&mut out, g.out_plane(), x, g.in_plane(), |o, plane| {
         for oh in 0..g.h_out {
@@ -263,7 +267,11 @@ pub fn avg_pool2d_forward<C: Real>(x: &[C], g: &Pool2dGeom, count_include_pad: b
 }
 
 /// Average pooling backward: each output gradient spreads evenly over its window.
-pub fn avg_pool2d_backward<C: Real>(dy: &[C], g: &Pool2dGeom, count_include_pad: bool) -> Vec<C> {
+pub fn avg_pool2d_backward<C: FloatDType>(
+    dy: &[C],
+    g: &Pool2dGeom,
+    count_include_pad: bool,
+) -> Vec<C> {
     let mut dx = vec![C::zero(); g.planes * g.in_plane()];
     // Each plane of dx is written from the matching plane of dy: iterate dx planes.
     for_each_plane(&mut dx, g.in_plane(), dy, g.out_plane(), |dxp, dyp| {
@@ -291,7 +299,7 @@ pub fn adaptive_window(i: usize, out: usize, size: usize) -> (usize, usize) {
 }
 
 /// Adaptive average pooling of `[planes, h, w]` to `[planes, h_out, w_out]`.
-pub fn adaptive_avg_pool2d_forward<C: Real>(
+pub fn adaptive_avg_pool2d_forward<C: FloatDType>(
     x: &[C],
     planes: usize,
     (h, w): (usize, usize),
@@ -317,7 +325,7 @@ pub fn adaptive_avg_pool2d_forward<C: Real>(
 }
 
 /// Adaptive average pooling backward.
-pub fn adaptive_avg_pool2d_backward<C: Real>(
+pub fn adaptive_avg_pool2d_backward<C: FloatDType>(
     dy: &[C],
     planes: usize,
     (h, w): (usize, usize),

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use crate::backend::BackendStorage;
 use crate::device::Device;
-use crate::dtype::{convert, DType};
+use crate::dtype::{convert, same_slice, DType, FloatDType, WithDType};
 use crate::error::Result;
 use crate::tensor::Layout;
 
@@ -22,6 +22,52 @@ pub enum CpuStorage {
 }
 
 impl CpuStorage {
+    /// A buffer holding `v` (its dtype is `T`'s).
+    pub fn from_vec<T: WithDType>(v: Vec<T>) -> CpuStorage {
+        let any: Box<dyn std::any::Any> = Box::new(v);
+        let wrong = "T::DTYPE names T's own buffer type";
+        match T::DTYPE {
+            DType::F16 => CpuStorage::F16(*any.downcast().expect(wrong)),
+            DType::BF16 => CpuStorage::BF16(*any.downcast().expect(wrong)),
+            DType::F32 => CpuStorage::F32(*any.downcast().expect(wrong)),
+            DType::F64 => CpuStorage::F64(*any.downcast().expect(wrong)),
+            DType::I64 => CpuStorage::I64(*any.downcast().expect(wrong)),
+        }
+    }
+
+    /// The whole buffer as `[T]`, or `None` when the dtype is not `T`'s.
+    pub fn as_slice<T: WithDType>(&self) -> Option<&[T]> {
+        match self {
+            CpuStorage::F16(v) => same_slice(v),
+            CpuStorage::BF16(v) => same_slice(v),
+            CpuStorage::F32(v) => same_slice(v),
+            CpuStorage::F64(v) => same_slice(v),
+            CpuStorage::I64(v) => same_slice(v),
+        }
+    }
+
+    /// The elements `layout` addresses as `[T]`, row-major: borrowed when contiguous;
+    /// `None` when the dtype is not `T`'s.
+    pub fn elems<T: WithDType>(&self, layout: &Layout) -> Option<Cow<'_, [T]>> {
+        let v = self.as_slice::<T>()?;
+        Some(match layout.contiguous_range() {
+            Some(r) => Cow::Borrowed(&v[r]),
+            None => Cow::Owned(layout.gather(v)),
+        })
+    }
+
+    /// The buffer as `Vec<T>`, or `None` when the dtype is not `T`'s.
+    pub fn into_vec<T: WithDType>(self) -> Option<Vec<T>> {
+        let any: Box<dyn std::any::Any> = match self {
+            CpuStorage::F16(v) => Box::new(v),
+            CpuStorage::BF16(v) => Box::new(v),
+            CpuStorage::F32(v) => Box::new(v),
+            CpuStorage::F64(v) => Box::new(v),
+            CpuStorage::I64(v) => Box::new(v),
+        };
+        any.downcast::<Vec<T>>().ok().map(|b| *b)
+    }
+
     pub fn dtype(&self) -> DType {
         match self {
             CpuStorage::F16(_) => DType::F16,
@@ -190,81 +236,36 @@ impl BackendStorage for CpuStorage {
     }
 }
 
-/// A compute type: the float type kernels do arithmetic in. Every storage dtype maps to one:
-/// F64 to `f64`, everything else to `f32` (the precision contract: sums in at least F32).
-pub trait Real:
-    num_traits::Float
-    + std::iter::Sum
-    + std::ops::AddAssign
-    + std::ops::SubAssign
-    + std::ops::MulAssign
-    + std::fmt::Debug
-    + Default
-    + Send
-    + Sync
-    + 'static
-{
-    const DTYPE: DType;
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
-    fn erf(self) -> Self;
-    /// The addressed elements of `s`, converted to this type.
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]>;
-    /// Rounds values of this type into a storage of `dtype`.
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage;
-    /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
-    /// `s` as F32 values when this type is `f32`.
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
-}
+impl CpuStorage {
+    /// The addressed elements converted to the compute type `C` (borrowed when already
+    /// contiguous in `C`).
+    pub fn load<C: FloatDType>(&self, layout: &Layout) -> Cow<'_, [C]> {
+        match C::DTYPE {
+            DType::F64 => cow_same(self.to_f64(layout)),
+            _ => cow_same(self.to_f32(layout)),
+        }
+    }
 
-impl Real for f32 {
-    const DTYPE: DType = DType::F32;
-    fn as_f32(s: &[f32]) -> Option<&[f32]> {
-        Some(s)
-    }
-    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
-        Some(s)
-    }
-    fn from_f64(x: f64) -> Self {
-        x as f32
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn erf(self) -> Self {
-        libm::erff(self)
-    }
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
-        s.to_f32(layout)
-    }
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
-        CpuStorage::from_f32(v, dtype)
+    /// Rounds compute-type values into a buffer of `dtype` (one rounding, nearest-even).
+    pub fn store<C: FloatDType>(v: Vec<C>, dtype: DType) -> CpuStorage {
+        match CpuStorage::from_vec(v) {
+            CpuStorage::F32(v) => CpuStorage::from_f32(v, dtype),
+            CpuStorage::F64(v) => CpuStorage::from_f64(v, dtype),
+            _ => unreachable!("compute types are f32 and f64"),
+        }
     }
 }
 
-impl Real for f64 {
-    const DTYPE: DType = DType::F64;
-    fn as_f32(_: &[f64]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
-        None
-    }
-    fn from_f64(x: f64) -> Self {
-        x
-    }
-    fn to_f64(self) -> f64 {
-        self
-    }
-    fn erf(self) -> Self {
-        libm::erf(self)
-    }
-    fn load<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [Self]> {
-        s.to_f64(layout)
-    }
-    fn store(v: Vec<Self>, dtype: DType) -> CpuStorage {
-        CpuStorage::from_f64(v, dtype)
+/// A `Cow<[A]>` as `Cow<[B]>` when `A` and `B` are the same type (checked by the callers'
+/// dispatch on `DTYPE`).
+fn cow_same<A: WithDType, B: WithDType>(c: Cow<'_, [A]>) -> Cow<'_, [B]> {
+    match c {
+        Cow::Borrowed(s) => Cow::Borrowed(same_slice(s).expect("same compute type")),
+        Cow::Owned(v) => Cow::Owned(
+            CpuStorage::from_vec(v)
+                .into_vec()
+                .expect("same compute type"),
+        ),
     }
 }
 

@@ -157,24 +157,83 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// A Rust type stored in tensors.
-pub trait Element: Copy + Send + Sync + 'static + std::fmt::Debug {
+/// The one element trait: a Rust type a tensor stores (F16, BF16, F32, F64, I64), with its
+/// dtype and exact conversions through f64. Backends' buffers, `Tensor::from_vec` /
+/// `to_vec` and the kernels' generic code are all written over it (candle's `WithDType`
+/// is the model); `FloatDType` narrows it to the types kernels compute in.
+pub trait WithDType: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug + 'static {
     const DTYPE: DType;
+    /// `v` rounded to this type (nearest-even; floats to I64 truncate toward zero).
+    fn from_f64(v: f64) -> Self;
+    /// This value as f64 (exact for every dtype but I64 beyond 2^53).
+    fn to_f64(self) -> f64;
 }
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
+
+macro_rules! with_dtype {
+    ($t:ty, $dtype:ident, $from:expr, $to:expr) => {
+        impl WithDType for $t {
+            const DTYPE: DType = DType::$dtype;
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+        }
+    };
 }
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
+with_dtype!(f16, F16, f16::from_f64, |x: f16| x.to_f64());
+with_dtype!(bf16, BF16, bf16::from_f64, |x: bf16| x.to_f64());
+with_dtype!(f32, F32, |v| v as f32, f64::from);
+with_dtype!(f64, F64, |v| v, |x| x);
+with_dtype!(i64, I64, |v| v as i64, |x| x as f64);
+
+/// A type kernels compute in: `f32` (for F16, BF16 and F32 tensors) or `f64` (for F64),
+/// the precision contract's "every sum in at least F32".
+pub trait FloatDType:
+    WithDType
+    + num_traits::Float
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+{
+    fn erf(self) -> Self;
+    /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        same_slice(s)
+    }
+    /// `s` as F32 values when this type is `f32`.
+    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]> {
+        same_slice_mut(s)
+    }
 }
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
+
+impl FloatDType for f32 {
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
 }
-impl Element for f64 {
-    const DTYPE: DType = DType::F64;
+
+impl FloatDType for f64 {
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
 }
-impl Element for i64 {
-    const DTYPE: DType = DType::I64;
+
+/// `s` reinterpreted as `[U]` when `T` and `U` are the same type, else `None`: lets generic
+/// kernels take a type-specific fast path (an F32 buffer handed to an F32-only routine).
+pub fn same_slice<T: 'static, U: 'static>(s: &[T]) -> Option<&[U]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        // SAFETY: T and U are the same type, so the pointer, length and lifetime carry over.
+        .then(|| unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<U>(), s.len()) })
+}
+
+/// `same_slice`, mutable.
+pub fn same_slice_mut<T: 'static, U: 'static>(s: &mut [T]) -> Option<&mut [U]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>())
+        // SAFETY: as in `same_slice`; the exclusive borrow moves into the result.
+        .then(|| unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<U>(), s.len()) })
 }
 
 #[cfg(test)]
@@ -189,6 +248,40 @@ mod tests {
         assert_eq!(BF16.promote(BF16), BF16);
         assert_eq!(F64.promote(F16), F64);
         assert_eq!(I64.promote(BF16), BF16);
+    }
+
+    #[test]
+    fn with_dtype_round_trips_and_same_slice_checks_the_type() {
+        fn check<T: WithDType>(vals: &[f64]) {
+            for &v in vals {
+                let t = T::from_f64(v);
+                assert_eq!(
+                    T::from_f64(t.to_f64()).to_f64(),
+                    t.to_f64(),
+                    "{:?}",
+                    T::DTYPE
+                );
+            }
+            let buf = crate::cpu::storage::CpuStorage::from_vec(vec![T::from_f64(1.5); 3]);
+            assert_eq!(buf.dtype(), T::DTYPE);
+            assert_eq!(buf.as_slice::<T>().map(|s| s.len()), Some(3));
+            assert!(buf.clone().into_vec::<T>().is_some());
+        }
+        let vals = [0.0, -0.0, 1.0, -2.5, 65504.0, 1e-8, 3.0e38];
+        check::<f16>(&vals);
+        check::<bf16>(&vals);
+        check::<f32>(&vals);
+        check::<f64>(&vals);
+        check::<i64>(&[0.0, -7.0, 9.0e15]);
+        // Exact where the value fits, nearest-even otherwise.
+        assert_eq!(f16::from_f64(2049.0).to_f64(), 2048.0);
+        assert_eq!(<f32 as WithDType>::from_f64(1.0 + 2f64.powi(-24)), 1.0);
+        let f = crate::cpu::storage::CpuStorage::from_vec(vec![1.0f32]);
+        assert!(f.as_slice::<f64>().is_none() && f.as_slice::<f16>().is_none());
+        assert!(f.into_vec::<i64>().is_none());
+        let x = [1.0f32, 2.0];
+        assert_eq!(same_slice::<f32, f32>(&x), Some(&x[..]));
+        assert_eq!(same_slice::<f32, u32>(&x), None);
     }
 
     #[test]

@@ -459,7 +459,7 @@ fn bias_grad_blocks(dy: crate::cpu::chunked::Src<'_>, g: &Conv2dGeom) -> Vec<f32
 }
 
 /// Gradient of the bias: `dy` summed over the batch and the output pixels, per channel.
-fn bias_grad<C: crate::tensor::Real>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
+fn bias_grad<C: crate::tensor::FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
     let l = g.l();
     (0..g.c_out)
         .map(|co| {

@@ -10,9 +10,10 @@
 use num_traits::{Float, One, Zero};
 
 use super::elementwise::zip_map;
+use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
-use crate::tensor::{Real, Tensor};
+use crate::tensor::Tensor;
 
 impl Tensor {
     /// Inverted dropout with drop probability `p` in `[0, 1]`.

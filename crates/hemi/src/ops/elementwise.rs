@@ -9,18 +9,19 @@
 use rayon::prelude::*;
 
 use crate::dtype::DType;
+use crate::dtype::WithDType as _;
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
 
 use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
-use crate::tensor::{Layout, Real, Tensor};
+use crate::tensor::{FloatDType, Layout, Tensor};
 
 /// Below this many elements a loop runs on one thread (rayon's overhead dominates).
 pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
 
 /// `out[i] = f(a[i], b[i])`, in parallel for large inputs.
-pub(crate) fn zip_map<C: Real>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + Sync) -> Vec<C> {
+pub(crate) fn zip_map<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + Sync) -> Vec<C> {
     debug_assert_eq!(a.len(), b.len());
     if a.len() < PAR_THRESHOLD {
         return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
@@ -37,7 +38,7 @@ pub(crate) fn zip_map<C: Real>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + Sync) -
 }
 
 /// `out[i] = f(a[i])`, in parallel for large inputs.
-pub(crate) fn map<C: Real>(a: &[C], f: impl Fn(C) -> C + Sync) -> Vec<C> {
+pub(crate) fn map<C: FloatDType>(a: &[C], f: impl Fn(C) -> C + Sync) -> Vec<C> {
     if a.len() < PAR_THRESHOLD {
         return a.iter().map(|&x| f(x)).collect();
     }
@@ -82,7 +83,7 @@ impl Binary {
         }
     }
 
-    fn apply<C: Real>(self, x: C, y: C) -> C {
+    fn apply<C: FloatDType>(self, x: C, y: C) -> C {
         match self {
             Binary::Add => x + y,
             Binary::Sub => x - y,
@@ -278,7 +279,7 @@ impl Unary {
     }
 
     #[inline(always)]
-    fn f<C: Real>(self, x: C) -> C {
+    fn f<C: FloatDType>(self, x: C) -> C {
         let c = C::from_f64;
         match self {
             Unary::Neg => -x,
@@ -323,7 +324,7 @@ impl Unary {
 
     /// dy/dx at input `x` with output `y`.
     #[inline(always)]
-    fn df<C: Real>(self, x: C, y: C) -> C {
+    fn df<C: FloatDType>(self, x: C, y: C) -> C {
         let c = C::from_f64;
         match self {
             Unary::Neg => -C::one(),
@@ -385,7 +386,7 @@ pub(crate) fn unary(x: &Tensor, op: Unary) -> Result<Tensor> {
     }
     crate::with_compute!(dtype, C => {
         let out = x.with_values::<C, _>(|v| specialize!(op, o => map(v, |v| o.f(v))));
-        let storage = std::sync::Arc::new(crate::tensor::Storage::from(C::store(out, dtype)));
+        let storage = std::sync::Arc::new(crate::tensor::Storage::from(crate::tensor::CpuStorage::store::<C>(out, dtype)));
         let layout = crate::tensor::Layout::contiguous(x.shape());
         // The backward keeps what it needs: the output (a detached handle on the same
         // storage, so the node does not hold its own output) or the input.

@@ -12,37 +12,10 @@ use half::{bf16, f16};
 use num_traits::{Float, One, Zero};
 
 use super::elementwise::promote_all;
-use crate::dtype::DType;
+use crate::dtype::{DType, WithDType};
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
 use crate::tensor::{CpuStorage, Layout, Storage, Tensor};
-
-/// A storage element type: the typed buffer inside a `CpuStorage` and back.
-pub(crate) trait Elem: Copy + Send + Sync + 'static {
-    fn slice(s: &CpuStorage) -> &[Self];
-    fn wrap(v: Vec<Self>) -> CpuStorage;
-}
-
-macro_rules! impl_elem {
-    ($t:ty, $variant:ident) => {
-        impl Elem for $t {
-            fn slice(s: &CpuStorage) -> &[Self] {
-                match s {
-                    CpuStorage::$variant(v) => v,
-                    _ => unreachable!("storage dtype checked by the caller"),
-                }
-            }
-            fn wrap(v: Vec<Self>) -> CpuStorage {
-                CpuStorage::$variant(v)
-            }
-        }
-    };
-}
-impl_elem!(f16, F16);
-impl_elem!(bf16, BF16);
-impl_elem!(f32, F32);
-impl_elem!(f64, F64);
-impl_elem!(i64, I64);
 
 /// Runs `$body` with `$T` bound to the storage element type of `$dtype`.
 macro_rules! with_elem {
@@ -74,12 +47,9 @@ macro_rules! with_elem {
 
 /// The elements `layout` addresses in `s`, row-major: borrowed when contiguous (an
 /// embedding table is not copied per lookup).
-fn elems<'a, T: Elem>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [T]> {
-    let v = T::slice(s);
-    match layout.contiguous_range() {
-        Some(r) => Cow::Borrowed(&v[r]),
-        None => Cow::Owned(layout.gather(v)),
-    }
+fn elems<'a, T: WithDType>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [T]> {
+    s.elems(layout)
+        .expect("storage dtype checked by the caller")
 }
 
 /// Validated indices from an I64 tensor: each in `0..size`, else `Error::Index`.
@@ -127,7 +97,7 @@ fn gather_along(
                 out.extend_from_slice(&src[(o * size + i) * inner..][..inner]);
             }
         }
-        T::wrap(out)
+        CpuStorage::from_vec(out)
     });
     let dtype = x.dtype();
     let idx = Arc::new(idx);
@@ -272,7 +242,7 @@ impl Tensor {
                     out.extend_from_slice(&src[o * len * inner..][..len * inner]);
                 }
             }
-            T::wrap(out)
+            CpuStorage::from_vec(out)
         });
         Ok(Tensor::from_op(
             Arc::new(out.into()),

@@ -23,8 +23,9 @@ use super::elementwise::{map, zip_map, PAR_THRESHOLD};
 use super::reduce::sum_slice;
 use super::stats::{row_max, Rows};
 use crate::dtype::DType;
+use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
-use crate::tensor::{Layout, Real, Tensor};
+use crate::tensor::{FloatDType, Layout, Tensor};
 
 /// How a loss combines its per-element values (PyTorch's `reduction=`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -79,7 +80,7 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 // ----- softmax and log-softmax, row by row, with their backward -------------------------
 
 /// `y = exp(x - max) / Σ exp(x - max)`: subtracting the max keeps every exponent <= 0.
-fn softmax_row<C: Real>(x: &[C], y: &mut [C]) {
+fn softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
     let m = row_max(x);
     for (y, &x) in y.iter_mut().zip(x) {
         *y = (x - m).exp();
@@ -89,7 +90,7 @@ fn softmax_row<C: Real>(x: &[C], y: &mut [C]) {
 }
 
 /// `dx = y ⊙ (g - Σ g⊙y)`.
-fn softmax_backward_row<C: Real>(g: &[C], y: &[C], dx: &mut [C]) {
+fn softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
     for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
         *d = g * y;
     }
@@ -100,7 +101,7 @@ fn softmax_backward_row<C: Real>(g: &[C], y: &[C], dx: &mut [C]) {
 }
 
 /// `y = (x - max) - ln Σ exp(x - max)`: finite for logits far apart (1e4 and -1e4).
-fn log_softmax_row<C: Real>(x: &[C], y: &mut [C]) {
+fn log_softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
     let m = row_max(x);
     for (y, &x) in y.iter_mut().zip(x) {
         *y = (x - m).exp();
@@ -112,7 +113,7 @@ fn log_softmax_row<C: Real>(x: &[C], y: &mut [C]) {
 }
 
 /// `dx = g - exp(y) · Σ g`.
-fn log_softmax_backward_row<C: Real>(g: &[C], y: &[C], dx: &mut [C]) {
+fn log_softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
     let sg = sum_slice(g);
     for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
         *d = g - y.exp() * sg;
@@ -129,7 +130,7 @@ fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
         let y = rows.map([&xv[..]], |[x], y| {
             if log { log_softmax_row(x, y) } else { softmax_row(x, y) }
         });
-        let storage = Arc::new(crate::tensor::Storage::from(C::store(y, dtype)));
+        let storage = Arc::new(crate::tensor::Storage::from(crate::tensor::CpuStorage::store::<C>(y, dtype)));
         let layout = Layout::contiguous(x.shape());
         // Both backwards need only the output: keep it as a detached handle on its storage.
         let y = Tensor::from_storage(storage.clone(), layout.clone());

@@ -20,7 +20,7 @@ use crate::cpu::gemm_half::{self, HalfMat};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::layout::{broadcast_shapes, contiguous_strides};
-use crate::tensor::{CpuStorage, Layout, Real, Tensor};
+use crate::tensor::{CpuStorage, FloatDType, Layout, Tensor};
 
 /// Multiply-adds below which one matrix product stays on one thread (as `cpu::gemm`
 /// decides); a batch of such products is spread over threads one matrix per task instead.
@@ -45,7 +45,7 @@ enum Mat<'a, C> {
 }
 
 /// A matrix as `gemm_half` takes it (F32 compute only).
-fn as_half<C: Real>(m: Mat<'_, C>) -> HalfMat<'_> {
+fn as_half<C: FloatDType>(m: Mat<'_, C>) -> HalfMat<'_> {
     match m {
         Mat::Half(h) => h,
         Mat::Plain(p) => HalfMat {
@@ -60,7 +60,7 @@ fn as_half<C: Real>(m: Mat<'_, C>) -> HalfMat<'_> {
 
 /// `dst (+)= a · b`: the `gemm` crate when both matrices are in the compute type, else
 /// hemi's GEMM (`cpu::gemm_half`, F32 accumulation) on the half-precision values as stored.
-fn product_into<C: Real>(dst: &mut [C], a: Mat<'_, C>, b: Mat<'_, C>, acc: bool, par: bool) {
+fn product_into<C: FloatDType>(dst: &mut [C], a: Mat<'_, C>, b: Mat<'_, C>, acc: bool, par: bool) {
     match (a, b) {
         (Mat::Plain(a), Mat::Plain(b)) => matmul_into_par(dst, a, b, acc, par),
         _ => {
@@ -70,7 +70,7 @@ fn product_into<C: Real>(dst: &mut [C], a: Mat<'_, C>, b: Mat<'_, C>, acc: bool,
     }
 }
 
-impl<'a, C: Real> Operand<'a, C> {
+impl<'a, C: FloatDType> Operand<'a, C> {
     /// The storage span the view addresses, keeping the view's strides: borrowed when `C`
     /// is the storage type, else converted in bulk. A view that addresses little of its
     /// span (a thin slice of a large buffer) is gathered into a contiguous copy before
@@ -110,14 +110,14 @@ impl<'a, C: Real> Operand<'a, C> {
         if storage.dtype() == C::DTYPE || span <= 2 * distinct + 64 {
             let range = Layout::new(vec![span], vec![1], layout.offset());
             Operand {
-                buf: C::load(storage, &range),
+                buf: CpuStorage::load::<C>(storage, &range),
                 half: None,
                 offset: 0,
                 strides: strides.to_vec(),
             }
         } else {
             Operand {
-                buf: C::load(storage, layout),
+                buf: CpuStorage::load::<C>(storage, layout),
                 half: None,
                 offset: 0,
                 strides: contiguous_strides(shape),
@@ -204,7 +204,7 @@ fn merged_row_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
 /// `a · b` in the compute type: a [.., m, k], b [.., k, n] (rank >= 2; shapes checked by the
 /// caller), batch dims broadcast to `batch`, plus `bias` [n] on every row. Returns the
 /// row-major values of shape batch + [m, n], not yet rounded into the output dtype.
-fn product<C: Real>(a: &Tensor, b: &Tensor, batch: &[usize], bias: Option<&[C]>) -> Vec<C> {
+fn product<C: FloatDType>(a: &Tensor, b: &Tensor, batch: &[usize], bias: Option<&[C]>) -> Vec<C> {
     let (ra, rb) = (a.rank(), b.rank());
     let (m, k, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 1]);
     let count: usize = batch.iter().product();

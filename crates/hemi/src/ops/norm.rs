@@ -22,11 +22,12 @@ use num_traits::{Float, One, Zero};
 use super::elementwise::PAR_THRESHOLD;
 use super::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
+use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
-use crate::tensor::{Real, Tensor};
+use crate::tensor::{FloatDType, Tensor};
 
 /// `Σ f(x[i])` over a contiguous slice with eight accumulators (as `sum_slice`).
-fn sum_map<C: Real>(x: &[C], f: impl Fn(C) -> C) -> C {
+fn sum_map<C: FloatDType>(x: &[C], f: impl Fn(C) -> C) -> C {
     let mut acc = [C::zero(); 8];
     let chunks = x.chunks_exact(8);
     let rem = chunks.remainder();
@@ -43,7 +44,7 @@ fn sum_map<C: Real>(x: &[C], f: impl Fn(C) -> C) -> C {
 }
 
 /// `Σ f(a[i], b[i])` over two slices of equal length with eight accumulators.
-fn sum_map2<C: Real>(a: &[C], b: &[C], f: impl Fn(C, C) -> C) -> C {
+fn sum_map2<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C) -> C {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [C::zero(); 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -142,7 +143,7 @@ impl Ncs {
 
 /// Per-channel mean and biased variance (two passes: the variance sums squared deviations
 /// from the mean, which does not cancel the way `E[x²] - E[x]²` does in F32).
-fn bn_stats<C: Real>(x: &[C], d: Ncs) -> (Vec<C>, Vec<C>) {
+fn bn_stats<C: FloatDType>(x: &[C], d: Ncs) -> (Vec<C>, Vec<C>) {
     let inv_m = C::one() / C::from_f64(d.m() as f64);
     let stats = par_map(d.c, d.m(), |ch| {
         let mean = d.runs(x, ch).map(sum_slice).fold(C::zero(), |a, b| a + b) * inv_m;
@@ -157,7 +158,7 @@ fn bn_stats<C: Real>(x: &[C], d: Ncs) -> (Vec<C>, Vec<C>) {
 }
 
 /// `y = (x - mean[ch]) * (rstd[ch] * w[ch]) + b[ch]`.
-fn bn_forward<C: Real>(
+fn bn_forward<C: FloatDType>(
     x: &[C],
     d: Ncs,
     mean: &[C],
@@ -195,7 +196,7 @@ fn bn_forward<C: Real>(
 ///
 /// Returns `(dx, dweight, dbias)`.
 #[allow(clippy::too_many_arguments)]
-fn bn_backward<C: Real>(
+fn bn_backward<C: FloatDType>(
     g: &[C],
     x: &[C],
     d: Ncs,
@@ -253,7 +254,7 @@ fn bn_backward<C: Real>(
 
 /// Replaces `running`'s values by `(1 - momentum) * running + momentum * batch`, computed
 /// in F64 and rounded once into `running`'s dtype.
-fn update_running<C: Real>(running: &Tensor, batch: &[C], momentum: f64) -> Result<()> {
+fn update_running<C: FloatDType>(running: &Tensor, batch: &[C], momentum: f64) -> Result<()> {
     let new: Vec<f64> = running
         .to_vec_f64()
         .iter()
@@ -491,7 +492,7 @@ impl Tensor {
 /// across rows, `dweight = Σ g * xhat` and `dbias = Σ g`.
 ///
 /// Returns `(dx, dweight, dbias)`.
-fn ln_backward<C: Real>(
+fn ln_backward<C: FloatDType>(
     g: &[C],
     x: &[C],
     d: usize,

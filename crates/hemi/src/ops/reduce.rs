@@ -7,12 +7,13 @@ use rayon::prelude::*;
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
 
+use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::{Real, Tensor};
+use crate::tensor::{FloatDType, Tensor};
 
 /// Sum of a contiguous slice with eight accumulators.
-pub(crate) fn sum_slice<C: Real>(x: &[C]) -> C {
+pub(crate) fn sum_slice<C: FloatDType>(x: &[C]) -> C {
     let mut acc = [C::zero(); 8];
     let chunks = x.chunks_exact(8);
     let rem = chunks.remainder();
@@ -72,7 +73,7 @@ pub(crate) fn reduction_layout(x: &Tensor, dims: &[usize]) -> Result<(Tensor, us
 }
 
 /// `out[o] = f(values[o*inner .. (o+1)*inner])` in parallel over `o`.
-pub(crate) fn reduce_rows<C: Real>(
+pub(crate) fn reduce_rows<C: FloatDType>(
     v: &[C],
     outer: usize,
     inner: usize,

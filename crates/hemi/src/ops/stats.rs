@@ -17,9 +17,10 @@ use rayon::prelude::*;
 use super::elementwise::PAR_THRESHOLD;
 use super::reduce::{reduce_dims, reduce_rows, reduced_shape, reduction_layout, sum_slice};
 use crate::dtype::DType;
+use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::{Real, Tensor};
+use crate::tensor::{FloatDType, Tensor};
 
 /// A row-major tensor seen as `[outer, len, inner]` around one dim: element `(o, k, i)` is
 /// at `(o * len + k) * inner + i`, and row `r = o * inner + i` is the `len` elements along
@@ -70,7 +71,7 @@ impl Rows {
     }
 
     /// `f(row)` for every row, in row order.
-    pub(crate) fn reduce<C: Real, R: Copy + Default + Send>(
+    pub(crate) fn reduce<C: FloatDType, R: Copy + Default + Send>(
         &self,
         x: &[C],
         f: impl Fn(&[C]) -> R + Sync,
@@ -111,7 +112,7 @@ impl Rows {
 
     /// `f(input rows, output row)` for every row: `K` inputs laid out like the tensor give
     /// one output laid out the same way.
-    pub(crate) fn map<C: Real, const K: usize>(
+    pub(crate) fn map<C: FloatDType, const K: usize>(
         &self,
         ins: [&[C]; K],
         f: impl Fn([&[C]; K], &mut [C]) + Sync,
@@ -173,7 +174,7 @@ impl Extreme {
 
     /// The extreme of a non-empty row and the first index where it occurs; a NaN wins over
     /// every number (the first NaN).
-    fn find<C: Real>(self, r: &[C]) -> (C, usize) {
+    fn find<C: FloatDType>(self, r: &[C]) -> (C, usize) {
         let (mut best, mut at) = (r[0], 0);
         for (k, &v) in r.iter().enumerate().skip(1) {
             if best.is_nan() {
@@ -192,7 +193,7 @@ impl Extreme {
 }
 
 /// The largest value of a row (NaN if any is NaN; -inf for an empty row), for softmax.
-pub(crate) fn row_max<C: Real>(r: &[C]) -> C {
+pub(crate) fn row_max<C: FloatDType>(r: &[C]) -> C {
     if r.is_empty() {
         return C::neg_infinity();
     }
@@ -208,7 +209,7 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 
 /// Builds a tensor of the original dim order from values laid out with `dims` moved last
 /// (the layout `reduction_layout` gives), outside the graph.
-fn unpermute<C: Real>(
+fn unpermute<C: FloatDType>(
     values: Vec<C>,
     shape: &[usize],
     dims: &[usize],
@@ -233,7 +234,7 @@ fn unpermute<C: Real>(
 /// than from a large running sum (1000 + noise in F32 keeps its noise); the second pass then
 /// sums squared deviations from that mean, minus the corrected two-pass term
 /// `(Σd)²/n` that cancels what is left of the mean's rounding error.
-fn centered<C: Real>(r: &[C]) -> (C, C) {
+fn centered<C: FloatDType>(r: &[C]) -> (C, C) {
     if r.is_empty() {
         return (C::nan(), C::zero());
     }
@@ -361,7 +362,7 @@ impl Tensor {
         let x = self.detach();
         crate::with_compute!(dtype, C => {
             let out = p.with_values::<C, _>(|v| reduce_rows(v, outer, inner, |r| ext.find(r).0));
-            let storage = Arc::new(crate::tensor::Storage::from(C::store(out, dtype)));
+            let storage = Arc::new(crate::tensor::Storage::from(crate::tensor::CpuStorage::store::<C>(out, dtype)));
             let layout = crate::tensor::Layout::contiguous(&out_shape);
             // The backward keeps the output values through a detached handle on its storage
             // (not the output tensor itself, which would own its own node).

@@ -6,39 +6,9 @@ use half::{bf16, f16};
 
 use super::layout::checked_numel;
 use super::{CpuStorage, Layout, Tensor};
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, WithDType};
 use crate::error::{Error, Result};
 use crate::rng::Generator;
-
-/// Rust element types a tensor can be built from directly.
-pub trait IntoStorage: Element {
-    fn into_storage(v: Vec<Self>) -> CpuStorage;
-}
-impl IntoStorage for f16 {
-    fn into_storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F16(v)
-    }
-}
-impl IntoStorage for bf16 {
-    fn into_storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::BF16(v)
-    }
-}
-impl IntoStorage for f32 {
-    fn into_storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F32(v)
-    }
-}
-impl IntoStorage for f64 {
-    fn into_storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F64(v)
-    }
-}
-impl IntoStorage for i64 {
-    fn into_storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::I64(v)
-    }
-}
 
 fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
     let n = checked_numel(op, shape)?;
@@ -53,9 +23,9 @@ fn check_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
 
 impl Tensor {
     /// A tensor of `shape` holding `data` (row-major) in its own dtype.
-    pub fn from_vec<T: IntoStorage>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
         check_len("from_vec", data.len(), shape)?;
-        Ok(Tensor::from_contiguous(T::into_storage(data), shape))
+        Ok(Tensor::from_contiguous(CpuStorage::from_vec(data), shape))
     }
 
     /// A tensor of `shape` and `dtype` from f64 values, rounded once into `dtype`.

@@ -13,12 +13,13 @@ pub mod view;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-pub use crate::cpu::storage::{CpuStorage, Real};
+pub use crate::cpu::storage::CpuStorage;
+pub use crate::dtype::FloatDType;
 pub use layout::Layout;
 pub use storage::Storage;
 
 use crate::autograd::{self, Node};
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, WithDType};
 use crate::error::{Error, Result};
 
 pub use crate::device::Device;
@@ -137,7 +138,7 @@ impl Tensor {
     }
 
     /// A contiguous op result built from compute-type values rounded into `dtype`.
-    pub(crate) fn from_compute<C: Real>(
+    pub(crate) fn from_compute<C: FloatDType>(
         values: Vec<C>,
         shape: &[usize],
         dtype: DType,
@@ -147,7 +148,7 @@ impl Tensor {
     ) -> Tensor {
         debug_assert_eq!(values.len(), shape.iter().product::<usize>());
         Tensor::from_op(
-            Arc::new(C::store(values, dtype).into()),
+            Arc::new(CpuStorage::store::<C>(values, dtype).into()),
             Layout::contiguous(shape),
             op,
             inputs,
@@ -156,8 +157,12 @@ impl Tensor {
     }
 
     /// A contiguous tensor outside any graph from compute-type values rounded into `dtype`.
-    pub(crate) fn from_values<C: Real>(values: Vec<C>, shape: &[usize], dtype: DType) -> Tensor {
-        Tensor::from_contiguous(C::store(values, dtype), shape)
+    pub(crate) fn from_values<C: FloatDType>(
+        values: Vec<C>,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Tensor {
+        Tensor::from_contiguous(CpuStorage::store::<C>(values, dtype), shape)
     }
 
     // ----- accessors ---------------------------------------------------------------------
@@ -336,7 +341,7 @@ impl Tensor {
         self.storage().as_cpu().to_i64(self.layout()).into_owned()
     }
     /// All elements as their own Rust type; errors if `T` is not the tensor's dtype.
-    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+    pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype() {
             return Err(Error::dtype(
                 "to_vec",
@@ -344,16 +349,11 @@ impl Tensor {
                 format!("asked for {}", T::DTYPE),
             ));
         }
-        let s = self.storage().as_cpu().gather(self.layout());
-        // The match proves the element type; the Any downcast turns Vec<X> into Vec<T>.
-        let any: Box<dyn std::any::Any> = match s {
-            CpuStorage::F16(v) => Box::new(v),
-            CpuStorage::BF16(v) => Box::new(v),
-            CpuStorage::F32(v) => Box::new(v),
-            CpuStorage::F64(v) => Box::new(v),
-            CpuStorage::I64(v) => Box::new(v),
-        };
-        Ok(*any.downcast::<Vec<T>>().expect("dtype checked above"))
+        let s = self.storage().copy_strided(self.layout())?;
+        Ok(s.to_cpu()?
+            .into_owned()
+            .into_vec()
+            .expect("dtype checked above"))
     }
     /// The value of a one-element tensor, as f64.
     pub fn to_scalar(&self) -> Result<f64> {
@@ -368,15 +368,15 @@ impl Tensor {
 
     /// Values in the compute type `C`, contiguous (borrowed when no conversion is needed is
     /// not possible through the lock, so this returns an owned or shared buffer).
-    pub(crate) fn values<C: Real>(&self) -> Vec<C> {
-        C::load(self.storage().as_cpu(), self.layout()).into_owned()
+    pub(crate) fn values<C: FloatDType>(&self) -> Vec<C> {
+        CpuStorage::load::<C>(self.storage().as_cpu(), self.layout()).into_owned()
     }
 
     /// Runs `f` on the values in compute type `C` without copying when the tensor is
     /// already contiguous in that type.
-    pub(crate) fn with_values<C: Real, R>(&self, f: impl FnOnce(&[C]) -> R) -> R {
+    pub(crate) fn with_values<C: FloatDType, R>(&self, f: impl FnOnce(&[C]) -> R) -> R {
         let s = self.storage();
-        let v = C::load(s.as_cpu(), self.layout());
+        let v = CpuStorage::load::<C>(s.as_cpu(), self.layout());
         f(&v)
     }
 
