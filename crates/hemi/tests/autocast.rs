@@ -162,6 +162,7 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
         "unsqueeze" => m.unsqueeze(1),
         "contiguous" => m.t()?.contiguous(),
         "to_dtype" => m.to_dtype(a),
+        "to_device" => m.to_device(hemi::Device::Cpu),
         other => panic!("the test has no call for op {other:?}: add one"),
     }
 }

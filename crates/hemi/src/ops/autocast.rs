@@ -132,6 +132,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("unsqueeze", PassThrough),
     ("contiguous", PassThrough),
     ("to_dtype", PassThrough),
+    ("to_device", PassThrough),
 ];
 
 /// The policy of `op`, or `None` for a name that is not an op.

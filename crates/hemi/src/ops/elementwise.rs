@@ -6,8 +6,6 @@
 //! PyTorch's rule: the wider float wins, F16 with BF16 gives F32); the gradient of each
 //! input is cast back to that input's dtype by autograd.
 
-use rayon::prelude::*;
-
 use crate::dtype::DType;
 use crate::dtype::WithDType as _;
 #[allow(unused_imports)]
@@ -17,41 +15,7 @@ use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{FloatDType, Layout, Tensor};
 
-/// Below this many elements a loop runs on one thread (rayon's overhead dominates).
-pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
-
-/// `out[i] = f(a[i], b[i])`, in parallel for large inputs.
-pub(crate) fn zip_map<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + Sync) -> Vec<C> {
-    debug_assert_eq!(a.len(), b.len());
-    if a.len() < PAR_THRESHOLD {
-        return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
-    }
-    let mut out = vec![C::zero(); a.len()];
-    out.par_chunks_mut(PAR_THRESHOLD)
-        .zip(a.par_chunks(PAR_THRESHOLD).zip(b.par_chunks(PAR_THRESHOLD)))
-        .for_each(|(o, (x, y))| {
-            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-                *o = f(x, y);
-            }
-        });
-    out
-}
-
-/// `out[i] = f(a[i])`, in parallel for large inputs.
-pub(crate) fn map<C: FloatDType>(a: &[C], f: impl Fn(C) -> C + Sync) -> Vec<C> {
-    if a.len() < PAR_THRESHOLD {
-        return a.iter().map(|&x| f(x)).collect();
-    }
-    let mut out = vec![C::zero(); a.len()];
-    out.par_chunks_mut(PAR_THRESHOLD)
-        .zip(a.par_chunks(PAR_THRESHOLD))
-        .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
-        });
-    out
-}
+pub(crate) use crate::cpu::map::{map, zip_map, PAR_THRESHOLD};
 
 fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {
@@ -60,75 +24,31 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// The binary ops with broadcasting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Binary {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-}
-
-impl Binary {
-    fn name(self) -> &'static str {
-        match self {
-            Binary::Add => "add",
-            Binary::Sub => "sub",
-            Binary::Mul => "mul",
-            Binary::Div => "div",
-            Binary::Maximum => "maximum",
-            Binary::Minimum => "minimum",
-        }
-    }
-
-    fn apply<C: FloatDType>(self, x: C, y: C) -> C {
-        match self {
-            Binary::Add => x + y,
-            Binary::Sub => x - y,
-            Binary::Mul => x * y,
-            Binary::Div => x / y,
-            // NaN propagates, as torch.maximum.
-            Binary::Maximum => {
-                if x.is_nan() || y.is_nan() {
-                    C::nan()
-                } else if x >= y {
-                    x
-                } else {
-                    y
-                }
-            }
-            Binary::Minimum => {
-                if x.is_nan() || y.is_nan() {
-                    C::nan()
-                } else if x <= y {
-                    x
-                } else {
-                    y
-                }
-            }
-        }
-    }
-}
+use crate::backend::map::BinaryOp as Binary;
 
 fn binary(a: &Tensor, b: &Tensor, op: Binary) -> Result<Tensor> {
     let name = op.name();
     let shape = broadcast_shapes(name, a.shape(), b.shape())?;
     let dtype = a.dtype().promote(b.dtype());
-    let (ab, bb) = (
-        a.broadcast_to(&shape)?.detach(),
-        b.broadcast_to(&shape)?.detach(),
-    );
+    let (ab, bb) = (a.broadcast_to(&shape)?, b.broadcast_to(&shape)?);
+    let out = a
+        .storage()
+        .binary(ab.layout(), &b.storage(), bb.layout(), op, dtype)?;
     let (a_saved, b_saved) = (a.detach(), b.detach());
     let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());
-    crate::with_compute!(dtype, C => {
-        let out = ab.with_values::<C, _>(|x| bb.with_values::<C, _>(|y| zip_map(x, y, |x, y| op.apply(x, y))));
-        Ok(Tensor::from_compute(out, &shape, dtype, name, &[a, b], move |g| {
+    Ok(Tensor::from_op(
+        std::sync::Arc::new(out),
+        Layout::contiguous(&shape),
+        name,
+        &[a, b],
+        move |g| {
             let (ga, gb) = binary_backward(op, g, &a_saved, &b_saved)?;
-            Ok(vec![Some(ga.sum_to_shape(&a_shape)?), Some(gb.sum_to_shape(&b_shape)?)])
-        }))
-    })
+            Ok(vec![
+                Some(ga.sum_to_shape(&a_shape)?),
+                Some(gb.sum_to_shape(&b_shape)?),
+            ])
+        },
+    ))
 }
 
 /// Gradients of a binary op at broadcast shape (before reduction to the input shapes).

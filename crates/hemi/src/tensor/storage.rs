@@ -26,15 +26,46 @@ impl From<CpuStorage> for Storage {
     }
 }
 
-/// Runs `$body` with `$s` bound to the backend buffer inside `$storage`, wrapping a returned
-/// buffer back into the same variant.
+/// Runs `$body` with `$s` bound to the backend buffer inside `$storage`. Use `Storage::Cpu`
+/// in `$body` only through `wrap!`, so a new variant needs no edit at the call sites.
 macro_rules! dispatch {
     ($storage:expr, $s:ident => $body:expr) => {
         match $storage {
-            Storage::Cpu($s) => $body,
+            $crate::tensor::Storage::Cpu($s) => $body,
         }
     };
 }
+#[allow(unused_imports)] // used by the areas as they migrate
+pub(crate) use dispatch;
+
+/// Runs `$body` with `$a` and `$b` bound to the buffers of two storages on the same backend;
+/// storages on different devices are an `Error::Device` naming both and `$op`.
+macro_rules! dispatch2 {
+    ($op:expr, $x:expr, $y:expr, $a:ident, $b:ident => $body:expr) => {
+        match ($x, $y) {
+            ($crate::tensor::Storage::Cpu($a), $crate::tensor::Storage::Cpu($b)) => $body,
+            #[allow(unreachable_patterns)]
+            (x, y) => {
+                return Err($crate::error::Error::device(
+                    $op,
+                    format!("inputs on {} and {}", x.device(), y.device()),
+                ))
+            }
+        }
+    };
+}
+pub(crate) use dispatch2;
+
+/// A backend buffer wrapped back into the `Storage` variant of `$like` (the storage the
+/// primitive was called on).
+macro_rules! wrap {
+    ($like:expr, $buf:expr) => {
+        match $like {
+            $crate::tensor::Storage::Cpu(_) => $crate::tensor::Storage::Cpu($buf),
+        }
+    };
+}
+pub(crate) use wrap;
 
 impl Storage {
     pub fn device(&self) -> Device {
@@ -61,13 +92,13 @@ impl Storage {
     /// The elements addressed by `layout`, copied into a new contiguous buffer on the same
     /// device.
     pub fn copy_strided(&self, layout: &Layout) -> Result<Storage> {
-        Ok(dispatch!(self, s => Storage::Cpu(BackendStorage::copy_strided(s, layout)?)))
+        Ok(dispatch!(self, s => wrap!(self, BackendStorage::copy_strided(s, layout)?)))
     }
 
     /// The elements addressed by `layout` converted to `dtype` (contiguous, same device):
     /// round-to-nearest-even, overflow to ±inf, NaN kept.
     pub fn cast(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
-        Ok(dispatch!(self, s => Storage::Cpu(BackendStorage::cast(s, layout, dtype)?)))
+        Ok(dispatch!(self, s => wrap!(self, BackendStorage::cast(s, layout, dtype)?)))
     }
 
     /// The whole buffer as a host buffer: borrowed on the CPU, copied from other devices.

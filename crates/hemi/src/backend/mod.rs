@@ -6,11 +6,24 @@
 //! need no copy before a kernel, and returns a new contiguous buffer on the same device.
 //! Ops validate shapes and dtypes, apply autocast and promotion, and record backward before
 //! they call a primitive; primitives assume their arguments were checked.
+//!
+//! The primitives are grouped by area, one trait per file (as burn groups its backend
+//! ops): `map` (casts, unary and binary maps with broadcasting, where, random fills),
+//! `reduce` (sums, means, extrema, variances, softmax rows), `nn` (matmul, convolutions,
+//! pools, norms), `train` (losses, index/gather/scatter, the fused unscale-and-check, the
+//! optimizer updates). A backend implements them all (`Backend`). `tensor::Storage` has one
+//! method per primitive that dispatches to the buffer's backend (`dispatch!`/`dispatch2!`
+//! there), and ops call those methods.
 
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Layout;
+
+pub mod map;
+pub mod nn;
+pub mod reduce;
+pub mod train;
 
 /// A backend's buffer of elements of one dtype.
 pub trait BackendStorage: Sized + Clone + Send + Sync + std::fmt::Debug + 'static {
