@@ -150,7 +150,7 @@ fn sgd(params: &[Tensor], lr: f64, momentum: f64) -> Sgd {
 fn snapshot(opt: &Sgd) -> (Vec<Vec<f32>>, Vec<Option<Vec<f32>>>) {
     let params = opt.params().iter().map(Tensor::to_vec_f32).collect();
     let bufs = (0..opt.params().len())
-        .map(|i| opt.momentum_buffer(i).map(<[f32]>::to_vec))
+        .map(|i| opt.momentum_buffer(i).map(|t| t.to_vec_f32()))
         .collect();
     (params, bufs)
 }

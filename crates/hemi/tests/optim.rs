@@ -282,12 +282,7 @@ fn sgd_momentum_buffer_starts_as_the_gradient() {
     opt.step().unwrap();
     for (i, p) in params.iter().enumerate() {
         let g = grads[0][i].as_ref().unwrap();
-        let buf: Vec<f64> = opt
-            .momentum_buffer(i)
-            .unwrap()
-            .iter()
-            .map(|&b| f64::from(b))
-            .collect();
+        let buf: Vec<f64> = opt.momentum_buffer(i).unwrap().to_vec_f64();
         assert_eq!(
             &buf, g,
             "param {i}: buffer after the first step is the gradient"
@@ -305,12 +300,7 @@ fn sgd_momentum_buffer_starts_as_the_gradient() {
     opt.step().unwrap();
     let (g1, g2) = (grads[0][1].as_ref().unwrap(), grads[1][1].as_ref().unwrap());
     let want: Vec<f64> = g1.iter().zip(g2).map(|(a, b)| 0.9 * a + 0.5 * b).collect();
-    let buf: Vec<f64> = opt
-        .momentum_buffer(1)
-        .unwrap()
-        .iter()
-        .map(|&b| f64::from(b))
-        .collect();
+    let buf: Vec<f64> = opt.momentum_buffer(1).unwrap().to_vec_f64();
     assert_close("buffer step 2", &buf, &want, traj_tol(2));
 }
 

@@ -1,5 +1,157 @@
 //! Training primitives: losses, index/gather/scatter/concatenation, the fused
 //! unscale-and-check-finite of the loss scaler, and the optimizer updates.
 
-#[allow(unused_imports)]
 use super::BackendStorage;
+use crate::error::{Error, Result};
+use crate::tensor::{Layout, Storage};
+
+/// One SGD step's hyper-parameters as PyTorch's F32 kernel sees them (Python floats reach
+/// ATen as double Scalars, which the F32 kernel casts to float).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdScalars {
+    pub neg_lr: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+    /// `1 - dampening`.
+    pub keep: f32,
+}
+
+/// Which parts of the SGD rule run this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SgdFlags {
+    pub weight_decay: bool,
+    pub momentum: bool,
+    /// The momentum buffer's first step: it becomes the (decayed) gradient itself.
+    pub first: bool,
+    pub nesterov: bool,
+}
+
+/// Where weight decay enters an Adam step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdamDecay {
+    None,
+    /// Adam: `g = g + wd * p`.
+    L2,
+    /// AdamW: `p = p * (1 - lr * wd)` first.
+    Decoupled,
+}
+
+/// One Adam step's scalars as the F32 kernel sees them (computed in f64 by the optimizer,
+/// as PyTorch computes them in Python floats).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamScalars {
+    /// Adam: the L2 coefficient `wd`; AdamW: the factor `1 - lr * wd`.
+    pub decay: f32,
+    /// ATen's lerp: `start + w * (end - start)` when |w| < 0.5, else
+    /// `end + (w - 1) * (end - start)`; `lerp_coeff` is `w` or `w - 1` accordingly.
+    pub lerp_small: bool,
+    pub lerp_coeff: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bias_correction2_sqrt: f32,
+    pub eps: f32,
+    pub neg_step_size: f32,
+}
+
+pub trait OptimOps: BackendStorage {
+    /// One SGD step of the parameter `self` (read through `lp`, F32/F16/BF16) with gradient
+    /// `grad` (any float dtype, read through `lg`, same element count) and, with momentum,
+    /// the F32 momentum buffer updated in place. Returns the new parameter values in the
+    /// parameter's dtype, rounded once. The update is PyTorch's, bit for bit in F32.
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_step(
+        &self,
+        lp: &Layout,
+        grad: &Self,
+        lg: &Layout,
+        buf: Option<&mut Self>,
+        s: &SgdScalars,
+        f: SgdFlags,
+    ) -> Result<Self>;
+
+    /// One Adam(W) step: `exp_avg`, `exp_avg_sq` and (AMSGrad) `max_exp_avg_sq` are F32
+    /// buffers updated in place; returns the new parameter values in its dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn adam_step(
+        &self,
+        lp: &Layout,
+        grad: &Self,
+        lg: &Layout,
+        exp_avg: &mut Self,
+        exp_avg_sq: &mut Self,
+        max_exp_avg_sq: Option<&mut Self>,
+        k: &AdamScalars,
+        decay: AdamDecay,
+    ) -> Result<Self>;
+}
+
+fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
+    Error::device(op, format!("inputs on {} and {}", a.device(), b.device()))
+}
+
+impl Storage {
+    /// `OptimOps::sgd_step` on this storage's backend; every buffer on the same device.
+    pub fn sgd_step(
+        &self,
+        lp: &Layout,
+        grad: &Storage,
+        lg: &Layout,
+        buf: Option<&mut Storage>,
+        s: &SgdScalars,
+        f: SgdFlags,
+    ) -> Result<Storage> {
+        const OP: &str = "sgd_step";
+        #[allow(unreachable_patterns)]
+        match (self, grad, buf) {
+            (Storage::Cpu(p), Storage::Cpu(g), None) => {
+                Ok(Storage::Cpu(p.sgd_step(lp, g, lg, None, s, f)?))
+            }
+            (Storage::Cpu(p), Storage::Cpu(g), Some(Storage::Cpu(b))) => {
+                Ok(Storage::Cpu(p.sgd_step(lp, g, lg, Some(b), s, f)?))
+            }
+            (p, g, _) if p.device() != g.device() => Err(mixed(OP, p, g)),
+            (p, _, Some(b)) => Err(mixed(OP, p, b)),
+            (p, g, None) => Err(mixed(OP, p, g)),
+        }
+    }
+
+    /// `OptimOps::adam_step` on this storage's backend; every buffer on the same device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam_step(
+        &self,
+        lp: &Layout,
+        grad: &Storage,
+        lg: &Layout,
+        exp_avg: &mut Storage,
+        exp_avg_sq: &mut Storage,
+        max_exp_avg_sq: Option<&mut Storage>,
+        k: &AdamScalars,
+        decay: AdamDecay,
+    ) -> Result<Storage> {
+        const OP: &str = "adam_step";
+        #[allow(unreachable_patterns)]
+        match (self, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) {
+            (Storage::Cpu(p), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(v), None) => {
+                Ok(Storage::Cpu(p.adam_step(lp, g, lg, m, v, None, k, decay)?))
+            }
+            (
+                Storage::Cpu(p),
+                Storage::Cpu(g),
+                Storage::Cpu(m),
+                Storage::Cpu(v),
+                Some(Storage::Cpu(x)),
+            ) => Ok(Storage::Cpu(p.adam_step(
+                lp,
+                g,
+                lg,
+                m,
+                v,
+                Some(x),
+                k,
+                decay,
+            )?)),
+            (p, g, ..) if p.device() != g.device() => Err(mixed(OP, p, g)),
+            (p, _, m, ..) => Err(mixed(OP, p, m)),
+        }
+    }
+}

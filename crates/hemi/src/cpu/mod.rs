@@ -7,6 +7,7 @@ pub mod conv_block;
 pub mod gemm;
 pub mod gemm_half;
 pub mod map;
+pub mod optim;
 pub mod pool;
 pub mod runs;
 pub mod storage;

@@ -4,9 +4,10 @@
 //! `p *= 1 - lr * weight_decay` before the update) and in the default weight decay.
 
 use super::optimizer::{
-    check_grads, check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState,
-    StateBuffer, StateReader,
+    check_grads, check_nonneg, check_params, state_zeros, Optimizer, OptimizerState, StateBuffer,
+    StateReader,
 };
+use crate::backend::train::{AdamDecay, AdamScalars};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -101,10 +102,11 @@ struct ParamState {
     /// Steps this parameter has taken (PyTorch keeps a count per parameter: a parameter
     /// without a gradient on some step lags behind, and its bias correction with it).
     step: u64,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+    /// F32 buffers shaped and placed like the parameter.
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
     /// Running maximum of `exp_avg_sq` (amsgrad only).
-    max_exp_avg_sq: Option<Vec<f32>>,
+    max_exp_avg_sq: Option<Tensor>,
 }
 
 /// What Adam and AdamW share: the parameters, hyper-parameters and per-parameter state.
@@ -139,22 +141,39 @@ impl AdamCore {
     fn step(&mut self, op: &'static str) -> Result<()> {
         check_grads(op, &self.params)?;
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grad_f32(p) else {
+            let Some(g) = p.grad() else {
                 continue;
             };
-            let n = p.numel();
-            let s = self.state[i].get_or_insert_with(|| ParamState {
-                step: 0,
-                exp_avg: vec![0.0; n],
-                exp_avg_sq: vec![0.0; n],
-                max_exp_avg_sq: None,
-            });
-            if self.config.amsgrad && s.max_exp_avg_sq.is_none() {
-                s.max_exp_avg_sq = Some(vec![0.0; n]);
+            if self.state[i].is_none() {
+                self.state[i] = Some(ParamState {
+                    step: 0,
+                    exp_avg: state_zeros(p)?,
+                    exp_avg_sq: state_zeros(p)?,
+                    max_exp_avg_sq: None,
+                });
             }
-            let mut values = p.to_vec_f32();
-            adam_update(&mut values, &g, s, &self.config, self.decoupled);
-            write_param(p, values)?;
+            let s = self.state[i].as_mut().expect("created above");
+            if self.config.amsgrad && s.max_exp_avg_sq.is_none() {
+                s.max_exp_avg_sq = Some(state_zeros(p)?);
+            }
+            s.step += 1;
+            let k = adam_scalars(s.step, &self.config, self.decoupled);
+            let decay = match (self.config.weight_decay != 0.0, self.decoupled) {
+                (false, _) => AdamDecay::None,
+                (true, false) => AdamDecay::L2,
+                (true, true) => AdamDecay::Decoupled,
+            };
+            let (ps, gs) = (p.storage(), g.storage());
+            let (pl, gl) = (p.layout(), g.layout());
+            let new = s.exp_avg.with_storage_mut(|m| {
+                s.exp_avg_sq.with_storage_mut(|v| match &s.max_exp_avg_sq {
+                    Some(x) => {
+                        x.with_storage_mut(|x| ps.adam_step(pl, &gs, gl, m, v, Some(x), &k, decay))
+                    }
+                    None => ps.adam_step(pl, &gs, gl, m, v, None, &k, decay),
+                })
+            })?;
+            p.set_storage(new)?;
         }
         Ok(())
     }
@@ -174,11 +193,11 @@ impl AdamCore {
         for (i, (p, s)) in self.params.iter().zip(&self.state).enumerate() {
             let Some(s) = s else { continue };
             scalars.push((format!("{i}.step"), s.step as f64));
-            let mut push = |key: &str, data: &Vec<f32>| {
+            let mut push = |key: &str, data: &Tensor| {
                 buffers.push(StateBuffer {
                     name: format!("{i}.{key}"),
                     shape: p.shape().to_vec(),
-                    data: data.clone(),
+                    data: data.to_vec_f32(),
                 })
             };
             push("exp_avg", &s.exp_avg);
@@ -245,7 +264,7 @@ impl AdamCore {
     }
 }
 
-/// One Adam(W) step over one parameter's values, in place. The scalars are computed in f64
+/// One Adam(W) step's scalars for the backend's update. They are computed in f64
 /// as PyTorch computes them in Python floats (`**` is libm's `pow`, as in CPython), the
 /// element-wise part in F32 as ATen's CPU kernels do:
 ///
@@ -258,10 +277,9 @@ impl AdamCore {
 /// v̂  = max(v̂, v)                               (amsgrad; v̂ replaces v below)
 /// p  = p + (-lr / (1 - beta1^t)) * m / (sqrt(v) / (1 - beta2^t)^0.5 + eps)
 /// ```
-fn adam_update(p: &mut [f32], g: &[f32], s: &mut ParamState, c: &AdamConfig, decoupled: bool) {
-    s.step += 1;
+fn adam_scalars(step: u64, c: &AdamConfig, decoupled: bool) -> AdamScalars {
     let (beta1, beta2) = c.betas;
-    let t = s.step as f64;
+    let t = step as f64;
     let bias_correction1 = 1.0 - beta1.powf(t);
     let bias_correction2 = 1.0 - beta2.powf(t);
     let step_size = c.lr / bias_correction1;
@@ -269,7 +287,7 @@ fn adam_update(p: &mut [f32], g: &[f32], s: &mut ParamState, c: &AdamConfig, dec
     // the last bit; the opaque exponent keeps LLVM from rewriting pow(x, 0.5) as sqrt(x).
     let bias_correction2_sqrt = bias_correction2.powf(std::hint::black_box(0.5));
     let weight = (1.0 - beta1) as f32; // lerp's weight, cast to F32 by ATen
-    let k = AdamScalars {
+    AdamScalars {
         decay: if decoupled {
             (1.0 - c.lr * c.weight_decay) as f32
         } else {
@@ -288,111 +306,6 @@ fn adam_update(p: &mut [f32], g: &[f32], s: &mut ParamState, c: &AdamConfig, dec
         bias_correction2_sqrt: bias_correction2_sqrt as f32,
         eps: c.eps as f32,
         neg_step_size: (-step_size) as f32,
-    };
-    let (m, v) = (&mut s.exp_avg, &mut s.exp_avg_sq);
-    let max = s.max_exp_avg_sq.as_deref_mut();
-    match (c.weight_decay != 0.0, decoupled, max) {
-        (false, _, None) => adam_loop::<NO_DECAY, false>(p, g, m, v, &mut [], k),
-        (false, _, Some(mx)) => adam_loop::<NO_DECAY, true>(p, g, m, v, mx, k),
-        (true, false, None) => adam_loop::<L2, false>(p, g, m, v, &mut [], k),
-        (true, false, Some(mx)) => adam_loop::<L2, true>(p, g, m, v, mx, k),
-        (true, true, None) => adam_loop::<DECOUPLED, false>(p, g, m, v, &mut [], k),
-        (true, true, Some(mx)) => adam_loop::<DECOUPLED, true>(p, g, m, v, mx, k),
-    }
-}
-
-/// Where weight decay enters (`adam_kernel`'s `DECAY`).
-const NO_DECAY: u8 = 0;
-/// Adam: `g = g + wd * p`.
-const L2: u8 = 1;
-/// AdamW: `p = p * (1 - lr * wd)`.
-const DECOUPLED: u8 = 2;
-
-/// One step's scalars as the F32 kernel sees them.
-#[derive(Clone, Copy)]
-struct AdamScalars {
-    /// Adam: the L2 coefficient `wd`; AdamW: the factor `1 - lr * wd`.
-    decay: f32,
-    lerp_small: bool,
-    lerp_coeff: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    bias_correction2_sqrt: f32,
-    eps: f32,
-    neg_step_size: f32,
-}
-
-/// `adam_kernel` compiled with FMA where the CPU has it (`optimizer::has_fma` says why).
-fn adam_loop<const DECAY: u8, const AMSGRAD: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: &mut [f32],
-    k: AdamScalars,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if super::optimizer::has_fma() {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn fma<const DECAY: u8, const AMSGRAD: bool>(
-            p: &mut [f32],
-            g: &[f32],
-            m: &mut [f32],
-            v: &mut [f32],
-            max: &mut [f32],
-            k: AdamScalars,
-        ) {
-            adam_kernel::<DECAY, AMSGRAD>(p, g, m, v, max, k)
-        }
-        // SAFETY: selected only after `has_fma()` detected AVX2 and FMA.
-        return unsafe { fma::<DECAY, AMSGRAD>(p, g, m, v, max, k) };
-    }
-    adam_kernel::<DECAY, AMSGRAD>(p, g, m, v, max, k)
-}
-
-/// PyTorch's `_single_tensor_adam` (non-capturable branch), element by element, rounding
-/// where its CPU kernels round: `add` with alpha, `lerp` and `addcmul` are fused
-/// multiply-adds (ATen's vectorised kernels use `fmadd`, its scalar tails are contracted the
-/// same way), `addcdiv` is `p + (value * m) / denom` with three roundings, and the square
-/// root is the IEEE one.
-#[inline(always)]
-fn adam_kernel<const DECAY: u8, const AMSGRAD: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    max: &mut [f32],
-    k: AdamScalars,
-) {
-    let n = p.len();
-    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
-    let max = if AMSGRAD { &mut max[..n] } else { max };
-    for i in 0..n {
-        let (mut pi, mut gi) = (p[i], g[i]);
-        if DECAY == DECOUPLED {
-            pi *= k.decay; // param.mul_(1 - lr * weight_decay)
-        } else if DECAY == L2 {
-            gi = pi.mul_add(k.decay, gi); // grad.add(param, alpha=weight_decay)
-        }
-        // exp_avg.lerp_(grad, 1 - beta1)
-        let base = if k.lerp_small { m[i] } else { gi };
-        m[i] = k.lerp_coeff.mul_add(gi - m[i], base);
-        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        let mut vi = (k.one_minus_beta2 * gi).mul_add(gi, v[i] * k.beta2);
-        v[i] = vi;
-        if AMSGRAD {
-            // torch.maximum: NaN if either is NaN
-            vi = if vi.is_nan() || max[i].is_nan() {
-                f32::NAN
-            } else {
-                vi.max(max[i])
-            };
-            max[i] = vi;
-        }
-        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        let denom = vi.sqrt() / k.bias_correction2_sqrt + k.eps;
-        // param.addcdiv_(exp_avg, denom, value=-step_size)
-        p[i] = pi + (k.neg_step_size * m[i]) / denom;
     }
 }
 
@@ -455,46 +368,3 @@ macro_rules! impl_optimizer {
 
 impl_optimizer!(Adam, "Adam");
 impl_optimizer!(AdamW, "AdamW");
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    use crate::optim::optimizer::test_data as data;
-
-    fn agree<const DECAY: u8, const AMSGRAD: bool>(lerp_small: bool) {
-        let k = AdamScalars {
-            decay: 0.999,
-            lerp_small,
-            lerp_coeff: if lerp_small { 0.1 } else { 0.7 - 1.0 },
-            beta2: 0.999,
-            one_minus_beta2: 1e-3,
-            bias_correction2_sqrt: 0.0316,
-            eps: 1e-8,
-            neg_step_size: -0.0101,
-        };
-        for n in [1, 7, 8, 9, 15, 17, 31, 33, 100] {
-            let (mut p1, g, mut m1) = (data(n, 1), data(n, 2), data(n, 3));
-            // Second moments are non-negative.
-            let mut v1: Vec<f32> = data(n, 4).iter().map(|x| x * x).collect();
-            let mut x1: Vec<f32> = data(n, 5).iter().map(|x| x * x).collect();
-            let (mut p2, mut m2, mut v2, mut x2) = (p1.clone(), m1.clone(), v1.clone(), x1.clone());
-            adam_loop::<DECAY, AMSGRAD>(&mut p1, &g, &mut m1, &mut v1, &mut x1, k);
-            adam_kernel::<DECAY, AMSGRAD>(&mut p2, &g, &mut m2, &mut v2, &mut x2, k);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&p1), bits(&p2), "n {n}");
-            assert_eq!(bits(&m1), bits(&m2), "n {n}");
-            assert_eq!(bits(&v1), bits(&v2), "n {n}");
-            assert_eq!(bits(&x1), bits(&x2), "n {n}");
-        }
-    }
-
-    #[test]
-    fn fma_and_portable_builds_give_the_same_bits() {
-        for small in [true, false] {
-            agree::<NO_DECAY, false>(small);
-            agree::<L2, false>(small);
-            agree::<DECOUPLED, true>(small);
-        }
-    }
-}

@@ -157,16 +157,9 @@ pub(crate) fn check_grads(op: &'static str, params: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// The gradient of a parameter as F32 values (`None` when it has none); `check_grads` has
-/// validated it.
-pub(crate) fn grad_f32(p: &Tensor) -> Option<Vec<f32>> {
-    p.grad().map(|g| g.to_vec_f32())
-}
-
-/// Writes F32 values into parameter `p`, rounded once into its dtype; outside autograd.
-pub(crate) fn write_param(p: &Tensor, values: Vec<f32>) -> Result<()> {
-    let new = Tensor::from_f32_vec(values, p.shape(), p.dtype())?;
-    p.set_data(&new)
+/// A zeroed F32 state buffer shaped and placed like parameter `p`.
+pub(crate) fn state_zeros(p: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(p.shape(), DType::F32)?.to_device(p.device())
 }
 
 /// Reads a state: checks its kind and parameter count, and hands out its entries by name so
@@ -249,7 +242,8 @@ impl<'a> StateReader<'a> {
     }
 
     /// Parameter `i`'s buffer `key`, if present, checked against the parameter's shape.
-    pub(crate) fn buffer(&mut self, i: usize, key: &str, p: &Tensor) -> Result<Option<Vec<f32>>> {
+    /// The F32 buffer `"{i}.{key}"` as a tensor shaped and placed like parameter `p`.
+    pub(crate) fn buffer(&mut self, i: usize, key: &str, p: &Tensor) -> Result<Option<Tensor>> {
         let name = format!("{i}.{key}");
         let Some(j) = self.state.buffers.iter().position(|b| b.name == name) else {
             return Ok(None);
@@ -267,7 +261,8 @@ impl<'a> StateReader<'a> {
                 ),
             ));
         }
-        Ok(Some(b.data.clone()))
+        let t = Tensor::from_f32_vec(b.data.clone(), p.shape(), DType::F32)?;
+        Ok(Some(t.to_device(p.device())?))
     }
 
     /// Errors when the state holds entries the loader did not ask for.
@@ -295,28 +290,6 @@ impl<'a> StateReader<'a> {
     }
 }
 
-/// Whether the update loops can run their FMA build: x86-64 with AVX2 and FMA (checked once
-/// per call; `is_x86_feature_detected!` caches the answer).
-///
-/// Why the loops care (PyTorch parity, see `sgd.rs` and `adam.rs`): PyTorch's CPU kernels
-/// fuse `a + alpha * b` into one fused multiply-add, and hemi's loops reproduce that with
-/// `f32::mul_add`. `mul_add` is correctly rounded on every target, so both builds give the
-/// same bits; but without the `fma` target feature it is a call to libm's `fmaf` per element,
-/// many times slower than the one `vfmadd` instruction (and it stops vectorization). The x86
-/// default target has no FMA, hence a copy of each loop compiled with
-/// `#[target_feature(enable = "avx2,fma")]`, chosen at run time. (aarch64's baseline has FMA.)
-#[inline]
-pub(crate) fn has_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Checks a hyper-parameter is finite and >= 0 (PyTorch's "Invalid learning rate" family).
 pub(crate) fn check_nonneg(op: &'static str, name: &str, v: f64) -> Result<()> {
     if v.is_finite() && v >= 0.0 {
@@ -327,16 +300,4 @@ pub(crate) fn check_nonneg(op: &'static str, name: &str, v: f64) -> Result<()> {
             format!("invalid {name}: {v} (need a finite value >= 0)"),
         ))
     }
-}
-
-/// Values in [-1, 1) with a spread of magnitudes, different for each `k` (the optimizer
-/// kernels' unit tests).
-#[cfg(test)]
-pub(crate) fn test_data(n: usize, k: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
-            x * [1.0, 1e-3, 37.0][i % 3]
-        })
-        .collect()
 }

@@ -2,9 +2,10 @@
 //! decay: PyTorch's `torch.optim.SGD` update rule, step for step.
 
 use super::optimizer::{
-    check_grads, check_nonneg, check_params, grad_f32, write_param, Optimizer, OptimizerState,
-    StateBuffer, StateReader,
+    check_grads, check_nonneg, check_params, state_zeros, Optimizer, OptimizerState, StateBuffer,
+    StateReader,
 };
+use crate::backend::train::{SgdFlags, SgdScalars};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -72,7 +73,8 @@ pub struct Sgd {
     params: Vec<Tensor>,
     config: SgdConfig,
     /// One F32 momentum buffer per parameter, created by its first step with a gradient.
-    momentum_buffers: Vec<Option<Vec<f32>>>,
+    /// F32, shaped and placed like the parameter.
+    momentum_buffers: Vec<Option<Tensor>>,
 }
 
 impl Sgd {
@@ -94,134 +96,47 @@ impl Sgd {
     }
 
     /// Parameter `i`'s momentum buffer (F32, row-major), once its first step created it.
-    pub fn momentum_buffer(&self, i: usize) -> Option<&[f32]> {
-        self.momentum_buffers.get(i)?.as_deref()
-    }
-}
-
-/// One SGD step over one parameter's values, in place (`buf`: the parameter's momentum
-/// buffer, created here on its first step).
-fn sgd_update(p: &mut [f32], g: &[f32], buf: &mut Option<Vec<f32>>, c: &SgdConfig) {
-    // Python floats reach ATen as double Scalars, which the F32 kernels cast to float.
-    let s = SgdScalars {
-        neg_lr: (-c.lr) as f32,
-        weight_decay: c.weight_decay as f32,
-        momentum: c.momentum as f32,
-        keep: (1.0 - c.dampening) as f32,
-    };
-    let wd = c.weight_decay != 0.0;
-    if c.momentum == 0.0 {
-        return match wd {
-            false => sgd_loop::<false, false, false, false>(p, g, &mut [], s),
-            true => sgd_loop::<true, false, false, false>(p, g, &mut [], s),
-        };
-    }
-    // The first step takes the buffer as the (weight-decayed) gradient itself.
-    let first = buf.is_none();
-    let b = buf.get_or_insert_with(|| vec![0.0; p.len()]);
-    match (wd, first, c.nesterov) {
-        (false, false, false) => sgd_loop::<false, true, false, false>(p, g, b, s),
-        (false, false, true) => sgd_loop::<false, true, false, true>(p, g, b, s),
-        (false, true, false) => sgd_loop::<false, true, true, false>(p, g, b, s),
-        (false, true, true) => sgd_loop::<false, true, true, true>(p, g, b, s),
-        (true, false, false) => sgd_loop::<true, true, false, false>(p, g, b, s),
-        (true, false, true) => sgd_loop::<true, true, false, true>(p, g, b, s),
-        (true, true, false) => sgd_loop::<true, true, true, false>(p, g, b, s),
-        (true, true, true) => sgd_loop::<true, true, true, true>(p, g, b, s),
-    }
-}
-
-/// The hyper-parameters as the F32 kernel sees them.
-#[derive(Clone, Copy)]
-struct SgdScalars {
-    neg_lr: f32,
-    weight_decay: f32,
-    momentum: f32,
-    /// `1 - dampening`.
-    keep: f32,
-}
-
-/// `sgd_kernel` compiled with FMA where the CPU has it (`has_fma` says why), else as is.
-fn sgd_loop<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    buf: &mut [f32],
-    s: SgdScalars,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if super::optimizer::has_fma() {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn fma<
-            const WD: bool,
-            const MOMENTUM: bool,
-            const FIRST: bool,
-            const NESTEROV: bool,
-        >(
-            p: &mut [f32],
-            g: &[f32],
-            buf: &mut [f32],
-            s: SgdScalars,
-        ) {
-            sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
-        }
-        // SAFETY: selected only after `has_fma()` detected AVX2 and FMA.
-        return unsafe { fma::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s) };
-    }
-    sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
-}
-
-/// PyTorch's `_single_tensor_sgd`, element by element, rounding where its CPU kernels round:
-/// every `x.add(y, alpha=a)` is one fused multiply-add `y * a + x` (ATen's vectorised `add`
-/// is `fmadd(other, alpha, self)`, and its scalar tail is contracted the same way), and
-/// `buf.mul_(momentum)` is a separate F32 product. The configuration is in the const
-/// parameters so that each loop is branch-free and vectorises.
-#[inline(always)]
-fn sgd_kernel<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    buf: &mut [f32],
-    s: SgdScalars,
-) {
-    let n = p.len();
-    let g = &g[..n];
-    let buf = if MOMENTUM { &mut buf[..n] } else { buf };
-    for i in 0..n {
-        // grad = grad.add(param, alpha=weight_decay)
-        let mut d = if WD {
-            p[i].mul_add(s.weight_decay, g[i])
-        } else {
-            g[i]
-        };
-        if MOMENTUM {
-            // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1-dampening)
-            let b = if FIRST {
-                d
-            } else {
-                d.mul_add(s.keep, buf[i] * s.momentum)
-            };
-            buf[i] = b;
-            // grad = grad.add(buf, alpha=momentum) (Nesterov), else grad = buf
-            d = if NESTEROV {
-                b.mul_add(s.momentum, d)
-            } else {
-                b
-            };
-        }
-        // param.add_(grad, alpha=-lr)
-        p[i] = d.mul_add(s.neg_lr, p[i]);
+    /// A snapshot: later steps do not change it.
+    pub fn momentum_buffer(&self, i: usize) -> Option<Tensor> {
+        self.momentum_buffers.get(i)?.as_ref().map(Tensor::detach)
     }
 }
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         check_grads("Sgd::step", &self.params)?;
+        // Python floats reach ATen as double Scalars, which the F32 kernels cast to float.
+        let c = &self.config;
+        let scalars = SgdScalars {
+            neg_lr: (-c.lr) as f32,
+            weight_decay: c.weight_decay as f32,
+            momentum: c.momentum as f32,
+            keep: (1.0 - c.dampening) as f32,
+        };
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grad_f32(p) else {
+            let Some(g) = p.grad() else {
                 continue;
             };
-            let mut values = p.to_vec_f32();
-            sgd_update(&mut values, &g, &mut self.momentum_buffers[i], &self.config);
-            write_param(p, values)?;
+            let c = &self.config;
+            let momentum = c.momentum != 0.0;
+            let first = self.momentum_buffers[i].is_none();
+            if momentum && first {
+                self.momentum_buffers[i] = Some(state_zeros(p)?);
+            }
+            let f = SgdFlags {
+                weight_decay: c.weight_decay != 0.0,
+                momentum,
+                first,
+                nesterov: c.nesterov,
+            };
+            let (ps, gs) = (p.storage(), g.storage());
+            let new = match &self.momentum_buffers[i] {
+                Some(b) if momentum => b.with_storage_mut(|b| {
+                    ps.sgd_step(p.layout(), &gs, g.layout(), Some(b), &scalars, f)
+                })?,
+                _ => ps.sgd_step(p.layout(), &gs, g.layout(), None, &scalars, f)?,
+            };
+            p.set_storage(new)?;
         }
         Ok(())
     }
@@ -253,7 +168,7 @@ impl Optimizer for Sgd {
                 Some(StateBuffer {
                     name: format!("{i}.momentum_buffer"),
                     shape: p.shape().to_vec(),
-                    data: b.clone()?,
+                    data: b.as_ref()?.to_vec_f32(),
                 })
             })
             .collect();
@@ -282,46 +197,5 @@ impl Optimizer for Sgd {
         self.config = config;
         self.momentum_buffers = buffers;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    use crate::optim::optimizer::test_data as data;
-
-    fn agree<const WD: bool, const M: bool, const F: bool, const N: bool>() {
-        let s = SgdScalars {
-            neg_lr: -0.0123,
-            weight_decay: 1e-3,
-            momentum: 0.9,
-            keep: 0.7,
-        };
-        // Lengths around 8- and 16-lane vectors and their tails.
-        for n in [1, 7, 8, 9, 15, 17, 31, 33, 100] {
-            let (mut p1, g, mut b1) = (data(n, 1), data(n, 2), data(n, 3));
-            let (mut p2, mut b2) = (p1.clone(), b1.clone());
-            let (b1, b2): (&mut [f32], &mut [f32]) = if M {
-                (&mut b1, &mut b2)
-            } else {
-                (&mut [], &mut [])
-            };
-            sgd_loop::<WD, M, F, N>(&mut p1, &g, b1, s); // the FMA build where there is one
-            sgd_kernel::<WD, M, F, N>(&mut p2, &g, b2, s); // the portable build
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&p1), bits(&p2), "n {n}");
-            assert_eq!(bits(b1), bits(b2), "n {n}");
-        }
-    }
-
-    #[test]
-    fn fma_and_portable_builds_give_the_same_bits() {
-        agree::<false, false, false, false>();
-        agree::<true, false, false, false>();
-        agree::<false, true, true, false>();
-        agree::<true, true, false, false>();
-        agree::<true, true, false, true>();
-        agree::<false, true, false, true>();
     }
 }

@@ -326,6 +326,40 @@ impl Tensor {
         Ok(())
     }
 
+    /// Runs `f` on this tensor's storage, mutably (a backend primitive that updates a buffer
+    /// in place, such as an optimizer's state). Copies the buffer first when another handle
+    /// shares it, so that handle keeps the values it saw. Not recorded by autograd.
+    pub(crate) fn with_storage_mut<R>(&self, f: impl FnOnce(&mut Storage) -> R) -> R {
+        let mut guard = self.0.storage.write().expect("storage lock poisoned");
+        f(Arc::make_mut(&mut guard))
+    }
+
+    /// Replaces this (whole, contiguous) tensor's buffer with `new`, in place, as `set_data`
+    /// does with a tensor: same element count, dtype and device.
+    pub(crate) fn set_storage(&self, new: Storage) -> Result<()> {
+        let whole = self.0.layout.contiguous_range() == Some(0..self.numel())
+            && self.storage().len() == self.numel();
+        if !whole
+            || new.len() != self.numel()
+            || new.dtype() != self.dtype()
+            || new.device() != self.device()
+        {
+            return Err(Error::arg(
+                "set_storage",
+                format!(
+                    "a {} buffer of {} elements on {} cannot replace {:?} on {}",
+                    new.dtype(),
+                    new.len(),
+                    new.device(),
+                    self,
+                    self.device()
+                ),
+            ));
+        }
+        *self.0.storage.write().expect("storage lock poisoned") = Arc::new(new);
+        Ok(())
+    }
+
     // ----- reading values back -----------------------------------------------------------
 
     /// All elements in row-major order, converted to F32.

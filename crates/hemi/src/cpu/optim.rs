@@ -1,0 +1,385 @@
+//! The CPU's optimizer updates: PyTorch's `_single_tensor_sgd` and `_single_tensor_adam`
+//! element by element in F32, rounding where ATen's CPU kernels round, each loop built
+//! twice (with FMA where the CPU has it, and portable) and chosen at run time.
+
+use super::storage::CpuStorage;
+use crate::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::Layout;
+
+/// Whether the update loops can run their FMA build: x86-64 with AVX2 and FMA (checked once
+/// per call; `is_x86_feature_detected!` caches the answer).
+///
+/// Why the loops care (PyTorch parity, see `sgd.rs` and `adam.rs`): PyTorch's CPU kernels
+/// fuse `a + alpha * b` into one fused multiply-add, and hemi's loops reproduce that with
+/// `f32::mul_add`. `mul_add` is correctly rounded on every target, so both builds give the
+/// same bits; but without the `fma` target feature it is a call to libm's `fmaf` per element,
+/// many times slower than the one `vfmadd` instruction (and it stops vectorization). The x86
+/// default target has no FMA, hence a copy of each loop compiled with
+/// `#[target_feature(enable = "avx2,fma")]`, chosen at run time. (aarch64's baseline has FMA.)
+#[inline]
+fn has_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The F32 buffer of an optimizer state, or an error naming `what`.
+fn state_f32<'a>(op: &'static str, what: &str, s: &'a mut CpuStorage) -> Result<&'a mut [f32]> {
+    let dtype = s.dtype();
+    match s {
+        CpuStorage::F32(v) => Ok(v),
+        _ => Err(Error::dtype(
+            op,
+            dtype,
+            format!("{what} must be F32 optimizer state"),
+        )),
+    }
+}
+
+impl OptimOps for CpuStorage {
+    fn sgd_step(
+        &self,
+        lp: &Layout,
+        grad: &Self,
+        lg: &Layout,
+        buf: Option<&mut Self>,
+        s: &SgdScalars,
+        f: SgdFlags,
+    ) -> Result<Self> {
+        let mut p = self.to_f32(lp).into_owned();
+        let g = self::grad_f32(grad, lg);
+        let b: &mut [f32] = match buf {
+            Some(b) => state_f32("sgd_step", "the momentum buffer", b)?,
+            None if f.momentum => {
+                return Err(Error::arg("sgd_step", "momentum needs a momentum buffer"))
+            }
+            None => &mut [],
+        };
+        if f.momentum && b.len() != p.len() {
+            return Err(Error::shape(
+                "sgd_step",
+                format!(
+                    "momentum buffer of {} values for {} parameters",
+                    b.len(),
+                    p.len()
+                ),
+            ));
+        }
+        sgd_dispatch(&mut p, &g, b, *s, f);
+        Ok(CpuStorage::from_f32(p, self.dtype()))
+    }
+
+    fn adam_step(
+        &self,
+        lp: &Layout,
+        grad: &Self,
+        lg: &Layout,
+        exp_avg: &mut Self,
+        exp_avg_sq: &mut Self,
+        max_exp_avg_sq: Option<&mut Self>,
+        k: &AdamScalars,
+        decay: AdamDecay,
+    ) -> Result<Self> {
+        const OP: &str = "adam_step";
+        let mut p = self.to_f32(lp).into_owned();
+        let g = self::grad_f32(grad, lg);
+        let m = state_f32(OP, "exp_avg", exp_avg)?;
+        let v = state_f32(OP, "exp_avg_sq", exp_avg_sq)?;
+        let max = match max_exp_avg_sq {
+            Some(x) => Some(state_f32(OP, "max_exp_avg_sq", x)?),
+            None => None,
+        };
+        let n = p.len();
+        if m.len() != n || v.len() != n || max.as_ref().is_some_and(|x| x.len() != n) {
+            return Err(Error::shape(
+                OP,
+                format!("state buffers do not hold {n} values"),
+            ));
+        }
+        let k = *k;
+        match (decay, max) {
+            (AdamDecay::None, None) => adam_loop::<NO_DECAY, false>(&mut p, &g, m, v, &mut [], k),
+            (AdamDecay::None, Some(mx)) => adam_loop::<NO_DECAY, true>(&mut p, &g, m, v, mx, k),
+            (AdamDecay::L2, None) => adam_loop::<L2, false>(&mut p, &g, m, v, &mut [], k),
+            (AdamDecay::L2, Some(mx)) => adam_loop::<L2, true>(&mut p, &g, m, v, mx, k),
+            (AdamDecay::Decoupled, None) => {
+                adam_loop::<DECOUPLED, false>(&mut p, &g, m, v, &mut [], k)
+            }
+            (AdamDecay::Decoupled, Some(mx)) => {
+                adam_loop::<DECOUPLED, true>(&mut p, &g, m, v, mx, k)
+            }
+        }
+        Ok(CpuStorage::from_f32(p, self.dtype()))
+    }
+}
+
+/// A gradient's values as F32 (borrowed when it is a contiguous F32 buffer).
+fn grad_f32<'a>(g: &'a CpuStorage, lg: &Layout) -> std::borrow::Cow<'a, [f32]> {
+    debug_assert!(g.dtype() != DType::I64);
+    g.to_f32(lg)
+}
+
+/// The SGD loop for these flags (each combination its own branch-free build).
+fn sgd_dispatch(p: &mut [f32], g: &[f32], b: &mut [f32], s: SgdScalars, f: SgdFlags) {
+    if !f.momentum {
+        return match f.weight_decay {
+            false => sgd_loop::<false, false, false, false>(p, g, &mut [], s),
+            true => sgd_loop::<true, false, false, false>(p, g, &mut [], s),
+        };
+    }
+    match (f.weight_decay, f.first, f.nesterov) {
+        (false, false, false) => sgd_loop::<false, true, false, false>(p, g, b, s),
+        (false, false, true) => sgd_loop::<false, true, false, true>(p, g, b, s),
+        (false, true, false) => sgd_loop::<false, true, true, false>(p, g, b, s),
+        (false, true, true) => sgd_loop::<false, true, true, true>(p, g, b, s),
+        (true, false, false) => sgd_loop::<true, true, false, false>(p, g, b, s),
+        (true, false, true) => sgd_loop::<true, true, false, true>(p, g, b, s),
+        (true, true, false) => sgd_loop::<true, true, true, false>(p, g, b, s),
+        (true, true, true) => sgd_loop::<true, true, true, true>(p, g, b, s),
+    }
+}
+
+/// `sgd_kernel` compiled with FMA where the CPU has it (`has_fma` says why), else as is.
+fn sgd_loop<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    buf: &mut [f32],
+    s: SgdScalars,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fma<
+            const WD: bool,
+            const MOMENTUM: bool,
+            const FIRST: bool,
+            const NESTEROV: bool,
+        >(
+            p: &mut [f32],
+            g: &[f32],
+            buf: &mut [f32],
+            s: SgdScalars,
+        ) {
+            sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
+        }
+        // SAFETY: selected only after `has_fma()` detected AVX2 and FMA.
+        return unsafe { fma::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s) };
+    }
+    sgd_kernel::<WD, MOMENTUM, FIRST, NESTEROV>(p, g, buf, s)
+}
+
+/// PyTorch's `_single_tensor_sgd`, element by element, rounding where its CPU kernels round:
+/// every `x.add(y, alpha=a)` is one fused multiply-add `y * a + x` (ATen's vectorised `add`
+/// is `fmadd(other, alpha, self)`, and its scalar tail is contracted the same way), and
+/// `buf.mul_(momentum)` is a separate F32 product. The configuration is in the const
+/// parameters so that each loop is branch-free and vectorises.
+#[inline(always)]
+fn sgd_kernel<const WD: bool, const MOMENTUM: bool, const FIRST: bool, const NESTEROV: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    buf: &mut [f32],
+    s: SgdScalars,
+) {
+    let n = p.len();
+    let g = &g[..n];
+    let buf = if MOMENTUM { &mut buf[..n] } else { buf };
+    for i in 0..n {
+        // grad = grad.add(param, alpha=weight_decay)
+        let mut d = if WD {
+            p[i].mul_add(s.weight_decay, g[i])
+        } else {
+            g[i]
+        };
+        if MOMENTUM {
+            // First step: buf = grad.clone(); then buf.mul_(momentum).add_(grad, alpha=1-dampening)
+            let b = if FIRST {
+                d
+            } else {
+                d.mul_add(s.keep, buf[i] * s.momentum)
+            };
+            buf[i] = b;
+            // grad = grad.add(buf, alpha=momentum) (Nesterov), else grad = buf
+            d = if NESTEROV {
+                b.mul_add(s.momentum, d)
+            } else {
+                b
+            };
+        }
+        // param.add_(grad, alpha=-lr)
+        p[i] = d.mul_add(s.neg_lr, p[i]);
+    }
+}
+
+/// Where weight decay enters (`adam_kernel`'s `DECAY`).
+const NO_DECAY: u8 = 0;
+/// Adam: `g = g + wd * p`.
+const L2: u8 = 1;
+/// AdamW: `p = p * (1 - lr * wd)`.
+const DECOUPLED: u8 = 2;
+
+/// `adam_kernel` compiled with FMA where the CPU has it (`optimizer::has_fma` says why).
+fn adam_loop<const DECAY: u8, const AMSGRAD: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    max: &mut [f32],
+    k: AdamScalars,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn fma<const DECAY: u8, const AMSGRAD: bool>(
+            p: &mut [f32],
+            g: &[f32],
+            m: &mut [f32],
+            v: &mut [f32],
+            max: &mut [f32],
+            k: AdamScalars,
+        ) {
+            adam_kernel::<DECAY, AMSGRAD>(p, g, m, v, max, k)
+        }
+        // SAFETY: selected only after `has_fma()` detected AVX2 and FMA.
+        return unsafe { fma::<DECAY, AMSGRAD>(p, g, m, v, max, k) };
+    }
+    adam_kernel::<DECAY, AMSGRAD>(p, g, m, v, max, k)
+}
+
+/// PyTorch's `_single_tensor_adam` (non-capturable branch), element by element, rounding
+/// where its CPU kernels round: `add` with alpha, `lerp` and `addcmul` are fused
+/// multiply-adds (ATen's vectorised kernels use `fmadd`, its scalar tails are contracted the
+/// same way), `addcdiv` is `p + (value * m) / denom` with three roundings, and the square
+/// root is the IEEE one.
+#[inline(always)]
+fn adam_kernel<const DECAY: u8, const AMSGRAD: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    max: &mut [f32],
+    k: AdamScalars,
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    let max = if AMSGRAD { &mut max[..n] } else { max };
+    for i in 0..n {
+        let (mut pi, mut gi) = (p[i], g[i]);
+        if DECAY == DECOUPLED {
+            pi *= k.decay; // param.mul_(1 - lr * weight_decay)
+        } else if DECAY == L2 {
+            gi = pi.mul_add(k.decay, gi); // grad.add(param, alpha=weight_decay)
+        }
+        // exp_avg.lerp_(grad, 1 - beta1)
+        let base = if k.lerp_small { m[i] } else { gi };
+        m[i] = k.lerp_coeff.mul_add(gi - m[i], base);
+        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        let mut vi = (k.one_minus_beta2 * gi).mul_add(gi, v[i] * k.beta2);
+        v[i] = vi;
+        if AMSGRAD {
+            // torch.maximum: NaN if either is NaN
+            vi = if vi.is_nan() || max[i].is_nan() {
+                f32::NAN
+            } else {
+                vi.max(max[i])
+            };
+            max[i] = vi;
+        }
+        // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        let denom = vi.sqrt() / k.bias_correction2_sqrt + k.eps;
+        // param.addcdiv_(exp_avg, denom, value=-step_size)
+        p[i] = pi + (k.neg_step_size * m[i]) / denom;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) with a spread of magnitudes, different for each `k` (the optimizer
+    /// kernels' unit tests).
+    fn data(n: usize, k: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = ((i * 7919 + k * 104_729) % 2003) as f32 / 1001.5 - 1.0;
+                x * [1.0, 1e-3, 37.0][i % 3]
+            })
+            .collect()
+    }
+
+    fn sgd_agree<const WD: bool, const M: bool, const F: bool, const N: bool>() {
+        let s = SgdScalars {
+            neg_lr: -0.0123,
+            weight_decay: 1e-3,
+            momentum: 0.9,
+            keep: 0.7,
+        };
+        // Lengths around 8- and 16-lane vectors and their tails.
+        for n in [1, 7, 8, 9, 15, 17, 31, 33, 100] {
+            let (mut p1, g, mut b1) = (data(n, 1), data(n, 2), data(n, 3));
+            let (mut p2, mut b2) = (p1.clone(), b1.clone());
+            let (b1, b2): (&mut [f32], &mut [f32]) = if M {
+                (&mut b1, &mut b2)
+            } else {
+                (&mut [], &mut [])
+            };
+            sgd_loop::<WD, M, F, N>(&mut p1, &g, b1, s); // the FMA build where there is one
+            sgd_kernel::<WD, M, F, N>(&mut p2, &g, b2, s); // the portable build
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2), "n {n}");
+            assert_eq!(bits(b1), bits(b2), "n {n}");
+        }
+    }
+
+    #[test]
+    fn sgd_fma_and_portable_builds_give_the_same_bits() {
+        sgd_agree::<false, false, false, false>();
+        sgd_agree::<true, false, false, false>();
+        sgd_agree::<false, true, true, false>();
+        sgd_agree::<true, true, false, false>();
+        sgd_agree::<true, true, false, true>();
+        sgd_agree::<false, true, false, true>();
+    }
+
+    fn adam_agree<const DECAY: u8, const AMSGRAD: bool>(lerp_small: bool) {
+        let k = AdamScalars {
+            decay: 0.999,
+            lerp_small,
+            lerp_coeff: if lerp_small { 0.1 } else { 0.7 - 1.0 },
+            beta2: 0.999,
+            one_minus_beta2: 1e-3,
+            bias_correction2_sqrt: 0.0316,
+            eps: 1e-8,
+            neg_step_size: -0.0101,
+        };
+        for n in [1, 7, 8, 9, 15, 17, 31, 33, 100] {
+            let (mut p1, g, mut m1) = (data(n, 1), data(n, 2), data(n, 3));
+            // Second moments are non-negative.
+            let mut v1: Vec<f32> = data(n, 4).iter().map(|x| x * x).collect();
+            let mut x1: Vec<f32> = data(n, 5).iter().map(|x| x * x).collect();
+            let (mut p2, mut m2, mut v2, mut x2) = (p1.clone(), m1.clone(), v1.clone(), x1.clone());
+            adam_loop::<DECAY, AMSGRAD>(&mut p1, &g, &mut m1, &mut v1, &mut x1, k);
+            adam_kernel::<DECAY, AMSGRAD>(&mut p2, &g, &mut m2, &mut v2, &mut x2, k);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2), "n {n}");
+            assert_eq!(bits(&m1), bits(&m2), "n {n}");
+            assert_eq!(bits(&v1), bits(&v2), "n {n}");
+            assert_eq!(bits(&x1), bits(&x2), "n {n}");
+        }
+    }
+
+    #[test]
+    fn adam_fma_and_portable_builds_give_the_same_bits() {
+        for small in [true, false] {
+            adam_agree::<NO_DECAY, false>(small);
+            adam_agree::<L2, false>(small);
+            adam_agree::<DECOUPLED, true>(small);
+        }
+    }
+}
