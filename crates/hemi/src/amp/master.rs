@@ -26,7 +26,9 @@ use crate::rng::Generator;
 use crate::tensor::Tensor;
 
 use super::rounding::{round_f32_into, Rounding};
-use super::scaler::{scale_loss, unscale_f32, GradScalerConfig, LossScale, ScalerState};
+use super::scaler::{
+    any_found, found_inf_flag, scale_loss, unscale, GradScalerConfig, LossScale, ScalerState,
+};
 
 /// How `Fp16Optimizer` scales the loss. In every mode a step whose gradients hold inf or
 /// NaN is skipped (apex checks only under dynamic scaling; a NaN written into the weights
@@ -228,20 +230,19 @@ impl Optimizer for Fp16Optimizer {
         check_grads(OP, &self.params)?;
         // 1. Unscale into F32 master gradients, noting inf/NaN (one pass per gradient).
         let inv = self.scale.inv_scale();
-        let mut grads: Vec<Option<Vec<f32>>> = Vec::with_capacity(self.params.len());
-        let mut found_inf = false;
+        let mut grads: Vec<Option<Tensor>> = Vec::with_capacity(self.params.len());
+        let mut flags = std::collections::BTreeMap::new();
         for p in &self.params {
             let Some(g) = p.grad() else {
                 grads.push(None);
                 continue;
             };
-            let (v, bad) = unscale_f32(&g, inv);
-            if bad {
-                found_inf = true;
-                break;
+            if !flags.contains_key(&g.device()) {
+                flags.insert(g.device(), found_inf_flag(g.device())?);
             }
-            grads.push(Some(v));
+            grads.push(Some(unscale(&g, inv, &flags[&g.device()])?));
         }
+        let found_inf = any_found(&flags)?;
         // 2. Overflow: skip the step; nothing but the scale changes.
         if found_inf {
             self.scale.update(true);
@@ -257,9 +258,6 @@ impl Optimizer for Fp16Optimizer {
                     DType::F32,
                 )?)?;
             }
-            let g = g
-                .map(|v| Tensor::from_f32_vec(v, p.shape(), DType::F32))
-                .transpose()?;
             m.set_grad(g);
         }
         if let Some(max_norm) = self.clip {

@@ -29,10 +29,10 @@
 
 use std::collections::HashMap;
 
-use crate::dtype::{convert, DType};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
-use crate::tensor::{CpuStorage, Tensor, TensorId};
+use crate::tensor::{Tensor, TensorId};
 
 /// Configuration of a dynamic loss scale (PyTorch's `GradScaler` arguments and defaults,
 /// plus DeepSpeed's `hysteresis` and `min_loss_scale` and apex's `max_loss_scale`). The
@@ -504,72 +504,31 @@ impl<'a> ScalarReader<'a> {
 
 // ----- the fused unscale kernel -----------------------------------------------------------
 
-/// Elements converted and scaled per chunk: the F16/BF16 -> F32 conversion of a chunk is
-/// still in L1 when the multiply-and-check loop reads it (16 KiB of F32).
-const CHUNK: usize = 4096;
-
-/// The gradient `g` times `inv` in F32, and whether any element of `g` is inf or NaN: one
-/// pass over the gradient (F16/BF16 are converted in cache-sized chunks with the bulk SIMD
-/// conversion, then scaled in place while hot). F64 gradients are read through F32 (use
-/// `unscale_f64`).
-///
-/// As PyTorch's `_amp_foreach_non_finite_check_and_unscale_` (and apex), the check is on the
-/// scaled gradient read, not on the product: a finite gradient times an `inv` above 1 (a
-/// scale below 1) that overflows is not an overflow of the backward pass.
-pub(crate) fn unscale_f32(g: &Tensor, inv: f32) -> (Vec<f32>, bool) {
-    let storage = g.storage();
-    let range = g.layout().contiguous_range();
-    let mut out = vec![0f32; g.numel()];
-    let mut bad = false;
-    match (storage.as_cpu(), range) {
-        (CpuStorage::F32(v), Some(r)) => {
-            for (o, &x) in out.iter_mut().zip(&v[r]) {
-                bad |= !x.is_finite();
-                *o = x * inv;
-            }
-        }
-        (CpuStorage::F16(v), Some(r)) => {
-            for (o, s) in out.chunks_mut(CHUNK).zip(v[r].chunks(CHUNK)) {
-                convert::f16_to_f32(s, o);
-                bad |= scale_in_place(o, inv);
-            }
-        }
-        (CpuStorage::BF16(v), Some(r)) => {
-            for (o, s) in out.chunks_mut(CHUNK).zip(v[r].chunks(CHUNK)) {
-                convert::bf16_to_f32(s, o);
-                bad |= scale_in_place(o, inv);
-            }
-        }
-        _ => {
-            // A strided gradient (rare: autograd makes contiguous ones): gather, then scale.
-            out = g.to_vec_f32();
-            bad = scale_in_place(&mut out, inv);
-        }
-    }
-    (out, bad)
+/// A one-element F32 flag on `device`, 0 until an unscale finds inf or NaN.
+pub(crate) fn found_inf_flag(device: crate::Device) -> Result<Tensor> {
+    Tensor::zeros(&[1], DType::F32)?.to_device(device)
 }
 
-/// `x *= inv` over `o`; true when any input is inf or NaN.
-fn scale_in_place(o: &mut [f32], inv: f32) -> bool {
-    let mut bad = false;
-    for x in o.iter_mut() {
-        bad |= !x.is_finite();
-        *x *= inv;
-    }
-    bad
+/// The gradient `g` times `inv` (F32; F64 for an F64 gradient) as a new contiguous tensor on
+/// g's device, setting `found_inf` (from `found_inf_flag`, same device) when `g` holds inf
+/// or NaN: one pass of the backend's fused `unscale_check`.
+pub(crate) fn unscale(g: &Tensor, inv: f32, found_inf: &Tensor) -> Result<Tensor> {
+    let gs = g.storage();
+    let out = found_inf.with_storage_mut(|f| gs.unscale_check(g.layout(), inv, f))?;
+    Ok(Tensor::from_storage(
+        std::sync::Arc::new(out),
+        crate::tensor::Layout::contiguous(g.shape()),
+    ))
 }
 
-/// `g * inv` in f64 for an F64 gradient (PyTorch multiplies a double gradient by its F32
-/// `inv_scale` widened to double), and whether any element of `g` is inf or NaN.
-fn unscale_f64(g: &Tensor, inv: f32) -> (Vec<f64>, bool) {
-    let inv = f64::from(inv);
-    let mut v = g.to_vec_f64();
-    let mut bad = false;
-    for x in v.iter_mut() {
-        bad |= !x.is_finite();
-        *x *= inv;
+/// Whether any of the flags was set (one read back per device).
+pub(crate) fn any_found(flags: &std::collections::BTreeMap<crate::Device, Tensor>) -> Result<bool> {
+    for f in flags.values() {
+        if f.to_scalar()? != 0.0 {
+            return Ok(true);
+        }
     }
-    (v, bad)
+    Ok(false)
 }
 
 // ----- GradScaler -------------------------------------------------------------------------
@@ -687,20 +646,18 @@ impl GradScaler {
             }
         }
         let inv = self.loss.inv_scale();
-        let mut found_inf = false;
+        let mut flags = std::collections::BTreeMap::new();
         for p in params {
             let Some(g) = p.grad() else { continue };
-            let new = if g.dtype() == DType::F64 {
-                let (v, bad) = unscale_f64(&g, inv);
-                found_inf |= bad;
-                Tensor::from_f64_vec(v, g.shape(), DType::F64)?
-            } else {
-                let (v, bad) = unscale_f32(&g, inv);
-                found_inf |= bad;
-                Tensor::from_f32_vec(v, g.shape(), DType::F32)?
+            let flag = match flags.entry(g.device()) {
+                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    e.insert(found_inf_flag(g.device())?)
+                }
             };
-            p.set_grad(Some(new));
+            p.set_grad(Some(unscale(&g, inv, flag)?));
         }
+        let found_inf = any_found(&flags)?;
         self.records.insert(
             key,
             OptRecord {

@@ -85,11 +85,38 @@ pub trait OptimOps: BackendStorage {
     ) -> Result<Self>;
 }
 
+pub trait AmpOps: BackendStorage {
+    /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
+    /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32
+    /// `inv_scale` widened — as a new buffer, and 1.0 stored into the one-element F32 buffer
+    /// `found_inf` when any element of `self` is inf or NaN (it is never cleared here, so one
+    /// flag serves a whole list of gradients and is read back once). As PyTorch's
+    /// `_amp_foreach_non_finite_check_and_unscale_`, the check is on the scaled gradient
+    /// read, not on the product.
+    fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
+}
+
 fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
     Error::device(op, format!("inputs on {} and {}", a.device(), b.device()))
 }
 
 impl Storage {
+    /// `AmpOps::unscale_check` on this storage's backend (`found_inf` on the same device).
+    pub fn unscale_check(
+        &self,
+        layout: &Layout,
+        inv: f32,
+        found_inf: &mut Storage,
+    ) -> Result<Storage> {
+        #[allow(unreachable_patterns)]
+        match (self, found_inf) {
+            (Storage::Cpu(g), Storage::Cpu(f)) => {
+                Ok(Storage::Cpu(g.unscale_check(layout, inv, f)?))
+            }
+            (g, f) => Err(mixed("unscale_check", g, f)),
+        }
+    }
+
     /// `OptimOps::sgd_step` on this storage's backend; every buffer on the same device.
     pub fn sgd_step(
         &self,

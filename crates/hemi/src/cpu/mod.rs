@@ -1,6 +1,7 @@
 //! CPU kernels: plain loops and `gemm` calls over buffers with their shape arguments; no
 //! autograd here.
 
+pub mod amp;
 pub mod chunked;
 pub mod conv;
 pub mod conv_block;

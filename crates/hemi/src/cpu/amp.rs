@@ -1,0 +1,97 @@
+//! The CPU's loss-scaler kernel: unscale a gradient and note inf/NaN in one pass.
+
+use super::storage::CpuStorage;
+use crate::backend::train::AmpOps;
+use crate::dtype::{convert, DType};
+use crate::error::{Error, Result};
+use crate::tensor::Layout;
+
+/// Elements converted and scaled per chunk: the F16/BF16 -> F32 conversion of a chunk is
+/// still in L1 when the multiply-and-check loop reads it (16 KiB of F32).
+const CHUNK: usize = 4096;
+
+/// `x *= inv` over `o`; true when any input is inf or NaN.
+fn scale_in_place(o: &mut [f32], inv: f32) -> bool {
+    let mut bad = false;
+    for x in o.iter_mut() {
+        bad |= !x.is_finite();
+        *x *= inv;
+    }
+    bad
+}
+
+impl AmpOps for CpuStorage {
+    fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self> {
+        let flag = match found_inf {
+            CpuStorage::F32(f) if f.len() == 1 => &mut f[0],
+            f => {
+                return Err(Error::arg(
+                    "unscale_check",
+                    format!(
+                        "found_inf must be one F32 value, got {} {}",
+                        f.len(),
+                        f.dtype()
+                    ),
+                ))
+            }
+        };
+        let (out, bad) = match (self, layout.contiguous_range()) {
+            (CpuStorage::F64(_), _) => {
+                let inv = f64::from(inv);
+                let mut v = self.to_f64(layout).into_owned();
+                let mut bad = false;
+                for x in v.iter_mut() {
+                    bad |= !x.is_finite();
+                    *x *= inv;
+                }
+                (CpuStorage::F64(v), bad)
+            }
+            (CpuStorage::F32(v), Some(r)) => {
+                let mut bad = false;
+                let out = v[r]
+                    .iter()
+                    .map(|&x| {
+                        bad |= !x.is_finite();
+                        x * inv
+                    })
+                    .collect();
+                (CpuStorage::F32(out), bad)
+            }
+            (CpuStorage::F16(v), Some(r)) => {
+                let mut out = vec![0f32; r.len()];
+                let mut bad = false;
+                for (o, s) in out.chunks_mut(CHUNK).zip(v[r].chunks(CHUNK)) {
+                    convert::f16_to_f32(s, o);
+                    bad |= scale_in_place(o, inv);
+                }
+                (CpuStorage::F32(out), bad)
+            }
+            (CpuStorage::BF16(v), Some(r)) => {
+                let mut out = vec![0f32; r.len()];
+                let mut bad = false;
+                for (o, s) in out.chunks_mut(CHUNK).zip(v[r].chunks(CHUNK)) {
+                    convert::bf16_to_f32(s, o);
+                    bad |= scale_in_place(o, inv);
+                }
+                (CpuStorage::F32(out), bad)
+            }
+            (CpuStorage::I64(_), _) => {
+                return Err(Error::dtype(
+                    "unscale_check",
+                    DType::I64,
+                    "gradients are float tensors",
+                ))
+            }
+            _ => {
+                // A strided gradient (rare: autograd makes contiguous ones): gather, then scale.
+                let mut out = self.to_f32(layout).into_owned();
+                let bad = scale_in_place(&mut out, inv);
+                (CpuStorage::F32(out), bad)
+            }
+        };
+        if bad {
+            *flag = 1.0;
+        }
+        Ok(out)
+    }
+}
