@@ -27,7 +27,7 @@ use crate::tensor::Tensor;
 
 use super::rounding::{round_f32_into, Rounding};
 use super::scaler::{
-    any_found, found_inf_flag, scale_loss, unscale, GradScalerConfig, LossScale, ScalerState,
+    any_found, flag_for, scale_loss, unscale, GradScalerConfig, LossScale, ScalerState,
 };
 
 /// How `Fp16Optimizer` scales the loss. In every mode a step whose gradients hold inf or
@@ -237,10 +237,8 @@ impl Optimizer for Fp16Optimizer {
                 grads.push(None);
                 continue;
             };
-            if !flags.contains_key(&g.device()) {
-                flags.insert(g.device(), found_inf_flag(g.device())?);
-            }
-            grads.push(Some(unscale(&g, inv, &flags[&g.device()])?));
+            let flag = flag_for(&mut flags, g.device())?;
+            grads.push(Some(unscale(&g, inv, flag)?));
         }
         let found_inf = any_found(&flags)?;
         // 2. Overflow: skip the step; nothing but the scale changes.

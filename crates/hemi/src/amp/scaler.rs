@@ -521,6 +521,17 @@ pub(crate) fn unscale(g: &Tensor, inv: f32, found_inf: &Tensor) -> Result<Tensor
     ))
 }
 
+/// The found-inf flag for `device` in `flags`, created on first use.
+pub(crate) fn flag_for(
+    flags: &mut std::collections::BTreeMap<crate::Device, Tensor>,
+    device: crate::Device,
+) -> Result<&Tensor> {
+    if let std::collections::btree_map::Entry::Vacant(e) = flags.entry(device) {
+        e.insert(found_inf_flag(device)?);
+    }
+    Ok(&flags[&device])
+}
+
 /// Whether any of the flags was set (one read back per device).
 pub(crate) fn any_found(flags: &std::collections::BTreeMap<crate::Device, Tensor>) -> Result<bool> {
     for f in flags.values() {
@@ -649,12 +660,7 @@ impl GradScaler {
         let mut flags = std::collections::BTreeMap::new();
         for p in params {
             let Some(g) = p.grad() else { continue };
-            let flag = match flags.entry(g.device()) {
-                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::btree_map::Entry::Vacant(e) => {
-                    e.insert(found_inf_flag(g.device())?)
-                }
-            };
+            let flag = flag_for(&mut flags, g.device())?;
             p.set_grad(Some(unscale(&g, inv, flag)?));
         }
         let found_inf = any_found(&flags)?;
