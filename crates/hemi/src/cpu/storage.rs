@@ -56,6 +56,28 @@ impl CpuStorage {
         })
     }
 
+    /// The elements' little-endian bytes, in buffer order (the safetensors layout).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        fn bytes<T: WithDType>(v: &[T]) -> Vec<u8> {
+            let mut out = Vec::with_capacity(v.len() * T::DTYPE.size_in_bytes());
+            v.iter().for_each(|x| x.write_le(&mut out));
+            out
+        }
+        crate::with_dtype!(self.dtype(), T => bytes::<T>(self.as_slice().expect("T is the buffer's type")))
+    }
+
+    /// A buffer of `dtype` from little-endian bytes; `None` unless the byte count is a
+    /// multiple of the element size.
+    pub fn from_le_bytes(dtype: DType, b: &[u8]) -> Option<CpuStorage> {
+        let size = dtype.size_in_bytes();
+        if !b.len().is_multiple_of(size) {
+            return None;
+        }
+        Some(crate::with_dtype!(dtype, T => CpuStorage::from_vec(
+            b.chunks_exact(size).map(T::read_le).collect::<Vec<T>>()
+        )))
+    }
+
     /// The buffer as `Vec<T>`, or `None` when the dtype is not `T`'s.
     pub fn into_vec<T: WithDType>(self) -> Option<Vec<T>> {
         let any: Box<dyn std::any::Any> = match self {

@@ -167,6 +167,10 @@ pub trait WithDType: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug
     fn from_f64(v: f64) -> Self;
     /// This value as f64 (exact for every dtype but I64 beyond 2^53).
     fn to_f64(self) -> f64;
+    /// Appends the value's little-endian bytes (`DTYPE.size_in_bytes()` of them).
+    fn write_le(self, out: &mut Vec<u8>);
+    /// The value from its little-endian bytes; `b` holds exactly `DTYPE.size_in_bytes()`.
+    fn read_le(b: &[u8]) -> Self;
 }
 
 macro_rules! with_dtype {
@@ -178,6 +182,14 @@ macro_rules! with_dtype {
             }
             fn to_f64(self) -> f64 {
                 $to(self)
+            }
+            fn write_le(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn read_le(b: &[u8]) -> Self {
+                let mut a = [0u8; std::mem::size_of::<$t>()];
+                a.copy_from_slice(b);
+                <$t>::from_le_bytes(a)
             }
         }
     };
@@ -219,6 +231,35 @@ impl FloatDType for f64 {
     fn erf(self) -> Self {
         libm::erf(self)
     }
+}
+
+/// Runs `$body` with the type alias `$T` bound to the element type of `$dtype`.
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            $crate::dtype::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::dtype::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    };
 }
 
 /// `s` reinterpreted as `[U]` when `T` and `U` are the same type, else `None`: lets generic

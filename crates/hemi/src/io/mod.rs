@@ -7,13 +7,12 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
-use half::{bf16, f16};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::{CpuStorage, Tensor};
+use crate::tensor::{Storage, Tensor};
 
 /// Tensors with their names, in file or `state_dict` order.
 pub type NamedTensors = Vec<(String, Tensor)>;
@@ -69,14 +68,8 @@ fn st_dtype(d: DType) -> StDtype {
 }
 
 /// Little-endian bytes of a tensor's elements in row-major order.
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
-    match t.storage().as_cpu().gather(t.layout()) {
-        CpuStorage::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuStorage::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuStorage::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuStorage::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        CpuStorage::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    t.storage().copy_strided(t.layout())?.to_le_bytes()
 }
 
 /// Serialises named tensors (and string metadata) to safetensors bytes.
@@ -84,7 +77,10 @@ pub fn to_safetensors_bytes(
     tensors: &[(String, Tensor)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, t)| tensor_bytes(t)).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, t)| tensor_bytes(t))
+        .collect::<Result<_>>()?;
     let mut views = Vec::with_capacity(tensors.len());
     for ((name, t), b) in tensors.iter().zip(&bytes) {
         let view = TensorView::new(st_dtype(t.dtype()), t.shape().to_vec(), b)
@@ -124,50 +120,31 @@ pub fn from_safetensors_bytes(
     for (name, view) in entries {
         let shape = view.shape().to_vec();
         let b = view.data();
-        let storage = match view.dtype() {
-            StDtype::F16 => CpuStorage::F16(
-                b.chunks_exact(2)
-                    .map(|c| f16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            ),
-            StDtype::BF16 => CpuStorage::BF16(
-                b.chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-                    .collect(),
-            ),
-            StDtype::F32 => CpuStorage::F32(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
-            StDtype::F64 => CpuStorage::F64(
-                b.chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
-            StDtype::I64 => CpuStorage::I64(
-                b.chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                    .collect(),
-            ),
+        let dtype = match view.dtype() {
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            StDtype::F32 => DType::F32,
+            StDtype::F64 => DType::F64,
+            StDtype::I64 => DType::I64,
             other => {
                 return Err(bad(format!(
                     "tensor {name}: dtype {other:?} is not supported by hemi"
                 )))
             }
         };
+        let storage = Storage::from_le_bytes(dtype, b);
         let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if n != Some(storage.len()) || !b.len().is_multiple_of(view.dtype().bitsize() / 8) {
+        let Some(storage) = storage.filter(|s| Some(s.len()) == n) else {
             return Err(bad(format!(
                 "tensor {name}: {} bytes of {:?} for shape {shape:?}",
                 b.len(),
                 view.dtype()
             )));
-        }
+        };
         out.push((
             name,
             Tensor::from_storage(
-                std::sync::Arc::new(storage.into()),
+                std::sync::Arc::new(storage),
                 crate::tensor::Layout::contiguous(&shape),
             ),
         ));

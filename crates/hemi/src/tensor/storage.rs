@@ -108,6 +108,17 @@ impl Storage {
         }
     }
 
+    /// A CPU buffer of `dtype` from little-endian bytes (a file's tensor data); `None`
+    /// unless the byte count is a multiple of the element size.
+    pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Storage> {
+        CpuStorage::from_le_bytes(dtype, bytes).map(Storage::Cpu)
+    }
+
+    /// The whole buffer's little-endian bytes (read back to the host first).
+    pub fn to_le_bytes(&self) -> Result<Vec<u8>> {
+        Ok(self.to_cpu()?.to_le_bytes())
+    }
+
     /// A buffer holding the same elements on `device`.
     pub fn to_device(&self, device: Device) -> Result<Storage> {
         if device == self.device() {
