@@ -15,6 +15,7 @@
 //! - [`context`]: [`CudaDevice`] (context, stream, cuBLAS, allocator, module cache) and
 //!   [`CudaStorage`]. Not yet wired into `Tensor`.
 
+pub mod alloc;
 pub mod device;
 
 pub use device::{cuda_available, device_count};
