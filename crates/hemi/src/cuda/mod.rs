@@ -17,5 +17,6 @@
 
 pub mod alloc;
 pub mod device;
+pub mod launch;
 
 pub use device::{cuda_available, device_count};
