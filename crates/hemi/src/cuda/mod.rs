@@ -17,6 +17,7 @@
 
 pub mod alloc;
 pub mod device;
+pub mod kernels;
 pub mod launch;
 
 pub use device::{cuda_available, device_count};
