@@ -17,6 +17,7 @@
 
 pub mod alloc;
 pub mod device;
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
 
