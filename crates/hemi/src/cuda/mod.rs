@@ -16,9 +16,11 @@
 //!   [`CudaStorage`]. Not yet wired into `Tensor`.
 
 pub mod alloc;
+pub mod context;
 pub mod device;
 pub mod gemm;
 pub mod kernels;
 pub mod launch;
 
+pub use context::{CudaDevice, CudaStorage};
 pub use device::{cuda_available, device_count};
