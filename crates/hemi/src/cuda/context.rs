@@ -149,6 +149,26 @@ pub fn include_dirs() -> Vec<String> {
     dirs
 }
 
+/// Errors unless a view reading up to `max_offset` fits in `s` (nothing is read when empty).
+fn check_bounds(
+    op: &'static str,
+    name: &str,
+    max_offset: i64,
+    numel: i64,
+    s: &CudaStorage,
+) -> Result<()> {
+    if numel > 0 && max_offset as u64 >= s.len as u64 {
+        return Err(Error::arg(
+            op,
+            format!(
+                "{name} reads up to element {max_offset} of a {}-element storage",
+                s.len
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn to_cfg(d: LaunchDims) -> LaunchConfig {
     LaunchConfig {
         grid_dim: d.grid,
@@ -203,6 +223,12 @@ impl CudaDevice {
         self.ctx.name().map_err(drv_err("cuda device"))
     }
 
+    /// Makes the context current on this thread (raw driver and cuBLAS calls need it; any
+    /// thread may use the device).
+    fn bind(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv_err(op))
+    }
+
     fn stream_id(&self) -> u64 {
         self.stream.cu_stream() as u64
     }
@@ -247,6 +273,7 @@ impl CudaDevice {
     /// Zero-filled storage (an async memset on the stream).
     pub fn zeros(self: &Arc<Self>, dtype: DType, len: usize) -> Result<CudaStorage> {
         let s = self.alloc(dtype, len)?;
+        self.bind("cuda zeros")?;
         if s.num_bytes() > 0 {
             // SAFETY: the block holds at least num_bytes; the stream orders later uses.
             unsafe {
@@ -276,7 +303,7 @@ impl CudaDevice {
             return Ok(s);
         }
         let op = "cuda upload";
-        self.ctx.bind_to_thread().map_err(drv_err(op))?;
+        self.bind(op)?;
         // SAFETY: the pinned buffer is fully written before the copy reads it.
         let mut pinned =
             unsafe { self.ctx.alloc_pinned::<u8>(bytes.len()) }.map_err(drv_err(op))?;
@@ -300,7 +327,7 @@ impl CudaDevice {
             return Ok(Vec::new());
         }
         let op = "cuda download";
-        self.ctx.bind_to_thread().map_err(drv_err(op))?;
+        self.bind(op)?;
         // Not write-combined: the host reads it.
         let mut pinned =
             unsafe { self.ctx.alloc_pinned_with_flags::<u8>(n, 0) }.map_err(drv_err(op))?;
@@ -433,6 +460,7 @@ impl CudaDevice {
     ) -> Result<CudaStorage> {
         self.check_mine("cuda unary", x)?;
         let p = IndexParams::unary(shape, strides)?;
+        check_bounds("cuda unary", "x", p.max_offsets().0, p.numel, x)?;
         let y = self.alloc(x.dtype, p.numel as usize)?;
         if let Some(d) = launch::elementwise(p.numel as u64) {
             let f = self.function(Kernel::Unary(op), x.dtype)?;
@@ -463,6 +491,9 @@ impl CudaDevice {
             ));
         }
         let (shape, p) = IndexParams::binary(a.1, a.2, b.1, b.2)?;
+        let (ma, mb) = p.max_offsets();
+        check_bounds("cuda binary", "a", ma, p.numel, a.0)?;
+        check_bounds("cuda binary", "b", mb, p.numel, b.0)?;
         let y = self.alloc(a.0.dtype, p.numel as usize)?;
         if let Some(d) = launch::elementwise(p.numel as u64) {
             let f = self.function(Kernel::Binary(op), a.0.dtype)?;
@@ -630,12 +661,27 @@ impl CudaDevice {
             ));
         }
         let g = map_gemm(a.1, b.1, c.1, batch, a.0.dtype, c.0.dtype)?;
+        for (name, (s, v)) in [("A", a), ("B", b), ("C", c)] {
+            match v.extent(batch) {
+                Some(e) if e <= s.len as u64 => {}
+                e => {
+                    return Err(Error::arg(
+                        op,
+                        format!(
+                            "{name} view {v:?} x {batch} spans {e:?} elements, storage has {}",
+                            s.len
+                        ),
+                    ))
+                }
+            }
+        }
         let (x, y) = if g.swap_operands {
             (b.0, a.0)
         } else {
             (a.0, b.0)
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.bind(op)?;
         // SAFETY: the arguments describe matrices inside the three buffers (map_gemm checked
         // the layout; the caller's views must be in bounds), on the handle's stream.
         unsafe {

@@ -35,6 +35,21 @@ impl MatView {
         }
     }
 
+    /// Elements of storage the view spans over `batch` matrices (the largest offset + 1), or
+    /// `None` for a negative stride or on overflow. 0 for an empty view.
+    pub fn extent(&self, batch: usize) -> Option<u64> {
+        if self.rows == 0 || self.cols == 0 || batch == 0 {
+            return Some(0);
+        }
+        let part = |n: usize, s: i64| -> Option<u64> {
+            (n as u64 - 1).checked_mul(u64::try_from(s).ok()?)
+        };
+        part(batch, self.batch_stride)?
+            .checked_add(part(self.rows, self.row_stride)?)?
+            .checked_add(part(self.cols, self.col_stride)?)?
+            .checked_add(1)
+    }
+
     /// The transposed view (`.t()`): swaps shape and strides, no data moves.
     pub fn t(self) -> Self {
         MatView {
@@ -532,6 +547,34 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("output"), "{e}");
+    }
+
+    #[test]
+    fn extents_bound_the_storage_a_view_reads() {
+        assert_eq!(MatView::contiguous(4, 3).extent(2), Some(24));
+        assert_eq!(MatView::contiguous(4, 3).t().extent(1), Some(12));
+        let bc = MatView {
+            batch_stride: 0,
+            ..MatView::contiguous(4, 3)
+        };
+        assert_eq!(bc.extent(5), Some(12));
+        assert_eq!(MatView::contiguous(0, 3).extent(5), Some(0));
+        assert_eq!(
+            MatView {
+                row_stride: -1,
+                ..MatView::contiguous(4, 3)
+            }
+            .extent(1),
+            None
+        );
+        assert_eq!(
+            MatView {
+                batch_stride: i64::MAX,
+                ..MatView::contiguous(4, 3)
+            }
+            .extent(3),
+            None
+        );
     }
 
     #[test]

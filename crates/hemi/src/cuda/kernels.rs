@@ -353,6 +353,12 @@ impl IndexParams {
     /// Drops size-1 dims, merges dims that are contiguous with each other in both operands,
     /// and checks the rank that is left fits.
     fn build(shape: &[usize], sa: &[isize], sb: &[isize]) -> Result<Self> {
+        if sa.iter().chain(sb).any(|&s| s < 0) {
+            return Err(Error::arg(
+                "cuda index",
+                format!("negative strides {sa:?} / {sb:?} are not supported (make a contiguous copy first)"),
+            ));
+        }
         let mut numel: u64 = 1;
         for &n in shape {
             numel = numel
@@ -393,6 +399,23 @@ impl IndexParams {
                 ),
             ));
         }
+        for st in [sa, sb] {
+            let mut top: u64 = 0;
+            for (d, &n) in shape.iter().enumerate() {
+                if n > 0 {
+                    top = (n as u64 - 1)
+                        .checked_mul(st[d] as u64)
+                        .and_then(|v| v.checked_add(top))
+                        .filter(|&v| v <= i64::MAX as u64)
+                        .ok_or_else(|| {
+                            Error::arg(
+                                "cuda index",
+                                format!("strides {st:?} overflow over {shape:?}"),
+                            )
+                        })?;
+                }
+            }
+        }
         let mut p = IndexParams {
             rank: dims.len() as i64,
             numel: numel as i64,
@@ -406,6 +429,17 @@ impl IndexParams {
             p.stride_b[d] = b;
         }
         Ok(p)
+    }
+
+    /// The largest offset each operand reads (`(0, 0)` when empty): must be inside its storage.
+    pub fn max_offsets(&self) -> (i64, i64) {
+        if self.numel == 0 {
+            return (0, 0);
+        }
+        (0..self.rank as usize).fold((0, 0), |(a, b), d| {
+            let n = self.shape[d] - 1;
+            (a + n * self.stride_a[d], b + n * self.stride_b[d])
+        })
     }
 
     /// The operand offsets of output element `i`: exactly the kernel's `hemi_offsets`.
@@ -877,8 +911,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("at most 8"), "{e}");
+        assert!(IndexParams::unary(&[2, 2], &[-2, 1]).is_err());
+        assert!(IndexParams::unary(&[3, 3], &[isize::MAX, 1]).is_err());
+        let p = IndexParams::unary(&[4, 3], &[1, 4]).unwrap();
+        assert_eq!(p.max_offsets(), (11, 11));
+        let (_, p) = IndexParams::binary(&[4, 3], &[3, 1], &[3], &[2]).unwrap();
+        assert_eq!(p.max_offsets(), (11, 4));
         let p = IndexParams::unary(&[3, 0, 2], &[2, 2, 1]).unwrap();
-        assert_eq!((p.rank, p.numel), (0, 0));
+        assert_eq!((p.rank, p.numel, p.max_offsets()), (0, 0, (0, 0)));
         assert!(IndexParams::unary(&[2], &[1, 1]).is_err());
     }
 
