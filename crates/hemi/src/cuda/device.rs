@@ -56,10 +56,18 @@ pub const REQUIRED: [CudaLib; 4] = [DRIVER, CUBLAS, CUBLASLT, NVRTC];
 impl CudaLib {
     /// The file names tried, exactly those cudarc's loader tries.
     pub fn candidates(&self) -> Vec<String> {
-        self.stems
+        // cudarc's list repeats some names; trying one twice tells nothing new.
+        let mut names: Vec<String> = Vec::new();
+        for n in self
+            .stems
             .iter()
             .flat_map(|s| cudarc::get_lib_name_candidates(s))
-            .collect()
+        {
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        names
     }
 
     /// Tries `load` on each candidate name; the name that loaded, or the error that says
@@ -70,12 +78,27 @@ impl CudaLib {
     ) -> Result<String> {
         let names = self.candidates();
         let mut last = String::from("no candidate names");
+        // A library that exists but fails to load (wrong version, missing dependency) says
+        // more than "not found": report the first such failure if there is one.
+        let mut broken: Option<String> = None;
         for name in &names {
             match load(name) {
                 Ok(()) => return Ok(name.clone()),
-                Err(e) => last = e,
+                Err(e) => {
+                    if broken.is_none()
+                        && !e.contains("No such file")
+                        && !e.contains("cannot open shared object")
+                    {
+                        broken = Some(e.clone());
+                    }
+                    last = e;
+                }
             }
         }
+        let last = match broken {
+            Some(b) => format!("a candidate exists but failed to load: {b}"),
+            None => last,
+        };
         Err(Error::device(
             "cuda",
             format!(
@@ -101,7 +124,10 @@ impl CudaLib {
             // next anyway; the handle is closed again at once (cudarc keeps its own).
             unsafe { libloading::Library::new(name) }
                 .map(drop)
-                .map_err(|e| e.to_string())
+                .map_err(|e| match std::error::Error::source(&e) {
+                    Some(why) => format!("{e}: {why}"),
+                    None => e.to_string(),
+                })
         };
         match REQUIRED.iter().position(|l| l == self) {
             Some(i) => CACHE[i]
@@ -215,6 +241,31 @@ mod tests {
         ] {
             assert!(msg.contains(want), "missing {want:?} in: {msg}");
         }
+    }
+
+    #[test]
+    fn a_library_that_exists_but_fails_to_load_is_reported_as_such() {
+        let msg = DRIVER
+            .probe_with(|n| {
+                if n == "libcuda.so.1" {
+                    Err("libcuda.so.1: undefined symbol: foo".into())
+                } else {
+                    Err(format!(
+                        "{n}: cannot open shared object file: No such file or directory"
+                    ))
+                }
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("exists but failed to load: libcuda.so.1: undefined symbol"),
+            "{msg}"
+        );
+        let names = DRIVER.candidates();
+        let mut dedup = names.clone();
+        dedup.sort();
+        dedup.dedup();
+        assert_eq!(dedup.len(), names.len(), "no name is tried twice");
     }
 
     #[test]
