@@ -72,6 +72,17 @@ impl std::fmt::Debug for CudaDevice {
     }
 }
 
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Every storage holds an Arc of the device, so all blocks are free by now: hand the
+        // cached segments back to the driver instead of leaking them into the primary context.
+        let _ = self.stream.synchronize();
+        if let Ok(mut a) = self.alloc.lock() {
+            let _ = a.empty_cache();
+        }
+    }
+}
+
 /// A buffer on a GPU: an allocator block, its dtype and element count, the device.
 #[derive(Debug)]
 pub struct CudaStorage {
@@ -134,19 +145,38 @@ fn nvrtc_arch(major: i32, minor: i32) -> Option<&'static str> {
 /// `HEMI_CUDA_INCLUDE` (a `:`-separated list), then `$CUDA_HOME/include`,
 /// `$CUDA_PATH/include`, `/usr/local/cuda/include`; those that exist.
 pub fn include_dirs() -> Vec<String> {
+    let var = |k: &str| std::env::var(k).ok();
+    include_dirs_from(var("HEMI_CUDA_INCLUDE"), var("CUDA_HOME"), var("CUDA_PATH"))
+}
+
+/// [`include_dirs`] from given variable values (testable without touching the environment).
+fn include_dirs_from(
+    hemi: Option<String>,
+    cuda_home: Option<String>,
+    cuda_path: Option<String>,
+) -> Vec<String> {
     let mut dirs: Vec<String> = Vec::new();
-    if let Ok(v) = std::env::var("HEMI_CUDA_INCLUDE") {
+    if let Some(v) = hemi {
         dirs.extend(v.split(':').filter(|s| !s.is_empty()).map(String::from));
     }
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Ok(v) = std::env::var(var) {
-            dirs.push(format!("{v}/include"));
-        }
+    for v in [cuda_home, cuda_path].into_iter().flatten() {
+        dirs.push(format!("{v}/include"));
     }
     dirs.push("/usr/local/cuda/include".into());
     dirs.retain(|d| std::path::Path::new(d).join("cuda_fp16.h").exists());
-    dirs.dedup();
-    dirs
+    // CUDA 13 keeps the CCCL headers (<nv/target>, which cuda_fp16.h may include) in cccl/.
+    let mut all = Vec::new();
+    for d in dirs {
+        let cccl = format!("{d}/cccl");
+        let has_cccl = std::path::Path::new(&cccl).is_dir();
+        if !all.contains(&d) {
+            all.push(d);
+        }
+        if has_cccl && !all.contains(&cccl) {
+            all.push(cccl);
+        }
+    }
+    all
 }
 
 /// Errors unless a view reading up to `max_offset` fits in `s` (nothing is read when empty).
@@ -719,6 +749,32 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn include_dirs_hold_the_half_headers_and_their_cccl_dirs() {
+        let tmp = std::env::temp_dir().join(format!("hemi-cuda-inc-{}", std::process::id()));
+        let (with, without) = (tmp.join("a"), tmp.join("b"));
+        std::fs::create_dir_all(with.join("cccl")).unwrap();
+        std::fs::create_dir_all(&without).unwrap();
+        std::fs::write(with.join("cuda_fp16.h"), "").unwrap();
+        let var = format!(
+            "{}:{}:{}",
+            without.display(),
+            with.display(),
+            with.display()
+        );
+        let dirs = include_dirs_from(
+            Some(var),
+            Some(tmp.join("none").display().to_string()),
+            None,
+        );
+        let a = with.display().to_string();
+        assert_eq!(&dirs[..2], &[a.clone(), format!("{a}/cccl")], "{dirs:?}");
+        assert!(!dirs
+            .iter()
+            .any(|d| d.starts_with(&without.display().to_string())));
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
 
     #[test]
     fn creating_a_device_without_cuda_is_an_error_not_a_panic() {
