@@ -10,6 +10,8 @@ pub mod amp;
 pub mod autograd;
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod device;
 pub mod dtype;

@@ -1,0 +1,821 @@
+//! A caching device allocator, after PyTorch's `CUDACachingAllocator`.
+//!
+//! `cudaMalloc`/`cudaFree` are slow and synchronise the device, and a training step allocates
+//! the same sizes every step; so freed blocks are kept and reused instead of returned.
+//!
+//! - Requests are rounded up to [`ROUND`] (512) bytes.
+//! - Requests of at most [`SMALL_SIZE`] (1 MiB) are carved from [`SMALL_SEGMENT`] (2 MiB)
+//!   segments; larger ones get a segment of their size rounded up to [`LARGE_ROUND`] (2 MiB).
+//!   The two kinds live in separate pools so small blocks do not fragment large segments.
+//! - A request takes the best-fitting (smallest sufficient) free block of its pool and stream,
+//!   and splits off the rest when it is big enough to be useful (small pool: at least
+//!   [`ROUND`]; large pool: more than [`SMALL_SIZE`]).
+//! - Freeing a block coalesces it with free neighbours of the same segment.
+//! - Pools are per stream: a block freed on stream S is only reused by S, whose queue orders the
+//!   reuse after the last kernel that touched it. (Using a block on a second stream needs an
+//!   event, as PyTorch's `record_stream`; not provided yet.)
+//! - When the raw allocator fails, every fully free cached segment is released and the request
+//!   retried once; failing again is an `Error::Device` naming the request and the statistics.
+//!
+//! The bookkeeping is generic over [`RawAllocator`], so it is tested on the CPU with a fake.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Allocation granularity: every block size is a multiple of this.
+pub const ROUND: usize = 512;
+/// Largest request served from the small pool.
+pub const SMALL_SIZE: usize = 1 << 20;
+/// Size of a small-pool segment.
+pub const SMALL_SEGMENT: usize = 2 << 20;
+/// Large-pool segments are rounded up to a multiple of this.
+pub const LARGE_ROUND: usize = 2 << 20;
+
+/// The device's own allocator (`cuMemAlloc`/`cuMemFree`), or a fake in tests.
+pub trait RawAllocator {
+    /// Allocates `bytes` bytes of device memory; the device address.
+    fn raw_alloc(&mut self, bytes: usize) -> Result<u64>;
+    /// Frees an address `raw_alloc` returned.
+    fn raw_free(&mut self, ptr: u64) -> Result<()>;
+}
+
+/// A stream's identity (its `CUstream` as an integer); each has its own pools.
+pub type StreamId = u64;
+
+/// Counters in bytes and calls, as `torch.cuda.memory_stats`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in blocks handed out (rounded sizes).
+    pub allocated: usize,
+    /// Bytes in segments obtained from the raw allocator.
+    pub reserved: usize,
+    pub peak_allocated: usize,
+    pub peak_reserved: usize,
+    /// Calls to `raw_alloc` that succeeded.
+    pub raw_mallocs: u64,
+    /// Calls to `raw_free`.
+    pub raw_frees: u64,
+    /// Requests served (`malloc` calls that succeeded).
+    pub allocs: u64,
+    /// Times a raw allocation failed and the cache was flushed to retry.
+    pub oom_retries: u64,
+    /// Live blocks.
+    pub active_blocks: usize,
+    /// Segments held.
+    pub segments: usize,
+}
+
+impl fmt::Display for MemoryStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "allocated {} B, reserved {} B, peak allocated {} B, peak reserved {} B, \
+             {} segments, {} raw mallocs, {} raw frees",
+            self.allocated,
+            self.reserved,
+            self.peak_allocated,
+            self.peak_reserved,
+            self.segments,
+            self.raw_mallocs,
+            self.raw_frees
+        )
+    }
+}
+
+/// A live allocation: the device address and the (rounded) size that is usable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockHandle {
+    pub ptr: u64,
+    pub size: usize,
+    pub stream: StreamId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum PoolKind {
+    Small,
+    Large,
+}
+
+type BlockId = usize;
+
+#[derive(Clone, Debug)]
+struct Block {
+    ptr: u64,
+    size: usize,
+    stream: StreamId,
+    pool: PoolKind,
+    allocated: bool,
+    /// Neighbours within the same segment, by address.
+    prev: Option<BlockId>,
+    next: Option<BlockId>,
+}
+
+/// The free-list key: best fit is the first key at or after (pool, stream, size, 0, 0).
+type FreeKey = (PoolKind, StreamId, usize, u64, BlockId);
+
+/// The caching allocator over a raw allocator `R`.
+pub struct CachingAllocator<R: RawAllocator> {
+    raw: R,
+    blocks: HashMap<BlockId, Block>,
+    next_id: BlockId,
+    free: BTreeSet<FreeKey>,
+    /// Live blocks by address.
+    live: HashMap<u64, BlockId>,
+    /// Segment base address -> first block of the segment.
+    segments: HashMap<u64, BlockId>,
+    stats: MemoryStats,
+}
+
+/// `bytes` rounded up to [`ROUND`] (at least one unit), or `None` on overflow.
+pub fn round_size(bytes: usize) -> Option<usize> {
+    bytes.max(1).checked_next_multiple_of(ROUND)
+}
+
+/// The segment size for a rounded request.
+pub fn segment_size(rounded: usize) -> Option<usize> {
+    if rounded <= SMALL_SIZE {
+        Some(SMALL_SEGMENT)
+    } else {
+        rounded.checked_next_multiple_of(LARGE_ROUND)
+    }
+}
+
+impl<R: RawAllocator> CachingAllocator<R> {
+    pub fn new(raw: R) -> Self {
+        CachingAllocator {
+            raw,
+            blocks: HashMap::new(),
+            next_id: 0,
+            free: BTreeSet::new(),
+            live: HashMap::new(),
+            segments: HashMap::new(),
+            stats: MemoryStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> MemoryStats {
+        self.stats
+    }
+
+    /// Restarts the peaks from the current values (`torch.cuda.reset_peak_memory_stats`).
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.peak_allocated = self.stats.allocated;
+        self.stats.peak_reserved = self.stats.reserved;
+    }
+
+    pub fn raw(&self) -> &R {
+        &self.raw
+    }
+
+    fn key(&self, id: BlockId) -> FreeKey {
+        let b = &self.blocks[&id];
+        (b.pool, b.stream, b.size, b.ptr, id)
+    }
+
+    fn insert_block(&mut self, b: Block) -> BlockId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.blocks.insert(id, b);
+        id
+    }
+
+    /// Allocates at least `bytes` bytes for use on `stream`.
+    pub fn malloc(&mut self, bytes: usize, stream: StreamId) -> Result<BlockHandle> {
+        let too_big = || {
+            Error::device(
+                "cuda malloc",
+                format!("cannot allocate {bytes} bytes: the size overflows when rounded"),
+            )
+        };
+        let size = round_size(bytes).ok_or_else(too_big)?;
+        let seg = segment_size(size).ok_or_else(too_big)?;
+        let pool = if size <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        };
+        let id = match self.best_fit(pool, stream, size) {
+            Some(id) => {
+                let k = self.key(id);
+                self.free.remove(&k);
+                id
+            }
+            None => self.new_segment(pool, stream, seg, bytes, size)?,
+        };
+        self.split(id, size);
+        let b = self.blocks.get_mut(&id).expect("block exists");
+        b.allocated = true;
+        let handle = BlockHandle {
+            ptr: b.ptr,
+            size: b.size,
+            stream,
+        };
+        self.live.insert(handle.ptr, id);
+        let s = &mut self.stats;
+        s.allocated += handle.size;
+        s.peak_allocated = s.peak_allocated.max(s.allocated);
+        s.allocs += 1;
+        s.active_blocks += 1;
+        Ok(handle)
+    }
+
+    fn best_fit(&self, pool: PoolKind, stream: StreamId, size: usize) -> Option<BlockId> {
+        let (p, s, _, _, id) = *self.free.range((pool, stream, size, 0, 0)..).next()?;
+        (p == pool && s == stream).then_some(id)
+    }
+
+    fn new_segment(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        seg: usize,
+        bytes: usize,
+        size: usize,
+    ) -> Result<BlockId> {
+        let ptr = match self.raw.raw_alloc(seg) {
+            Ok(p) => p,
+            Err(_) => {
+                // Out of memory (or any failure): give back what the cache holds, retry once.
+                self.stats.oom_retries += 1;
+                self.release_free_segments()?;
+                self.raw.raw_alloc(seg).map_err(|e| {
+                    Error::device(
+                        "cuda malloc",
+                        format!(
+                            "out of memory: tried to allocate {bytes} bytes ({size} rounded, in a \
+                             new {seg}-byte segment) after freeing the cache; {}; device said: {e}",
+                            self.stats
+                        ),
+                    )
+                })?
+            }
+        };
+        self.stats.raw_mallocs += 1;
+        self.stats.reserved += seg;
+        self.stats.peak_reserved = self.stats.peak_reserved.max(self.stats.reserved);
+        self.stats.segments += 1;
+        let id = self.insert_block(Block {
+            ptr,
+            size: seg,
+            stream,
+            pool,
+            allocated: false,
+            prev: None,
+            next: None,
+        });
+        self.segments.insert(ptr, id);
+        Ok(id)
+    }
+
+    /// Splits free-list-detached block `id` so it is `size` bytes, if the rest is worth keeping.
+    fn split(&mut self, id: BlockId, size: usize) {
+        let b = self.blocks[&id].clone();
+        let rest = b.size - size;
+        let worth = match b.pool {
+            PoolKind::Small => rest >= ROUND,
+            PoolKind::Large => rest > SMALL_SIZE,
+        };
+        if !worth {
+            return;
+        }
+        let rid = self.insert_block(Block {
+            ptr: b.ptr + size as u64,
+            size: rest,
+            stream: b.stream,
+            pool: b.pool,
+            allocated: false,
+            prev: Some(id),
+            next: b.next,
+        });
+        if let Some(n) = b.next {
+            self.blocks.get_mut(&n).expect("next exists").prev = Some(rid);
+        }
+        let bm = self.blocks.get_mut(&id).expect("block exists");
+        bm.size = size;
+        bm.next = Some(rid);
+        let k = self.key(rid);
+        self.free.insert(k);
+    }
+
+    /// Returns a block to its stream's pool, merging it with free neighbours.
+    pub fn free(&mut self, handle: BlockHandle) -> Result<()> {
+        let id = self.live.remove(&handle.ptr).ok_or_else(|| {
+            Error::device(
+                "cuda free",
+                format!(
+                    "0x{:x} is not a live allocation of this allocator (freed twice?)",
+                    handle.ptr
+                ),
+            )
+        })?;
+        let size = self.blocks[&id].size;
+        self.blocks.get_mut(&id).expect("block exists").allocated = false;
+        self.stats.allocated -= size;
+        self.stats.active_blocks -= 1;
+        let mut id = id;
+        if let Some(p) = self.blocks[&id].prev {
+            if !self.blocks[&p].allocated {
+                id = self.merge(p, id);
+            }
+        }
+        if let Some(n) = self.blocks[&id].next {
+            if !self.blocks[&n].allocated {
+                id = self.merge(id, n);
+            }
+        }
+        let k = self.key(id);
+        self.free.insert(k);
+        Ok(())
+    }
+
+    /// Merges free block `b` into its free predecessor `a` (either may be on the free list);
+    /// returns `a`, now off the free list.
+    fn merge(&mut self, a: BlockId, b: BlockId) -> BlockId {
+        for x in [a, b] {
+            let k = self.key(x);
+            self.free.remove(&k);
+        }
+        let bb = self.blocks.remove(&b).expect("block exists");
+        if let Some(n) = bb.next {
+            self.blocks.get_mut(&n).expect("next exists").prev = Some(a);
+        }
+        let ab = self.blocks.get_mut(&a).expect("block exists");
+        ab.size += bb.size;
+        ab.next = bb.next;
+        a
+    }
+
+    fn release_free_segments(&mut self) -> Result<()> {
+        let whole: Vec<(u64, BlockId)> = self
+            .segments
+            .iter()
+            .map(|(p, id)| (*p, *id))
+            .filter(|(_, id)| {
+                let b = &self.blocks[id];
+                !b.allocated && b.next.is_none()
+            })
+            .collect();
+        for (ptr, id) in whole {
+            let k = self.key(id);
+            self.raw.raw_free(ptr)?;
+            self.free.remove(&k);
+            let b = self.blocks.remove(&id).expect("block exists");
+            self.segments.remove(&ptr);
+            self.stats.reserved -= b.size;
+            self.stats.raw_frees += 1;
+            self.stats.segments -= 1;
+        }
+        Ok(())
+    }
+
+    /// Frees every cached segment that holds no live block (`torch.cuda.empty_cache`).
+    pub fn empty_cache(&mut self) -> Result<()> {
+        self.release_free_segments()
+    }
+
+    /// Checks the bookkeeping: segments tile exactly into blocks, live blocks do not overlap,
+    /// no two free neighbours are left unmerged, the free list is exactly the free blocks,
+    /// and the statistics match. A description of the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut seen = 0usize;
+        let mut allocated = 0usize;
+        let mut reserved = 0usize;
+        let mut live = 0usize;
+        let mut free_blocks = BTreeSet::new();
+        let mut ranges = Vec::new();
+        for (&base, &first) in &self.segments {
+            if self.blocks[&first].prev.is_some() {
+                return Err(format!("segment 0x{base:x}: first block has a predecessor"));
+            }
+            let mut cur = Some(first);
+            let mut addr = base;
+            let mut prev: Option<BlockId> = None;
+            let mut prev_free = false;
+            while let Some(id) = cur {
+                let b = self.blocks.get(&id).ok_or(format!("dangling block {id}"))?;
+                seen += 1;
+                if b.ptr != addr {
+                    return Err(format!(
+                        "gap or overlap at 0x{addr:x} (block at 0x{:x})",
+                        b.ptr
+                    ));
+                }
+                if b.prev != prev {
+                    return Err(format!("block 0x{:x}: broken prev link", b.ptr));
+                }
+                if b.size == 0 || b.size % ROUND != 0 {
+                    return Err(format!(
+                        "block 0x{:x}: size {} not a positive multiple of {ROUND}",
+                        b.ptr, b.size
+                    ));
+                }
+                if b.allocated {
+                    allocated += b.size;
+                    live += 1;
+                    if self.live.get(&b.ptr) != Some(&id) {
+                        return Err(format!(
+                            "allocated block 0x{:x} missing from the live map",
+                            b.ptr
+                        ));
+                    }
+                    prev_free = false;
+                } else {
+                    if prev_free {
+                        return Err(format!("free neighbours not coalesced at 0x{:x}", b.ptr));
+                    }
+                    prev_free = true;
+                    free_blocks.insert((b.pool, b.stream, b.size, b.ptr, id));
+                }
+                addr += b.size as u64;
+                prev = Some(id);
+                cur = b.next;
+            }
+            let seg = (addr - base) as usize;
+            reserved += seg;
+            ranges.push((base, addr));
+        }
+        ranges.sort();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err("segments overlap".into());
+        }
+        if seen != self.blocks.len() {
+            return Err(format!(
+                "{} blocks reachable, {} stored",
+                seen,
+                self.blocks.len()
+            ));
+        }
+        if free_blocks != self.free {
+            return Err("free list differs from the free blocks".into());
+        }
+        let s = &self.stats;
+        if s.allocated != allocated
+            || s.reserved != reserved
+            || s.active_blocks != live
+            || live != self.live.len()
+            || s.segments != self.segments.len()
+        {
+            return Err(format!(
+                "stats {s:?} disagree: allocated {allocated}, reserved {reserved}, live {live}"
+            ));
+        }
+        if s.peak_allocated < s.allocated
+            || s.peak_reserved < s.reserved
+            || s.reserved < s.allocated
+        {
+            return Err(format!("inconsistent peaks/totals: {s:?}"));
+        }
+        if s.raw_mallocs - s.raw_frees != s.segments as u64 {
+            return Err(format!("raw mallocs - frees != segments: {s:?}"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_xoshiro::Xoshiro256PlusPlus;
+
+    /// A fake device: addresses from a bump pointer (never reused, so overlap bugs show),
+    /// a capacity on live bytes, and a record of live raw allocations.
+    struct FakeRaw {
+        next: u64,
+        capacity: usize,
+        live: HashMap<u64, usize>,
+    }
+
+    impl FakeRaw {
+        fn new(capacity: usize) -> Self {
+            FakeRaw {
+                next: 0x1000_0000,
+                capacity,
+                live: HashMap::new(),
+            }
+        }
+        fn live_bytes(&self) -> usize {
+            self.live.values().sum()
+        }
+    }
+
+    impl RawAllocator for FakeRaw {
+        fn raw_alloc(&mut self, bytes: usize) -> Result<u64> {
+            if self.live_bytes() + bytes > self.capacity {
+                return Err(Error::device("fake", format!("no room for {bytes} bytes")));
+            }
+            let p = self.next;
+            self.next += bytes as u64 + 4096;
+            self.live.insert(p, bytes);
+            Ok(p)
+        }
+        fn raw_free(&mut self, ptr: u64) -> Result<()> {
+            self.live
+                .remove(&ptr)
+                .map(drop)
+                .ok_or_else(|| Error::device("fake", "bad free"))
+        }
+    }
+
+    const MIB: usize = 1 << 20;
+
+    fn alloc(cap: usize) -> CachingAllocator<FakeRaw> {
+        CachingAllocator::new(FakeRaw::new(cap))
+    }
+
+    #[test]
+    fn sizes_round_to_512_and_segments_to_2mib() {
+        assert_eq!(round_size(0), Some(512));
+        assert_eq!(round_size(1), Some(512));
+        assert_eq!(round_size(512), Some(512));
+        assert_eq!(round_size(513), Some(1024));
+        assert_eq!(round_size(usize::MAX), None);
+        assert_eq!(segment_size(512), Some(2 * MIB));
+        assert_eq!(segment_size(MIB), Some(2 * MIB));
+        assert_eq!(segment_size(MIB + 512), Some(2 * MIB));
+        assert_eq!(segment_size(2 * MIB + 512), Some(4 * MIB));
+        assert_eq!(segment_size(usize::MAX - 511), None);
+        let mut a = alloc(usize::MAX);
+        let e = a.malloc(usize::MAX - 3, 0).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn small_blocks_share_a_segment_and_are_reused() {
+        let mut a = alloc(64 * MIB);
+        let x = a.malloc(1000, 0).unwrap();
+        let y = a.malloc(3000, 0).unwrap();
+        assert_eq!((x.size, y.size), (1024, 3072));
+        assert_eq!(y.ptr, x.ptr + 1024, "split from the same segment");
+        assert_eq!(a.stats().raw_mallocs, 1);
+        assert_eq!(a.stats().reserved, 2 * MIB);
+        a.free(x).unwrap();
+        let z = a.malloc(700, 0).unwrap();
+        assert_eq!(z.ptr, x.ptr, "the freed block is reused");
+        assert_eq!(a.stats().raw_mallocs, 1);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn best_fit_takes_the_smallest_sufficient_block() {
+        let mut a = alloc(64 * MIB);
+        let h: Vec<_> = [4096, 512, 8192, 512, 2048, 512]
+            .iter()
+            .map(|&s| a.malloc(s, 0).unwrap())
+            .collect();
+        // Free the 4096, 8192 and 2048 blocks (separated by live 512s so they do not merge).
+        for i in [0, 2, 4] {
+            a.free(h[i]).unwrap();
+        }
+        let got = a.malloc(2000, 0).unwrap();
+        assert_eq!(got.ptr, h[4].ptr, "2048 is the best fit for 2000");
+        let got = a.malloc(3000, 0).unwrap();
+        assert_eq!(got.ptr, h[0].ptr, "4096 is the best fit for 3000");
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn freed_neighbours_coalesce_back_into_the_whole_segment() {
+        let mut a = alloc(64 * MIB);
+        let h: Vec<_> = (0..5).map(|_| a.malloc(100_000, 0).unwrap()).collect();
+        for i in [1, 3, 0, 4, 2] {
+            a.free(h[i]).unwrap();
+            a.check_invariants().unwrap();
+        }
+        assert_eq!(a.blocks.len(), 1, "one free block spanning the segment");
+        // It can now serve a request bigger than any of the pieces.
+        let big = a.malloc(MIB, 0).unwrap();
+        assert_eq!(big.ptr, h[0].ptr);
+        assert_eq!(a.stats().raw_mallocs, 1);
+    }
+
+    #[test]
+    fn large_requests_get_their_own_rounded_segment_and_split_only_big_remainders() {
+        let mut a = alloc(1 << 40);
+        let x = a.malloc(5 * MIB + 1, 0).unwrap();
+        assert_eq!(a.stats().reserved, 6 * MIB);
+        assert_eq!(
+            x.size,
+            6 * MIB,
+            "a remainder < 1 MiB is not split off: the block keeps it"
+        );
+        a.free(x).unwrap();
+        // A 2 MiB request reuses the 6 MiB segment and splits off the 4 MiB rest.
+        let y = a.malloc(2 * MIB, 0).unwrap();
+        assert_eq!((y.ptr, y.size), (x.ptr, 2 * MIB));
+        let z = a.malloc(3 * MIB, 0).unwrap();
+        assert_eq!(z.ptr, x.ptr + 2 * MIB as u64);
+        assert_eq!(a.stats().raw_mallocs, 1);
+        // Small requests never come from large segments.
+        let s = a.malloc(4096, 0).unwrap();
+        assert_eq!(a.stats().raw_mallocs, 2);
+        assert!(s.ptr < x.ptr || s.ptr >= x.ptr + 6 * MIB as u64);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pools_are_per_stream() {
+        let mut a = alloc(64 * MIB);
+        let x = a.malloc(4096, 1).unwrap();
+        a.free(x).unwrap();
+        let y = a.malloc(4096, 2).unwrap();
+        assert_ne!(y.ptr, x.ptr, "stream 2 must not reuse stream 1's block");
+        assert_eq!(a.stats().raw_mallocs, 2);
+        let z = a.malloc(4096, 1).unwrap();
+        assert_eq!(z.ptr, x.ptr);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn double_free_and_foreign_pointers_are_errors() {
+        let mut a = alloc(64 * MIB);
+        let x = a.malloc(4096, 0).unwrap();
+        a.free(x).unwrap();
+        let e = a.free(x).unwrap_err().to_string();
+        assert!(e.contains("not a live allocation"), "{e}");
+        let e = a
+            .free(BlockHandle {
+                ptr: 12345,
+                size: 512,
+                stream: 0,
+            })
+            .unwrap_err();
+        assert!(matches!(e, Error::Device { .. }));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn empty_cache_releases_only_wholly_free_segments() {
+        let mut a = alloc(1 << 40);
+        let keep = a.malloc(4096, 0).unwrap();
+        let drop1 = a.malloc(4096, 0).unwrap();
+        let big = a.malloc(10 * MIB, 0).unwrap();
+        a.free(drop1).unwrap();
+        a.free(big).unwrap();
+        a.empty_cache().unwrap();
+        let s = a.stats();
+        assert_eq!((s.reserved, s.raw_frees, s.segments), (2 * MIB, 1, 1));
+        assert_eq!(a.raw().live.len(), 1);
+        assert_eq!(s.peak_reserved, 12 * MIB);
+        a.free(keep).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().reserved, 0);
+        assert!(a.raw().live.is_empty());
+        a.check_invariants().unwrap();
+        a.reset_peak_stats();
+        assert_eq!(a.stats().peak_reserved, 0);
+    }
+
+    #[test]
+    fn out_of_memory_frees_the_cache_and_retries_then_errors_clearly() {
+        let mut a = alloc(8 * MIB);
+        // Cache 6 MiB in freed large segments.
+        let x = a.malloc(3 * MIB, 0).unwrap();
+        let y = a.malloc(2 * MIB, 0).unwrap();
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        assert_eq!(a.stats().reserved, 6 * MIB);
+        // 6 MiB does not fit beside the cache (8 MiB device) but does after flushing it.
+        let z = a.malloc(6 * MIB, 0).unwrap();
+        let s = a.stats();
+        assert_eq!((s.oom_retries, s.raw_frees, s.reserved), (1, 2, 6 * MIB));
+        a.check_invariants().unwrap();
+        // 4 MiB more cannot fit at all: a clear error, the stats intact.
+        let e = a.malloc(4 * MIB, 0).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(
+            e,
+            Error::Device {
+                op: "cuda malloc",
+                ..
+            }
+        ));
+        for want in [
+            "out of memory",
+            "4194304 bytes",
+            "reserved 6291456 B",
+            "allocated 6291456 B",
+        ] {
+            assert!(msg.contains(want), "missing {want:?}: {msg}");
+        }
+        a.check_invariants().unwrap();
+        a.free(z).unwrap();
+        a.malloc(4 * MIB, 0).unwrap();
+    }
+
+    /// One step of a training loop: parameters live across steps; activations are allocated
+    /// forward and freed backward; gradients and optimizer temporaries come and go.
+    fn training_step(a: &mut CachingAllocator<FakeRaw>) {
+        let acts: Vec<_> = [3 * MIB, 600_000, 600_000, 150_000, 150_000, 40_000, 4_000]
+            .iter()
+            .map(|&s| a.malloc(s, 0).unwrap())
+            .collect();
+        let mut grads = Vec::new();
+        for (i, act) in acts.into_iter().enumerate().rev() {
+            let g = a.malloc(act.size / 2 + 100, 0).unwrap();
+            let tmp = a.malloc(12_345 + 1000 * i, 0).unwrap();
+            a.free(tmp).unwrap();
+            a.free(act).unwrap();
+            grads.push(g);
+        }
+        let scratch = a.malloc(5 * MIB, 0).unwrap();
+        a.free(scratch).unwrap();
+        for g in grads {
+            a.free(g).unwrap();
+        }
+    }
+
+    #[test]
+    fn repeated_training_steps_need_no_raw_allocations_after_the_first() {
+        let mut a = alloc(1 << 40);
+        let params: Vec<_> = [2 * MIB, 300_000, 1024]
+            .iter()
+            .map(|&s| a.malloc(s, 0).unwrap())
+            .collect();
+        training_step(&mut a);
+        let after_first = a.stats();
+        a.check_invariants().unwrap();
+        for _ in 0..20 {
+            training_step(&mut a);
+            a.check_invariants().unwrap();
+        }
+        let s = a.stats();
+        assert!(after_first.raw_mallocs > 0);
+        assert_eq!(
+            s.raw_mallocs, after_first.raw_mallocs,
+            "steps 2..21 allocated raw memory"
+        );
+        assert_eq!(s.raw_frees, 0);
+        assert_eq!(s.peak_reserved, after_first.peak_reserved);
+        assert_eq!(s.peak_allocated, after_first.peak_allocated);
+        assert_eq!(s.allocs, after_first.allocs + 20 * (after_first.allocs - 3));
+        for p in params {
+            a.free(p).unwrap();
+        }
+        assert_eq!(a.stats().allocated, 0);
+    }
+
+    #[test]
+    fn random_alloc_free_sequences_keep_the_invariants() {
+        for seed in 0..8u64 {
+            let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+            let mut a = alloc(256 * MIB);
+            let mut live: Vec<(BlockHandle, usize)> = Vec::new();
+            for step in 0..1500 {
+                let r: f64 = rng.random();
+                if r < 0.55 || live.is_empty() {
+                    let size = match rng.random_range(0..10) {
+                        0..=5 => rng.random_range(0..20_000),
+                        6..=8 => rng.random_range(0..1_200_000),
+                        _ => rng.random_range(0..12 * MIB),
+                    };
+                    let stream = rng.random_range(0..3);
+                    match a.malloc(size, stream) {
+                        Ok(h) => {
+                            assert!(h.size >= size && h.size % ROUND == 0);
+                            live.push((h, size));
+                        }
+                        Err(e) => assert!(e.to_string().contains("out of memory"), "{e}"),
+                    }
+                } else if r < 0.98 {
+                    let i = rng.random_range(0..live.len());
+                    let (h, _) = live.swap_remove(i);
+                    a.free(h).unwrap();
+                } else {
+                    a.empty_cache().unwrap();
+                }
+                if let Err(e) = a.check_invariants() {
+                    panic!("seed {seed} step {step}: {e}");
+                }
+                // Live blocks never overlap, and each lies inside a live raw allocation.
+                let mut spans: Vec<_> = live
+                    .iter()
+                    .map(|(h, _)| (h.ptr, h.ptr + h.size as u64))
+                    .collect();
+                spans.sort();
+                assert!(
+                    spans.windows(2).all(|w| w[0].1 <= w[1].0),
+                    "seed {seed} step {step}: overlap"
+                );
+                for (lo, hi) in &spans {
+                    assert!(a
+                        .raw()
+                        .live
+                        .iter()
+                        .any(|(&p, &n)| p <= *lo && *hi <= p + n as u64));
+                }
+                let s = a.stats();
+                assert_eq!(s.reserved, a.raw().live_bytes());
+                assert_eq!(s.allocated, live.iter().map(|(h, _)| h.size).sum::<usize>());
+            }
+            for (h, _) in live {
+                a.free(h).unwrap();
+            }
+            a.empty_cache().unwrap();
+            assert_eq!(a.stats().reserved, 0);
+            assert!(a.raw().live.is_empty());
+        }
+    }
+}
