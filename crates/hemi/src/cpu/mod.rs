@@ -7,6 +7,7 @@ pub mod conv;
 pub mod conv_block;
 pub mod gemm;
 pub mod gemm_half;
+pub mod index;
 pub mod map;
 pub mod optim;
 pub mod pool;

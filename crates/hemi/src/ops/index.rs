@@ -4,56 +4,17 @@
 //! the backwards of the lookups scatter-add the output gradient into zeros in the compute
 //! type (F32 for half dtypes, so repeated indices accumulate in F32) and round once.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
-use half::{bf16, f16};
-#[allow(unused_imports)]
-use num_traits::{Float, One, Zero};
-
 use super::elementwise::promote_all;
-use crate::dtype::{DType, WithDType};
+use crate::backend::index::AlongDim;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::{CpuStorage, Layout, Storage, Tensor};
+use crate::tensor::{Layout, Storage, Tensor};
 
-/// Runs `$body` with `$T` bound to the storage element type of `$dtype`.
-macro_rules! with_elem {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F16 => {
-                type $T = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-        }
-    };
-}
-
-/// The elements `layout` addresses in `s`, row-major: borrowed when contiguous (an
-/// embedding table is not copied per lookup).
-fn elems<'a, T: WithDType>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [T]> {
-    s.elems(layout)
-        .expect("storage dtype checked by the caller")
-}
-
-/// Validated indices from an I64 tensor: each in `0..size`, else `Error::Index`.
-fn indices(op: &'static str, index: &Tensor, size: usize) -> Result<Vec<usize>> {
+/// Checks an index tensor: I64, each entry in `0..size`, else `Error::Index`.
+fn check_indices(op: &'static str, index: &Tensor, size: usize) -> Result<()> {
     if index.dtype() != DType::I64 {
         return Err(Error::dtype(
             op,
@@ -61,17 +22,14 @@ fn indices(op: &'static str, index: &Tensor, size: usize) -> Result<Vec<usize>> 
             format!("indices must be I64, got shape {:?}", index.shape()),
         ));
     }
-    index
+    match index
         .to_vec_i64()
         .into_iter()
-        .map(|i| {
-            if i < 0 || i as u64 >= size as u64 {
-                Err(Error::Index { op, index: i, size })
-            } else {
-                Ok(i as usize)
-            }
-        })
-        .collect()
+        .find(|&i| i < 0 || i as u64 >= size as u64)
+    {
+        Some(i) => Err(Error::Index { op, index: i, size }),
+        None => Ok(()),
+    }
 }
 
 /// `out[o, j, :] = x[o, idx[j], :]` with `x` seen as `[outer, size, inner]` around dim
@@ -81,47 +39,35 @@ fn gather_along(
     op: &'static str,
     x: &Tensor,
     dim: usize,
-    idx: Vec<usize>,
+    ids: &Tensor,
     out_shape: Vec<usize>,
-) -> Tensor {
+) -> Result<Tensor> {
     let shape = x.shape().to_vec();
-    let outer: usize = shape[..dim].iter().product();
-    let size = shape[dim];
-    let inner: usize = shape[dim + 1..].iter().product();
-    let storage = x.storage();
-    let out = with_elem!(x.dtype(), T => {
-        let src = elems::<T>(storage.as_cpu(), x.layout());
-        let mut out = Vec::with_capacity(outer * idx.len() * inner);
-        for o in 0..outer {
-            for &i in &idx {
-                out.extend_from_slice(&src[(o * size + i) * inner..][..inner]);
-            }
-        }
-        CpuStorage::from_vec(out)
-    });
+    let d = AlongDim {
+        outer: shape[..dim].iter().product(),
+        size: shape[dim],
+        inner: shape[dim + 1..].iter().product(),
+    };
+    let out = x
+        .storage()
+        .index_select(x.layout(), &ids.storage(), ids.layout(), d)?;
     let dtype = x.dtype();
-    let idx = Arc::new(idx);
-    Tensor::from_op(
-        Arc::new(out.into()),
+    let ids = ids.detach();
+    Ok(Tensor::from_op(
+        Arc::new(out),
         Layout::contiguous(&out_shape),
         op,
         &[x],
         move |g| {
-            crate::with_compute!(g.dtype(), C => {
-                let gv = g.values::<C>();
-                let mut acc = vec![C::zero(); outer * size * inner];
-                let k = idx.len();
-                for o in 0..outer {
-                    for (j, &i) in idx.iter().enumerate() {
-                        let dst = &mut acc[(o * size + i) * inner..][..inner];
-                        let src = &gv[(o * k + j) * inner..][..inner];
-                        dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s);
-                    }
-                }
-                Ok(vec![Some(Tensor::from_values(acc, &shape, dtype))])
-            })
+            let gx =
+                g.storage()
+                    .index_add_zeros(g.layout(), &ids.storage(), ids.layout(), d, dtype)?;
+            Ok(vec![Some(Tensor::from_storage(
+                Arc::new(gx),
+                Layout::contiguous(&shape),
+            ))])
         },
-    )
+    ))
 }
 
 /// Embedding lookup: row `ids[...]` of `weight` `[V, D]` for every id, giving
@@ -147,10 +93,10 @@ impl Tensor {
             ));
         }
         let (v, d) = (weight.shape()[0], weight.shape()[1]);
-        let idx = indices(OP, ids, v)?;
+        check_indices(OP, ids, v)?;
         let mut out_shape = ids.shape().to_vec();
         out_shape.push(d);
-        Ok(gather_along(OP, weight, 0, idx, out_shape))
+        gather_along(OP, weight, 0, ids, out_shape)
     }
 
     /// Entries `index[j]` of `self` along `dim` (`torch.index_select`): the output has
@@ -169,10 +115,10 @@ impl Tensor {
                 ),
             ));
         }
-        let idx = indices(OP, index, self.shape()[d])?;
+        check_indices(OP, index, self.shape()[d])?;
         let mut out_shape = self.shape().to_vec();
-        out_shape[d] = idx.len();
-        Ok(gather_along(OP, self, d, idx, out_shape))
+        out_shape[d] = index.numel();
+        gather_along(OP, self, d, index, out_shape)
     }
 
     /// Concatenation along `dim` (`torch.cat`): all tensors have the same rank (at least 1)
@@ -234,18 +180,10 @@ impl Tensor {
                 })
             })
             .collect::<Result<_>>()?;
-        let out = with_elem!(dtype, T => {
-            let srcs: Vec<Cow<[T]>> = parts.iter().map(|(s, l)| elems::<T>(s.as_cpu(), l)).collect();
-            let mut out = Vec::with_capacity(outer * total * inner);
-            for o in 0..outer {
-                for (src, &len) in srcs.iter().zip(&lens) {
-                    out.extend_from_slice(&src[o * len * inner..][..len * inner]);
-                }
-            }
-            CpuStorage::from_vec(out)
-        });
+        let refs: Vec<(&Storage, &Layout)> = parts.iter().map(|(s, l)| (&**s, l)).collect();
+        let out = Storage::cat(&refs, outer, &lens, inner)?;
         Ok(Tensor::from_op(
-            Arc::new(out.into()),
+            Arc::new(out),
             Layout::contiguous(&out_shape),
             OP,
             tensors,
