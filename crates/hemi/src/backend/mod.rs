@@ -20,6 +20,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Layout;
 
+pub mod loss;
 pub mod map;
 pub mod nn;
 pub mod reduce;
