@@ -142,10 +142,12 @@ impl Storage {
         out: DType,
     ) -> Result<Storage> {
         let lp = log_probs.unwrap_or(self);
-        Ok(dispatch2!(loss.op, self, lp, g, lp => dispatch2!(loss.op, self, target, _g, t => {
-            let lp = log_probs.is_some().then_some(lp);
-            wrap!(self, g.class_loss_backward(lg, lp, t, lt, rows, loss, counted, out)?)
-        })))
+        Ok(
+            dispatch2!(loss.op, self, lp, g, lp => dispatch2!(loss.op, self, target, _g, t => {
+                let lp = log_probs.is_some().then_some(lp);
+                wrap!(self, g.class_loss_backward(lg, lp, t, lt, rows, loss, counted, out)?)
+            })),
+        )
     }
 
     /// `LossOps::mse`: (loss, difference); `target` on the same device.
@@ -157,7 +159,8 @@ impl Storage {
         reduction: Reduction,
         out: DType,
     ) -> Result<(Storage, Storage)> {
-        let (l, d) = dispatch2!("mse_loss", self, target, a, b => a.mse(la, b, lb, reduction, out)?);
+        let (l, d) =
+            dispatch2!("mse_loss", self, target, a, b => a.mse(la, b, lb, reduction, out)?);
         Ok((wrap!(self, l), wrap!(self, d)))
     }
 
@@ -169,7 +172,8 @@ impl Storage {
         reduction: Reduction,
         out: DType,
     ) -> Result<(Storage, Storage)> {
-        let (a, b) = dispatch2!("mse_loss", self, g, d, gs => d.mse_backward(gs, lg, reduction, out)?);
+        let (a, b) =
+            dispatch2!("mse_loss", self, g, d, gs => d.mse_backward(gs, lg, reduction, out)?);
         Ok((wrap!(self, a), wrap!(self, b)))
     }
 }

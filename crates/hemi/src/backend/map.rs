@@ -225,9 +225,11 @@ impl Storage {
         lb: &Layout,
         out: DType,
     ) -> Result<Storage> {
-        Ok(dispatch2!("where", self, a, c, x => dispatch2!("where", self, b, _c, y => {
-            wrap!(self, c.where_cond(lc, x, la, y, lb, out)?)
-        })))
+        Ok(
+            dispatch2!("where", self, a, c, x => dispatch2!("where", self, b, _c, y => {
+                wrap!(self, c.where_cond(lc, x, la, y, lb, out)?)
+            })),
+        )
     }
 
     /// `MapOps::where_backward` with `self = cond`; `g` on the same device.

@@ -204,9 +204,11 @@ impl Storage {
         inner: usize,
         out: DType,
     ) -> Result<Storage> {
-        Ok(dispatch2!("max", self, m, x, ms => dispatch2!("max", self, g, _x, gs => {
-            wrap!(self, x.extreme_backward(layout, ms, lm, gs, lg, outer, inner, out)?)
-        })))
+        Ok(
+            dispatch2!("max", self, m, x, ms => dispatch2!("max", self, g, _x, gs => {
+                wrap!(self, x.extreme_backward(layout, ms, lm, gs, lg, outer, inner, out)?)
+            })),
+        )
     }
 
     /// `ReduceOps::var_backward` with `self = x`; `g` on the same device.

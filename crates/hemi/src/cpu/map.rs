@@ -10,8 +10,8 @@ use super::storage::CpuStorage;
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
 use crate::cpu::chunked::{map1, map2, Src};
 use crate::dtype::{DType, FloatDType, WithDType as _};
-use crate::rng::Generator;
 use crate::error::Result;
+use crate::rng::Generator;
 use crate::tensor::Layout;
 
 /// Below this many elements a loop runs on one thread (rayon's overhead dominates).
@@ -398,5 +398,82 @@ impl MapOps for CpuStorage {
             };
             CpuStorage::store::<C>(factor, dtype)
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Paths the op tests do not reach: strided and broadcast layouts straight into the
+    //! primitives, against f64 references.
+    use super::*;
+    use half::bf16;
+
+    #[test]
+    fn unary_on_a_strided_half_layout_matches_the_chunked_path() {
+        let x: Vec<f64> = (0..12).map(|i| i as f64 * 0.375 - 2.0).collect();
+        let s = CpuStorage::from_vec(x.iter().map(|&v| bf16::from_f64(v)).collect::<Vec<_>>());
+        // The transpose of [3, 4]: not contiguous, so not the chunked kernel.
+        let t = Layout::new(vec![4, 3], vec![1, 4], 0);
+        let c = s.gather(&t);
+        for op in [UnaryOp::Gelu, UnaryOp::Sigmoid, UnaryOp::PowScalar(3.0)] {
+            let strided = s.unary(&t, op, DType::F32).unwrap();
+            let chunked = c
+                .unary(&Layout::contiguous(&[4, 3]), op, DType::F32)
+                .unwrap();
+            let (a, b) = (
+                strided.as_slice::<f32>().unwrap(),
+                chunked.as_slice::<f32>().unwrap(),
+            );
+            assert_eq!(a, b, "{op:?}");
+            for (i, &v) in a.iter().enumerate() {
+                let xv = x[(i % 3) * 4 + i / 3];
+                let want = match op {
+                    UnaryOp::Sigmoid => 1.0 / (1.0 + (-xv).exp()),
+                    UnaryOp::PowScalar(p) => xv.powf(p),
+                    _ => UnaryOp::Gelu.f(xv),
+                };
+                assert!((v as f64 - want).abs() < 1e-5, "{op:?} {i}: {v} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn where_and_its_backward_with_a_broadcast_condition() {
+        // cond [3] broadcast over [2, 3] (stride 0 on dim 0); I64, nonzero is true.
+        let cond = CpuStorage::from_vec(vec![1i64, 0, -3]);
+        let lc = Layout::new(vec![2, 3], vec![0, 1], 0);
+        let a = CpuStorage::from_vec((0..6).map(|v| v as f64).collect::<Vec<_>>());
+        let b = CpuStorage::from_vec(vec![-1.0f32]);
+        let lb = Layout::new(vec![2, 3], vec![0, 0], 0);
+        let la = Layout::contiguous(&[2, 3]);
+        let y = cond.where_cond(&lc, &a, &la, &b, &lb, DType::F64).unwrap();
+        assert_eq!(
+            y.as_slice::<f64>().unwrap(),
+            &[0.0, -1.0, 2.0, 3.0, -1.0, 5.0]
+        );
+        let g = CpuStorage::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let (ga, gb) = cond.where_backward(&lc, &g, &la, DType::F32).unwrap();
+        assert_eq!(
+            ga.as_slice::<f32>().unwrap(),
+            &[1.0, 0.0, 3.0, 4.0, 0.0, 6.0]
+        );
+        assert_eq!(
+            gb.as_slice::<f32>().unwrap(),
+            &[0.0, 2.0, 0.0, 0.0, 5.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn minmax_backward_splits_ties_with_a_broadcast_input() {
+        let g = CpuStorage::from_vec(vec![2.0f32; 4]);
+        let a = CpuStorage::from_vec(vec![1.0f32, 3.0, 0.0, 5.0]);
+        let b = CpuStorage::from_vec(vec![3.0f32]);
+        let l = Layout::contiguous(&[4]);
+        let lb = Layout::new(vec![4], vec![0], 0);
+        let (ga, gb) = g
+            .minmax_backward(&l, &a, &l, &b, &lb, BinaryOp::Maximum, DType::F32)
+            .unwrap();
+        assert_eq!(ga.as_slice::<f32>().unwrap(), &[0.0, 1.0, 0.0, 2.0]);
+        assert_eq!(gb.as_slice::<f32>().unwrap(), &[2.0, 1.0, 2.0, 0.0]);
     }
 }

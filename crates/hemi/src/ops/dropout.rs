@@ -58,10 +58,13 @@ impl Tensor {
             OP,
             &[self],
             move |g| {
-                let gi = g
-                    .storage()
-                    .binary(g.layout(), &factor, &layout, BinaryOp::Mul, g.dtype())?;
-                Ok(vec![Some(Tensor::from_storage(Arc::new(gi), layout.clone()))])
+                let gi =
+                    g.storage()
+                        .binary(g.layout(), &factor, &layout, BinaryOp::Mul, g.dtype())?;
+                Ok(vec![Some(Tensor::from_storage(
+                    Arc::new(gi),
+                    layout.clone(),
+                ))])
             },
         ))
     }

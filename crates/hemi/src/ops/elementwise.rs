@@ -224,9 +224,12 @@ impl Tensor {
             "where",
             &[a, b],
             move |g| {
-                let (ga, gb) =
-                    cond.storage()
-                        .where_backward(cond.layout(), &g.storage(), g.layout(), g.dtype())?;
+                let (ga, gb) = cond.storage().where_backward(
+                    cond.layout(),
+                    &g.storage(),
+                    g.layout(),
+                    g.dtype(),
+                )?;
                 let ga = Tensor::from_storage(Arc::new(ga), layout.clone());
                 let gb = Tensor::from_storage(Arc::new(gb), layout.clone());
                 Ok(vec![

@@ -72,14 +72,9 @@ fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     // Both backwards need only the output: keep it as a detached handle on its storage.
     let y = Tensor::from_storage(storage.clone(), layout.clone());
     Ok(Tensor::from_op(storage, layout, op, &[x], move |g| {
-        let dx = g.storage().softmax_backward(
-            g.layout(),
-            &y.storage(),
-            y.layout(),
-            rows,
-            log,
-            dtype,
-        )?;
+        let dx =
+            g.storage()
+                .softmax_backward(g.layout(), &y.storage(), y.layout(), rows, log, dtype)?;
         Ok(vec![Some(Tensor::from_storage(
             Arc::new(dx),
             Layout::contiguous(y.shape()),

@@ -100,9 +100,13 @@ impl Tensor {
         let out_shape = reduced_shape(self.shape(), &dims, keepdim);
         let (p, outer, inner) = reduction_layout(self, &dims)?;
         let x = self.detach();
-        let out = p
-            .storage()
-            .reduce(p.layout(), outer, inner, ReduceOp::Var { correction }, self.dtype())?;
+        let out = p.storage().reduce(
+            p.layout(),
+            outer,
+            inner,
+            ReduceOp::Var { correction },
+            self.dtype(),
+        )?;
         Ok(Tensor::from_op(
             Arc::new(out),
             Layout::contiguous(&out_shape),
@@ -141,7 +145,10 @@ impl Tensor {
             ));
         }
         let x = self.detach();
-        let storage = Arc::new(p.storage().reduce(p.layout(), outer, inner, rop, self.dtype())?);
+        let storage = Arc::new(
+            p.storage()
+                .reduce(p.layout(), outer, inner, rop, self.dtype())?,
+        );
         let layout = Layout::contiguous(&out_shape);
         // The backward keeps the output values through a detached handle on its storage
         // (not the output tensor itself, which would own its own node).
