@@ -1,6 +1,7 @@
 //! Reductions beyond sum and mean: max and min (values over dims, or values with their
-//! indices along one dim), argmax/argmin, and var. Also `Rows`, the one-dim view that
-//! softmax and the losses share with max_dim.
+//! indices along one dim), argmax/argmin, and var: validation, output shapes and backward
+//! recording around the `ReduceOps` primitives (`backend::reduce`, whose `Rows` is the
+//! one-dim view that softmax and the losses share with max_dim).
 //!
 //! Dtypes: max, min and var keep the input dtype (var is computed in F32 for half inputs
 //! and rounded once); indices are I64. Integer inputs are rejected.
