@@ -10,8 +10,9 @@
 //! The primitives are grouped by area, one trait per file (as burn groups its backend
 //! ops): `map` (casts, unary and binary maps with broadcasting, where, random fills),
 //! `reduce` (sums, means, extrema, variances, softmax rows), `nn` (matmul, convolutions,
-//! pools, norms), `train` (losses, index/gather/scatter, the fused unscale-and-check, the
-//! optimizer updates). A backend implements them all (`Backend`). `tensor::Storage` has one
+//! pools, norms), `loss` (classification losses, MSE), `index` (row gathers, their
+//! scatter-add, concatenation), `train` (the fused unscale-and-check, the optimizer
+//! updates). A backend implements them all (`Backend`). `tensor::Storage` has one
 //! method per primitive that dispatches to the buffer's backend (`dispatch!`/`dispatch2!`
 //! there), and ops call those methods.
 
@@ -21,6 +22,7 @@ use crate::error::Result;
 use crate::tensor::Layout;
 
 pub mod index;
+pub mod loss;
 pub mod map;
 pub mod nn;
 pub mod reduce;

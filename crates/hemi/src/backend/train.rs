@@ -1,5 +1,5 @@
-//! Training primitives: losses, index/gather/scatter/concatenation, the fused
-//! unscale-and-check-finite of the loss scaler, and the optimizer updates.
+//! Training primitives: the fused unscale-and-check-finite of the loss scaler (`AmpOps`)
+//! and the optimizer updates (`OptimOps`).
 
 use super::BackendStorage;
 use crate::error::{Error, Result};

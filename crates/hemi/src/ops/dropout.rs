@@ -6,14 +6,13 @@
 //! element in row-major order of the logical shape (whatever the strides), so the same
 //! seed gives the same mask.
 
-#[allow(unused_imports)]
-use num_traits::{Float, One, Zero};
+use std::sync::Arc;
 
-use super::elementwise::zip_map;
-use crate::dtype::WithDType as _;
+use crate::backend::map::BinaryOp;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
-use crate::tensor::Tensor;
+use crate::tensor::{Layout, Tensor};
 
 impl Tensor {
     /// Inverted dropout with drop probability `p` in `[0, 1]`.
@@ -41,22 +40,32 @@ impl Tensor {
             return Ok(self.clone());
         }
         let dtype = self.dtype();
-        crate::with_compute!(dtype, C => {
-            // factor = mask / (1 - p): 1/(1-p) where kept, 0 where dropped.
-            let factor: Vec<C> = if p == 1.0 {
-                vec![C::zero(); self.numel()]
-            } else {
-                let scale = C::from_f64(1.0 / (1.0 - p));
-                (0..self.numel())
-                    .map(|_| if rng.uniform_f64() >= p { scale } else { C::zero() })
-                    .collect()
-            };
-            let out = self.with_values::<C, _>(|x| zip_map(x, &factor, |x, f| x * f));
-            let shape = self.shape().to_vec();
-            Ok(Tensor::from_compute(out, self.shape(), dtype, OP, &[self], move |g| {
-                let gi = g.with_values::<C, _>(|g| zip_map(g, &factor, |g, f| g * f));
-                Ok(vec![Some(Tensor::from_values(gi, &shape, g.dtype()))])
-            }))
-        })
+        // The factors 1/(1-p) or 0, in the compute type (F32, F64 for F64) so that the
+        // scale is not rounded to the input's dtype; the output and the gradient are the
+        // products, rounded once.
+        let compute = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let storage = self.storage();
+        let layout = Layout::contiguous(self.shape());
+        let factor = Arc::new(storage.dropout_mask(self.numel(), p, rng, compute)?);
+        let out = storage.binary(self.layout(), &factor, &layout, BinaryOp::Mul, dtype)?;
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            layout.clone(),
+            OP,
+            &[self],
+            move |g| {
+                let gi =
+                    g.storage()
+                        .binary(g.layout(), &factor, &layout, BinaryOp::Mul, g.dtype())?;
+                Ok(vec![Some(Tensor::from_storage(
+                    Arc::new(gi),
+                    layout.clone(),
+                ))])
+            },
+        ))
     }
 }

@@ -15,30 +15,13 @@
 
 use std::sync::Arc;
 
-#[allow(unused_imports)]
-use num_traits::{Float, One, Zero};
-use rayon::prelude::*;
-
-use super::elementwise::{map, zip_map, PAR_THRESHOLD};
-use super::reduce::sum_slice;
-use super::stats::{row_max, Rows};
+use crate::backend::loss::ClassLoss;
+use crate::backend::reduce::Rows;
 use crate::dtype::DType;
-use crate::dtype::WithDType as _;
 use crate::error::{Error, Result};
-use crate::tensor::{FloatDType, Layout, Tensor};
+use crate::tensor::{Layout, Tensor};
 
-/// How a loss combines its per-element values (PyTorch's `reduction=`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Reduction {
-    /// The mean: over all elements, or over the non-ignored targets for class losses.
-    #[default]
-    Mean,
-    /// The sum.
-    Sum,
-    /// No reduction: one loss per element (per target for class losses; ignored targets
-    /// get 0).
-    None,
-}
+pub use crate::backend::loss::Reduction;
 
 /// Options of `cross_entropy`, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -79,69 +62,24 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 
 // ----- softmax and log-softmax, row by row, with their backward -------------------------
 
-/// `y = exp(x - max) / Σ exp(x - max)`: subtracting the max keeps every exponent <= 0.
-fn softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
-    let m = row_max(x);
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m).exp();
-    }
-    let inv = C::one() / sum_slice(y);
-    y.iter_mut().for_each(|y| *y *= inv);
-}
-
-/// `dx = y ⊙ (g - Σ g⊙y)`.
-fn softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
-    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
-        *d = g * y;
-    }
-    let dot = sum_slice(dx);
-    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
-        *d = y * (g - dot);
-    }
-}
-
-/// `y = (x - max) - ln Σ exp(x - max)`: finite for logits far apart (1e4 and -1e4).
-fn log_softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
-    let m = row_max(x);
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m).exp();
-    }
-    let lse = sum_slice(y).ln();
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m) - lse;
-    }
-}
-
-/// `dx = g - exp(y) · Σ g`.
-fn log_softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
-    let sg = sum_slice(g);
-    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
-        *d = g - y.exp() * sg;
-    }
-}
-
 fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     let op = if log { "log_softmax" } else { "softmax" };
     require_float(op, x)?;
     let (_, rows) = Rows::along(op, x.shape(), dim)?;
     let dtype = fp32_op_dtype(x.dtype());
-    crate::with_compute!(dtype, C => {
-        let xv = x.values::<C>();
-        let y = rows.map([&xv[..]], |[x], y| {
-            if log { log_softmax_row(x, y) } else { softmax_row(x, y) }
-        });
-        let storage = Arc::new(crate::tensor::Storage::from(crate::tensor::CpuStorage::store::<C>(y, dtype)));
-        let layout = Layout::contiguous(x.shape());
-        // Both backwards need only the output: keep it as a detached handle on its storage.
-        let y = Tensor::from_storage(storage.clone(), layout.clone());
-        Ok(Tensor::from_op(storage, layout, op, &[x], move |g| {
-            let (gv, yv) = (g.values::<C>(), y.values::<C>());
-            let dx = rows.map([&gv[..], &yv[..]], |[g, y], dx| {
-                if log { log_softmax_backward_row(g, y, dx) } else { softmax_backward_row(g, y, dx) }
-            });
-            Ok(vec![Some(Tensor::from_values(dx, y.shape(), dtype))])
-        }))
-    })
+    let storage = Arc::new(x.storage().softmax(x.layout(), rows, log, dtype)?);
+    let layout = Layout::contiguous(x.shape());
+    // Both backwards need only the output: keep it as a detached handle on its storage.
+    let y = Tensor::from_storage(storage.clone(), layout.clone());
+    Ok(Tensor::from_op(storage, layout, op, &[x], move |g| {
+        let dx =
+            g.storage()
+                .softmax_backward(g.layout(), &y.storage(), y.layout(), rows, log, dtype)?;
+        Ok(vec![Some(Tensor::from_storage(
+            Arc::new(dx),
+            Layout::contiguous(y.shape()),
+        ))])
+    }))
 }
 
 impl Tensor {
@@ -159,16 +97,6 @@ impl Tensor {
 }
 
 // ----- cross-entropy and NLL -------------------------------------------------------------
-
-/// What a class loss reads: log-probabilities (NLL) or logits (cross-entropy, which takes
-/// the log-softmax first and can smooth the target).
-struct ClassLoss {
-    op: &'static str,
-    from_logits: bool,
-    reduction: Reduction,
-    ignore_index: Option<i64>,
-    smoothing: f64,
-}
 
 /// Checks the input/target pair and returns the rows along the class dim.
 fn class_rows(op: &'static str, input: &Tensor, target: &Tensor) -> Result<Rows> {
@@ -218,110 +146,60 @@ fn class_rows(op: &'static str, input: &Tensor, target: &Tensor) -> Result<Rows>
     Ok(rows)
 }
 
-impl ClassLoss {
-    fn run(&self, input: &Tensor, target: &Tensor) -> Result<Tensor> {
-        let op = self.op;
-        let rows = class_rows(op, input, target)?;
-        if !(0.0..=1.0).contains(&self.smoothing) {
-            return Err(Error::arg(
-                op,
-                format!("label_smoothing must be in [0, 1], got {}", self.smoothing),
-            ));
-        }
-        let classes = rows.len;
-        // None for an ignored position, the class otherwise.
-        let targets: Vec<Option<usize>> = target
-            .to_vec_i64()
-            .into_iter()
-            .map(|t| {
-                if Some(t) == self.ignore_index {
-                    Ok(None)
-                } else if (0..classes as i64).contains(&t) {
-                    Ok(Some(t as usize))
-                } else {
-                    Err(Error::Index {
-                        op,
-                        index: t,
-                        size: classes,
-                    })
-                }
-            })
-            .collect::<Result<_>>()?;
-        let targets = Arc::new(targets);
-        let counted = targets.iter().filter(|t| t.is_some()).count();
-        let (reduction, from_logits, smoothing) =
-            (self.reduction, self.from_logits, self.smoothing);
-        let in_shape = input.shape().to_vec();
-        let dtype = fp32_op_dtype(input.dtype());
-        crate::with_compute!(dtype, C => {
-            let xv = input.values::<C>();
-            let lp = if from_logits {
-                rows.map([&xv[..]], |[x], y| log_softmax_row(x, y))
-            } else {
-                xv
-            };
-            // Per position: (1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c]); 0 where ignored. With ε = 0
-            // the smoothing sum is skipped (it may be -inf where the nll is finite).
-            let keep = C::from_f64(1.0 - smoothing);
-            let per_class = C::from_f64(smoothing / classes as f64);
-            let loss_at = |r: usize, buf: &mut Vec<C>| -> C {
-                let Some(t) = targets[r] else { return C::zero() };
-                let (start, step) = (rows.start(r), rows.inner);
-                let nll = -lp[start + t * step];
-                if smoothing == 0.0 {
-                    return nll;
-                }
-                buf.clear();
-                buf.extend((0..classes).map(|k| lp[start + k * step]));
-                keep * nll - per_class * sum_slice(buf)
-            };
-            let n = rows.count();
-            let losses: Vec<C> = if n * classes < PAR_THRESHOLD {
-                let mut buf = Vec::new();
-                (0..n).map(|r| loss_at(r, &mut buf)).collect()
-            } else {
-                (0..n).into_par_iter().map_init(Vec::new, |buf, r| loss_at(r, buf)).collect()
-            };
-            let (out, out_shape) = match reduction {
-                Reduction::None => (losses, target.shape().to_vec()),
-                Reduction::Sum => (vec![sum_slice(&losses)], vec![]),
-                // All targets ignored: 0/0 = NaN, as PyTorch.
-                Reduction::Mean => (vec![sum_slice(&losses) / C::from_f64(counted as f64)], vec![]),
-            };
-            let lp = Arc::new(if from_logits { lp } else { Vec::new() });
-            Ok(Tensor::from_compute(out, &out_shape, dtype, op, &[input, target], move |g| {
-                // d loss_r / d x[r, k] = scale_r · (p_k - q_k) for cross-entropy, -q_k for
-                // NLL (w.r.t. the log-probabilities), with q = (1-ε)·onehot(t) + ε/C.
-                let gv = g.values::<C>();
-                let scale = |r: usize| match reduction {
-                    Reduction::None => gv[r],
-                    Reduction::Sum => gv[0],
-                    Reduction::Mean => gv[0] / C::from_f64(counted as f64),
-                };
-                let block = rows.len * rows.inner;
-                let fill = |o: usize, gb: &mut [C]| {
-                    for i in 0..rows.inner {
-                        let r = o * rows.inner + i;
-                        let Some(t) = targets[r] else { continue };
-                        let s = scale(r);
-                        for k in 0..classes {
-                            let at = k * rows.inner + i;
-                            let p = if from_logits { lp[o * block + at].exp() } else { C::zero() };
-                            gb[at] = s * (p - per_class);
-                        }
-                        gb[t * rows.inner + i] -= s * keep;
-                    }
-                };
-                let mut gi = vec![C::zero(); rows.outer * block];
-                if gi.len() < PAR_THRESHOLD {
-                    gi.chunks_mut(block).enumerate().for_each(|(o, gb)| fill(o, gb));
-                } else {
-                    gi.par_chunks_mut(block).enumerate().for_each(|(o, gb)| fill(o, gb));
-                }
-                Ok(vec![Some(Tensor::from_values(gi, &in_shape, dtype)), None])
-            }))
-        })
+/// A class loss: validation, the forward primitive, and its fused backward.
+fn class_loss(loss: ClassLoss, input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    let op = loss.op;
+    let rows = class_rows(op, input, target)?;
+    if !(0.0..=1.0).contains(&loss.label_smoothing) {
+        return Err(Error::arg(
+            op,
+            format!(
+                "label_smoothing must be in [0, 1], got {}",
+                loss.label_smoothing
+            ),
+        ));
     }
+    let dtype = fp32_op_dtype(input.dtype());
+    let f = input.storage().class_loss(
+        input.layout(),
+        &target.storage(),
+        target.layout(),
+        rows,
+        loss,
+        dtype,
+    )?;
+    let out_shape = match loss.reduction {
+        Reduction::None => target.shape().to_vec(),
+        Reduction::Sum | Reduction::Mean => vec![],
+    };
+    let (log_probs, counted) = (f.log_probs.map(Arc::new), f.counted);
+    let saved = target.detach();
+    let in_shape = input.shape().to_vec();
+    Ok(Tensor::from_op(
+        Arc::new(f.loss),
+        Layout::contiguous(&out_shape),
+        op,
+        &[input, target],
+        move |g| {
+            let gi = g.storage().class_loss_backward(
+                g.layout(),
+                log_probs.as_deref(),
+                &saved.storage(),
+                saved.layout(),
+                rows,
+                loss,
+                counted,
+                dtype,
+            )?;
+            Ok(vec![
+                Some(Tensor::from_storage(
+                    Arc::new(gi),
+                    Layout::contiguous(&in_shape),
+                )),
+                None,
+            ])
+        },
+    ))
 }
 
 /// Cross-entropy between `logits` (`[N, C]`, `[N, C, d1, ...]`, or `[C]`) and class-index
@@ -338,14 +216,14 @@ pub fn cross_entropy(
     target: &Tensor,
     opts: CrossEntropyOptions,
 ) -> Result<Tensor> {
-    ClassLoss {
+    let loss = ClassLoss {
         op: "cross_entropy",
         from_logits: true,
         reduction: opts.reduction,
         ignore_index: opts.ignore_index,
-        smoothing: opts.label_smoothing,
-    }
-    .run(logits, target)
+        label_smoothing: opts.label_smoothing,
+    };
+    class_loss(loss, logits, target)
 }
 
 /// Negative log-likelihood of class-index `target` under `log_probs` (shapes as for
@@ -357,14 +235,14 @@ pub fn nll_loss(
     reduction: Reduction,
     ignore_index: Option<i64>,
 ) -> Result<Tensor> {
-    ClassLoss {
+    let loss = ClassLoss {
         op: "nll_loss",
         from_logits: false,
         reduction,
         ignore_index,
-        smoothing: 0.0,
-    }
-    .run(log_probs, target)
+        label_smoothing: 0.0,
+    };
+    class_loss(loss, log_probs, target)
 }
 
 // ----- MSE ---------------------------------------------------------------------------------
@@ -388,34 +266,30 @@ pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result
         ));
     }
     let shape = input.shape().to_vec();
-    let n = input.numel();
     let dtype = fp32_op_dtype(input.dtype().promote(target.dtype()));
-    crate::with_compute!(dtype, C => {
-        let diff = zip_map(&input.values::<C>(), &target.values::<C>(), |a, b| a - b);
-        let sq = map(&diff, |d| d * d);
-        let (out, out_shape) = match reduction {
-            Reduction::None => (sq, shape.clone()),
-            Reduction::Sum => (vec![sum_slice(&sq)], vec![]),
-            Reduction::Mean => (vec![sum_slice(&sq) / C::from_f64(n as f64)], vec![]),
-        };
-        let diff = Arc::new(diff);
-        Ok(Tensor::from_compute(out, &out_shape, dtype, op, &[input, target], move |g| {
-            // d/d input = 2 (input - target) · scale; d/d target is its negative.
-            let gv = g.values::<C>();
-            let two = C::from_f64(2.0);
-            let da: Vec<C> = match reduction {
-                Reduction::None => zip_map(&diff, &gv, |d, g| two * d * g),
-                Reduction::Sum => map(&diff, |d| two * d * gv[0]),
-                Reduction::Mean => {
-                    let s = two * gv[0] / C::from_f64(n as f64);
-                    map(&diff, |d| d * s)
-                }
-            };
-            let db = map(&da, |d| -d);
+    let (loss, diff) = input.storage().mse(
+        input.layout(),
+        &target.storage(),
+        target.layout(),
+        reduction,
+        dtype,
+    )?;
+    let out_shape = match reduction {
+        Reduction::None => shape.clone(),
+        Reduction::Sum | Reduction::Mean => vec![],
+    };
+    Ok(Tensor::from_op(
+        Arc::new(loss),
+        Layout::contiguous(&out_shape),
+        op,
+        &[input, target],
+        move |g| {
+            let (da, db) = diff.mse_backward(&g.storage(), g.layout(), reduction, dtype)?;
+            let layout = Layout::contiguous(&shape);
             Ok(vec![
-                Some(Tensor::from_values(da, &shape, dtype)),
-                Some(Tensor::from_values(db, &shape, dtype)),
+                Some(Tensor::from_storage(Arc::new(da), layout.clone())),
+                Some(Tensor::from_storage(Arc::new(db), layout)),
             ])
-        }))
-    })
+        },
+    ))
 }

@@ -1,33 +1,18 @@
 //! Reductions over dims: sum and mean here (max and var beside them), accumulated in the
-//! compute type (F32 for half inputs) with eight independent lanes, which vectorises and
-//! keeps the rounding error of long sums near that of pairwise summation.
+//! compute type (F32 for half inputs) by `ReduceOps::reduce` (on the CPU with eight
+//! independent lanes, which vectorises and keeps the rounding error of long sums near that
+//! of pairwise summation). The helpers here resolve the dims and lay the input out with the
+//! reduced dims last, the view the reduction primitives read.
 
-use rayon::prelude::*;
+use std::sync::Arc;
 
-#[allow(unused_imports)]
-use num_traits::{Float, One, Zero};
-
-use crate::dtype::WithDType as _;
+use crate::backend::reduce::ReduceOp;
 use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::{FloatDType, Tensor};
+use crate::tensor::{Layout, Tensor};
 
-/// Sum of a contiguous slice with eight accumulators.
-pub(crate) fn sum_slice<C: FloatDType>(x: &[C]) -> C {
-    let mut acc = [C::zero(); 8];
-    let chunks = x.chunks_exact(8);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            acc[i] += c[i];
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for &r in rem {
-        s += r;
-    }
-    s
-}
+/// Kept here for the op files that import it from this path (conv, norm, the conv blocks).
+pub(crate) use crate::cpu::reduce::sum_slice;
 
 /// Resolves and deduplicates a list of dims; an empty list means all dims.
 pub(crate) fn reduce_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
@@ -72,23 +57,6 @@ pub(crate) fn reduction_layout(x: &Tensor, dims: &[usize]) -> Result<(Tensor, us
     Ok((p, outer, inner))
 }
 
-/// `out[o] = f(values[o*inner .. (o+1)*inner])` in parallel over `o`.
-pub(crate) fn reduce_rows<C: FloatDType>(
-    v: &[C],
-    outer: usize,
-    inner: usize,
-    f: impl Fn(&[C]) -> C + Sync,
-) -> Vec<C> {
-    if inner == 0 {
-        return (0..outer).map(|_| f(&[])).collect();
-    }
-    if v.len() < super::elementwise::PAR_THRESHOLD {
-        v.chunks(inner).map(&f).collect()
-    } else {
-        v.par_chunks(inner).map(&f).collect()
-    }
-}
-
 impl Tensor {
     /// Sum over `dims` (all dims when empty); size-1 dims stay when `keepdim`.
     /// The output dtype is the input's; the sum is accumulated in F32 (F64 for F64).
@@ -124,17 +92,26 @@ impl Tensor {
         let keep_shape = reduced_shape(self.shape(), &dims, true);
         let (p, outer, inner) = reduction_layout(self, &dims)?;
         let in_shape = self.shape().to_vec();
-        let dtype = self.dtype();
-        crate::with_compute!(dtype, C => {
-            let scale = if mean { C::one() / C::from_f64(inner as f64) } else { C::one() };
-            let out = p.with_values::<C, _>(|v| reduce_rows(v, outer, inner, |r| sum_slice(r) * scale));
-            Ok(Tensor::from_compute(out, &out_shape, dtype, op, &[self], move |g| {
+        let rop = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
+        let out = p
+            .storage()
+            .reduce(p.layout(), outer, inner, rop, self.dtype())?;
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(&out_shape),
+            op,
+            &[self],
+            move |g| {
                 // Each input element receives its output's gradient (times 1/n for mean).
                 let g = g.reshape(&keep_shape)?.broadcast_to(&in_shape)?;
-                let g = if mean { g.mul_scalar(1.0 / inner as f64)? } else { g.contiguous()? };
+                let g = if mean {
+                    g.mul_scalar(1.0 / inner as f64)?
+                } else {
+                    g.contiguous()?
+                };
                 Ok(vec![Some(g)])
-            }))
-        })
+            },
+        ))
     }
 
     /// Sums this tensor down to `shape`, the inverse of broadcasting `shape` up to

@@ -1,0 +1,179 @@
+//! Loss primitives: the class losses (cross-entropy from logits, NLL from log-probabilities)
+//! and MSE, forward and fused backward. Every exp, log and sum runs in the compute type
+//! (F32, F64 for F64) and the outputs are of that type.
+
+use super::reduce::Rows;
+use super::BackendStorage;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::storage::{dispatch2, wrap};
+use crate::tensor::{Layout, Storage};
+
+/// How a loss combines its per-element values (PyTorch's `reduction=`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// The mean: over all elements, or over the non-ignored targets for class losses.
+    #[default]
+    Mean,
+    /// The sum.
+    Sum,
+    /// No reduction: one loss per element (per target for class losses; ignored targets
+    /// get 0).
+    None,
+}
+
+/// A class loss: what it reads and how it treats its targets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClassLoss {
+    /// The op's name, for errors.
+    pub op: &'static str,
+    /// Logits (cross-entropy: log-softmax first) or log-probabilities (NLL).
+    pub from_logits: bool,
+    pub reduction: Reduction,
+    /// Targets equal to this add nothing to the loss nor to the mean's count.
+    pub ignore_index: Option<i64>,
+    /// ε in `[0, 1]`: the target distribution is `(1-ε)·onehot + ε/C`.
+    pub label_smoothing: f64,
+}
+
+/// What the forward of a class loss returns.
+#[derive(Clone, Debug)]
+pub struct ClassLossForward<S> {
+    /// The loss: one per target for `Reduction::None` (0 at ignored targets), else one
+    /// element.
+    pub loss: S,
+    /// The log-softmax of the logits (contiguous, the input's shape) when `from_logits`,
+    /// kept for the backward.
+    pub log_probs: Option<S>,
+    /// The number of non-ignored targets (the mean's divisor).
+    pub counted: usize,
+}
+
+pub trait LossOps: BackendStorage {
+    /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
+    /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):
+    /// per row `(1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c])` (the smoothing sum skipped for ε = 0),
+    /// 0 for ignored targets, then reduced. In the compute type of `out` (F32 or F64),
+    /// outputs in `out`. The caller checked shapes, dtypes, `rows.len > 0` and ε; a target
+    /// that is neither a class in `0..rows.len` nor the ignore index is `Error::Index`.
+    #[allow(clippy::too_many_arguments)]
+    fn class_loss(
+        &self,
+        layout: &Layout,
+        target: &Self,
+        lt: &Layout,
+        rows: Rows,
+        loss: ClassLoss,
+        out: DType,
+    ) -> Result<ClassLossForward<Self>>;
+
+    /// The gradient of `class_loss` w.r.t. its input with `self = g` (the loss's
+    /// gradient): per row `scale · (p - q)` for cross-entropy (`p = exp(log_probs)`, which
+    /// the forward returned) and `-scale · q` for NLL (`log_probs` is `None`), with
+    /// `q = (1-ε)·onehot(t) + ε/C` and `scale` the row's gradient (`/ counted` for the
+    /// mean); 0 for ignored rows. Contiguous in the input's shape, in `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn class_loss_backward(
+        &self,
+        lg: &Layout,
+        log_probs: Option<&Self>,
+        target: &Self,
+        lt: &Layout,
+        rows: Rows,
+        loss: ClassLoss,
+        counted: usize,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Mean squared error of `self` (input) and `target` (layouts of the same shape):
+    /// returns the loss (`(a - b)²` per element for `Reduction::None`, else its sum or mean
+    /// in one element) and the difference `a - b` for the backward, both contiguous in `out`
+    /// (F32 or F64, the compute type).
+    fn mse(
+        &self,
+        la: &Layout,
+        target: &Self,
+        lb: &Layout,
+        reduction: Reduction,
+        out: DType,
+    ) -> Result<(Self, Self)>;
+
+    /// The gradients of `mse` with `self` the difference it returned (contiguous) and `g`
+    /// the loss's gradient: `(2·diff·scale, -2·diff·scale)`, contiguous in `out`.
+    fn mse_backward(
+        &self,
+        g: &Self,
+        lg: &Layout,
+        reduction: Reduction,
+        out: DType,
+    ) -> Result<(Self, Self)>;
+}
+
+impl Storage {
+    /// `LossOps::class_loss` with `self` the input; `target` on the same device.
+    pub fn class_loss(
+        &self,
+        layout: &Layout,
+        target: &Storage,
+        lt: &Layout,
+        rows: Rows,
+        loss: ClassLoss,
+        out: DType,
+    ) -> Result<ClassLossForward<Storage>> {
+        let f = dispatch2!(loss.op, self, target, x, t => x.class_loss(layout, t, lt, rows, loss, out)?);
+        Ok(ClassLossForward {
+            loss: wrap!(self, f.loss),
+            log_probs: f.log_probs.map(|s| wrap!(self, s)),
+            counted: f.counted,
+        })
+    }
+
+    /// `LossOps::class_loss_backward` with `self = g`; all on the same device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn class_loss_backward(
+        &self,
+        lg: &Layout,
+        log_probs: Option<&Storage>,
+        target: &Storage,
+        lt: &Layout,
+        rows: Rows,
+        loss: ClassLoss,
+        counted: usize,
+        out: DType,
+    ) -> Result<Storage> {
+        let lp = log_probs.unwrap_or(self);
+        Ok(
+            dispatch2!(loss.op, self, lp, g, lp => dispatch2!(loss.op, self, target, _g, t => {
+                let lp = log_probs.is_some().then_some(lp);
+                wrap!(self, g.class_loss_backward(lg, lp, t, lt, rows, loss, counted, out)?)
+            })),
+        )
+    }
+
+    /// `LossOps::mse`: (loss, difference); `target` on the same device.
+    pub fn mse(
+        &self,
+        la: &Layout,
+        target: &Storage,
+        lb: &Layout,
+        reduction: Reduction,
+        out: DType,
+    ) -> Result<(Storage, Storage)> {
+        let (l, d) =
+            dispatch2!("mse_loss", self, target, a, b => a.mse(la, b, lb, reduction, out)?);
+        Ok((wrap!(self, l), wrap!(self, d)))
+    }
+
+    /// `LossOps::mse_backward` with `self` the difference; `g` on the same device.
+    pub fn mse_backward(
+        &self,
+        g: &Storage,
+        lg: &Layout,
+        reduction: Reduction,
+        out: DType,
+    ) -> Result<(Storage, Storage)> {
+        let (a, b) =
+            dispatch2!("mse_loss", self, g, d, gs => d.mse_backward(gs, lg, reduction, out)?);
+        Ok((wrap!(self, a), wrap!(self, b)))
+    }
+}

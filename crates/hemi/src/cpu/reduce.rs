@@ -1,0 +1,516 @@
+//! The CPU's reductions: eight-lane sums (which vectorise and keep the rounding error of
+//! long sums near that of pairwise summation), extrema with their indices, the shifted
+//! two-pass variance, and softmax rows. Rows are split over the thread pool above
+//! `PAR_THRESHOLD` elements; each row is reduced by one thread in a fixed order, so results
+//! do not depend on the thread count.
+
+#[allow(unused_imports)]
+use num_traits::{Float, One, Zero};
+use rayon::prelude::*;
+
+use super::map::PAR_THRESHOLD;
+use super::storage::CpuStorage;
+use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
+use crate::dtype::{DType, FloatDType, WithDType as _};
+use crate::error::Result;
+use crate::tensor::Layout;
+
+/// Sum of a contiguous slice with eight accumulators.
+pub(crate) fn sum_slice<C: FloatDType>(x: &[C]) -> C {
+    let mut acc = [C::zero(); 8];
+    let chunks = x.chunks_exact(8);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &r in rem {
+        s += r;
+    }
+    s
+}
+
+/// `out[o] = f(values[o*inner .. (o+1)*inner])` in parallel over `o`.
+pub(crate) fn reduce_rows<C: FloatDType>(
+    v: &[C],
+    outer: usize,
+    inner: usize,
+    f: impl Fn(&[C]) -> C + Sync,
+) -> Vec<C> {
+    if inner == 0 {
+        return (0..outer).map(|_| f(&[])).collect();
+    }
+    if v.len() < PAR_THRESHOLD {
+        v.chunks(inner).map(&f).collect()
+    } else {
+        v.par_chunks(inner).map(&f).collect()
+    }
+}
+
+impl Rows {
+    /// `f(row)` for every row, in row order; a row is a contiguous slice when `inner == 1`
+    /// and is gathered into a buffer otherwise.
+    pub(crate) fn reduce<C: FloatDType, R: Copy + Default + Send>(
+        &self,
+        x: &[C],
+        f: impl Fn(&[C]) -> R + Sync,
+    ) -> Vec<R> {
+        let mut out = vec![R::default(); self.count()];
+        if out.is_empty() {
+            return out;
+        }
+        if self.len == 0 {
+            out.iter_mut().for_each(|o| *o = f(&[]));
+            return out;
+        }
+        let block = self.len * self.inner;
+        let body = |ob: &mut [R], xb: &[C]| {
+            if self.inner == 1 {
+                ob[0] = f(xb);
+                return;
+            }
+            let mut buf = vec![C::zero(); self.len];
+            for (i, o) in ob.iter_mut().enumerate() {
+                for (k, b) in buf.iter_mut().enumerate() {
+                    *b = xb[k * self.inner + i];
+                }
+                *o = f(&buf);
+            }
+        };
+        if x.len() < PAR_THRESHOLD {
+            out.chunks_mut(self.inner)
+                .zip(x.chunks(block))
+                .for_each(|(o, xb)| body(o, xb));
+        } else {
+            out.par_chunks_mut(self.inner)
+                .zip(x.par_chunks(block))
+                .for_each(|(o, xb)| body(o, xb));
+        }
+        out
+    }
+
+    /// `f(input rows, output row)` for every row: `K` inputs laid out like the tensor give
+    /// one output laid out the same way.
+    pub(crate) fn map<C: FloatDType, const K: usize>(
+        &self,
+        ins: [&[C]; K],
+        f: impl Fn([&[C]; K], &mut [C]) + Sync,
+    ) -> Vec<C> {
+        let n = self.count() * self.len;
+        debug_assert!(ins.iter().all(|x| x.len() == n));
+        let mut out = vec![C::zero(); n];
+        if n == 0 {
+            return out;
+        }
+        let block = self.len * self.inner;
+        let body = |b: usize, ob: &mut [C]| {
+            let base = b * block;
+            if self.inner == 1 {
+                f(ins.map(|x| &x[base..base + block]), ob);
+                return;
+            }
+            let mut bufs: [Vec<C>; K] = std::array::from_fn(|_| vec![C::zero(); self.len]);
+            let mut row = vec![C::zero(); self.len];
+            for i in 0..self.inner {
+                for (buf, x) in bufs.iter_mut().zip(&ins) {
+                    for (k, v) in buf.iter_mut().enumerate() {
+                        *v = x[base + k * self.inner + i];
+                    }
+                }
+                f(std::array::from_fn(|j| &bufs[j][..]), &mut row);
+                for (k, &v) in row.iter().enumerate() {
+                    ob[k * self.inner + i] = v;
+                }
+            }
+        };
+        if n < PAR_THRESHOLD {
+            out.chunks_mut(block)
+                .enumerate()
+                .for_each(|(b, ob)| body(b, ob));
+        } else {
+            out.par_chunks_mut(block)
+                .enumerate()
+                .for_each(|(b, ob)| body(b, ob));
+        }
+        out
+    }
+}
+
+/// The extreme (`Max`, or `Min` for any other op) of a non-empty row and the first index
+/// where it occurs; a NaN wins over every number (the first NaN).
+fn find<C: FloatDType>(op: ReduceOp, r: &[C]) -> (C, usize) {
+    let max = op == ReduceOp::Max;
+    let (mut best, mut at) = (r[0], 0);
+    for (k, &v) in r.iter().enumerate().skip(1) {
+        if best.is_nan() {
+            break;
+        }
+        let better = if max { v > best } else { v < best };
+        if better || v.is_nan() {
+            (best, at) = (v, k);
+        }
+    }
+    (best, at)
+}
+
+/// The largest value of a row (NaN if any is NaN; -inf for an empty row), for softmax.
+pub(crate) fn row_max<C: FloatDType>(r: &[C]) -> C {
+    if r.is_empty() {
+        return C::neg_infinity();
+    }
+    find(ReduceOp::Max, r).0
+}
+
+/// Mean and sum of squared deviations of a row, in the compute type. The data are first
+/// shifted by the row's first element, so the mean is found from small differences rather
+/// than from a large running sum (1000 + noise in F32 keeps its noise); the second pass then
+/// sums squared deviations from that mean, minus the corrected two-pass term
+/// `(Σd)²/n` that cancels what is left of the mean's rounding error.
+fn centered<C: FloatDType>(r: &[C]) -> (C, C) {
+    if r.is_empty() {
+        return (C::nan(), C::zero());
+    }
+    let n = C::from_f64(r.len() as f64);
+    let shift = r[0];
+    let mut lanes = [C::zero(); 8];
+    for (k, &x) in r.iter().enumerate() {
+        lanes[k % 8] += x - shift;
+    }
+    let mean = shift + sum_slice(&lanes) / n;
+    let (mut s, mut ss) = ([C::zero(); 8], [C::zero(); 8]);
+    for (k, &x) in r.iter().enumerate() {
+        let d = x - mean;
+        s[k % 8] += d;
+        ss[k % 8] += d * d;
+    }
+    let s = sum_slice(&s);
+    (mean, sum_slice(&ss) - s * s / n)
+}
+
+/// `y = exp(x - max) / Σ exp(x - max)`: subtracting the max keeps every exponent <= 0.
+pub(crate) fn softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
+    let m = row_max(x);
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = (x - m).exp();
+    }
+    let inv = C::one() / sum_slice(y);
+    y.iter_mut().for_each(|y| *y *= inv);
+}
+
+/// `dx = y ⊙ (g - Σ g⊙y)`.
+fn softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
+    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
+        *d = g * y;
+    }
+    let dot = sum_slice(dx);
+    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
+        *d = y * (g - dot);
+    }
+}
+
+/// `y = (x - max) - ln Σ exp(x - max)`: finite for logits far apart (1e4 and -1e4).
+pub(crate) fn log_softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
+    let m = row_max(x);
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = (x - m).exp();
+    }
+    let lse = sum_slice(y).ln();
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = (x - m) - lse;
+    }
+}
+
+/// `dx = g - exp(y) · Σ g`.
+fn log_softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
+    let sg = sum_slice(g);
+    for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
+        *d = g - y.exp() * sg;
+    }
+}
+
+impl ReduceOps for CpuStorage {
+    fn reduce(
+        &self,
+        layout: &Layout,
+        outer: usize,
+        inner: usize,
+        op: ReduceOp,
+        out: DType,
+    ) -> Result<Self> {
+        Ok(crate::with_compute!(out, C => {
+            let v = self.load::<C>(layout);
+            let y = match op {
+                ReduceOp::Sum | ReduceOp::Mean => {
+                    let scale = if op == ReduceOp::Mean {
+                        C::one() / C::from_f64(inner as f64)
+                    } else {
+                        C::one()
+                    };
+                    reduce_rows(&v, outer, inner, |r| sum_slice(r) * scale)
+                }
+                ReduceOp::Max | ReduceOp::Min => reduce_rows(&v, outer, inner, |r| find(op, r).0),
+                ReduceOp::Var { correction } => {
+                    let divisor = C::from_f64(inner.saturating_sub(correction) as f64);
+                    reduce_rows(&v, outer, inner, |r| centered(r).1 / divisor)
+                }
+            };
+            CpuStorage::store::<C>(y, out)
+        }))
+    }
+
+    fn extreme_backward(
+        &self,
+        layout: &Layout,
+        m: &Self,
+        lm: &Layout,
+        g: &Self,
+        lg: &Layout,
+        outer: usize,
+        inner: usize,
+        out: DType,
+    ) -> Result<Self> {
+        Ok(crate::with_compute!(out, D => {
+            let (xv, mv, gv) = (self.load::<D>(layout), m.load::<D>(lm), g.load::<D>(lg));
+            let mut gi = vec![D::zero(); outer * inner];
+            if inner > 0 {
+                // Both are exact values of the input dtype, so `==` finds the winners; the
+                // count of ties is exact in any order.
+                let hit = |x: D, m: D| x == m || (x.is_nan() && m.is_nan());
+                for ((gr, r), (&m, &g)) in gi
+                    .chunks_mut(inner)
+                    .zip(xv.chunks(inner))
+                    .zip(mv.iter().zip(gv.iter()))
+                {
+                    let ties = r.iter().filter(|&&x| hit(x, m)).count();
+                    let t = D::from_f64(ties as f64);
+                    for (d, &x) in gr.iter_mut().zip(r) {
+                        *d = if hit(x, m) { g / t } else { D::zero() };
+                    }
+                }
+            }
+            CpuStorage::store::<D>(gi, out)
+        }))
+    }
+
+    fn var_backward(
+        &self,
+        layout: &Layout,
+        g: &Self,
+        lg: &Layout,
+        outer: usize,
+        inner: usize,
+        correction: usize,
+        out: DType,
+    ) -> Result<Self> {
+        let divisor = inner.saturating_sub(correction) as f64;
+        Ok(crate::with_compute!(out, C => {
+            // d var / d x_i = 2 (x_i - mean) / divisor (the mean's own dependence on x_i
+            // sums to zero).
+            let (xv, gv) = (self.load::<C>(layout), g.load::<C>(lg));
+            let two = C::from_f64(2.0) / C::from_f64(divisor);
+            let mut gi = vec![C::zero(); outer * inner];
+            if inner > 0 {
+                gi.chunks_mut(inner)
+                    .zip(xv.chunks(inner))
+                    .zip(gv.iter())
+                    .for_each(|((o, r), &g)| {
+                        let mean = centered(r).0;
+                        for (o, &x) in o.iter_mut().zip(r) {
+                            *o = g * two * (x - mean);
+                        }
+                    });
+            }
+            CpuStorage::store::<C>(gi, out)
+        }))
+    }
+
+    fn extreme_dim(
+        &self,
+        layout: &Layout,
+        rows: Rows,
+        op: ReduceOp,
+        out: DType,
+    ) -> Result<(Self, Self)> {
+        Ok(crate::with_compute!(out, C => {
+            let found: Vec<(C, usize)> = rows.reduce(&self.load::<C>(layout), |r| find(op, r));
+            let index: Vec<i64> = found.iter().map(|&(_, k)| k as i64).collect();
+            let values: Vec<C> = found.iter().map(|&(v, _)| v).collect();
+            (CpuStorage::store::<C>(values, out), CpuStorage::from_vec(index))
+        }))
+    }
+
+    fn extreme_dim_backward(
+        &self,
+        lg: &Layout,
+        index: &Self,
+        li: &Layout,
+        rows: Rows,
+        out: DType,
+    ) -> Result<Self> {
+        let at = index.to_i64(li);
+        Ok(crate::with_compute!(out, D => {
+            // The whole gradient goes to the element each output came from.
+            let gv = self.load::<D>(lg);
+            let mut gi = vec![D::zero(); rows.count() * rows.len];
+            for (r, (&k, &g)) in at.iter().zip(gv.iter()).enumerate() {
+                gi[rows.start(r) + k as usize * rows.inner] = g;
+            }
+            CpuStorage::store::<D>(gi, out)
+        }))
+    }
+
+    fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self> {
+        Ok(crate::with_compute!(out, C => {
+            let xv = self.load::<C>(layout);
+            let y = rows.map([&xv[..]], |[x], y| {
+                if log {
+                    log_softmax_row(x, y)
+                } else {
+                    softmax_row(x, y)
+                }
+            });
+            CpuStorage::store::<C>(y, out)
+        }))
+    }
+
+    fn softmax_backward(
+        &self,
+        lg: &Layout,
+        y: &Self,
+        ly: &Layout,
+        rows: Rows,
+        log: bool,
+        out: DType,
+    ) -> Result<Self> {
+        Ok(crate::with_compute!(out, C => {
+            let (gv, yv) = (self.load::<C>(lg), y.load::<C>(ly));
+            let dx = rows.map([&gv[..], &yv[..]], |[g, y], dx| {
+                if log {
+                    log_softmax_backward_row(g, y, dx)
+                } else {
+                    softmax_backward_row(g, y, dx)
+                }
+            });
+            CpuStorage::store::<C>(dx, out)
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Paths the op tests do not reach: permuted (non-contiguous) layouts straight into the
+    //! primitives, against f64 references.
+    use super::*;
+    use half::f16;
+
+    /// A [2, 3, 4] buffer of small distinct values (exact in F16) and the layout that
+    /// moves dim 1 last (reduce over dim 1: outer 8, inner 3).
+    fn permuted() -> (Vec<f64>, CpuStorage, Layout) {
+        let x: Vec<f64> = (0..24)
+            .map(|i| ((i * 7) % 24) as f64 * 0.25 - 2.0)
+            .collect();
+        let s = CpuStorage::from_vec(x.iter().map(|&v| f16::from_f64(v)).collect::<Vec<_>>());
+        (x, s, Layout::new(vec![2, 4, 3], vec![12, 1, 4], 0))
+    }
+
+    fn row(x: &[f64], o: usize) -> Vec<f64> {
+        let (a, c) = (o / 4, o % 4);
+        (0..3).map(|b| x[a * 12 + b * 4 + c]).collect()
+    }
+
+    #[test]
+    fn reduce_reads_a_permuted_half_layout() {
+        let (x, s, l) = permuted();
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Mean,
+            ReduceOp::Max,
+            ReduceOp::Min,
+            ReduceOp::Var { correction: 1 },
+        ] {
+            let got = s.reduce(&l, 8, 3, op, DType::F32).unwrap();
+            let got = got.as_slice::<f32>().unwrap();
+            for (o, &v) in got.iter().enumerate() {
+                let r = row(&x, o);
+                let mean = r.iter().sum::<f64>() / 3.0;
+                let want = match op {
+                    ReduceOp::Sum => r.iter().sum(),
+                    ReduceOp::Mean => mean,
+                    ReduceOp::Max => r.iter().cloned().fold(f64::MIN, f64::max),
+                    ReduceOp::Min => r.iter().cloned().fold(f64::MAX, f64::min),
+                    ReduceOp::Var { .. } => r.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 2.0,
+                };
+                assert!(
+                    (v as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{op:?} row {o}: {v} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn extreme_backward_splits_ties_in_a_permuted_layout() {
+        // Rows of 3 along dim 1 of [2, 3, 2]; row (0, 0) holds a tie.
+        let x = [
+            1.0f32, 5.0, 3.0, 2.0, 3.0, 0.0, 4.0, 4.0, 4.0, 1.0, 9.0, 2.0,
+        ];
+        let s = CpuStorage::from_vec(x.to_vec());
+        let l = Layout::new(vec![2, 2, 3], vec![6, 1, 2], 0);
+        let m = s.reduce(&l, 4, 3, ReduceOp::Max, DType::F32).unwrap();
+        assert_eq!(m.as_slice::<f32>().unwrap(), &[3.0, 5.0, 9.0, 4.0]);
+        let g = CpuStorage::from_vec(vec![1.0f32, 2.0, 3.0, 4.0]);
+        let c = Layout::contiguous(&[4]);
+        let gi = s
+            .extreme_backward(&l, &m, &c, &g, &c, 4, 3, DType::F32)
+            .unwrap();
+        // Row-major in the permuted order: rows (x[0], x[2], x[4]) = (1, 3, 3) share 1.
+        let want = [0.0, 0.5, 0.5, 2.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0, 0.0, 0.0];
+        assert_eq!(gi.as_slice::<f32>().unwrap(), &want);
+    }
+
+    #[test]
+    fn extreme_dim_and_softmax_with_inner_rows() {
+        let (x, s, _) = permuted();
+        // Along dim 1 of [2, 3, 4]: outer 2, len 3, inner 4, read through the contiguous
+        // layout.
+        let rows = Rows {
+            outer: 2,
+            len: 3,
+            inner: 4,
+        };
+        let l = Layout::contiguous(&[2, 3, 4]);
+        let (v, i) = s.extreme_dim(&l, rows, ReduceOp::Min, DType::F32).unwrap();
+        let (v, i) = (v.as_slice::<f32>().unwrap(), i.as_slice::<i64>().unwrap());
+        for r in 0..8 {
+            let want = row(&x, r);
+            let k = (0..3)
+                .min_by(|&a, &b| want[a].partial_cmp(&want[b]).unwrap())
+                .unwrap();
+            assert_eq!((v[r] as f64, i[r] as usize), (want[k], k), "row {r}");
+        }
+        let g = CpuStorage::from_vec((1..=8).map(|v| v as f32).collect::<Vec<_>>());
+        let c = Layout::contiguous(&[8]);
+        let idx = CpuStorage::from_vec(i.to_vec());
+        let gi = g
+            .extreme_dim_backward(&c, &idx, &c, rows, DType::F32)
+            .unwrap();
+        let gi = gi.as_slice::<f32>().unwrap();
+        for r in 0..8 {
+            assert_eq!(gi[rows.start(r) + i[r] as usize * 4], (r + 1) as f32);
+        }
+        assert_eq!(gi.iter().filter(|&&v| v != 0.0).count(), 8);
+
+        let y = s.softmax(&l, rows, false, DType::F64).unwrap();
+        let y = y.as_slice::<f64>().unwrap();
+        for r in 0..8 {
+            let xr = row(&x, r);
+            let z: f64 = xr.iter().map(|v| v.exp()).sum();
+            for k in 0..3 {
+                let got = y[rows.start(r) + k * 4];
+                assert!((got - xr[k].exp() / z).abs() < 1e-12, "row {r} class {k}");
+            }
+        }
+    }
+}
