@@ -241,6 +241,12 @@ impl<S> Grads<S> {
 /// An optional input of a primitive: its buffer and layout.
 pub type Opt<'a, S> = Option<(&'a S, &'a Layout)>;
 
+/// Batch norm's running (mean, var), each a buffer and its layout.
+pub type Running<'a, S> = Option<((&'a S, &'a Layout), (&'a S, &'a Layout))>;
+
+/// The dtypes of a norm's gradients (input, weight, bias); `None`: not wanted.
+pub type GradDTypes = (Option<DType>, Option<DType>, Option<DType>);
+
 pub trait NnOps: BackendStorage {
     /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
     /// batch dims that broadcast (checked by the caller), `bias` [n] added to every row
@@ -381,7 +387,7 @@ pub trait NnOps: BackendStorage {
         g: BatchNormGeom,
         weight: Opt<'_, Self>,
         bias: Opt<'_, Self>,
-        running: Option<((&Self, &Layout), (&Self, &Layout))>,
+        running: Running<'_, Self>,
         training: bool,
         momentum: f64,
         eps: f64,
@@ -402,7 +408,7 @@ pub trait NnOps: BackendStorage {
         invstd: &Self,
         weight: Opt<'_, Self>,
         training: bool,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Self>>;
 
     /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
@@ -430,7 +436,7 @@ pub trait NnOps: BackendStorage {
         mean: &Self,
         rstd: &Self,
         weight: Opt<'_, Self>,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Self>>;
 }
 
@@ -642,7 +648,7 @@ impl Storage {
         g: BatchNormGeom,
         weight: Option<(&Storage, &Layout)>,
         bias: Option<(&Storage, &Layout)>,
-        running: Option<((&Storage, &Layout), (&Storage, &Layout))>,
+        running: Running<'_, Storage>,
         training: bool,
         momentum: f64,
         eps: f64,
@@ -676,7 +682,7 @@ impl Storage {
         invstd: &Storage,
         weight: Option<(&Storage, &Layout)>,
         training: bool,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Storage>> {
         const OP: &str = "batch_norm_backward";
         Ok(dispatch!(self, s => {
@@ -719,7 +725,7 @@ impl Storage {
         mean: &Storage,
         rstd: &Storage,
         weight: Option<(&Storage, &Layout)>,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Storage>> {
         const OP: &str = "layer_norm_backward";
         Ok(dispatch!(self, s => {

@@ -170,7 +170,15 @@ pub(crate) fn matmul<C: FloatDType>(
         return out;
     }
     with_operand!(a, la, C, |oa| with_operand!(b, lb, C, |ob| {
-        batched(&mut out, &oa, la.shape(), &ob, lb.shape(), batch, bias.is_some())
+        batched(
+            &mut out,
+            &oa,
+            la.shape(),
+            &ob,
+            lb.shape(),
+            batch,
+            bias.is_some(),
+        )
     }));
     out
 }

@@ -7,8 +7,8 @@ use num_traits::One;
 
 use super::storage::CpuStorage;
 use crate::backend::nn::{
-    AdaptivePool2dGeom, BatchNorm, BatchNormGeom, Conv2dGeom, Grads, Indices, LayerNorm, MaxPool2d,
-    NnOps, Opt, Pool2dGeom,
+    AdaptivePool2dGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices,
+    LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
 };
 use crate::cpu::{chunked, conv, conv_block, matmul, norm, pool};
 use crate::dtype::{DType, FloatDType, WithDType};
@@ -73,7 +73,7 @@ fn update_running<B: WithDType>(
 /// The gradients of a norm rounded into the dtypes asked for (`None`: not wanted).
 fn norm_grads<C: FloatDType>(
     (dx, dw, db): (Option<Vec<C>>, Vec<C>, Vec<C>),
-    (dx_dt, dw_dt, db_dt): (Option<DType>, Option<DType>, Option<DType>),
+    (dx_dt, dw_dt, db_dt): GradDTypes,
 ) -> Grads<CpuStorage> {
     Grads {
         dx: dx.zip(dx_dt).map(|(v, dt)| CpuStorage::store::<C>(v, dt)),
@@ -383,7 +383,7 @@ impl NnOps for CpuStorage {
         g: BatchNormGeom,
         weight: Opt<'_, Self>,
         bias: Opt<'_, Self>,
-        running: Option<((&Self, &Layout), (&Self, &Layout))>,
+        running: Running<'_, Self>,
         training: bool,
         momentum: f64,
         eps: f64,
@@ -433,7 +433,7 @@ impl NnOps for CpuStorage {
         invstd: &Self,
         weight: Opt<'_, Self>,
         training: bool,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Self>> {
         Ok(crate::with_compute!(x.dtype(), C => {
             let (gv, xv) = (self.load::<C>(ldy), x.load::<C>(lx));
@@ -483,7 +483,7 @@ impl NnOps for CpuStorage {
         mean: &Self,
         rstd: &Self,
         weight: Opt<'_, Self>,
-        dtypes: (Option<DType>, Option<DType>, Option<DType>),
+        dtypes: GradDTypes,
     ) -> Result<Grads<Self>> {
         Ok(crate::with_compute!(x.dtype(), C => {
             let (gv, xv) = (self.load::<C>(ldy), x.load::<C>(lx));
