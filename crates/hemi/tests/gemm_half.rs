@@ -5,7 +5,8 @@
 
 use half::{bf16, f16};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
-use hemi::cpu::gemm_half::{gemm, gemm_with, kernel_name, select_kernel, HalfMat, Kernel, Operand};
+use hemi::cpu::gemm_half::{gemm, gemm_with, kernel_name, select_kernel, Kernel};
+use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -86,22 +87,42 @@ impl Mat {
         }
     }
 
-    fn view(&self) -> HalfMat<'_> {
-        let data = match &self.store {
-            Store::F32(v) => Operand::F32(v),
-            Store::F16(v) => Operand::F16(v),
-            Store::BF16(v) => Operand::BF16(v),
-        };
+    /// The view of `data` (this operand's stored values) with this operand's layout.
+    fn view<'a, T>(&self, data: &'a [T]) -> MatRef<'a, T> {
         match self.layout {
             // Through the API's own transpose.
-            Layout::Transposed => HalfMat::row_major(data, self.cols, self.rows).t(),
-            _ => HalfMat {
+            Layout::Transposed => MatRef::row_major(data, self.cols, self.rows).t(),
+            _ => MatRef {
                 data,
                 rows: self.rows,
                 cols: self.cols,
                 rs: self.rs,
                 cs: self.cs,
             },
+        }
+    }
+
+    /// `gemm_with` on `self` · `b`, each operand as stored.
+    fn gemm_with(&self, b: &Self, kernel: Kernel, dst: &mut [f32], acc: bool, par: bool) {
+        match &self.store {
+            Store::F32(v) => b.gemm_rhs(self.view(v), kernel, dst, acc, par),
+            Store::F16(v) => b.gemm_rhs(self.view(v), kernel, dst, acc, par),
+            Store::BF16(v) => b.gemm_rhs(self.view(v), kernel, dst, acc, par),
+        }
+    }
+
+    fn gemm_rhs<A: WithDType>(
+        &self,
+        a: MatRef<'_, A>,
+        kernel: Kernel,
+        dst: &mut [f32],
+        acc: bool,
+        par: bool,
+    ) {
+        match &self.store {
+            Store::F32(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
+            Store::F16(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
+            Store::BF16(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
         }
     }
 
@@ -147,14 +168,7 @@ fn check(kernel: Kernel, case: Case, rng: &mut Generator) -> Vec<f32> {
         })
         .collect();
     let mut got = c0.clone();
-    gemm_with(
-        kernel,
-        &mut got,
-        a.view(),
-        b.view(),
-        case.accumulate,
-        case.parallel,
-    );
+    a.gemm_with(&b, kernel, &mut got, case.accumulate, case.parallel);
 
     let want = matmul_reference(a.exact_view(), b.exact_view());
     // Σ_p |a_ip|·|b_pj|: the same product on absolute values (NaN gaps stay outside views).
@@ -389,8 +403,8 @@ fn empty_and_zero_k() {
     // k = 0: the product is zero; overwrite clears dst, accumulate leaves it.
     let mut dst = vec![5.0f32; 4];
     let (a0, b0) = (
-        HalfMat::row_major(&a[..0], 2, 0),
-        HalfMat::row_major(&a[..0], 0, 2),
+        MatRef::row_major(&a[..0], 2, 0),
+        MatRef::row_major(&a[..0], 0, 2),
     );
     gemm(&mut dst, a0, b0, true, true);
     assert_eq!(dst, [5.0; 4]);
@@ -400,15 +414,15 @@ fn empty_and_zero_k() {
     let mut none: Vec<f32> = vec![];
     gemm(
         &mut none,
-        HalfMat::row_major(&a[..0], 0, 3),
-        HalfMat::row_major(&a[..], 3, 2),
+        MatRef::row_major(&a[..0], 0, 3),
+        MatRef::row_major(&a[..], 3, 2),
         false,
         true,
     );
     gemm(
         &mut none,
-        HalfMat::row_major(&a[..], 2, 3),
-        HalfMat::row_major(&a[..0], 3, 0),
+        MatRef::row_major(&a[..], 2, 3),
+        MatRef::row_major(&a[..0], 3, 0),
         false,
         true,
     );
@@ -419,20 +433,14 @@ fn empty_and_zero_k() {
 fn view_out_of_bounds_panics() {
     let a = [1.0f32; 6];
     let mut dst = [0.0f32; 4];
-    let bad = HalfMat {
-        data: Operand::F32(&a),
+    let bad = MatRef {
+        data: &a[..],
         rows: 2,
         cols: 3,
         rs: 4,
         cs: 1,
     };
-    gemm(
-        &mut dst,
-        bad,
-        HalfMat::row_major(&a[..], 3, 2),
-        false,
-        false,
-    );
+    gemm(&mut dst, bad, MatRef::row_major(&a[..], 3, 2), false, false);
 }
 
 #[test]
@@ -440,7 +448,7 @@ fn view_out_of_bounds_panics() {
 fn pair_kernel_rejects_f32_operands() {
     let a = [1.0f32; 4];
     let mut dst = [0.0f32; 4];
-    let m = HalfMat::row_major(&a[..], 2, 2);
+    let m = MatRef::row_major(&a[..], 2, 2);
     gemm_with(Kernel::PortableBf16Pairs, &mut dst, m, m, false, false);
 }
 
@@ -510,13 +518,9 @@ fn bench_gemm_half() {
     let b16: Vec<f16> = b32.iter().map(|&x| f16::from_f32(x)).collect();
     let ab: Vec<bf16> = a32.iter().map(|&x| bf16::from_f32(x)).collect();
     let bb: Vec<bf16> = b32.iter().map(|&x| bf16::from_f32(x)).collect();
-    let sq = |d: Operand<'static>| HalfMat {
-        data: d,
-        rows: n,
-        cols: n,
-        rs: n as isize,
-        cs: 1,
-    };
+    fn sq<T>(d: &[T], n: usize) -> MatRef<'_, T> {
+        MatRef::row_major(d, n, n)
+    }
     // 'static views for the boxed closures below: the buffers live until the end of the test.
     let (a32, b32): (&'static [f32], &'static [f32]) = (a32.leak(), b32.leak());
     let (a16, b16): (&'static [f16], &'static [f16]) = (a16.leak(), b16.leak());
@@ -566,36 +570,34 @@ fn bench_gemm_half() {
         (
             "gemm_half F32".into(),
             Box::new(move |d: &mut [f32]| {
-                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()), false, true)
+                gemm_with(kernel, d, sq(a32, n), sq(b32, n), false, true)
             }),
         ),
         (
             "gemm_half F16".into(),
             Box::new(move |d: &mut [f32]| {
-                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()), false, true)
+                gemm_with(kernel, d, sq(a16, n), sq(b16, n), false, true)
             }),
         ),
         (
             "gemm_half BF16".into(),
-            Box::new(move |d: &mut [f32]| {
-                gemm_with(kernel, d, sq(ab.into()), sq(bb.into()), false, true)
-            }),
+            Box::new(move |d: &mut [f32]| gemm_with(kernel, d, sq(ab, n), sq(bb, n), false, true)),
         ),
         (
             "gemm_half F32 x F32ᵀ".into(),
             Box::new(move |d: &mut [f32]| {
-                gemm_with(kernel, d, sq(a32.into()), sq(b32.into()).t(), false, true)
+                gemm_with(kernel, d, sq(a32, n), sq(b32, n).t(), false, true)
             }),
         ),
         (
             "gemm_half F16 x F16ᵀ".into(),
             Box::new(move |d: &mut [f32]| {
-                gemm_with(kernel, d, sq(a16.into()), sq(b16.into()).t(), false, true)
+                gemm_with(kernel, d, sq(a16, n), sq(b16, n).t(), false, true)
             }),
         ),
         (
             format!("gemm_half BF16, dispatched ({auto})"),
-            Box::new(move |d: &mut [f32]| gemm(d, sq(ab.into()), sq(bb.into()), false, true)),
+            Box::new(move |d: &mut [f32]| gemm(d, sq(ab, n), sq(bb, n), false, true)),
         ),
     ];
     let cases: Vec<Case> = cases

@@ -13,8 +13,9 @@ use std::sync::Arc;
 use common::rand_tensor;
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::cpu::gemm::{matmul_into, MatRef};
-use hemi::cpu::gemm_half::{self, HalfMat, Kernel, Operand};
+use hemi::cpu::gemm_half::{self, Kernel};
 use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
+use hemi::dtype::WithDType;
 use hemi::models::{CifarNet, Mlp};
 use hemi::nn::Module;
 use hemi::ops::conv::Conv2dOptions;
@@ -243,29 +244,28 @@ fn gemm_kernels_are_bit_identical_across_thread_counts() {
             c.iter().map(|x| u64::from(x.to_bits())).collect(),
         )]
     });
-    fn mat(data: Operand<'_>, rows: usize, cols: usize) -> HalfMat<'_> {
-        HalfMat {
-            data,
-            rows,
-            cols,
-            rs: cols as isize,
-            cs: 1,
-        }
-    }
-    for kernel in Kernel::ALL.into_iter().filter(|k| k.is_available()) {
-        let (ao, bo) = if kernel.accepts(DType::F16, DType::BF16) {
-            (Operand::F16(&ah), Operand::BF16(&bb))
-        } else {
-            (Operand::BF16(&ab), Operand::BF16(&bb))
-        };
+    fn check<A: WithDType, B: WithDType>(
+        kernel: Kernel,
+        (m, k, n): (usize, usize, usize),
+        a: &[A],
+        b: &[B],
+    ) {
         assert_same_bits(&format!("gemm_half {}", kernel.name()), &THREADS, || {
             let mut c = vec![0.5f32; m * n];
-            gemm_half::gemm_with(kernel, &mut c, mat(ao, m, k), mat(bo, k, n), true, true);
+            let (am, bm) = (MatRef::row_major(a, m, k), MatRef::row_major(b, k, n));
+            gemm_half::gemm_with(kernel, &mut c, am, bm, true, true);
             vec![(
                 "c".into(),
                 c.iter().map(|x| u64::from(x.to_bits())).collect(),
             )]
         });
+    }
+    for kernel in Kernel::ALL.into_iter().filter(|k| k.is_available()) {
+        if kernel.accepts(DType::F16, DType::BF16) {
+            check(kernel, (m, k, n), &ah, &bb);
+        } else {
+            check(kernel, (m, k, n), &ab, &bb);
+        }
     }
 }
 

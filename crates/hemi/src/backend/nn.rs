@@ -1,5 +1,738 @@
 //! Network primitives: matmul and batched matmul with F32 accumulation, convolutions
-//! forward and backward (and the fused conv blocks), pools, batch and layer norms.
+//! forward and backward (and the fused conv + ReLU + max-pool block), pools, batch and layer
+//! norms, each with its backward.
+//!
+//! Dtypes: a primitive computes in the compute type of the promoted dtype of its float
+//! inputs (F32 for F16, BF16 and F32; F64 when one is F64) unless it says otherwise, and
+//! rounds each result once into the dtype it is asked for. The ops above decide the dtypes
+//! (promotion, autocast) and check shapes; the geometry structs here carry the checked
+//! shapes down.
 
-#[allow(unused_imports)]
+use std::any::Any;
+use std::sync::Arc;
+
 use super::BackendStorage;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::storage::{dispatch, wrap};
+use crate::tensor::{Layout, Storage};
+
+/// Output size of one spatial dim of a convolution (PyTorch's formula), or `None` when the
+/// dilated kernel does not fit in the padded input.
+pub fn conv_out_size(
+    size: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+) -> Option<usize> {
+    let span = dilation * (kernel - 1) + 1;
+    let padded = size + 2 * padding;
+    (padded >= span).then(|| (padded - span) / stride + 1)
+}
+
+/// Shape of a 2-D convolution (validated by the caller: sizes fit, groups divide channels,
+/// strides and dilations positive). Input `[n, c_in, h, w]`, weight
+/// `[c_out, c_in/groups, kh, kw]`, output `[n, c_out, h_out, w_out]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dGeom {
+    pub n: usize,
+    pub c_in: usize,
+    pub h: usize,
+    pub w: usize,
+    pub c_out: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+impl Conv2dGeom {
+    /// Output pixels per channel (the GEMM's N).
+    pub fn l(&self) -> usize {
+        self.h_out * self.w_out
+    }
+    /// Reduction length of one output element (the GEMM's K): c_in/groups * kh * kw.
+    pub fn k(&self) -> usize {
+        self.c_in / self.groups * self.kh * self.kw
+    }
+    /// Output channels per group (the GEMM's M).
+    pub fn c_out_g(&self) -> usize {
+        self.c_out / self.groups
+    }
+    pub fn in_image(&self) -> usize {
+        self.c_in * self.h * self.w
+    }
+    pub fn out_image(&self) -> usize {
+        self.c_out * self.l()
+    }
+    pub fn col_len(&self) -> usize {
+        self.c_in * self.kh * self.kw * self.l()
+    }
+    pub fn weight_len(&self) -> usize {
+        self.c_out * self.k()
+    }
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.n, self.c_out, self.h_out, self.w_out]
+    }
+    pub fn in_shape(&self) -> [usize; 4] {
+        [self.n, self.c_in, self.h, self.w]
+    }
+    pub fn weight_shape(&self) -> [usize; 4] {
+        [self.c_out, self.c_in / self.groups, self.kh, self.kw]
+    }
+    /// Output of the fused conv + ReLU + 2×2 max-pool block: `[n, c_out, h_out/2, w_out/2]`
+    /// (the pool drops an odd last row or column, as PyTorch's floor mode does).
+    pub fn pooled_shape(&self) -> [usize; 4] {
+        [self.n, self.c_out, self.h_out / 2, self.w_out / 2]
+    }
+    /// A 1x1 kernel with unit stride and no padding: the column matrix is the image itself,
+    /// so im2col and col2im are skipped.
+    pub fn is_pointwise(&self) -> bool {
+        self.kh == 1 && self.kw == 1 && self.stride == (1, 1) && self.padding == (0, 0)
+    }
+}
+
+/// The row stride of the one tall matrix that dims `0..rank-1` of a view form, when they
+/// merge (each non-unit dim's stride is the next non-unit dim's stride times its size):
+/// then a batch of matrices times one matrix is a single product.
+pub fn merged_row_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
+    let r = shape.len();
+    // The innermost non-unit dim sets the row stride; each outer one must continue it.
+    let mut row_stride = None;
+    let mut inner: Option<(usize, usize)> = None; // (size, stride) of the last non-unit dim
+    for i in (0..r - 1).rev() {
+        if shape[i] == 1 {
+            continue;
+        }
+        match inner {
+            Some((size, stride)) if strides[i] != size * stride => return None,
+            Some(_) => {}
+            None => row_stride = Some(strides[i]),
+        }
+        inner = Some((shape[i], strides[i]));
+    }
+    Some(row_stride.unwrap_or(strides[r - 2]))
+}
+
+/// Shape of a windowed 2-D pool (max or average) over `planes` planes (N*C) of `h x w`,
+/// PyTorch's semantics without ceil_mode (validated by the caller: kernel and stride
+/// positive, padding at most half the kernel, the kernel fits in the padded input).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dGeom {
+    pub planes: usize,
+    pub h: usize,
+    pub w: usize,
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+impl Pool2dGeom {
+    pub fn in_plane(&self) -> usize {
+        self.h * self.w
+    }
+    pub fn out_plane(&self) -> usize {
+        self.h_out * self.w_out
+    }
+}
+
+/// Shape of an adaptive average pool: `planes` planes of `h x w` to `h_out x w_out` (all
+/// positive, checked by the caller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdaptivePool2dGeom {
+    pub planes: usize,
+    pub h: usize,
+    pub w: usize,
+    pub h_out: usize,
+    pub w_out: usize,
+}
+
+/// A batch-norm input seen as `[n, c, s]`, `s` the product of the spatial dims.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchNormGeom {
+    pub n: usize,
+    pub c: usize,
+    pub s: usize,
+}
+
+impl BatchNormGeom {
+    /// Values per channel (the batch-statistics count).
+    pub fn m(self) -> usize {
+        self.n * self.s
+    }
+}
+
+/// What a forward keeps for its backward on the backend (max-pool's argmax, the fused
+/// block's window indices): opaque above the boundary, read back by the backend that made
+/// it.
+#[derive(Clone)]
+pub struct Indices(Arc<dyn Any + Send + Sync>);
+
+impl Indices {
+    pub fn new<T: Any + Send + Sync>(v: T) -> Indices {
+        Indices(Arc::new(v))
+    }
+    /// The backend's own value, `None` when it is of another type (another backend's).
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for Indices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Indices(..)")
+    }
+}
+
+/// Result of `max_pool2d`: the maxima, the argmax the backward reads, and (when asked for)
+/// the flat index `h*W + w` of each maximum within its plane as an I64 buffer.
+#[derive(Clone, Debug)]
+pub struct MaxPool2d<S> {
+    pub out: S,
+    pub argmax: Indices,
+    pub indices: Option<S>,
+}
+
+/// Result of `batch_norm`: the output, the per-channel mean and 1/sqrt(var + eps) the
+/// backward reads (in the compute type: F32, or F64 for F64 input), and in training with
+/// running statistics their updated values (each in its own dtype).
+#[derive(Clone, Debug)]
+pub struct BatchNorm<S> {
+    pub out: S,
+    pub mean: S,
+    pub invstd: S,
+    pub running: Option<(S, S)>,
+}
+
+/// Result of `layer_norm`: the output and per-row mean and 1/sqrt(var + eps) (compute type).
+#[derive(Clone, Debug)]
+pub struct LayerNorm<S> {
+    pub out: S,
+    pub mean: S,
+    pub rstd: S,
+}
+
+/// Gradients of a norm or of the fused block: the input's (when asked for), the weight's
+/// and the bias's (when asked for, by giving their dtypes).
+#[derive(Clone, Debug)]
+pub struct Grads<S> {
+    pub dx: Option<S>,
+    pub dweight: Option<S>,
+    pub dbias: Option<S>,
+}
+
+impl<S> Grads<S> {
+    fn map<T>(self, f: impl Fn(S) -> T) -> Grads<T> {
+        Grads {
+            dx: self.dx.map(&f),
+            dweight: self.dweight.map(&f),
+            dbias: self.dbias.map(&f),
+        }
+    }
+}
+
+/// An optional input of a primitive: its buffer and layout.
+pub type Opt<'a, S> = Option<(&'a S, &'a Layout)>;
+
+/// Batch norm's running (mean, var), each a buffer and its layout.
+pub type Running<'a, S> = Option<((&'a S, &'a Layout), (&'a S, &'a Layout))>;
+
+/// The dtypes of a norm's gradients (input, weight, bias); `None`: not wanted.
+pub type GradDTypes = (Option<DType>, Option<DType>, Option<DType>);
+
+pub trait NnOps: BackendStorage {
+    /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
+    /// batch dims that broadcast (checked by the caller), `bias` [n] added to every row
+    /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
+    /// float inputs; sums in F32 (F64 for F64). Transposed, broadcast and sliced views cost
+    /// no copy; F16/BF16 operands are multiplied as stored.
+    fn matmul(
+        &self,
+        la: &Layout,
+        rhs: &Self,
+        lb: &Layout,
+        bias: Opt<'_, Self>,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// 2-D convolution (cross-correlation): input `[n, c_in, h, w]` (this buffer), weight
+    /// `[c_out, c_in/groups, kh, kw]`, optional bias `[c_out]` -> `[n, c_out, h_out, w_out]`
+    /// in `out`, the promoted dtype of the float inputs (checked by the caller).
+    fn conv2d(
+        &self,
+        lx: &Layout,
+        w: &Self,
+        lw: &Layout,
+        bias: Opt<'_, Self>,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Gradient of `conv2d` with respect to its input, from the output gradient `dy` (this
+    /// buffer, `[n, c_out, h_out, w_out]`) and the weight: `[n, c_in, h, w]` in `out`.
+    fn conv2d_backward_input(
+        &self,
+        ldy: &Layout,
+        w: &Self,
+        lw: &Layout,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Gradient of `conv2d` with respect to its weight, from the input `x` (this buffer) and
+    /// the output gradient `dy`: `[c_out, c_in/groups, kh, kw]` in `out`. The batch's sum
+    /// is cut into runs fixed by the batch size, so the thread count changes no bit.
+    fn conv2d_backward_weight(
+        &self,
+        lx: &Layout,
+        dy: &Self,
+        ldy: &Layout,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Gradient of `conv2d` with respect to its bias: `dy` (this buffer) summed over the
+    /// images and the output pixels, per channel, into `[c_out]` in `out`.
+    fn conv2d_backward_bias(&self, ldy: &Layout, g: &Conv2dGeom, out: DType) -> Result<Self>;
+
+    /// `max_pool2d(relu(conv2d(x, w, bias)), 2, 2)` in one pass (the block of small CNNs):
+    /// `x` (this buffer), `w` and `bias` all of one dtype, F32, F16 or BF16 (checked by the
+    /// caller, as `h_out, w_out >= 2`); returns the pooled output `g.pooled_shape()` in that
+    /// dtype and the window of each output for the backward.
+    fn conv2d_relu_max_pool2(
+        &self,
+        lx: &Layout,
+        w: &Self,
+        lw: &Layout,
+        bias: Opt<'_, Self>,
+        g: &Conv2dGeom,
+    ) -> Result<(Self, Indices)>;
+
+    /// Gradients of `conv2d_relu_max_pool2` from the pooled output gradient `dy` (this
+    /// buffer, of the block's dtype), the forward's indices, input and weight: the input's
+    /// when `want_dx`, the weight's, and the bias's when `has_bias`, all in the block's
+    /// dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_relu_max_pool2_backward(
+        &self,
+        ldy: &Layout,
+        indices: &Indices,
+        x: &Self,
+        lx: &Layout,
+        w: &Self,
+        lw: &Layout,
+        g: &Conv2dGeom,
+        want_dx: bool,
+        has_bias: bool,
+    ) -> Result<Grads<Self>>;
+
+    /// Max pooling of the planes of this buffer (padding -inf), in its dtype: the maxima,
+    /// their argmax (first maximum wins ties, a NaN wins), and the I64 flat indices when
+    /// `with_indices`. The caller checked that a plane holds fewer than 2^32 values.
+    fn max_pool2d(&self, l: &Layout, g: &Pool2dGeom, with_indices: bool)
+        -> Result<MaxPool2d<Self>>;
+
+    /// Gradient of `max_pool2d` from the output gradient (this buffer) and the forward's
+    /// argmax: each gradient added to its maximum's input, in the compute type of `out`.
+    fn max_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        argmax: &Indices,
+        g: &Pool2dGeom,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Average pooling of the planes of this buffer (padding counts as zeros, and in the
+    /// divisor when `count_include_pad`), in its dtype.
+    fn avg_pool2d(&self, l: &Layout, g: &Pool2dGeom, count_include_pad: bool) -> Result<Self>;
+
+    /// Gradient of `avg_pool2d`: each output gradient spread evenly over its window, in the
+    /// compute type of `out`.
+    fn avg_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        g: &Pool2dGeom,
+        count_include_pad: bool,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Adaptive average pooling of the planes of this buffer (PyTorch's windows
+    /// `[floor(i*H/out), ceil((i+1)*H/out))`), in its dtype.
+    fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Self>;
+
+    /// Gradient of `adaptive_avg_pool2d`, in the compute type of `out`.
+    fn adaptive_avg_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        g: &AdaptivePool2dGeom,
+        out: DType,
+    ) -> Result<Self>;
+
+    /// Batch normalisation of this buffer `[n, c, s]` per channel, in its dtype, statistics
+    /// in its compute type: with the batch's mean and biased variance (two passes) when
+    /// `training`, else with `running` (mean, var); then `* weight + bias`. In training
+    /// with `running`, also returns `(1 - momentum) * running + momentum * batch` (the
+    /// unbiased variance; computed in F64, rounded into each running buffer's dtype).
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        running: Running<'_, Self>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<BatchNorm<Self>>;
+
+    /// Gradients of `batch_norm` (closed form) from the output gradient (this buffer), the
+    /// input `x`, the forward's `mean` and `invstd` and the weight: `dx` in `dx_dtype` when
+    /// given, dweight = Σ g·xhat and dbias = Σ g per channel in the dtypes given. All read in
+    /// the compute type of `x`. `training`: the statistics depend on x.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_backward(
+        &self,
+        ldy: &Layout,
+        x: &Self,
+        lx: &Layout,
+        g: BatchNormGeom,
+        mean: &Self,
+        invstd: &Self,
+        weight: Opt<'_, Self>,
+        training: bool,
+        dtypes: GradDTypes,
+    ) -> Result<Grads<Self>>;
+
+    /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
+    /// statistics in its compute type, then `* weight + bias` (each [d]).
+    fn layer_norm(
+        &self,
+        l: &Layout,
+        d: usize,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        eps: f64,
+    ) -> Result<LayerNorm<Self>>;
+
+    /// Gradients of `layer_norm` (closed form, as llm.c's) from the output gradient (this
+    /// buffer), the input, the forward's per-row `mean` and `rstd` and the weight; dtypes
+    /// (dx, dweight, dbias) as for `batch_norm_backward`. The sums over rows run in runs
+    /// fixed by the shape, so the thread count changes no bit.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward(
+        &self,
+        ldy: &Layout,
+        x: &Self,
+        lx: &Layout,
+        d: usize,
+        mean: &Self,
+        rstd: &Self,
+        weight: Opt<'_, Self>,
+        dtypes: GradDTypes,
+    ) -> Result<Grads<Self>>;
+}
+
+/// The buffer of `other` on the backend of `like`, or a device error naming both.
+pub(crate) fn peer<'a, B: BackendStorage>(
+    op: &'static str,
+    like: &B,
+    other: &'a Storage,
+) -> Result<&'a B> {
+    dispatch!(other, s => (s as &dyn Any).downcast_ref::<B>()).ok_or_else(|| {
+        Error::device(
+            op,
+            format!("inputs on {} and {}", like.device(), other.device()),
+        )
+    })
+}
+
+/// `peer` of an optional input with its layout.
+fn peer_opt<'a, B: BackendStorage>(
+    op: &'static str,
+    like: &B,
+    o: Option<(&'a Storage, &'a Layout)>,
+) -> Result<Opt<'a, B>> {
+    o.map(|(s, l)| Ok((peer(op, like, s)?, l))).transpose()
+}
+
+impl Storage {
+    /// `NnOps::matmul` on this storage's backend.
+    pub fn matmul(
+        &self,
+        la: &Layout,
+        rhs: &Storage,
+        lb: &Layout,
+        bias: Option<(&Storage, &Layout)>,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => {
+            let (b, bias) = (peer("matmul", s, rhs)?, peer_opt("matmul", s, bias)?);
+            wrap!(self, s.matmul(la, b, lb, bias, out)?)
+        }))
+    }
+
+    /// `NnOps::conv2d` on this storage's backend.
+    pub fn conv2d(
+        &self,
+        lx: &Layout,
+        w: &Storage,
+        lw: &Layout,
+        bias: Option<(&Storage, &Layout)>,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => {
+            let (w, bias) = (peer("conv2d", s, w)?, peer_opt("conv2d", s, bias)?);
+            wrap!(self, s.conv2d(lx, w, lw, bias, g, out)?)
+        }))
+    }
+
+    /// `NnOps::conv2d_backward_input` on this storage's backend.
+    pub fn conv2d_backward_input(
+        &self,
+        ldy: &Layout,
+        w: &Storage,
+        lw: &Layout,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => {
+            let w = peer("conv2d_backward_input", s, w)?;
+            wrap!(self, s.conv2d_backward_input(ldy, w, lw, g, out)?)
+        }))
+    }
+
+    /// `NnOps::conv2d_backward_weight` on this storage's backend.
+    pub fn conv2d_backward_weight(
+        &self,
+        lx: &Layout,
+        dy: &Storage,
+        ldy: &Layout,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => {
+            let dy = peer("conv2d_backward_weight", s, dy)?;
+            wrap!(self, s.conv2d_backward_weight(lx, dy, ldy, g, out)?)
+        }))
+    }
+
+    /// `NnOps::conv2d_backward_bias` on this storage's backend.
+    pub fn conv2d_backward_bias(
+        &self,
+        ldy: &Layout,
+        g: &Conv2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => wrap!(self, s.conv2d_backward_bias(ldy, g, out)?)))
+    }
+
+    /// `NnOps::conv2d_relu_max_pool2` on this storage's backend.
+    pub fn conv2d_relu_max_pool2(
+        &self,
+        lx: &Layout,
+        w: &Storage,
+        lw: &Layout,
+        bias: Option<(&Storage, &Layout)>,
+        g: &Conv2dGeom,
+    ) -> Result<(Storage, Indices)> {
+        const OP: &str = "conv2d_relu_max_pool2";
+        Ok(dispatch!(self, s => {
+            let (w, bias) = (peer(OP, s, w)?, peer_opt(OP, s, bias)?);
+            let (out, idx) = s.conv2d_relu_max_pool2(lx, w, lw, bias, g)?;
+            (wrap!(self, out), idx)
+        }))
+    }
+
+    /// `NnOps::conv2d_relu_max_pool2_backward` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_relu_max_pool2_backward(
+        &self,
+        ldy: &Layout,
+        indices: &Indices,
+        x: &Storage,
+        lx: &Layout,
+        w: &Storage,
+        lw: &Layout,
+        g: &Conv2dGeom,
+        want_dx: bool,
+        has_bias: bool,
+    ) -> Result<Grads<Storage>> {
+        const OP: &str = "conv2d_relu_max_pool2_backward";
+        Ok(dispatch!(self, s => {
+            let (x, w) = (peer(OP, s, x)?, peer(OP, s, w)?);
+            s.conv2d_relu_max_pool2_backward(ldy, indices, x, lx, w, lw, g, want_dx, has_bias)?
+                .map(|b| wrap!(self, b))
+        }))
+    }
+
+    /// `NnOps::max_pool2d` on this storage's backend.
+    pub fn max_pool2d(
+        &self,
+        l: &Layout,
+        g: &Pool2dGeom,
+        with_indices: bool,
+    ) -> Result<MaxPool2d<Storage>> {
+        Ok(dispatch!(self, s => {
+            let r = s.max_pool2d(l, g, with_indices)?;
+            MaxPool2d {
+                out: wrap!(self, r.out),
+                argmax: r.argmax,
+                indices: r.indices.map(|i| wrap!(self, i)),
+            }
+        }))
+    }
+
+    /// `NnOps::max_pool2d_backward` on this storage's backend.
+    pub fn max_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        argmax: &Indices,
+        g: &Pool2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => wrap!(self, s.max_pool2d_backward(ldy, argmax, g, out)?)))
+    }
+
+    /// `NnOps::avg_pool2d` on this storage's backend.
+    pub fn avg_pool2d(
+        &self,
+        l: &Layout,
+        g: &Pool2dGeom,
+        count_include_pad: bool,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => wrap!(self, s.avg_pool2d(l, g, count_include_pad)?)))
+    }
+
+    /// `NnOps::avg_pool2d_backward` on this storage's backend.
+    pub fn avg_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        g: &Pool2dGeom,
+        count_include_pad: bool,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(
+            dispatch!(self, s => wrap!(self, s.avg_pool2d_backward(ldy, g, count_include_pad, out)?)),
+        )
+    }
+
+    /// `NnOps::adaptive_avg_pool2d` on this storage's backend.
+    pub fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Storage> {
+        Ok(dispatch!(self, s => wrap!(self, s.adaptive_avg_pool2d(l, g)?)))
+    }
+
+    /// `NnOps::adaptive_avg_pool2d_backward` on this storage's backend.
+    pub fn adaptive_avg_pool2d_backward(
+        &self,
+        ldy: &Layout,
+        g: &AdaptivePool2dGeom,
+        out: DType,
+    ) -> Result<Storage> {
+        Ok(dispatch!(self, s => wrap!(self, s.adaptive_avg_pool2d_backward(ldy, g, out)?)))
+    }
+
+    /// `NnOps::batch_norm` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>,
+        running: Running<'_, Storage>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<BatchNorm<Storage>> {
+        const OP: &str = "batch_norm";
+        Ok(dispatch!(self, s => {
+            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
+            let running = match running {
+                Some(((m, lm), (v, lv))) => Some(((peer(OP, s, m)?, lm), (peer(OP, s, v)?, lv))),
+                None => None,
+            };
+            let r = s.batch_norm(l, g, w, b, running, training, momentum, eps)?;
+            BatchNorm {
+                out: wrap!(self, r.out),
+                mean: wrap!(self, r.mean),
+                invstd: wrap!(self, r.invstd),
+                running: r.running.map(|(m, v)| (wrap!(self, m), wrap!(self, v))),
+            }
+        }))
+    }
+
+    /// `NnOps::batch_norm_backward` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_backward(
+        &self,
+        ldy: &Layout,
+        x: &Storage,
+        lx: &Layout,
+        g: BatchNormGeom,
+        mean: &Storage,
+        invstd: &Storage,
+        weight: Option<(&Storage, &Layout)>,
+        training: bool,
+        dtypes: GradDTypes,
+    ) -> Result<Grads<Storage>> {
+        const OP: &str = "batch_norm_backward";
+        Ok(dispatch!(self, s => {
+            let (x, mean, invstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, invstd)?);
+            let w = peer_opt(OP, s, weight)?;
+            s.batch_norm_backward(ldy, x, lx, g, mean, invstd, w, training, dtypes)?
+                .map(|b| wrap!(self, b))
+        }))
+    }
+
+    /// `NnOps::layer_norm` on this storage's backend.
+    pub fn layer_norm(
+        &self,
+        l: &Layout,
+        d: usize,
+        weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>,
+        eps: f64,
+    ) -> Result<LayerNorm<Storage>> {
+        const OP: &str = "layer_norm";
+        Ok(dispatch!(self, s => {
+            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
+            let r = s.layer_norm(l, d, w, b, eps)?;
+            LayerNorm {
+                out: wrap!(self, r.out),
+                mean: wrap!(self, r.mean),
+                rstd: wrap!(self, r.rstd),
+            }
+        }))
+    }
+
+    /// `NnOps::layer_norm_backward` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm_backward(
+        &self,
+        ldy: &Layout,
+        x: &Storage,
+        lx: &Layout,
+        d: usize,
+        mean: &Storage,
+        rstd: &Storage,
+        weight: Option<(&Storage, &Layout)>,
+        dtypes: GradDTypes,
+    ) -> Result<Grads<Storage>> {
+        const OP: &str = "layer_norm_backward";
+        Ok(dispatch!(self, s => {
+            let (x, mean, rstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, rstd)?);
+            let w = peer_opt(OP, s, weight)?;
+            s.layer_norm_backward(ldy, x, lx, d, mean, rstd, w, dtypes)?
+                .map(|b| wrap!(self, b))
+        }))
+    }
+}

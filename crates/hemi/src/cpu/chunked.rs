@@ -11,13 +11,60 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::dtype::{convert, DType};
+use crate::dtype::{convert, same_slice, same_slice_mut, DType, WithDType};
+use crate::ops::reduce::sum_slice;
 use crate::tensor::{CpuStorage, Layout};
 
 /// Elements per chunk: 32 KiB of F32, three buffers fit in L1/L2 together.
 const CHUNK: usize = 8192;
 
-/// A read-only view of a contiguous float buffer.
+/// Values `start..start + buf.len()` of an F32, F16 or BF16 slice as F32: borrowed for F32,
+/// converted into `buf` otherwise (the branch is chosen by `T`, at compile time).
+pub fn read<'b, T: WithDType>(v: &'b [T], start: usize, buf: &'b mut [f32]) -> &'b [f32] {
+    let end = start + buf.len();
+    if let Some(v) = same_slice::<T, f32>(v) {
+        &v[start..end]
+    } else if let Some(v) = same_slice::<T, f16>(v) {
+        convert::f16_to_f32(&v[start..end], buf);
+        buf
+    } else if let Some(v) = same_slice::<T, bf16>(v) {
+        convert::bf16_to_f32(&v[start..end], buf);
+        buf
+    } else {
+        unreachable!("chunked kernels take F32, F16 or BF16")
+    }
+}
+
+/// `dst = src` rounded to `T` (F32, F16 or BF16; one bulk conversion, nearest-even).
+pub fn write<T: WithDType>(src: &[f32], dst: &mut [T]) {
+    if let Some(d) = same_slice_mut::<T, f32>(dst) {
+        d.copy_from_slice(src);
+    } else if let Some(d) = same_slice_mut::<T, f16>(dst) {
+        convert::f32_to_f16(src, d);
+    } else if let Some(d) = same_slice_mut::<T, bf16>(dst) {
+        convert::f32_to_bf16(src, d);
+    } else {
+        unreachable!("chunked kernels take F32, F16 or BF16")
+    }
+}
+
+/// The F32 sum of an F32, F16 or BF16 slice: `sum_slice` itself for F32, else converted a
+/// chunk of 1024 at a time, the chunks' `sum_slice`s added in order.
+pub fn sum<T: WithDType>(v: &[T]) -> f32 {
+    if let Some(v) = same_slice::<T, f32>(v) {
+        return sum_slice(v);
+    }
+    let mut buf = [0f32; 1024];
+    let mut total = 0.0;
+    for (i, c) in v.chunks(buf.len()).enumerate() {
+        total += sum_slice(read(v, i * 1024, &mut buf[..c.len()]));
+    }
+    total
+}
+
+/// A read-only view of a contiguous float buffer (the elementwise ops' fused kernels; the
+/// kernels of `cpu::conv`, `conv_block` and `pool` take `&[T]` with `T: WithDType` and
+/// `read` instead).
 #[derive(Clone, Copy)]
 pub enum Src<'a> {
     F32(&'a [f32]),

@@ -1,7 +1,9 @@
 //! 2-D convolution kernels over plain buffers: im2col / col2im and the im2col + GEMM
 //! forward and backward (input, weight) of a grouped, strided, padded, dilated convolution,
 //! parallel over the batch. No autograd and no validation here: `ops/conv.rs` checks the
-//! shapes and hands over contiguous buffers (F32/F64, or F16/BF16 multiplied as stored).
+//! shapes and `cpu::nn` hands over contiguous buffers: elements `T` (any float dtype) unfolded
+//! as stored, products and sums in the compute type `C` (`cpu::gemm::product` picks the GEMM:
+//! the `gemm` crate when `T` is `C`, `gemm_half` for F16/BF16 with F32 accumulation).
 //!
 //! Layout: input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`, output
 //! `[n, c_out, h_out, w_out]`, all row-major contiguous. Per image, the column matrix is
@@ -11,83 +13,12 @@
 
 use rayon::prelude::*;
 
-use half::{bf16, f16};
-use num_traits::Zero;
-
-use crate::cpu::chunked::{per_block_with, Src};
-use crate::cpu::gemm::{matmul_into_par, MatRef};
-use crate::cpu::gemm_half::{self, Operand};
+pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
+use crate::cpu::chunked::per_block_with;
+use crate::cpu::gemm::{product, MatRef};
 use crate::cpu::runs::{add_in_order, Runs};
-use crate::dtype::DType;
-use crate::tensor::{CpuStorage, FloatDType};
-
-/// Output size of one spatial dim (PyTorch's formula), or `None` when the dilated kernel
-/// does not fit in the padded input.
-pub fn conv_out_size(
-    size: usize,
-    kernel: usize,
-    stride: usize,
-    padding: usize,
-    dilation: usize,
-) -> Option<usize> {
-    let span = dilation * (kernel - 1) + 1;
-    let padded = size + 2 * padding;
-    (padded >= span).then(|| (padded - span) / stride + 1)
-}
-
-/// Shape of a 2-D convolution (validated by the caller: sizes fit, groups divide channels,
-/// strides and dilations positive).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dGeom {
-    pub n: usize,
-    pub c_in: usize,
-    pub h: usize,
-    pub w: usize,
-    pub c_out: usize,
-    pub kh: usize,
-    pub kw: usize,
-    pub stride: (usize, usize),
-    pub padding: (usize, usize),
-    pub dilation: (usize, usize),
-    pub groups: usize,
-    pub h_out: usize,
-    pub w_out: usize,
-}
-
-impl Conv2dGeom {
-    /// Output pixels per channel (the GEMM's N).
-    pub fn l(&self) -> usize {
-        self.h_out * self.w_out
-    }
-    /// Reduction length of one output element (the GEMM's K): c_in/groups * kh * kw.
-    pub fn k(&self) -> usize {
-        self.c_in / self.groups * self.kh * self.kw
-    }
-    /// Output channels per group (the GEMM's M).
-    pub fn c_out_g(&self) -> usize {
-        self.c_out / self.groups
-    }
-    pub fn in_image(&self) -> usize {
-        self.c_in * self.h * self.w
-    }
-    pub fn out_image(&self) -> usize {
-        self.c_out * self.l()
-    }
-    pub fn col_len(&self) -> usize {
-        self.c_in * self.kh * self.kw * self.l()
-    }
-    pub fn weight_len(&self) -> usize {
-        self.c_out * self.k()
-    }
-    pub fn out_shape(&self) -> [usize; 4] {
-        [self.n, self.c_out, self.h_out, self.w_out]
-    }
-    /// A 1x1 kernel with unit stride and no padding: the column matrix is the image itself,
-    /// so im2col and col2im are skipped.
-    pub fn is_pointwise(&self) -> bool {
-        self.kh == 1 && self.kw == 1 && self.stride == (1, 1) && self.padding == (0, 0)
-    }
-}
+use crate::dtype::{FloatDType, WithDType};
+use crate::tensor::CpuStorage;
 
 /// The outputs `o` in `[0, out)` whose input coordinate `o*stride + off` lies in `[0, size)`,
 /// as a half-open range (so the copy loops need no bounds tests).
@@ -203,11 +134,11 @@ fn columns<'a, T: Copy + Default>(x: &'a [T], scratch: &'a mut Vec<T>, g: &Conv2
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
-fn image_forward<T: ConvElem>(
+fn image_forward<T: WithDType, C: FloatDType>(
     x: &[T],
     w: &[T],
-    bias: Option<&[T::Acc]>,
-    y: &mut [T::Acc],
+    bias: Option<&[C]>,
+    y: &mut [C],
     scratch: &mut Vec<T>,
     g: &Conv2dGeom,
     par: bool,
@@ -223,14 +154,14 @@ fn image_forward<T: ConvElem>(
                 row.fill(b);
             }
         }
-        T::product(dst, a, b, bias.is_some(), par);
+        product(dst, a, b, bias.is_some(), par);
     }
 }
 
 /// Convolution forward: `x [n, c_in, h, w]`, `w [c_out, c_in/groups, kh, kw]`, optional
 /// `bias [c_out]` -> `y [n, c_out, h_out, w_out]`. Parallel over images (each GEMM on its
 /// thread); a single image gets a parallel GEMM instead.
-pub fn conv2d_forward<C: FloatDType + ConvElem<Acc = C>>(
+pub fn conv2d_forward<C: FloatDType>(
     x: &[C],
     w: &[C],
     bias: Option<&[C]>,
@@ -253,25 +184,25 @@ pub fn conv2d_forward<C: FloatDType + ConvElem<Acc = C>>(
 }
 
 /// Input gradient of one image: `dcol = w^T x dy` per group, then col2im into `dx`.
-fn image_backward_input<T: ConvElem>(
+fn image_backward_input<T: WithDType, C: FloatDType>(
     dy: &[T],
     w: &[T],
-    dx: &mut [T::Acc],
-    scratch: &mut Vec<T::Acc>,
+    dx: &mut [C],
+    scratch: &mut Vec<C>,
     g: &Conv2dGeom,
     par: bool,
 ) {
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     let pointwise = g.is_pointwise();
     if !pointwise {
-        scratch.resize(g.col_len(), T::Acc::zero());
+        scratch.resize(g.col_len(), C::zero());
     }
     // Pointwise: the column matrix is the image, so the product lands in dx directly.
-    let dcol: &mut [T::Acc] = if pointwise { dx } else { scratch };
+    let dcol: &mut [C] = if pointwise { dx } else { scratch };
     for grp in 0..g.groups {
         let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
         let b = MatRef::row_major(&dy[grp * m * l..(grp + 1) * m * l], m, l);
-        T::product(&mut dcol[grp * k * l..(grp + 1) * k * l], wt, b, false, par);
+        product(&mut dcol[grp * k * l..(grp + 1) * k * l], wt, b, false, par);
     }
     if !pointwise {
         col2im(scratch, dx, g);
@@ -280,11 +211,7 @@ fn image_backward_input<T: ConvElem>(
 
 /// Gradient of the convolution with respect to its input: `dy [n, c_out, h_out, w_out]`,
 /// `w` -> `dx [n, c_in, h, w]`. Parallel over images.
-pub fn conv2d_backward_input<C: FloatDType + ConvElem<Acc = C>>(
-    dy: &[C],
-    w: &[C],
-    g: &Conv2dGeom,
-) -> Vec<C> {
+pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -> Vec<C> {
     let mut dx = vec![C::zero(); g.n * g.in_image()];
     if dx.is_empty() {
         return dx;
@@ -310,16 +237,20 @@ pub fn conv2d_backward_input<C: FloatDType + ConvElem<Acc = C>>(
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
 /// in run order, so the result is the same on any number of threads.
-/// Half inputs give an F32 gradient (`T::Acc`).
-pub fn conv2d_backward_weight<T: ConvElem>(x: &[T], dy: &[T], g: &Conv2dGeom) -> Vec<T::Acc> {
+/// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
+pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
+    x: &[T],
+    dy: &[T],
+    g: &Conv2dGeom,
+) -> Vec<C> {
     let len = g.weight_len();
     if g.n == 0 || len == 0 || g.l() == 0 {
-        return vec![T::Acc::zero(); len];
+        return vec![C::zero(); len];
     }
     let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     let partials = runs.map_init(Vec::new, |scratch, r| {
-        let mut dw = vec![T::Acc::zero(); len];
+        let mut dw = vec![C::zero(); len];
         for i in runs.range(r, g.n) {
             let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
             let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
@@ -330,7 +261,7 @@ pub fn conv2d_backward_weight<T: ConvElem>(x: &[T], dy: &[T], g: &Conv2dGeom) ->
                 // A single run (one image) lets the GEMM use the threads itself (its
                 // results do not depend on how many).
                 let dst = &mut dw[grp * m * k..(grp + 1) * m * k];
-                T::product(dst, a, bt, true, runs.count == 1);
+                product(dst, a, bt, true, runs.count == 1);
             }
         }
         dw
@@ -374,81 +305,14 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
     y
 }
 
-// ----- element types -------------------------------------------------------------------------
-//
-// The kernels above run on any `ConvElem`: F32 and F64 through the `gemm` crate, and F16/BF16
-// as stored, without an F32 copy of the batch: the column matrix is unfolded in the tensor's
-// own dtype (a gather, exact) and multiplied by `gemm_half`, which converts inside its
-// packing (or, for BF16 on CPUs with AVX-512 BF16, multiplies BF16 pairs with `vdpbf16ps`),
-// with F32 results. Products of two F16 or two BF16 values are exact in F32, so the half
-// paths compute what the F32 kernels compute on the converted values, up to summation order
-// (and, on the `avx512bf16` kernel, with subnormal inputs and partial sums flushed to zero, as
-// `vdpbf16ps` does). On CPUs without AVX2 `gemm_half` runs its portable kernel, slower than
-// the `gemm` crate's SIMD code there.
-
-/// An element type the convolution kernels unfold and multiply as stored; products and
-/// their sums are in `Acc` (the type itself for F32/F64, F32 for F16/BF16).
-pub trait ConvElem: Copy + Default + Send + Sync + 'static {
-    type Acc: FloatDType;
-    /// `dst = [dst +] a · b` in `Acc`; `par` lets the product use the thread pool.
-    fn product(
-        dst: &mut [Self::Acc],
-        a: MatRef<'_, Self>,
-        b: MatRef<'_, Self>,
-        acc: bool,
-        par: bool,
-    );
-}
-
-impl ConvElem for f32 {
-    type Acc = f32;
-    fn product(dst: &mut [f32], a: MatRef<'_, f32>, b: MatRef<'_, f32>, acc: bool, par: bool) {
-        matmul_into_par(dst, a, b, acc, par)
-    }
-}
-
-impl ConvElem for f64 {
-    type Acc = f64;
-    fn product(dst: &mut [f64], a: MatRef<'_, f64>, b: MatRef<'_, f64>, acc: bool, par: bool) {
-        matmul_into_par(dst, a, b, acc, par)
-    }
-}
-
-/// `a · b` of half views through `gemm_half`.
-fn half_product<'a, E>(dst: &mut [f32], a: MatRef<'a, E>, b: MatRef<'a, E>, acc: bool, par: bool)
-where
-    &'a [E]: Into<Operand<'a>>,
-{
-    gemm_half::gemm(dst, a.into(), b.into(), acc, par)
-}
-
-impl ConvElem for f16 {
-    type Acc = f32;
-    fn product(dst: &mut [f32], a: MatRef<'_, f16>, b: MatRef<'_, f16>, acc: bool, par: bool) {
-        half_product(dst, a, b, acc, par)
-    }
-}
-
-impl ConvElem for bf16 {
-    type Acc = f32;
-    fn product(dst: &mut [f32], a: MatRef<'_, bf16>, b: MatRef<'_, bf16>, acc: bool, par: bool) {
-        half_product(dst, a, b, acc, par)
-    }
-}
-
-/// `Some(body)` with `$a`, `$b` bound to the slices of two `Src` of one dtype (F32, F16 or
-/// BF16), `None` for a mix.
-macro_rules! same_elem {
-    (($a:expr, $b:expr), |$x:ident, $y:ident| $body:expr) => {
-        match ($a, $b) {
-            (Src::F32($x), Src::F32($y)) => Some($body),
-            (Src::F16($x), Src::F16($y)) => Some($body),
-            (Src::BF16($x), Src::BF16($y)) => Some($body),
-            _ => None,
-        }
-    };
-}
-pub(crate) use same_elem;
+// F16/BF16 tensors are unfolded and multiplied as stored, without an F32 copy of the batch:
+// the column matrix is unfolded in the tensor's own dtype (a gather, exact) and multiplied by
+// `gemm_half`, which converts inside its packing (or, for BF16 on CPUs with AVX-512 BF16,
+// multiplies BF16 pairs with `vdpbf16ps`), with F32 results. Products of two F16 or two BF16
+// values are exact in F32, so the half paths compute what the F32 kernels compute on the
+// converted values, up to summation order (and, on the `avx512bf16` kernel, with subnormal
+// inputs and partial sums flushed to zero, as `vdpbf16ps` does). On CPUs without AVX2
+// `gemm_half` runs its portable kernel, slower than the `gemm` crate's SIMD code there.
 
 // ----- F32/F16/BF16 tensors, results rounded image by image -----------------------------------
 //
@@ -456,52 +320,31 @@ pub(crate) use same_elem;
 // straight into the output buffer, so the batch never exists in F32 (at batch 512 the F32
 // copy of CifarNet's first activation gradient alone was 128 MiB).
 
-/// `conv2d_forward` over contiguous `x` and `w` of one dtype (F32/F16/BF16; `None` for a
-/// mix), the output in that dtype.
-pub fn conv2d_forward_blocks(
-    x: Src<'_>,
-    w: Src<'_>,
+/// `conv2d_forward` over contiguous `x` and `w` of one dtype `T` (F32/F16/BF16), F32
+/// bias: the output in `T`, each image's F32 result rounded into it.
+pub fn conv2d_forward_blocks<T: WithDType>(
+    x: &[T],
+    w: &[T],
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
-) -> Option<CpuStorage> {
-    fn run<T: ConvElem<Acc = f32>>(
-        x: &[T],
-        w: &[T],
-        bias: Option<&[f32]>,
-        g: &Conv2dGeom,
-        dtype: DType,
-    ) -> Option<CpuStorage> {
-        per_block_with(g.n, g.out_image(), dtype, Vec::new, |col, i, y| {
-            let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
-            image_forward(xi, w, bias, y, col, g, g.n == 1);
-        })
-    }
-    let dtype = x.dtype();
-    same_elem!((x, w), |x, w| run(x, w, bias, g, dtype)).flatten()
+) -> CpuStorage {
+    per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {
+        let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
+        image_forward(xi, w, bias, y, col, g, g.n == 1);
+    })
+    .expect("F32, F16 or BF16")
 }
 
-/// `conv2d_backward_input` from contiguous `dy` and `w` of one dtype; `dx` in that dtype.
-pub fn conv2d_backward_input_blocks(dy: Src<'_>, w: Src<'_>, g: &Conv2dGeom) -> Option<CpuStorage> {
-    fn run<T: ConvElem<Acc = f32>>(
-        dy: &[T],
-        w: &[T],
-        g: &Conv2dGeom,
-        dtype: DType,
-    ) -> Option<CpuStorage> {
-        per_block_with(g.n, g.in_image(), dtype, Vec::new, |dcol, i, dx| {
-            if g.out_image() > 0 {
-                let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
-                image_backward_input(dyi, w, dx, dcol, g, g.n == 1);
-            }
-        })
-    }
-    let dtype = dy.dtype();
-    same_elem!((dy, w), |dy, w| run(dy, w, g, dtype)).flatten()
-}
-
-/// `conv2d_backward_weight` (F32) from contiguous `x` and `dy` of one dtype.
-pub fn conv2d_backward_weight_blocks(x: Src<'_>, dy: Src<'_>, g: &Conv2dGeom) -> Option<Vec<f32>> {
-    same_elem!((x, dy), |x, dy| conv2d_backward_weight(x, dy, g))
+/// `conv2d_backward_input` from contiguous `dy` and `w` of one dtype `T` (F32/F16/BF16);
+/// `dx` in `T`.
+pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dGeom) -> CpuStorage {
+    per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |dcol, i, dx| {
+        if g.out_image() > 0 {
+            let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+            image_backward_input(dyi, w, dx, dcol, g, g.n == 1);
+        }
+    })
+    .expect("F32, F16 or BF16")
 }
 
 #[cfg(test)]

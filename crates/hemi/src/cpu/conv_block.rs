@@ -20,115 +20,20 @@
 //! convolution output is F32, and the pooled output is rounded once, as the unfused ops
 //! round it.
 
-use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::cpu::chunked::Src;
-use crate::cpu::conv::{col2im_ld, im2col_ld, same_elem, Conv2dGeom, ConvElem};
-use crate::cpu::gemm::MatRef;
+use crate::cpu::chunked::{sum, write};
+use crate::cpu::conv::{col2im_ld, im2col_ld, Conv2dGeom};
+use crate::cpu::gemm::{product, MatRef};
 use crate::cpu::runs::{add_in_order, Runs};
-use crate::dtype::convert;
-use crate::ops::reduce::sum_slice;
+use crate::dtype::{same_slice_mut, WithDType};
 use crate::tensor::CpuStorage;
 
 /// Window index of a pooled value whose ReLU is zero (or NaN): no gradient flows back.
 pub const MASKED: u8 = u8::MAX;
 
-/// Output of the block: `[n, c_out, h_out / 2, w_out / 2]` (the pool drops an odd last row
-/// or column, as PyTorch's floor mode does).
-pub fn pooled_shape(g: &Conv2dGeom) -> [usize; 4] {
-    [g.n, g.c_out, g.h_out / 2, g.w_out / 2]
-}
-
 fn pooled_image(g: &Conv2dGeom) -> usize {
     g.c_out * (g.h_out / 2) * (g.w_out / 2)
-}
-
-/// An element type of the block's tensors: multiplied as stored (`ConvElem`), F32 results
-/// rounded into it.
-trait Store: ConvElem<Acc = f32> {
-    /// `dst = src` rounded to this type.
-    fn store(src: &[f32], dst: &mut [Self]);
-    /// The F32 sum of `v` (in `sum_slice`'s order for F32).
-    fn sum(v: &[Self]) -> f32;
-    fn of(src: Src<'_>) -> Option<&[Self]>;
-    fn into_storage(v: Vec<Self>) -> CpuStorage;
-    /// `v` itself when this type is F32 (to reuse an F32 scratch buffer for F32 results).
-    fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]>;
-}
-
-/// The F32 sum of half values, converted a chunk at a time.
-fn sum_converted<T: Copy>(v: &[T], widen: fn(&[T], &mut [f32])) -> f32 {
-    let mut buf = [0f32; 1024];
-    let mut total = 0.0;
-    for c in v.chunks(buf.len()) {
-        widen(c, &mut buf[..c.len()]);
-        total += sum_slice(&buf[..c.len()]);
-    }
-    total
-}
-
-impl Store for f32 {
-    fn store(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    fn sum(v: &[f32]) -> f32 {
-        sum_slice(v)
-    }
-    fn of(src: Src<'_>) -> Option<&[f32]> {
-        match src {
-            Src::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn into_storage(v: Vec<f32>) -> CpuStorage {
-        CpuStorage::F32(v)
-    }
-    fn as_f32_mut(v: &mut [f32]) -> Option<&mut [f32]> {
-        Some(v)
-    }
-}
-
-impl Store for f16 {
-    fn store(src: &[f32], dst: &mut [f16]) {
-        convert::f32_to_f16(src, dst);
-    }
-    fn sum(v: &[f16]) -> f32 {
-        sum_converted(v, convert::f16_to_f32)
-    }
-    fn of(src: Src<'_>) -> Option<&[f16]> {
-        match src {
-            Src::F16(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn into_storage(v: Vec<f16>) -> CpuStorage {
-        CpuStorage::F16(v)
-    }
-    fn as_f32_mut(_: &mut [f16]) -> Option<&mut [f32]> {
-        None
-    }
-}
-
-impl Store for bf16 {
-    fn store(src: &[f32], dst: &mut [bf16]) {
-        convert::f32_to_bf16(src, dst);
-    }
-    fn sum(v: &[bf16]) -> f32 {
-        sum_converted(v, convert::bf16_to_f32)
-    }
-    fn of(src: Src<'_>) -> Option<&[bf16]> {
-        match src {
-            Src::BF16(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn into_storage(v: Vec<bf16>) -> CpuStorage {
-        CpuStorage::BF16(v)
-    }
-    fn as_f32_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
-        None
-    }
 }
 
 /// Per-thread scratch of the forward: the group's column matrix (in the tensors' dtype), its
@@ -366,23 +271,21 @@ fn pick_pairs(row: &[f32], best: &mut [f32], at: &mut [u8], first: u8) {
     }
 }
 
-/// Forward of the block over contiguous `x [n, c_in, h, w]` and weight of one dtype (F32,
-/// F16 or BF16; `None` for a mix), F32 bias: the pooled output in that dtype and the window
-/// index of every output.
-pub fn forward(
-    x: Src<'_>,
-    w: Src<'_>,
+/// Forward of the block over contiguous `x [n, c_in, h, w]` and weight of one dtype `T`
+/// (F32, F16 or BF16), F32 bias: the pooled output in `T` and the window index of every
+/// output.
+pub fn forward<T: WithDType>(
+    x: &[T],
+    w: &[T],
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
-) -> Option<(CpuStorage, Vec<u8>)> {
+) -> (CpuStorage, Vec<u8>) {
     let mut idx = vec![0u8; g.n * pooled_image(g)];
-    let out = same_elem!((x, w), |x, w| Store::into_storage(forward_into(
-        x, w, bias, g, &mut idx
-    )))?;
-    Some((out, idx))
+    let out = forward_into(x, w, bias, g, &mut idx);
+    (CpuStorage::from_vec(out), idx)
 }
 
-fn forward_into<T: Store>(
+fn forward_into<T: WithDType>(
     x: &[T],
     w: &[T],
     bias: Option<&[f32]>,
@@ -414,7 +317,7 @@ fn forward_into<T: Store>(
                         row.fill(b);
                     }
                 }
-                T::product(dst, a, b, bias.is_some(), single);
+                product(dst, a, b, bias.is_some(), single);
             }
             s.pooled.resize(pooled, 0.0);
             for j in 0..cnt {
@@ -427,7 +330,7 @@ fn forward_into<T: Store>(
                     g,
                     true,
                 );
-                T::store(&s.pooled, &mut o[span]);
+                write(&s.pooled, &mut o[span]);
             }
         });
     out
@@ -500,30 +403,24 @@ impl<T> Default for BwdScratch<T> {
 }
 
 /// Backward of the block from the pooled output gradient `dy`, the forward's window
-/// indices, its input and its weight, all contiguous and of one dtype (`None` for a mix).
+/// indices, its input and its weight, all contiguous and of one dtype `T` (F32, F16 or
+/// BF16).
 ///
 /// The batch is cut into runs of whole GEMM groups fixed by the batch size (`Runs`, not by
 /// the thread count); each run sums its weight and bias gradients into its own buffers,
 /// added in run order afterwards, so the result is the same on any number of threads.
-pub fn backward(
-    dy: Src<'_>,
+pub fn backward<T: WithDType>(
+    dy: &[T],
     idx: &[u8],
-    x: Src<'_>,
-    w: Src<'_>,
+    x: &[T],
+    w: &[T],
     g: &Conv2dGeom,
     want_dx: bool,
-) -> Option<Grads> {
-    same_elem!((x, w), |x, w| backward_as(
-        Store::of(dy)?,
-        idx,
-        x,
-        w,
-        g,
-        want_dx
-    ))
+) -> Grads {
+    backward_as(dy, idx, x, w, g, want_dx)
 }
 
-fn backward_as<T: Store>(
+fn backward_as<T: WithDType>(
     dy: &[T],
     idx: &[u8],
     x: &[T],
@@ -536,7 +433,7 @@ fn backward_as<T: Store>(
     let (dx, partials) = if want_dx {
         let mut dx = vec![T::default(); g.n * g.in_image()];
         let p = backward_runs(dy, idx, x, w, g, runs, Some(&mut dx));
-        (Some(T::into_storage(dx)), p)
+        (Some(CpuStorage::from_vec(dx)), p)
     } else {
         (None, backward_runs(dy, idx, x, w, g, runs, None))
     };
@@ -550,7 +447,7 @@ fn backward_as<T: Store>(
 
 /// The runs of the backward: each returns its partial (dw, db); `dx` (when wanted) is
 /// written image by image.
-fn backward_runs<T: Store>(
+fn backward_runs<T: WithDType>(
     dy: &[T],
     idx: &[u8],
     x: &[T],
@@ -599,7 +496,7 @@ type GroupGrads<'a, T> = (&'a mut [f32], &'a mut [f32], Option<&'a mut [T]>);
 /// dtype), then `dw += dy · colᵀ` (one product over all their pixels), `db += Σ dy`, and,
 /// when wanted, `dx = col2im(wᵀ · dy)` image by image.
 #[allow(clippy::too_many_arguments)]
-fn group_backward<T: Store>(
+fn group_backward<T: WithDType>(
     dy: &[T],
     idx: &[u8],
     x: &[T],
@@ -639,18 +536,18 @@ fn group_backward<T: Store>(
         }
     }
     for (b, row) in db.iter_mut().zip(s.dy.chunks_exact(ld)) {
-        *b += T::sum(row);
+        *b += sum(row);
     }
     group_columns(x, g, first, cnt, &mut s.col);
     for grp in 0..g.groups {
         let a = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
         let bt = MatRef::row_major(&s.col[grp * k * ld..], k, ld).t();
-        T::product(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
+        product(&mut dw[grp * m * k..(grp + 1) * m * k], a, bt, true, par);
     }
     if let Some(dx) = dx {
         // wᵀ · dy, in F32: into the spent column matrix when that is F32, else a buffer of
         // its own.
-        let dcol: &mut [f32] = match T::as_f32_mut(&mut s.col) {
+        let dcol: &mut [f32] = match same_slice_mut::<T, f32>(&mut s.col) {
             Some(col) => col,
             None => {
                 s.dcol.resize(g.groups * k * ld, 0.0);
@@ -661,13 +558,13 @@ fn group_backward<T: Store>(
             let wt = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k).t();
             let b = MatRef::row_major(&s.dy[grp * m * ld..], m, ld);
             let dst = &mut dcol[grp * k * ld..(grp + 1) * k * ld];
-            T::product(dst, wt, b, false, par);
+            product(dst, wt, b, false, par);
         }
         s.dx.resize(g.in_image(), 0.0);
         for (j, dxi) in dx.chunks_exact_mut(g.in_image()).enumerate().take(cnt) {
             s.dx.fill(0.0);
             col2im_ld(&dcol[j * l..], &mut s.dx, ld, g);
-            T::store(&s.dx, dxi);
+            write(&s.dx, dxi);
         }
     }
 }

@@ -1,21 +1,26 @@
-//! Matrix products through the `gemm` crate, on strided row-major views, in the compute
-//! type (F32 or F64). Used by matmul, linear and convolution.
+//! Matrix products on strided row-major views: the `gemm` crate in the compute type (F32 or
+//! F64), and `product`, which picks it or hemi's own GEMM (`cpu::gemm_half`, F32
+//! accumulation, half-precision operands converted inside its packing) by the element types
+//! of the operands. Used by matmul, linear and convolution.
 
-use crate::tensor::FloatDType;
+use crate::cpu::gemm_half;
+use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 
-/// A strided read-only matrix view: element (i, j) is at `data[i * rs + j * cs]`.
+/// A strided read-only matrix view of elements `T` (any storage dtype): element (i, j) is at
+/// `data[i * rs + j * cs]`. The one view type of every CPU GEMM (`gemm`, `gemm_half`) and of
+/// the convolutions.
 #[derive(Clone, Copy, Debug)]
-pub struct MatRef<'a, C> {
-    pub data: &'a [C],
+pub struct MatRef<'a, T> {
+    pub data: &'a [T],
     pub rows: usize,
     pub cols: usize,
     pub rs: isize,
     pub cs: isize,
 }
 
-impl<'a, C> MatRef<'a, C> {
+impl<'a, T> MatRef<'a, T> {
     /// A row-major contiguous `rows x cols` matrix.
-    pub fn row_major(data: &'a [C], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         debug_assert!(data.len() >= rows * cols);
         MatRef {
             data,
@@ -35,11 +40,80 @@ impl<'a, C> MatRef<'a, C> {
             cs: self.rs,
         }
     }
+    /// The same view with row stride `rs`.
+    pub fn with_row_stride(self, rs: isize) -> Self {
+        MatRef { rs, ..self }
+    }
     fn max_index(&self) -> usize {
         if self.rows == 0 || self.cols == 0 {
             return 0;
         }
         (self.rows - 1) * self.rs as usize + (self.cols - 1) * self.cs as usize
+    }
+    /// Offset of element (i, j) in `data`.
+    pub(crate) fn offset(&self, i: usize, j: usize) -> isize {
+        i as isize * self.rs + j as isize * self.cs
+    }
+
+    /// Panics unless every element of the view lies inside `data`: after this, the offsets
+    /// the packing computes are in bounds.
+    pub(crate) fn check_bounds(&self, what: &str) {
+        if self.rows == 0 || self.cols == 0 {
+            return;
+        }
+        let span = |n: usize, s: isize| (n as isize - 1).checked_mul(s);
+        let (Some(di), Some(dj)) = (span(self.rows, self.rs), span(self.cols, self.cs)) else {
+            panic!("gemm_half: {what} strides overflow");
+        };
+        let lo = di.min(0) + dj.min(0);
+        let hi = di.max(0).checked_add(dj.max(0));
+        assert!(
+            lo >= 0 && hi.is_some_and(|hi| (hi as usize) < self.data.len()),
+            "gemm_half: {what} view {}x{} (strides {}, {}) out of bounds of {} elements",
+            self.rows,
+            self.cols,
+            self.rs,
+            self.cs,
+            self.data.len()
+        );
+    }
+}
+
+impl<'a, T: WithDType> MatRef<'a, T> {
+    /// The storage dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+    /// The same view with elements of type `U`, when `U` is `T`.
+    pub fn cast<U: WithDType>(self) -> Option<MatRef<'a, U>> {
+        Some(MatRef {
+            data: same_slice(self.data)?,
+            rows: self.rows,
+            cols: self.cols,
+            rs: self.rs,
+            cs: self.cs,
+        })
+    }
+}
+
+/// `dst = [dst +] a · b` in the compute type `C`, `dst` row-major contiguous
+/// `a.rows x b.cols`: the `gemm` crate when both operands are of type `C`, else hemi's GEMM
+/// (`gemm_half`: F32, F16 and BF16 operands in any mix, F32 accumulation, so `C` is f32
+/// there). `par` lets the product use the thread pool (pass false inside a parallel task);
+/// the thread count changes no bit of the result.
+pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
+    dst: &mut [C],
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    acc: bool,
+    par: bool,
+) {
+    match (a.cast::<C>(), b.cast::<C>()) {
+        (Some(a), Some(b)) => matmul_into_par(dst, a, b, acc, par),
+        _ => {
+            let dst = C::as_f32_mut(dst).expect("half-precision operands: F32 compute");
+            gemm_half::gemm(dst, a, b, acc, par)
+        }
     }
 }
 

@@ -37,6 +37,7 @@
 //! workspace between calls.
 
 use crate::cpu::gemm::MatRef;
+use crate::dtype::{same_slice, WithDType};
 use crate::DType;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
@@ -50,152 +51,6 @@ const PAR_MIN_MACS: usize = 64 * 64 * 64;
 const MAX_KC: usize = 512;
 /// The largest MR·NR of any kernel (stack buffer of an edge tile).
 const MAX_TILE: usize = 14 * 32;
-
-// ---------------------------------------------------------------------------------------------
-// Operands
-
-/// The storage of one operand.
-#[derive(Clone, Copy, Debug)]
-pub enum Operand<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    BF16(&'a [bf16]),
-}
-
-impl Operand<'_> {
-    pub fn dtype(&self) -> DType {
-        match self {
-            Operand::F32(_) => DType::F32,
-            Operand::F16(_) => DType::F16,
-            Operand::BF16(_) => DType::BF16,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            Operand::F32(s) => s.len(),
-            Operand::F16(s) => s.len(),
-            Operand::BF16(s) => s.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The elements `range` of the storage, as an operand of the same dtype.
-    pub fn slice(
-        self,
-        range: impl std::slice::SliceIndex<[f32], Output = [f32]>
-            + std::slice::SliceIndex<[f16], Output = [f16]>
-            + std::slice::SliceIndex<[bf16], Output = [bf16]>,
-    ) -> Self {
-        match self {
-            Operand::F32(s) => Operand::F32(&s[range]),
-            Operand::F16(s) => Operand::F16(&s[range]),
-            Operand::BF16(s) => Operand::BF16(&s[range]),
-        }
-    }
-}
-
-impl<'a> From<&'a [f32]> for Operand<'a> {
-    fn from(s: &'a [f32]) -> Self {
-        Operand::F32(s)
-    }
-}
-
-impl<'a> From<&'a [f16]> for Operand<'a> {
-    fn from(s: &'a [f16]) -> Self {
-        Operand::F16(s)
-    }
-}
-
-impl<'a> From<&'a [bf16]> for Operand<'a> {
-    fn from(s: &'a [bf16]) -> Self {
-        Operand::BF16(s)
-    }
-}
-
-/// A strided read-only matrix view: element (i, j) is at `data[i * rs + j * cs]`.
-#[derive(Clone, Copy, Debug)]
-pub struct HalfMat<'a> {
-    pub data: Operand<'a>,
-    pub rows: usize,
-    pub cols: usize,
-    pub rs: isize,
-    pub cs: isize,
-}
-
-/// The same view of an F32/F16/BF16 slice (`cpu::gemm`'s view type).
-impl<'a, E> From<MatRef<'a, E>> for HalfMat<'a>
-where
-    &'a [E]: Into<Operand<'a>>,
-{
-    fn from(m: MatRef<'a, E>) -> Self {
-        HalfMat {
-            data: m.data.into(),
-            rows: m.rows,
-            cols: m.cols,
-            rs: m.rs,
-            cs: m.cs,
-        }
-    }
-}
-
-impl<'a> HalfMat<'a> {
-    /// A row-major contiguous `rows x cols` matrix.
-    pub fn row_major(data: impl Into<Operand<'a>>, rows: usize, cols: usize) -> Self {
-        HalfMat {
-            data: data.into(),
-            rows,
-            cols,
-            rs: cols as isize,
-            cs: 1,
-        }
-    }
-
-    /// The transpose, without copying.
-    pub fn t(self) -> Self {
-        HalfMat {
-            data: self.data,
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-        }
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.data.dtype()
-    }
-
-    fn offset(&self, i: usize, j: usize) -> isize {
-        i as isize * self.rs + j as isize * self.cs
-    }
-
-    /// Panics unless every element of the view lies inside `data`: after this, the offsets
-    /// the packing computes are in bounds.
-    fn check_bounds(&self, what: &str) {
-        if self.rows == 0 || self.cols == 0 {
-            return;
-        }
-        let span = |n: usize, s: isize| (n as isize - 1).checked_mul(s);
-        let (Some(di), Some(dj)) = (span(self.rows, self.rs), span(self.cols, self.cs)) else {
-            panic!("gemm_half: {what} strides overflow");
-        };
-        let lo = di.min(0) + dj.min(0);
-        let hi = di.max(0).checked_add(dj.max(0));
-        assert!(
-            lo >= 0 && hi.is_some_and(|hi| (hi as usize) < self.data.len()),
-            "gemm_half: {what} view {}x{} (strides {}, {}) out of bounds of {} elements",
-            self.rows,
-            self.cols,
-            self.rs,
-            self.cs,
-            self.data.len()
-        );
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Kernels and dispatch
@@ -327,18 +182,24 @@ pub fn kernel_name(a: DType, b: DType) -> &'static str {
 /// output over rayon's pool (products under 64³ multiply-adds stay on the calling thread);
 /// pass false from inside a task that is already parallel. Panics on mismatched shapes or
 /// out-of-bounds views (callers validate user input first).
-pub fn gemm(dst: &mut [f32], a: HalfMat<'_>, b: HalfMat<'_>, accumulate: bool, parallel: bool) {
+pub fn gemm<A: WithDType, B: WithDType>(
+    dst: &mut [f32],
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
     let kernel = select_kernel(a.dtype(), b.dtype());
     gemm_with(kernel, dst, a, b, accumulate, parallel)
 }
 
 /// As `gemm`, with the kernel chosen by the caller (tests, benches). Panics if the CPU lacks
 /// the kernel or its format does not take these dtypes.
-pub fn gemm_with(
+pub fn gemm_with<A: WithDType, B: WithDType>(
     kernel: Kernel,
     dst: &mut [f32],
-    a: HalfMat<'_>,
-    b: HalfMat<'_>,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
     accumulate: bool,
     parallel: bool,
 ) {
@@ -431,9 +292,9 @@ fn split(m: usize, n: usize, k: usize, mr: usize, nr: usize, threads: usize) -> 
 }
 
 /// One product, shared by the tasks that compute its tiles.
-struct Job<'a> {
-    a: HalfMat<'a>,
-    b: HalfMat<'a>,
+struct Job<'a, A, B> {
+    a: MatRef<'a, A>,
+    b: MatRef<'a, B>,
     c: DstPtr,
     ldc: usize,
     k: usize,
@@ -449,16 +310,21 @@ unsafe impl Send for DstPtr {}
 // SAFETY: as above.
 unsafe impl Sync for DstPtr {}
 
-fn run_task(kernel: Kernel, job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
+fn run_task<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    job: &Job<'_, A, B>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) {
     with_workspace(|ws| match kernel {
-        Kernel::PortableF32 => run_tile::<PortableF32>(job, rows, cols, ws),
-        Kernel::PortableBf16Pairs => run_tile::<PortablePairs>(job, rows, cols, ws),
+        Kernel::PortableF32 => run_tile::<PortableF32, A, B>(job, rows, cols, ws),
+        Kernel::PortableBf16Pairs => run_tile::<PortablePairs, A, B>(job, rows, cols, ws),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx2Fma.is_available()` (AVX2, FMA, F16C).
-        Kernel::Avx2Fma => unsafe { x86::run_tile_avx2(job, rows, cols, ws) },
+        Kernel::Avx2Fma => unsafe { x86::run_tile_avx2::<A, B>(job, rows, cols, ws) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx512Bf16.is_available()`.
-        Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16(job, rows, cols, ws) },
+        Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16::<A, B>(job, rows, cols, ws) },
         #[cfg(not(target_arch = "x86_64"))]
         Kernel::Avx2Fma | Kernel::Avx512Bf16 => unreachable!("checked by is_available"),
     })
@@ -485,9 +351,23 @@ trait Micro {
     const NC: usize;
     /// Packs rows `i0..i0 + h`, k indices `p0..p0 + kc` of `a` into `ceil(h / MR)` panels of
     /// `ceil(kc / KSTEP) * MR` elements each (see the format).
-    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [Self::P]);
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [Self::P],
+    );
     /// Packs columns `j0..j0 + w` of B, given as `bt` = Bᵀ, into NR-wide panels likewise.
-    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [Self::P]);
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [Self::P],
+    );
     /// `c[r*ldc + j] = (load_c ? c[r*ldc + j] : 0) + Σ_steps a·b` for r < MR, j < NR, the
     /// sum accumulated in F32 from zero and added to C at the end.
     ///
@@ -507,7 +387,12 @@ trait Micro {
 /// Computes the rectangle `rows x cols` of the product. Inlined into each kernel's entry
 /// point, so the packing compiles with that kernel's target features.
 #[inline(always)]
-fn run_tile<M: Micro>(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>, ws: &mut Workspace) {
+fn run_tile<M: Micro, A: WithDType, B: WithDType>(
+    job: &Job<'_, A, B>,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    ws: &mut Workspace,
+) {
     let (mr, nr) = (M::MR, M::NR);
     let k = job.k;
     // Equal k blocks, so that no block is a sliver: k = 600 gives blocks of 304 and 296.
@@ -585,8 +470,8 @@ const PACK_STEPS: usize = 16;
 /// p0 + p)` as F32 for p < kc, rows past `h` zero. `simd`: the caller runs with AVX2 and
 /// F16C enabled (the `avx2-fma` kernel).
 #[inline(always)]
-fn pack_f32<const W: usize>(
-    x: &HalfMat<'_>,
+fn pack_f32<const W: usize, T: WithDType>(
+    x: &MatRef<'_, T>,
     i0: usize,
     h: usize,
     p0: usize,
@@ -649,8 +534,8 @@ fn pack_f32<const W: usize>(
             }
             for r in first..w {
                 let at = x.offset(i0 + t * W + r, p0);
-                let run: &[f32] = match x.data {
-                    Operand::F32(s) if x.cs == 1 => &s[at as usize..][..kc],
+                let run: &[f32] = match same_slice::<T, f32>(x.data) {
+                    Some(s) if x.cs == 1 => &s[at as usize..][..kc],
                     _ => {
                         load_run(x.data, at, x.cs, &mut buf[..kc], simd);
                         &buf[..kc]
@@ -672,16 +557,21 @@ fn pack_f32<const W: usize>(
 /// Converts `out.len()` elements of `src`, starting at `start`, `stride` apart, to F32.
 /// The view's `check_bounds` keeps them in bounds; indexing checks again.
 #[inline(always)]
-fn load_run(src: Operand<'_>, start: isize, stride: isize, out: &mut [f32], simd: bool) {
+fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32], simd: bool) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = simd; // always false there
     let n = out.len();
     let s = start as usize;
     let at = |t: usize| (start + t as isize * stride) as usize;
-    match src {
-        Operand::F32(x) if stride == 1 => out.copy_from_slice(&x[s..s + n]),
-        Operand::F32(x) => out.iter_mut().enumerate().for_each(|(t, o)| *o = x[at(t)]),
-        Operand::F16(x) if stride == 1 => {
+    // One branch survives per element type (`same_slice` compares type ids, constants).
+    if let Some(x) = same_slice::<T, f32>(src) {
+        if stride == 1 {
+            out.copy_from_slice(&x[s..s + n]);
+        } else {
+            out.iter_mut().enumerate().for_each(|(t, o)| *o = x[at(t)]);
+        }
+    } else if let Some(x) = same_slice::<T, f16>(src) {
+        if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: `simd` is set only by the avx2-fma kernel, available with F16C.
@@ -689,12 +579,13 @@ fn load_run(src: Operand<'_>, start: isize, stride: isize, out: &mut [f32], simd
                 return;
             }
             x[s..s + n].convert_to_f32_slice(out)
+        } else {
+            out.iter_mut()
+                .enumerate()
+                .for_each(|(t, o)| *o = x[at(t)].to_f32());
         }
-        Operand::F16(x) => out
-            .iter_mut()
-            .enumerate()
-            .for_each(|(t, o)| *o = x[at(t)].to_f32()),
-        Operand::BF16(x) if stride == 1 => {
+    } else if let Some(x) = same_slice::<T, bf16>(src) {
+        if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: `simd` is set only by the avx2-fma kernel, available with AVX2.
@@ -704,11 +595,13 @@ fn load_run(src: Operand<'_>, start: isize, stride: isize, out: &mut [f32], simd
             for (o, h) in out.iter_mut().zip(&x[s..s + n]) {
                 *o = bf16_bits_to_f32(h.to_bits());
             }
+        } else {
+            out.iter_mut()
+                .enumerate()
+                .for_each(|(t, o)| *o = bf16_bits_to_f32(x[at(t)].to_bits()));
         }
-        Operand::BF16(x) => out
-            .iter_mut()
-            .enumerate()
-            .for_each(|(t, o)| *o = bf16_bits_to_f32(x[at(t)].to_bits())),
+    } else {
+        unreachable!("gemm_with checks that operands are F32, F16 or BF16")
     }
 }
 
@@ -724,15 +617,15 @@ fn bf16_bits_to_f32(h: u16) -> f32 {
 /// the high half zero past kc, rows past `h` zero. This is the layout `vdpbf16ps` reads: lane
 /// j of a register holds the even k index in its low 16 bits.
 #[inline(always)]
-fn pack_pairs<const W: usize>(
-    x: &HalfMat<'_>,
+fn pack_pairs<const W: usize, T: WithDType>(
+    x: &MatRef<'_, T>,
     i0: usize,
     h: usize,
     p0: usize,
     kc: usize,
     out: &mut [u32],
 ) {
-    let Operand::BF16(s) = x.data else {
+    let Some(s) = same_slice::<T, bf16>(x.data) else {
         unreachable!("gemm_with checks that pair kernels get BF16 operands")
     };
     let steps = kc.div_ceil(2);
@@ -871,13 +764,27 @@ impl Micro for PortableF32 {
     const NC: usize = 2048;
 
     #[inline(always)]
-    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [f32]) {
-        pack_f32::<6>(a, i0, h, p0, kc, out, false)
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<6, T>(a, i0, h, p0, kc, out, false)
     }
 
     #[inline(always)]
-    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [f32]) {
-        pack_f32::<16>(bt, j0, w, p0, kc, out, false)
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<16, T>(bt, j0, w, p0, kc, out, false)
     }
 
     #[inline(always)]
@@ -924,13 +831,27 @@ impl Micro for PortablePairs {
     const NC: usize = 2048;
 
     #[inline(always)]
-    fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [u32]) {
-        pack_pairs::<14>(a, i0, h, p0, kc, out)
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [u32],
+    ) {
+        pack_pairs::<14, T>(a, i0, h, p0, kc, out)
     }
 
     #[inline(always)]
-    fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [u32]) {
-        pack_pairs::<32>(bt, j0, w, p0, kc, out)
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [u32],
+    ) {
+        pack_pairs::<32, T>(bt, j0, w, p0, kc, out)
     }
 
     #[inline(always)]
@@ -998,7 +919,9 @@ unsafe fn store_tile<const R: usize, const N: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{pack_f32, pack_pairs, run_tile, HalfMat, Job, Micro, Workspace};
+    use super::{pack_f32, pack_pairs, run_tile, Job, Micro, Workspace};
+    use crate::cpu::gemm::MatRef;
+    use crate::dtype::WithDType;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -1008,13 +931,13 @@ mod x86 {
     /// # Safety
     /// The CPU has AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn run_tile_avx2(
-        job: &Job<'_>,
+    pub(super) unsafe fn run_tile_avx2<A: WithDType, B: WithDType>(
+        job: &Job<'_, A, B>,
         rows: Range<usize>,
         cols: Range<usize>,
         ws: &mut Workspace,
     ) {
-        run_tile::<Avx2Fma>(job, rows, cols, ws)
+        run_tile::<Avx2Fma, A, B>(job, rows, cols, ws)
     }
 
     /// `run_tile` compiled for AVX-512 BF16.
@@ -1022,13 +945,13 @@ mod x86 {
     /// # Safety
     /// The CPU has AVX-512 F, BW and BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn run_tile_avx512bf16(
-        job: &Job<'_>,
+    pub(super) unsafe fn run_tile_avx512bf16<A: WithDType, B: WithDType>(
+        job: &Job<'_, A, B>,
         rows: Range<usize>,
         cols: Range<usize>,
         ws: &mut Workspace,
     ) {
-        run_tile::<Avx512Bf16>(job, rows, cols, ws)
+        run_tile::<Avx512Bf16, A, B>(job, rows, cols, ws)
     }
 
     /// F16 -> F32 with `vcvtph2ps`, 8 per instruction; a tail of under 8 goes through a
@@ -1159,13 +1082,27 @@ mod x86 {
         const NC: usize = 2048;
 
         #[inline(always)]
-        fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [f32]) {
-            pack_f32::<6>(a, i0, h, p0, kc, out, true)
+        fn pack_a<T: WithDType>(
+            a: &MatRef<'_, T>,
+            i0: usize,
+            h: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<6, T>(a, i0, h, p0, kc, out, true)
         }
 
         #[inline(always)]
-        fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [f32]) {
-            pack_f32::<16>(bt, j0, w, p0, kc, out, true)
+        fn pack_b<T: WithDType>(
+            bt: &MatRef<'_, T>,
+            j0: usize,
+            w: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<16, T>(bt, j0, w, p0, kc, out, true)
         }
 
         #[inline(always)]
@@ -1245,13 +1182,27 @@ mod x86 {
         const NC: usize = 2048;
 
         #[inline(always)]
-        fn pack_a(a: &HalfMat<'_>, i0: usize, h: usize, p0: usize, kc: usize, out: &mut [u32]) {
-            pack_pairs::<14>(a, i0, h, p0, kc, out)
+        fn pack_a<T: WithDType>(
+            a: &MatRef<'_, T>,
+            i0: usize,
+            h: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [u32],
+        ) {
+            pack_pairs::<14, T>(a, i0, h, p0, kc, out)
         }
 
         #[inline(always)]
-        fn pack_b(bt: &HalfMat<'_>, j0: usize, w: usize, p0: usize, kc: usize, out: &mut [u32]) {
-            pack_pairs::<32>(bt, j0, w, p0, kc, out)
+        fn pack_b<T: WithDType>(
+            bt: &MatRef<'_, T>,
+            j0: usize,
+            w: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [u32],
+        ) {
+            pack_pairs::<32, T>(bt, j0, w, p0, kc, out)
         }
 
         #[inline(always)]

@@ -1,53 +1,34 @@
 //! 2-D pooling kernels over plain buffers of planes `[planes, h, w]` (planes = N*C), each
 //! plane pooled independently and in parallel: max (with the argmax kept for backward),
 //! average, and adaptive average, forward and backward. No autograd and no validation here:
-//! `ops/pool.rs` checks the shapes and hands over contiguous buffers in the compute type.
+//! `ops/pool.rs` checks the shapes and `cpu::nn` hands over contiguous buffers in the compute
+//! type.
 
 use rayon::prelude::*;
 
+pub use crate::backend::nn::Pool2dGeom;
 use crate::tensor::FloatDType;
 
 /// Below this many output elements a pooling loop runs on one thread.
 const PAR_MIN: usize = 1 << 14;
 
-/// Shape of a windowed 2-D pool (max or average), PyTorch's semantics without ceil_mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pool2dGeom {
-    pub planes: usize,
-    pub h: usize,
-    pub w: usize,
-    pub kernel: (usize, usize),
-    pub stride: (usize, usize),
-    pub padding: (usize, usize),
-    pub h_out: usize,
-    pub w_out: usize,
-}
-
-impl Pool2dGeom {
-    pub fn in_plane(&self) -> usize {
-        self.h * self.w
-    }
-    pub fn out_plane(&self) -> usize {
-        self.h_out * self.w_out
-    }
-    /// The window of output (oh, ow) clipped to the input: rows `h0..h1`, cols `w0..w1`,
-    /// and its size including padding (`(h1p - h0p) * (w1p - w0p)`, PyTorch's divisor with
-    /// count_include_pad).
-    #[inline]
-    fn window(&self, oh: usize, ow: usize) -> (usize, usize, usize, usize, usize) {
-        let (hs, he) = clip(oh, self.stride.0, self.padding.0, self.kernel.0, self.h);
-        let (ws, we) = clip(ow, self.stride.1, self.padding.1, self.kernel.1, self.w);
-        let padded = |o: usize, s: usize, p: usize, k: usize, size: usize| {
-            // Start and end of the window in padded coordinates, end clipped to the
-            // padded extent (as PyTorch computes pool_size).
-            let start = o * s;
-            let end = (start + k).min(size + 2 * p);
-            end - start
-        };
-        let count = padded(oh, self.stride.0, self.padding.0, self.kernel.0, self.h)
-            * padded(ow, self.stride.1, self.padding.1, self.kernel.1, self.w);
-        (hs, he, ws, we, count)
-    }
+/// The window of output (oh, ow) clipped to the input: rows `h0..h1`, cols `w0..w1`, and
+/// its size including padding (`(h1p - h0p) * (w1p - w0p)`, PyTorch's divisor with
+/// count_include_pad).
+#[inline]
+fn window(g: &Pool2dGeom, oh: usize, ow: usize) -> (usize, usize, usize, usize, usize) {
+    let (hs, he) = clip(oh, g.stride.0, g.padding.0, g.kernel.0, g.h);
+    let (ws, we) = clip(ow, g.stride.1, g.padding.1, g.kernel.1, g.w);
+    let padded = |o: usize, s: usize, p: usize, k: usize, size: usize| {
+        // Start and end of the window in padded coordinates, end clipped to the padded
+        // extent (as PyTorch computes pool_size).
+        let start = o * s;
+        let end = (start + k).min(size + 2 * p);
+        end - start
+    };
+    let count = padded(oh, g.stride.0, g.padding.0, g.kernel.0, g.h)
+        * padded(ow, g.stride.1, g.padding.1, g.kernel.1, g.w);
+    (hs, he, ws, we, count)
 }
 
 /// Window `[o*s - p, o*s - p + k)` clipped to `[0, size)`.
@@ -251,7 +232,7 @@ pub fn avg_pool2d_forward<C: FloatDType>(
     for_each_plane(&mut out, g.out_plane(), x, g.in_plane(), |o, plane| {
         for oh in 0..g.h_out {
             for ow in 0..g.w_out {
-                let (hs, he, ws, we, padded) = g.window(oh, ow);
+                let (hs, he, ws, we, padded) = window(g, oh, ow);
                 let mut s = C::zero();
                 for ih in hs..he {
                     for &v in &plane[ih * g.w + ws..ih * g.w + we] {
@@ -277,7 +258,7 @@ pub fn avg_pool2d_backward<C: FloatDType>(
     for_each_plane(&mut dx, g.in_plane(), dy, g.out_plane(), |dxp, dyp| {
         for oh in 0..g.h_out {
             for ow in 0..g.w_out {
-                let (hs, he, ws, we, padded) = g.window(oh, ow);
+                let (hs, he, ws, we, padded) = window(g, oh, ow);
                 let div = avg_divisor(hs, he, ws, we, padded, count_include_pad);
                 let d = dyp[oh * g.w_out + ow] / C::from_f64(div as f64);
                 for ih in hs..he {

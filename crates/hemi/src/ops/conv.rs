@@ -1,19 +1,18 @@
-//! 2-D convolution, the op entry point: validation, dtype promotion, dispatch to the
-//! im2col-and-GEMM kernels in `cpu/conv.rs`, and the backward (input, weight, bias) beside
-//! the forward.
+//! 2-D convolution, the op entry point: validation, dtype promotion, the backend's conv
+//! primitives (`backend::nn`: forward, and the input, weight and bias gradients), and the
+//! fused conv + ReLU + max-pool block.
 //!
 //! Dtypes: the output has the promoted dtype of input, weight and bias (PyTorch's rule; F16
 //! with BF16 gives F32). Inputs of one half dtype are multiplied as stored (`gemm_half`), mixes
 //! are converted to the promoted dtype first; products are summed in F32 (F64 for F64) and the
 //! output is rounded once (the precision contract).
 
-use crate::cpu::conv::{
-    conv2d_backward_input, conv2d_backward_weight, conv2d_forward, conv_out_size, Conv2dGeom,
-};
+use std::sync::Arc;
+
+use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::reduce::sum_slice;
-use crate::tensor::Tensor;
+use crate::tensor::{Layout, Storage, Tensor};
 
 const OP: &str = "conv2d";
 
@@ -203,40 +202,68 @@ impl Tensor {
         }
         // What the backward needs: the inputs (detached, not the graph) and which of them
         // want a gradient (the input of a first layer usually does not: skip its GEMMs).
-        let (x_saved, w_saved) = (self.detach(), weight.detach());
+        // Half tensors are kept as contiguous copies (half-size), so that every layout takes
+        // the same kernels and gives the same bits.
+        let saved = |t: &Tensor| -> Result<Tensor> {
+            if dtype.is_half() {
+                t.detach().contiguous()
+            } else {
+                Ok(t.detach())
+            }
+        };
+        let (x_saved, w_saved) = (saved(self)?, saved(weight)?);
         let (x_dtype, w_dtype) = (self.dtype(), weight.dtype());
         let b_dtype = bias.map(|b| b.dtype());
         let want = (self.requires_grad(), weight.requires_grad());
-        if let Some(t) = conv2d_half(self, weight, bias, &geom, dtype, want) {
-            return Ok(t);
-        }
+        let bias_s = bias.map(|b| b.storage());
+        let out = x_saved.storage().conv2d(
+            x_saved.layout(),
+            &w_saved.storage(),
+            w_saved.layout(),
+            bias.zip(bias_s.as_deref()).map(|(b, s)| (s, b.layout())),
+            &geom,
+            dtype,
+        )?;
         let mut inputs = vec![self, weight];
         inputs.extend(bias);
-        crate::with_compute!(dtype, C => {
-            let out = self.with_values::<C, _>(|x| {
-                weight.with_values::<C, _>(|w| match bias {
-                    Some(b) => b.with_values::<C, _>(|b| conv2d_forward(x, w, Some(b), &geom)),
-                    None => conv2d_forward(x, w, None, &geom),
-                })
-            });
-            Ok(Tensor::from_compute(out, &geom.out_shape(), dtype, OP, &inputs, move |g| {
-                g.with_values::<C, _>(|dy| {
-                    let dx = want.0.then(|| {
-                        let dx = w_saved.with_values::<C, _>(|w| conv2d_backward_input(dy, w, &geom));
-                        Tensor::from_values(dx, x_saved.shape(), x_dtype)
-                    });
-                    let dw = want.1.then(|| {
-                        let dw = x_saved.with_values::<C, _>(|x| conv2d_backward_weight(x, dy, &geom));
-                        Tensor::from_values(dw, w_saved.shape(), w_dtype)
-                    });
-                    let mut grads = vec![dx, dw];
-                    if let Some(b_dtype) = b_dtype {
-                        grads.push(Some(Tensor::from_values(bias_grad(dy, &geom), &[geom.c_out], b_dtype)));
-                    }
-                    Ok(grads)
-                })
-            }))
-        })
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(&geom.out_shape()),
+            OP,
+            &inputs,
+            move |g| {
+                let g = as_dtype(g, dtype)?;
+                let (gs, gl) = (g.storage(), g.layout());
+                let dx = want
+                    .0
+                    .then(|| {
+                        let ws = w_saved.storage();
+                        gs.conv2d_backward_input(gl, &ws, w_saved.layout(), &geom, x_dtype)
+                    })
+                    .transpose()?;
+                let dw = want
+                    .1
+                    .then(|| {
+                        let xs = x_saved.storage();
+                        xs.conv2d_backward_weight(x_saved.layout(), &gs, gl, &geom, w_dtype)
+                    })
+                    .transpose()?;
+                let db = b_dtype
+                    .map(|bd| gs.conv2d_backward_bias(gl, &geom, bd))
+                    .transpose()?;
+                let t = |s: Storage, shape: &[usize]| {
+                    Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
+                };
+                let mut grads = vec![
+                    dx.map(|s| t(s, &geom.in_shape())),
+                    dw.map(|s| t(s, &geom.weight_shape())),
+                ];
+                if let Some(db) = db {
+                    grads.push(Some(t(db, &[geom.c_out])));
+                }
+                Ok(grads)
+            },
+        ))
     }
 }
 
@@ -294,178 +321,60 @@ fn conv_block(
     geom: Conv2dGeom,
     op: &'static str,
 ) -> Result<Tensor> {
-    use crate::cpu::chunked::Src;
-    use crate::cpu::conv_block::{backward, forward, pooled_shape};
-    use crate::tensor::Layout;
-    use std::sync::Arc;
     let dtype = x.dtype();
     let w_saved = weight.detach().contiguous()?;
-    let (out, idx) = {
-        let (xs, ws) = (x.storage(), w_saved.storage());
-        let b = bias.map(|b| b.values::<f32>());
-        Src::of(xs.as_cpu(), x.layout())
-            .zip(Src::of(ws.as_cpu(), w_saved.layout()))
-            .and_then(|(xsrc, wsrc)| forward(xsrc, wsrc, b.as_deref(), &geom))
-            .ok_or_else(|| Error::dtype(op, dtype, "expected F32, F16 or BF16 of one dtype"))?
-    };
-    let idx = Arc::new(idx);
+    let bias_s = bias.map(|b| b.storage());
+    let (out, idx) = x.storage().conv2d_relu_max_pool2(
+        x.layout(),
+        &w_saved.storage(),
+        w_saved.layout(),
+        bias.zip(bias_s.as_deref()).map(|(b, s)| (s, b.layout())),
+        &geom,
+    )?;
     let x_saved = x.detach();
     let want_dx = input.requires_grad();
     let has_bias = bias.is_some();
     let mut inputs = vec![input, weight];
     inputs.extend(bias);
     Ok(Tensor::from_op(
-        Arc::new(out.into()),
-        Layout::contiguous(&pooled_shape(&geom)),
+        Arc::new(out),
+        Layout::contiguous(&geom.pooled_shape()),
         op,
         &inputs,
         move |g| {
-            let g = contiguous_as(g, dtype)?;
-            let (gs, xs, ws) = (g.storage(), x_saved.storage(), w_saved.storage());
-            let grads = Src::of(gs.as_cpu(), g.layout())
-                .zip(Src::of(xs.as_cpu(), x_saved.layout()))
-                .zip(Src::of(ws.as_cpu(), w_saved.layout()))
-                .and_then(|((dy, x), w)| backward(dy, &idx, x, w, &geom, want_dx))
-                .ok_or_else(|| Error::dtype(op, g.dtype(), "gradient of the block"))?;
-            let dx = grads.dx.map(|st| {
-                Tensor::from_storage(Arc::new(st.into()), Layout::contiguous(x_saved.shape()))
-            });
+            let g = as_dtype(g, dtype)?;
+            let grads = g.storage().conv2d_relu_max_pool2_backward(
+                g.layout(),
+                &idx,
+                &x_saved.storage(),
+                x_saved.layout(),
+                &w_saved.storage(),
+                w_saved.layout(),
+                &geom,
+                want_dx,
+                has_bias,
+            )?;
+            let t = |s: Storage, shape: &[usize]| {
+                Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
+            };
             let mut out = vec![
-                dx,
-                Some(Tensor::from_values(grads.dw, w_saved.shape(), dtype)),
+                grads.dx.map(|s| t(s, x_saved.shape())),
+                grads.dweight.map(|s| t(s, w_saved.shape())),
             ];
-            if has_bias {
-                out.push(Some(Tensor::from_values(grads.db, &[geom.c_out], dtype)));
+            if let Some(db) = grads.dbias {
+                out.push(Some(t(db, &[geom.c_out])));
             }
             Ok(out)
         },
     ))
 }
 
-/// `conv2d` when the inputs are all F16 or all BF16 (autocast's case): the kernels unfold and
-/// multiply the images as stored (`cpu::conv::*_blocks`, `gemm_half`) and round each image's
-/// F32 result into the output, so neither the batch nor its gradients exist in F32. `None`
-/// otherwise (the general path handles it).
-fn conv2d_half(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-    geom: &Conv2dGeom,
-    dtype: DType,
-    want: (bool, bool),
-) -> Option<Tensor> {
-    use crate::cpu::chunked::Src;
-    use crate::cpu::conv::{
-        conv2d_backward_input_blocks, conv2d_backward_weight_blocks, conv2d_forward_blocks,
-    };
-    use crate::tensor::Layout;
-    use std::sync::Arc;
-    let same = |t: &Tensor| t.dtype() == dtype;
-    if !matches!(dtype, DType::F16 | DType::BF16)
-        || !same(x)
-        || !same(weight)
-        || !bias.is_none_or(same)
-    {
-        return None;
-    }
-    // Contiguous copies (half-size) of strided views, so that every layout takes the same
-    // kernels and gives the same bits.
-    let (x_saved, w_saved) = (
-        x.detach().contiguous().ok()?,
-        weight.detach().contiguous().ok()?,
-    );
-    let out = {
-        let (xs, ws) = (x_saved.storage(), w_saved.storage());
-        let b = bias.map(|b| b.values::<f32>());
-        let xsrc = Src::of(xs.as_cpu(), x_saved.layout())?;
-        let wsrc = Src::of(ws.as_cpu(), w_saved.layout())?;
-        conv2d_forward_blocks(xsrc, wsrc, b.as_deref(), geom)?
-    };
-    let mut inputs = vec![x, weight];
-    inputs.extend(bias);
-    let has_bias = bias.is_some();
-    let geom = *geom;
-    Some(Tensor::from_op(
-        Arc::new(out.into()),
-        Layout::contiguous(&geom.out_shape()),
-        OP,
-        &inputs,
-        move |g| {
-            let g = contiguous_as(g, dtype)?;
-            let gs = g.storage();
-            let dy = Src::of(gs.as_cpu(), g.layout())
-                .ok_or_else(|| Error::dtype(OP, g.dtype(), "gradient of a half conv2d"))?;
-            let dx = if want.0 {
-                let ws = w_saved.storage();
-                let wsrc = Src::of(ws.as_cpu(), w_saved.layout()).expect("checked in the forward");
-                let st = conv2d_backward_input_blocks(dy, wsrc, &geom)
-                    .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
-                Some(Tensor::from_storage(
-                    Arc::new(st.into()),
-                    Layout::contiguous(x_saved.shape()),
-                ))
-            } else {
-                None
-            };
-            let dw = if want.1 {
-                let xs = x_saved.storage();
-                let xsrc = Src::of(xs.as_cpu(), x_saved.layout()).expect("checked in the forward");
-                let dw = conv2d_backward_weight_blocks(xsrc, dy, &geom)
-                    .ok_or_else(|| Error::dtype(OP, dy.dtype(), "gradient of a half conv2d"))?;
-                Some(Tensor::from_values(dw, w_saved.shape(), dtype))
-            } else {
-                None
-            };
-            let mut grads = vec![dx, dw];
-            if has_bias {
-                grads.push(Some(Tensor::from_values(
-                    bias_grad_blocks(dy, &geom),
-                    &[geom.c_out],
-                    dtype,
-                )));
-            }
-            Ok(grads)
-        },
-    ))
-}
-
-/// `g` contiguous and in `dtype` (the half kernels read a gradient of the output's dtype).
-fn contiguous_as(g: &Tensor, dtype: DType) -> Result<Tensor> {
-    let g = if g.dtype() == dtype {
-        g.clone()
+/// `g` in `dtype`: the backward kernels read a gradient of the output's dtype. (For F32 and
+/// F64 outputs this is exactly the conversion to the compute type the kernels would make.)
+fn as_dtype(g: &Tensor, dtype: DType) -> Result<Tensor> {
+    if g.dtype() == dtype {
+        Ok(g.clone())
     } else {
-        g.to_dtype(dtype)?
-    };
-    if g.is_contiguous() {
-        Ok(g)
-    } else {
-        g.contiguous()
+        g.to_dtype(dtype)
     }
-}
-
-/// The bias gradient (per channel, `dy` summed over images and pixels) from a contiguous
-/// F32/F16/BF16 gradient, summed in the order of `bias_grad`.
-fn bias_grad_blocks(dy: crate::cpu::chunked::Src<'_>, g: &Conv2dGeom) -> Vec<f32> {
-    let l = g.l();
-    let mut acc = vec![0f32; g.c_out];
-    let mut db = vec![0f32; g.out_image()];
-    for n in 0..g.n {
-        let img = dy.read(n * g.out_image(), &mut db);
-        for (co, a) in acc.iter_mut().enumerate() {
-            *a += sum_slice(&img[co * l..(co + 1) * l]);
-        }
-    }
-    acc
-}
-
-/// Gradient of the bias: `dy` summed over the batch and the output pixels, per channel.
-fn bias_grad<C: crate::tensor::FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
-    let l = g.l();
-    (0..g.c_out)
-        .map(|co| {
-            (0..g.n)
-                .map(|n| sum_slice(&dy[(n * g.c_out + co) * l..(n * g.c_out + co + 1) * l]))
-                .fold(C::zero(), |a, b| a + b)
-        })
-        .collect()
 }

@@ -14,7 +14,6 @@ use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{Layout, Tensor};
 
 /// Kept here for the op files that import it from this path.
-pub(crate) use crate::cpu::map::PAR_THRESHOLD;
 
 fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {

@@ -14,67 +14,11 @@
 //! The backward passes are the closed forms (as in llm.c's `layernorm_backward`), not a
 //! chain of recorded ops; they are not differentiable a second time.
 
-use rayon::prelude::*;
+use std::sync::Arc;
 
-#[allow(unused_imports)]
-use num_traits::{Float, One, Zero};
-
-use super::elementwise::PAR_THRESHOLD;
-use super::reduce::sum_slice;
-use crate::cpu::runs::{add_in_order, Runs};
-use crate::dtype::WithDType as _;
+use crate::backend::nn::BatchNormGeom;
 use crate::error::{Error, Result};
-use crate::tensor::{FloatDType, Tensor};
-
-/// `Σ f(x[i])` over a contiguous slice with eight accumulators (as `sum_slice`).
-fn sum_map<C: FloatDType>(x: &[C], f: impl Fn(C) -> C) -> C {
-    let mut acc = [C::zero(); 8];
-    let chunks = x.chunks_exact(8);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for i in 0..8 {
-            acc[i] += f(c[i]);
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for &r in rem {
-        s += f(r);
-    }
-    s
-}
-
-/// `Σ f(a[i], b[i])` over two slices of equal length with eight accumulators.
-fn sum_map2<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C) -> C {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [C::zero(); 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += f(x[i], y[i]);
-        }
-    }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (&x, &y) in ra.iter().zip(rb) {
-        s += f(x, y);
-    }
-    s
-}
-
-/// `f(0), ..., f(count - 1)` in parallel, each task doing at least `PAR_THRESHOLD`
-/// elements of work (`work_each` per call), so small inputs stay on one thread.
-fn par_map<T: Send>(
-    count: usize,
-    work_each: usize,
-    f: impl Fn(usize) -> T + Sync + Send,
-) -> Vec<T> {
-    let min_len = (PAR_THRESHOLD / work_each.max(1)).max(1);
-    (0..count)
-        .into_par_iter()
-        .with_min_len(min_len)
-        .map(f)
-        .collect()
-}
+use crate::tensor::{Layout, Tensor};
 
 fn require_float(op: &'static str, what: &str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {
@@ -120,152 +64,15 @@ fn check_param(
     Ok(())
 }
 
-// ----- batch norm -------------------------------------------------------------------------
+/// A tensor's storage and layout, as the primitives take an optional input.
+type Part = (Arc<crate::tensor::Storage>, Layout);
 
-/// A batch-norm input seen as `[n, c, s]`, `s` the product of the spatial dims: channel
-/// `ch` holds the `n` contiguous runs `v[(i*c + ch)*s ..][..s]`.
-#[derive(Clone, Copy, Debug)]
-struct Ncs {
-    n: usize,
-    c: usize,
-    s: usize,
+fn part(t: Option<&Tensor>) -> Option<Part> {
+    t.map(|t| (t.storage(), t.layout().clone()))
 }
 
-impl Ncs {
-    /// Values per channel (the batch-statistics count).
-    fn m(self) -> usize {
-        self.n * self.s
-    }
-    fn runs<C>(self, v: &[C], ch: usize) -> impl Iterator<Item = &[C]> {
-        (0..self.n).map(move |i| &v[(i * self.c + ch) * self.s..][..self.s])
-    }
-}
-
-/// Per-channel mean and biased variance (two passes: the variance sums squared deviations
-/// from the mean, which does not cancel the way `E[x²] - E[x]²` does in F32).
-fn bn_stats<C: FloatDType>(x: &[C], d: Ncs) -> (Vec<C>, Vec<C>) {
-    let inv_m = C::one() / C::from_f64(d.m() as f64);
-    let stats = par_map(d.c, d.m(), |ch| {
-        let mean = d.runs(x, ch).map(sum_slice).fold(C::zero(), |a, b| a + b) * inv_m;
-        let var = d
-            .runs(x, ch)
-            .map(|r| sum_map(r, |v| (v - mean) * (v - mean)))
-            .fold(C::zero(), |a, b| a + b)
-            * inv_m;
-        (mean, var)
-    });
-    stats.into_iter().unzip()
-}
-
-/// `y = (x - mean[ch]) * (rstd[ch] * w[ch]) + b[ch]`.
-fn bn_forward<C: FloatDType>(
-    x: &[C],
-    d: Ncs,
-    mean: &[C],
-    rstd: &[C],
-    w: Option<&[C]>,
-    b: Option<&[C]>,
-) -> Vec<C> {
-    let mut out = vec![C::zero(); x.len()];
-    let block = (d.c * d.s).max(1);
-    out.par_chunks_mut(block)
-        .zip(x.par_chunks(block))
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each(|(o, xb)| {
-            for ch in 0..d.c {
-                let scale = rstd[ch] * w.map_or(C::one(), |w| w[ch]);
-                let shift = b.map_or(C::zero(), |b| b[ch]);
-                let (o, xr) = (&mut o[ch * d.s..][..d.s], &xb[ch * d.s..][..d.s]);
-                for (o, &v) in o.iter_mut().zip(xr) {
-                    *o = (v - mean[ch]) * scale + shift;
-                }
-            }
-        });
-    out
-}
-
-/// Gradients of batch norm given the output gradient `g`.
-///
-/// With `dnorm = g * w` the gradient of `xhat`:
-/// - `dbias[ch]   = Σ g`,  `dweight[ch] = Σ g * xhat` (sums over the channel's n*s values);
-/// - training (the statistics depend on x):
-///   `dx = rstd * (dnorm - dnorm_mean - xhat * dnorm_norm_mean)` with
-///   `dnorm_mean = mean(dnorm) = w * dbias / m` and
-///   `dnorm_norm_mean = mean(dnorm * xhat) = w * dweight / m`;
-/// - eval (running statistics are constants): `dx = dnorm * rstd`.
-///
-/// Returns `(dx, dweight, dbias)`.
-#[allow(clippy::too_many_arguments)]
-fn bn_backward<C: FloatDType>(
-    g: &[C],
-    x: &[C],
-    d: Ncs,
-    mean: &[C],
-    rstd: &[C],
-    w: Option<&[C]>,
-    training: bool,
-    need_dx: bool,
-) -> (Option<Vec<C>>, Vec<C>, Vec<C>) {
-    let sums = par_map(d.c, d.m(), |ch| {
-        let (mu, rs) = (mean[ch], rstd[ch]);
-        let dbias = d.runs(g, ch).map(sum_slice).fold(C::zero(), |a, b| a + b);
-        let dweight = d
-            .runs(g, ch)
-            .zip(d.runs(x, ch))
-            .map(|(gr, xr)| sum_map2(gr, xr, |g, v| g * ((v - mu) * rs)))
-            .fold(C::zero(), |a, b| a + b);
-        (dweight, dbias)
-    });
-    let (dweight, dbias): (Vec<C>, Vec<C>) = sums.into_iter().unzip();
-    if !need_dx {
-        return (None, dweight, dbias);
-    }
-    let inv_m = C::one() / C::from_f64(d.m() as f64);
-    let mut dx = vec![C::zero(); x.len()];
-    let block = (d.c * d.s).max(1);
-    dx.par_chunks_mut(block)
-        .zip(g.par_chunks(block).zip(x.par_chunks(block)))
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each(|(o, (gb, xb))| {
-            for ch in 0..d.c {
-                let wc = w.map_or(C::one(), |w| w[ch]);
-                let (mu, rs) = (mean[ch], rstd[ch]);
-                let (o, gr, xr) = (
-                    &mut o[ch * d.s..][..d.s],
-                    &gb[ch * d.s..][..d.s],
-                    &xb[ch * d.s..][..d.s],
-                );
-                if training {
-                    let dnorm_mean = wc * dbias[ch] * inv_m;
-                    let dnorm_norm_mean = wc * dweight[ch] * inv_m;
-                    for ((o, &g), &v) in o.iter_mut().zip(gr).zip(xr) {
-                        let xhat = (v - mu) * rs;
-                        *o = rs * (g * wc - dnorm_mean - xhat * dnorm_norm_mean);
-                    }
-                } else {
-                    for (o, &g) in o.iter_mut().zip(gr) {
-                        *o = g * wc * rs;
-                    }
-                }
-            }
-        });
-    (Some(dx), dweight, dbias)
-}
-
-/// Replaces `running`'s values by `(1 - momentum) * running + momentum * batch`, computed
-/// in F64 and rounded once into `running`'s dtype.
-fn update_running<C: FloatDType>(running: &Tensor, batch: &[C], momentum: f64) -> Result<()> {
-    let new: Vec<f64> = running
-        .to_vec_f64()
-        .iter()
-        .zip(batch)
-        .map(|(&r, &b)| (1.0 - momentum) * r + momentum * b.to_f64())
-        .collect();
-    running.set_data(&Tensor::from_f64_vec(
-        new,
-        running.shape(),
-        running.dtype(),
-    )?)
+fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
+    p.as_ref().map(|(s, l)| (&**s, l))
 }
 
 impl Tensor {
@@ -313,7 +120,7 @@ impl Tensor {
             ));
         }
         let shape = self.shape().to_vec();
-        let d = Ncs {
+        let d = BatchNormGeom {
             n: shape[0],
             c: shape[1],
             s: shape[2..].iter().product(),
@@ -350,48 +157,59 @@ impl Tensor {
         }
 
         let dtype = self.dtype();
-        crate::with_compute!(dtype, C => {
-            let x = self.values::<C>();
-            let (mean, var) = if training {
-                let (mean, var) = bn_stats(&x, d);
-                if let Some((rm, rv)) = running {
-                    let m = d.m() as f64;
-                    let unbiased: Vec<f64> = var.iter().map(|&v| v.to_f64() * m / (m - 1.0)).collect();
-                    update_running(rm, &mean, momentum)?;
-                    update_running(rv, &unbiased, momentum)?;
-                }
-                (mean, var)
-            } else {
-                let (rm, rv) = running.expect("checked above");
-                (rm.values::<C>(), rv.values::<C>())
-            };
-            let eps_c = C::from_f64(eps);
-            let rstd: Vec<C> = var.iter().map(|&v| C::one() / (v + eps_c).sqrt()).collect();
-            let wv = weight.map(|w| w.values::<C>());
-            let bv = bias.map(|b| b.values::<C>());
-            let out = bn_forward(&x, d, &mean, &rstd, wv.as_deref(), bv.as_deref());
+        let (wp, bp) = (part(weight), part(bias));
+        let running_p = running.map(|(m, v)| (part(Some(m)), part(Some(v))));
+        let r = self.storage().batch_norm(
+            self.layout(),
+            d,
+            as_ref(&wp),
+            as_ref(&bp),
+            running_p
+                .as_ref()
+                .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given"))),
+            training,
+            momentum,
+            eps,
+        )?;
+        if let (Some((rm, rv)), Some((new_m, new_v))) = (running, r.running) {
+            rm.set_data(&Tensor::from_storage(
+                Arc::new(new_m),
+                Layout::contiguous(rm.shape()),
+            ))?;
+            rv.set_data(&Tensor::from_storage(
+                Arc::new(new_v),
+                Layout::contiguous(rv.shape()),
+            ))?;
+        }
 
-            let mut inputs = vec![self];
-            inputs.extend(weight);
-            inputs.extend(bias);
-            let saved_x = self.detach();
-            let need_dx = self.requires_grad();
-            let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
-            Ok(Tensor::from_compute(out, self.shape(), dtype, OP, &inputs, move |g| {
-                let gv = g.values::<C>();
-                let xv = saved_x.values::<C>();
-                let (dx, dweight, dbias) =
-                    bn_backward(&gv, &xv, d, &mean, &rstd, wv.as_deref(), training, need_dx);
-                let mut grads = vec![dx.map(|dx| Tensor::from_values(dx, &shape, dtype))];
-                if let Some(wd) = w_dtype {
-                    grads.push(Some(Tensor::from_values(dweight, &[d.c], wd)));
-                }
-                if let Some(bd) = b_dtype {
-                    grads.push(Some(Tensor::from_values(dbias, &[d.c], bd)));
-                }
-                Ok(grads)
-            }))
-        })
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let saved_x = self.detach();
+        let need_dx = self.requires_grad();
+        let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
+        let (mean, invstd) = (r.mean, r.invstd);
+        let cs = [d.c];
+        Ok(Tensor::from_op(
+            Arc::new(r.out),
+            Layout::contiguous(&shape),
+            OP,
+            &inputs,
+            move |g| {
+                let grads = g.storage().batch_norm_backward(
+                    g.layout(),
+                    &saved_x.storage(),
+                    saved_x.layout(),
+                    d,
+                    &mean,
+                    &invstd,
+                    as_ref(&wp),
+                    training,
+                    (need_dx.then_some(dtype), w_dtype, b_dtype),
+                )?;
+                Ok(norm_grads(grads, &shape, &cs, &cs))
+            },
+        ))
     }
 
     /// Layer normalisation over the trailing dims `normalized_shape` (PyTorch's
@@ -429,128 +247,53 @@ impl Tensor {
         check_param(OP, "weight", weight, normalized_shape, self)?;
         check_param(OP, "bias", bias, normalized_shape, self)?;
         let d: usize = normalized_shape.iter().product();
-        let rows = self.numel().checked_div(d).unwrap_or(0);
         let dtype = self.dtype();
-        crate::with_compute!(dtype, C => {
-            let x = self.values::<C>();
-            let eps_c = C::from_f64(eps);
-            let inv_d = C::one() / C::from_f64(d as f64);
-            // Per row: mean and rstd (llm.c keeps the same two for its backward).
-            let stats: Vec<(C, C)> = par_map(rows, d, |r| {
-                let row = &x[r * d..][..d];
-                let mean = sum_slice(row) * inv_d;
-                let var = sum_map(row, |v| (v - mean) * (v - mean)) * inv_d;
-                (mean, C::one() / (var + eps_c).sqrt())
-            });
-            let wv = weight.map(|w| w.values::<C>());
-            let bv = bias.map(|b| b.values::<C>());
-            let mut out = vec![C::zero(); x.len()];
-            let chunk = d.max(1);
-            out.par_chunks_mut(chunk)
-                .zip(x.par_chunks(chunk))
-                .enumerate()
-                .with_min_len((PAR_THRESHOLD / chunk).max(1))
-                .for_each(|(r, (o, row))| {
-                    let (mean, rstd) = stats[r];
-                    for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
-                        let xhat = (v - mean) * rstd;
-                        let w = wv.as_ref().map_or(C::one(), |w| w[j]);
-                        let b = bv.as_ref().map_or(C::zero(), |b| b[j]);
-                        *o = xhat * w + b;
-                    }
-                });
+        let (wp, bp) = (part(weight), part(bias));
+        let r = self
+            .storage()
+            .layer_norm(self.layout(), d, as_ref(&wp), as_ref(&bp), eps)?;
 
-            let mut inputs = vec![self];
-            inputs.extend(weight);
-            inputs.extend(bias);
-            let saved_x = self.detach();
-            let need_dx = self.requires_grad();
-            let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
-            let pshape = normalized_shape.to_vec();
-            Ok(Tensor::from_compute(out, self.shape(), dtype, OP, &inputs, move |g| {
-                let gv = g.values::<C>();
-                let xv = saved_x.values::<C>();
-                let (dx, dweight, dbias) = ln_backward(&gv, &xv, d, &stats, wv.as_deref(), need_dx);
-                let mut grads = vec![dx.map(|dx| Tensor::from_values(dx, &shape, dtype))];
-                if let Some(wd) = w_dtype {
-                    grads.push(Some(Tensor::from_values(dweight, &pshape, wd)));
-                }
-                if let Some(bd) = b_dtype {
-                    grads.push(Some(Tensor::from_values(dbias, &pshape, bd)));
-                }
-                Ok(grads)
-            }))
-        })
+        let mut inputs = vec![self];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let saved_x = self.detach();
+        let need_dx = self.requires_grad();
+        let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
+        let pshape = normalized_shape.to_vec();
+        let (mean, rstd) = (r.mean, r.rstd);
+        Ok(Tensor::from_op(
+            Arc::new(r.out),
+            Layout::contiguous(&shape),
+            OP,
+            &inputs,
+            move |g| {
+                let grads = g.storage().layer_norm_backward(
+                    g.layout(),
+                    &saved_x.storage(),
+                    saved_x.layout(),
+                    d,
+                    &mean,
+                    &rstd,
+                    as_ref(&wp),
+                    (need_dx.then_some(dtype), w_dtype, b_dtype),
+                )?;
+                Ok(norm_grads(grads, &shape, &pshape, &pshape))
+            },
+        ))
     }
 }
 
-/// Gradients of layer norm over rows of `d` values, given per-row `(mean, rstd)`.
-///
-/// Per row, with `dnorm = g * w` the gradient of `xhat`:
-/// `dnorm_mean = mean(dnorm)`, `dnorm_norm_mean = mean(dnorm * xhat)`,
-/// `dx = rstd * (dnorm - dnorm_mean - xhat * dnorm_norm_mean)`;
-/// across rows, `dweight = Σ g * xhat` and `dbias = Σ g`.
-///
-/// Returns `(dx, dweight, dbias)`.
-fn ln_backward<C: FloatDType>(
-    g: &[C],
-    x: &[C],
-    d: usize,
-    stats: &[(C, C)],
-    w: Option<&[C]>,
-    need_dx: bool,
-) -> (Option<Vec<C>>, Vec<C>, Vec<C>) {
-    let inv_d = C::one() / C::from_f64(d as f64);
-    let mut dx = vec![C::zero(); if need_dx { x.len() } else { 0 }];
-    // The parameters' gradients sum over rows: in runs fixed by the shape (each at least
-    // `PAR_THRESHOLD` values), added in run order, so the thread count changes no bit.
-    let rows = stats.len();
-    let runs = Runs::new(rows, 1, (PAR_THRESHOLD / d.max(1)).max(1));
-    // One run's partial: dweight in [..d], dbias in [d..].
-    let row = |r: usize, dx_row: Option<&mut [C]>, acc: &mut [C]| {
-        let (mean, rstd) = stats[r];
-        let (gr, xr) = (&g[r * d..][..d], &x[r * d..][..d]);
-        let (dweight, dbias) = acc.split_at_mut(d);
-        for j in 0..d {
-            dbias[j] += gr[j];
-            dweight[j] += gr[j] * ((xr[j] - mean) * rstd);
-        }
-        let Some(o) = dx_row else { return };
-        let wj = |j: usize| w.map_or(C::one(), |w| w[j]);
-        let (mut dnorm_sum, mut dnorm_norm_sum) = (C::zero(), C::zero());
-        for j in 0..d {
-            let dnorm = gr[j] * wj(j);
-            dnorm_sum += dnorm;
-            dnorm_norm_sum += dnorm * ((xr[j] - mean) * rstd);
-        }
-        let (dnorm_mean, dnorm_norm_mean) = (dnorm_sum * inv_d, dnorm_norm_sum * inv_d);
-        for j in 0..d {
-            let xhat = (xr[j] - mean) * rstd;
-            o[j] = rstd * (gr[j] * wj(j) - dnorm_mean - xhat * dnorm_norm_mean);
-        }
-    };
-    let run = |r: usize, dx_run: Option<&mut [C]>| {
-        let mut acc = vec![C::zero(); 2 * d];
-        let rows = runs.range(r, stats.len());
-        match dx_run {
-            Some(dx_run) => {
-                for (i, o) in rows.zip(dx_run.chunks_exact_mut(d)) {
-                    row(i, Some(o), &mut acc);
-                }
-            }
-            None => rows.for_each(|i| row(i, None, &mut acc)),
-        }
-        acc
-    };
-    let partials: Vec<Vec<C>> = if need_dx && d > 0 {
-        dx.par_chunks_mut(runs.len * d)
-            .enumerate()
-            .map(|(r, o)| run(r, Some(o)))
-            .collect()
-    } else {
-        runs.map(|r| run(r, None))
-    };
-    let mut dweight = add_in_order(partials, 2 * d);
-    let dbias = dweight.split_off(d);
-    (need_dx.then_some(dx), dweight, dbias)
+/// The gradients of a norm as tensors: the input's (when wanted), then the weight's and the
+/// bias's for the parameters that were given.
+fn norm_grads(
+    g: crate::backend::nn::Grads<crate::tensor::Storage>,
+    x_shape: &[usize],
+    w_shape: &[usize],
+    b_shape: &[usize],
+) -> Vec<Option<Tensor>> {
+    let t = |s, shape: &[usize]| Tensor::from_storage(Arc::new(s), Layout::contiguous(shape));
+    let mut grads = vec![g.dx.map(|s| t(s, x_shape))];
+    grads.extend(g.dweight.map(|s| Some(t(s, w_shape))));
+    grads.extend(g.dbias.map(|s| Some(t(s, b_shape))));
+    grads
 }

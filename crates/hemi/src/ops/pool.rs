@@ -1,18 +1,17 @@
 //! 2-D pooling, the op entry points: `max_pool2d` (argmax kept for the backward),
-//! `avg_pool2d` and `adaptive_avg_pool2d`, each with its backward beside it. Kernels are in
-//! `cpu/pool.rs`.
+//! `avg_pool2d` and `adaptive_avg_pool2d`, each with its backward beside it, on the backend's
+//! pool primitives (`backend::nn`).
 //!
 //! Semantics are PyTorch's (without ceil_mode or dilation): inputs `[N, C, H, W]` or
 //! `[C, H, W]`, padding at most half the kernel, max-pool padding is -inf, and the output
 //! keeps the input dtype (values compared and averaged in F32 for half inputs; a max is
 //! exact in any dtype).
 
-use crate::cpu::pool::{
-    adaptive_avg_pool2d_backward, adaptive_avg_pool2d_forward, avg_pool2d_backward,
-    avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward, Pool2dGeom,
-};
+use std::sync::Arc;
+
+use crate::backend::nn::{AdaptivePool2dGeom, Pool2dGeom};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Layout, Tensor};
 
 /// Checks a pooled input (float, rank 3 or 4, non-empty spatial dims) and returns
 /// (planes, h, w).
@@ -133,36 +132,28 @@ impl Tensor {
         }
         let shape = pooled_shape(self, g.h_out, g.w_out);
         let dtype = self.dtype();
-        crate::with_compute!(dtype, C => {
-            let (out, idx) = self.with_values::<C, _>(|x| max_pool2d_forward(x, &g));
-            let indices = if with_indices {
-                Some(Tensor::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>(), &shape)?)
-            } else {
-                None
-            };
-            let saved = std::sync::Arc::new(idx);
-            let in_shape = self.shape().to_vec();
-            let out = Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
-                // Half precision: plane by plane in F32, rounded into the half gradient.
-                let ds = dy.storage();
-                if let (true, Some(src)) = (dtype.is_half(), crate::cpu::chunked::Src::of(ds.as_cpu(), dy.layout())) {
-                    let n_out = g.out_plane();
-                    let st = crate::cpu::chunked::per_block(g.planes, g.in_plane(), dtype, |p, dx| {
-                        let mut buf = vec![0f32; n_out];
-                        let d = src.read(p * n_out, &mut buf);
-                        for (&d, &i) in d.iter().zip(&saved[p * n_out..(p + 1) * n_out]) {
-                            dx[i as usize] += d;
-                        }
-                    })
-                    .expect("half dtype");
-                    let layout = crate::tensor::Layout::contiguous(&in_shape);
-                    return Ok(vec![Some(Tensor::from_storage(std::sync::Arc::new(st.into()), layout))]);
-                }
-                let dx = dy.with_values::<C, _>(|dy| max_pool2d_backward(dy, &saved, &g));
-                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
-            });
-            Ok((out, indices))
-        })
+        let r = self.storage().max_pool2d(self.layout(), &g, with_indices)?;
+        let indices = r
+            .indices
+            .map(|i| Tensor::from_storage(Arc::new(i), Layout::contiguous(&shape)));
+        let argmax = r.argmax;
+        let in_layout = Layout::contiguous(self.shape());
+        let out = Tensor::from_op(
+            Arc::new(r.out),
+            Layout::contiguous(&shape),
+            OP,
+            &[self],
+            move |dy| {
+                let dx = dy
+                    .storage()
+                    .max_pool2d_backward(dy.layout(), &argmax, &g, dtype)?;
+                Ok(vec![Some(Tensor::from_storage(
+                    Arc::new(dx),
+                    in_layout.clone(),
+                ))])
+            },
+        );
+        Ok((out, indices))
     }
 
     /// Average pooling over `kernel` windows (PyTorch's `avg_pool2d`; padding counts as
@@ -178,14 +169,25 @@ impl Tensor {
         let g = window_geometry(OP, self, kernel, stride, padding)?;
         let shape = pooled_shape(self, g.h_out, g.w_out);
         let dtype = self.dtype();
-        let in_shape = self.shape().to_vec();
-        crate::with_compute!(dtype, C => {
-            let out = self.with_values::<C, _>(|x| avg_pool2d_forward(x, &g, count_include_pad));
-            Ok(Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
-                let dx = dy.with_values::<C, _>(|dy| avg_pool2d_backward(dy, &g, count_include_pad));
-                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
-            }))
-        })
+        let in_layout = Layout::contiguous(self.shape());
+        let out = self
+            .storage()
+            .avg_pool2d(self.layout(), &g, count_include_pad)?;
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(&shape),
+            OP,
+            &[self],
+            move |dy| {
+                let dx =
+                    dy.storage()
+                        .avg_pool2d_backward(dy.layout(), &g, count_include_pad, dtype)?;
+                Ok(vec![Some(Tensor::from_storage(
+                    Arc::new(dx),
+                    in_layout.clone(),
+                ))])
+            },
+        ))
     }
 
     /// Adaptive average pooling to `output_size` (PyTorch's `adaptive_avg_pool2d`): output
@@ -204,13 +206,29 @@ impl Tensor {
         }
         let shape = pooled_shape(self, output_size.0, output_size.1);
         let dtype = self.dtype();
-        let in_shape = self.shape().to_vec();
-        crate::with_compute!(dtype, C => {
-            let out = self.with_values::<C, _>(|x| adaptive_avg_pool2d_forward(x, planes, (h, w), output_size));
-            Ok(Tensor::from_compute(out, &shape, dtype, OP, &[self], move |dy| {
-                let dx = dy.with_values::<C, _>(|dy| adaptive_avg_pool2d_backward(dy, planes, (h, w), output_size));
-                Ok(vec![Some(Tensor::from_values(dx, &in_shape, dtype))])
-            }))
-        })
+        let in_layout = Layout::contiguous(self.shape());
+        let g = AdaptivePool2dGeom {
+            planes,
+            h,
+            w,
+            h_out: output_size.0,
+            w_out: output_size.1,
+        };
+        let out = self.storage().adaptive_avg_pool2d(self.layout(), &g)?;
+        Ok(Tensor::from_op(
+            Arc::new(out),
+            Layout::contiguous(&shape),
+            OP,
+            &[self],
+            move |dy| {
+                let dx = dy
+                    .storage()
+                    .adaptive_avg_pool2d_backward(dy.layout(), &g, dtype)?;
+                Ok(vec![Some(Tensor::from_storage(
+                    Arc::new(dx),
+                    in_layout.clone(),
+                ))])
+            },
+        ))
     }
 }

@@ -156,15 +156,6 @@ impl Tensor {
         )
     }
 
-    /// A contiguous tensor outside any graph from compute-type values rounded into `dtype`.
-    pub(crate) fn from_values<C: FloatDType>(
-        values: Vec<C>,
-        shape: &[usize],
-        dtype: DType,
-    ) -> Tensor {
-        Tensor::from_contiguous(CpuStorage::store::<C>(values, dtype), shape)
-    }
-
     // ----- accessors ---------------------------------------------------------------------
 
     pub fn id(&self) -> TensorId {
@@ -404,14 +395,6 @@ impl Tensor {
     /// not possible through the lock, so this returns an owned or shared buffer).
     pub(crate) fn values<C: FloatDType>(&self) -> Vec<C> {
         CpuStorage::load::<C>(self.storage().as_cpu(), self.layout()).into_owned()
-    }
-
-    /// Runs `f` on the values in compute type `C` without copying when the tensor is
-    /// already contiguous in that type.
-    pub(crate) fn with_values<C: FloatDType, R>(&self, f: impl FnOnce(&[C]) -> R) -> R {
-        let s = self.storage();
-        let v = CpuStorage::load::<C>(s.as_cpu(), self.layout());
-        f(&v)
     }
 
     /// The same values in `dtype` (differentiable: the gradient is cast back). Returns
