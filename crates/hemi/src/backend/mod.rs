@@ -28,6 +28,31 @@ pub mod nn;
 pub mod reduce;
 pub mod train;
 
+/// Everything a backend provides: its buffer type implements every area's primitives.
+pub trait Backend:
+    BackendStorage
+    + map::MapOps
+    + reduce::ReduceOps
+    + loss::LossOps
+    + nn::NnOps
+    + index::IndexOps
+    + train::AmpOps
+    + train::OptimOps
+{
+}
+
+impl<T> Backend for T where
+    T: BackendStorage
+        + map::MapOps
+        + reduce::ReduceOps
+        + loss::LossOps
+        + nn::NnOps
+        + index::IndexOps
+        + train::AmpOps
+        + train::OptimOps
+{
+}
+
 /// A backend's buffer of elements of one dtype.
 pub trait BackendStorage: Sized + Clone + Send + Sync + std::fmt::Debug + 'static {
     fn device(&self) -> Device;

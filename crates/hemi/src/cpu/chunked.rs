@@ -11,8 +11,8 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::cpu::reduce::sum_slice;
 use crate::dtype::{convert, same_slice, same_slice_mut, DType, WithDType};
-use crate::ops::reduce::sum_slice;
 use crate::tensor::{CpuStorage, Layout};
 
 /// Elements per chunk: 32 KiB of F32, three buffers fit in L1/L2 together.

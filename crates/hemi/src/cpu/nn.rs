@@ -10,10 +10,10 @@ use crate::backend::nn::{
     AdaptivePool2dGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices,
     LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
 };
+use crate::cpu::reduce::sum_slice;
 use crate::cpu::{chunked, conv, conv_block, matmul, norm, pool};
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::error::{Error, Result};
-use crate::ops::reduce::sum_slice;
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::Layout;
 

@@ -7,8 +7,8 @@ use rayon::prelude::*;
 
 use crate::backend::nn::BatchNormGeom;
 use crate::cpu::map::PAR_THRESHOLD;
+use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
-use crate::ops::reduce::sum_slice;
 use crate::tensor::FloatDType;
 
 /// Channel `ch` of a `[n, c, s]` buffer: the `n` contiguous runs `v[(i*c + ch)*s ..][..s]`.

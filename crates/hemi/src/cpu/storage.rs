@@ -240,6 +240,12 @@ impl CpuStorage {
     }
 }
 
+/// The CPU backend implements every primitive (a compile-time check).
+const _: fn() = || {
+    fn is_backend<B: crate::backend::Backend>() {}
+    is_backend::<CpuStorage>();
+};
+
 impl BackendStorage for CpuStorage {
     fn device(&self) -> Device {
         Device::Cpu

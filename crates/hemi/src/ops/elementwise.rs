@@ -13,8 +13,6 @@ use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::{Layout, Tensor};
 
-/// Kept here for the op files that import it from this path.
-
 fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
     if !t.dtype().is_float() {
         return Err(Error::dtype(op, t.dtype(), "expected a float tensor"));

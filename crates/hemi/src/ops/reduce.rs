@@ -11,9 +11,6 @@ use crate::error::{Error, Result};
 use crate::tensor::layout::resolve_dim;
 use crate::tensor::{Layout, Tensor};
 
-/// Kept here for the op files that import it from this path (conv, norm, the conv blocks).
-pub(crate) use crate::cpu::reduce::sum_slice;
-
 /// Resolves and deduplicates a list of dims; an empty list means all dims.
 pub(crate) fn reduce_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
     if dims.is_empty() {
