@@ -25,7 +25,7 @@ use crate::optim::{
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
-use super::rounding::{round_f32_into, Rounding};
+use super::rounding::Rounding;
 use super::scaler::{
     any_found, flag_for, scale_loss, unscale, GradScalerConfig, LossScale, ScalerState,
 };
@@ -146,7 +146,10 @@ impl Fp16Optimizer {
             .iter()
             .map(|p| match p.dtype() {
                 DType::F32 => Ok(p.clone()),
-                _ => Tensor::from_f32_vec(p.to_vec_f32(), p.shape(), DType::F32),
+                _ => {
+                    let m = p.detach().to_dtype(DType::F32)?;
+                    Ok(Tensor::from_storage(m.storage(), m.layout().clone()))
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         let inner = build(masters.clone())?;
@@ -250,11 +253,7 @@ impl Optimizer for Fp16Optimizer {
         // 3. The step proper, on the masters.
         for ((p, m), g) in self.params.iter().zip(&self.masters).zip(grads) {
             if !self.keep_masters && p.dtype() != DType::F32 {
-                m.set_data(&Tensor::from_f32_vec(
-                    p.to_vec_f32(),
-                    p.shape(),
-                    DType::F32,
-                )?)?;
+                m.set_data(&p.detach().to_dtype(DType::F32)?)?;
             }
             m.set_grad(g);
         }
@@ -268,14 +267,7 @@ impl Optimizer for Fp16Optimizer {
                 continue;
             }
             let mut rng = self.rounding_rng(i);
-            let v = m.to_vec_f32();
-            p.set_data(&round_f32_into(
-                &v,
-                p.shape(),
-                p.dtype(),
-                self.rounding,
-                &mut rng,
-            )?)?;
+            p.set_data(&m.round_into(p.dtype(), self.rounding, &mut rng)?)?;
         }
         self.rounding_step += 1;
         self.scale.update(false);

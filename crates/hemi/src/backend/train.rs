@@ -2,7 +2,10 @@
 //! and the optimizer updates (`OptimOps`).
 
 use super::BackendStorage;
+use crate::dtype::convert::Rounding;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::rng::Generator;
 use crate::tensor::{Layout, Storage};
 
 /// One SGD step's hyper-parameters as PyTorch's F32 kernel sees them (Python floats reach
@@ -94,6 +97,18 @@ pub trait AmpOps: BackendStorage {
     /// `_amp_foreach_non_finite_check_and_unscale_`, the check is on the scaled gradient
     /// read, not on the product.
     fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
+
+    /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
+    /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits
+    /// drawn from `rng` in element order (one `next_u64` per F16 element, one per four BF16
+    /// elements), so a seeded run is reproducible (`amp::rounding::round_f32_into`'s rules).
+    fn round_into(
+        &self,
+        layout: &Layout,
+        dtype: DType,
+        rounding: Rounding,
+        rng: &mut Generator,
+    ) -> Result<Self>;
 }
 
 fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
@@ -115,6 +130,22 @@ impl Storage {
             }
             (g, f) => Err(mixed("unscale_check", g, f)),
         }
+    }
+
+    /// `AmpOps::round_into` on this storage's backend.
+    pub fn round_into(
+        &self,
+        layout: &Layout,
+        dtype: DType,
+        rounding: Rounding,
+        rng: &mut Generator,
+    ) -> Result<Storage> {
+        Ok(
+            crate::tensor::storage::dispatch!(self, s => crate::tensor::storage::wrap!(
+                self,
+                s.round_into(layout, dtype, rounding, rng)?
+            )),
+        )
     }
 
     /// `OptimOps::sgd_step` on this storage's backend; every buffer on the same device.

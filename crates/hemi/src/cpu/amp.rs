@@ -2,8 +2,10 @@
 
 use super::storage::CpuStorage;
 use crate::backend::train::AmpOps;
-use crate::dtype::{convert, DType};
+use crate::dtype::convert::{self, stochastic_round_bf16, stochastic_round_f16, Rounding};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::rng::Generator;
 use crate::tensor::Layout;
 
 /// Elements converted and scaled per chunk: the F16/BF16 -> F32 conversion of a chunk is
@@ -21,6 +23,45 @@ fn scale_in_place(o: &mut [f32], inv: f32) -> bool {
 }
 
 impl AmpOps for CpuStorage {
+    fn round_into(
+        &self,
+        layout: &Layout,
+        dtype: DType,
+        rounding: Rounding,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        let values = self.to_f32(layout);
+        Ok(match (dtype, rounding) {
+            (DType::I64, _) => {
+                return Err(Error::dtype(
+                    "round_into",
+                    dtype,
+                    "rounds into float dtypes only",
+                ))
+            }
+            (DType::F32 | DType::F64, _) | (_, Rounding::NearestEven) => {
+                CpuStorage::from_f32(values.into_owned(), dtype)
+            }
+            (DType::F16, Rounding::Stochastic) => CpuStorage::F16(
+                values
+                    .iter()
+                    .map(|&x| stochastic_round_f16(x, rng.next_u64()))
+                    .collect(),
+            ),
+            (DType::BF16, Rounding::Stochastic) => {
+                let mut out = Vec::with_capacity(values.len());
+                for chunk in values.chunks(4) {
+                    let mut bits = rng.next_u64();
+                    for &x in chunk {
+                        out.push(stochastic_round_bf16(x, bits as u16));
+                        bits >>= 16;
+                    }
+                }
+                CpuStorage::BF16(out)
+            }
+        })
+    }
+
     fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self> {
         let flag = match found_inf {
             CpuStorage::F32(f) if f.len() == 1 => &mut f[0],
