@@ -17,6 +17,9 @@ hemi / PyTorch, and whether the speed issue's targets are met.
     cargo build --release -p hemi-cli
     python3 bench/torch_side_by_side.py                 # 3 rounds
     python3 bench/torch_side_by_side.py --rounds 1 --steps 5 --json runs.json
+    python3 bench/torch_side_by_side.py --hemi-baseline OLD/target/release/hemi
+        # a third side per pair: an earlier hemi build, run in the same rounds, so a change
+        # is measured before and after in one run (medians and the after/before ratio)
 
 Python 3.11 standard library only. Needs a PyTorch venv (see --torch-python).
 """
@@ -77,6 +80,8 @@ def last_json(out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hemi", default=str(REPO / "target" / "release" / "hemi"))
+    ap.add_argument("--hemi-baseline", metavar="HEMI",
+                    help="an earlier hemi binary to run beside --hemi in every round")
     ap.add_argument("--torch-python", default="/tmp/torch-ref/bin/python")
     ap.add_argument("--torch-script", default=None,
                     help="default: shared/bench/torch_cnn_throughput.py beside the repo")
@@ -118,18 +123,24 @@ def main():
             print(f"round {r + 1}: torch {mode:9s} {j['images_per_s']:8.1f} img/s  "
                   f"peak {rss:7.1f} MiB  ({wall:.0f} s)", file=sys.stderr)
 
-            out, wall, rss = run_child(
-                [a.hemi, "bench", "--threads", str(a.threads), "train", "--model",
-                 "cifar-net", "--precision", prec, "--batch-size", str(a.batch_size),
-                 "--steps", str(a.steps), "--json"])
-            j = last_json(out)
-            runs.append({"round": r + 1, "pair": label, "side": "hemi", "mode": prec,
-                         "images_per_s": j["images_per_s"], "ms_per_step": j["median_step_ms"],
-                         "peak_rss_mib": rss, "self_peak_rss_mib": j.get("peak_rss_mib"),
-                         "wall_s": wall, "raw": j})
-            print(f"round {r + 1}: hemi  {prec:9s} {j['images_per_s']:8.1f} img/s  "
-                  f"peak {rss:7.1f} MiB (self-reported {j.get('peak_rss_mib') or 0:.1f})  "
-                  f"({wall:.0f} s)", file=sys.stderr)
+            sides = [("hemi", a.hemi)]
+            if a.hemi_baseline:
+                # Alternate which build goes first, so neither always follows PyTorch.
+                sides.insert(r % 2, ("base", a.hemi_baseline))
+            for side, binary in sides:
+                out, wall, rss = run_child(
+                    [binary, "bench", "--threads", str(a.threads), "train", "--model",
+                     "cifar-net", "--precision", prec, "--batch-size", str(a.batch_size),
+                     "--steps", str(a.steps), "--json"])
+                j = last_json(out)
+                runs.append({"round": r + 1, "pair": label, "side": side, "mode": prec,
+                             "images_per_s": j["images_per_s"],
+                             "ms_per_step": j["median_step_ms"], "peak_rss_mib": rss,
+                             "self_peak_rss_mib": j.get("peak_rss_mib"), "wall_s": wall,
+                             "raw": j})
+                print(f"round {r + 1}: {side:5s} {prec:9s} {j['images_per_s']:8.1f} img/s  "
+                      f"peak {rss:7.1f} MiB (self-reported {j.get('peak_rss_mib') or 0:.1f})  "
+                      f"({wall:.0f} s)", file=sys.stderr)
 
     def med(pair, side, key):
         v = [x[key] for x in runs if x["pair"] == pair and x["side"] == side
@@ -150,6 +161,23 @@ def main():
         m[label] = (ti, hi, tr, hr)
         print(f"| torch {mode} / hemi {prec} | {ti:.0f} | {hi:.0f} | {hi / ti:.2f}x "
               f"| {tr:.0f} | {hr:.0f} ({hs:.0f}) | {hr / tr:.2f}x |")
+
+    if a.hemi_baseline:
+        print(f"\nhemi ({a.hemi}) against the baseline ({a.hemi_baseline}), same rounds:")
+        print("| preset | baseline img/s | hemi img/s | after/before | median of paired ratios "
+              "| baseline peak MiB | hemi peak MiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for label, mode, prec in pairs:
+            bi, hi = med(label, "base", "images_per_s"), med(label, "hemi", "images_per_s")
+            br, hr = med(label, "base", "peak_rss_mib"), med(label, "hemi", "peak_rss_mib")
+            by_round = {}
+            for x in runs:
+                if x["pair"] == label and x["side"] in ("base", "hemi"):
+                    by_round.setdefault(x["round"], {})[x["side"]] = x["images_per_s"]
+            paired = [v["hemi"] / v["base"] for v in by_round.values() if len(v) == 2]
+            pr = statistics.median(paired) if paired else float("nan")
+            print(f"| {prec} | {bi:.0f} | {hi:.0f} | {hi / bi:.3f}x | {pr:.3f}x "
+                  f"| {br:.0f} | {hr:.0f} |")
 
     checks = []
     if "fp32" in m:

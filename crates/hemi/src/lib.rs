@@ -1,10 +1,13 @@
 //! hemi: a deep-learning training framework built around half precision.
 //!
-//! Layers, bottom to top (each uses only the ones below it): `dtype` (types, finfo,
-//! conversions), `cpu` (kernels), `tensor` and `ops` (the tensor handle, views and op entry
-//! points), `autograd` (the backward graph);
-//! above them `nn` (layers), `optim` (optimizers), `data` (datasets and the loader),
-//! `io` (safetensors checkpoints) and `models` (CifarNet, MLP). See DESIGN.md for the precision contract.
+//! Layers, bottom to top (each uses only the ones below it): `dtype` (types, the one
+//! element trait `WithDType`, finfo, conversions), `device`; the backends `cpu` (and `cuda`
+//! behind the `cuda` feature), whose buffers implement the primitives named in `backend`;
+//! `tensor` (the handle: a `Storage` enum over backends, a layout, a dtype, a device) and
+//! `ops` (validation, promotion, autocast and backward, then one backend primitive);
+//! `autograd` (the backward graph); above them `nn` (layers), `amp`, `optim` (optimizers),
+//! `data` (datasets and the loader), `io` (safetensors checkpoints), `models` (CifarNet,
+//! MLP) and `train`. See DESIGN.md for the precision contract.
 
 pub mod amp;
 pub mod autograd;

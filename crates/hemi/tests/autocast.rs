@@ -132,6 +132,7 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
         "abs" => m.abs(),
         "sqrt" => pos.sqrt(),
         "relu" => m.relu(),
+        "clamp" => m.clamp(-0.5, 0.5),
         "sigmoid" => m.sigmoid(),
         "tanh" => m.tanh(),
         "add_scalar" => m.add_scalar(1.5),

@@ -74,6 +74,13 @@ fn unary_cases() -> Vec<UnaryCase> {
             3.0,
         ),
         ("square", |t| t.square(), |x| x * x, -3.0, 3.0),
+        (
+            "clamp",
+            |t| t.clamp(-0.75, 1.25),
+            |x| x.clamp(-0.75, 1.25),
+            -3.0,
+            3.0,
+        ),
     ]
 }
 
@@ -108,8 +115,8 @@ dtype_tests!(unary_forward_matches_f64, super::unary_forward);
 fn unary_gradients() {
     let mut rng = Generator::new(2);
     for (name, op, _, lo, hi) in unary_cases() {
-        if name == "relu" || name == "abs" {
-            continue; // kinks: checked below away from zero
+        if name == "relu" || name == "abs" || name == "clamp" {
+            continue; // kinks: checked below away from them
         }
         let n = 11;
         let v: Vec<f64> = (0..n).map(|_| rng.uniform(lo, hi)).collect();
@@ -126,7 +133,35 @@ fn unary_gradients() {
         })
         .collect();
     gradcheck("relu", &[(v.clone(), vec![3, 4])], |x| x[0].relu());
-    gradcheck("abs", &[(v, vec![3, 4])], |x| x[0].abs());
+    gradcheck("abs", &[(v.clone(), vec![3, 4])], |x| x[0].abs());
+    // clamp: inside, below and above the bounds (0.3..1.4 and -0.3..-1.4 straddle them).
+    gradcheck("clamp", &[(v, vec![3, 4])], |x| x[0].clamp(-0.75, 1.25));
+}
+
+#[test]
+fn clamp_keeps_nan_passes_bounds_and_checks_its_arguments() {
+    let x = Tensor::from_vec(vec![f32::NAN, -2.0, -1.0, 0.5, 1.0, 3.0], &[6]).unwrap();
+    let y = x.clamp(-1.0, 1.0).unwrap().to_vec_f32();
+    assert!(y[0].is_nan());
+    assert_eq!(&y[1..], &[-1.0, -1.0, 0.5, 1.0, 1.0]);
+    // The gradient passes where lo <= x <= hi, bounds included (as torch.clamp).
+    let p = Tensor::from_vec(vec![-2.0f32, -1.0, 0.5, 1.0, 3.0], &[5])
+        .unwrap()
+        .requires_grad_();
+    p.clamp(-1.0, 1.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(
+        p.grad().unwrap().to_vec_f32(),
+        vec![0.0, 1.0, 1.0, 1.0, 0.0]
+    );
+    for (lo, hi) in [(1.0, -1.0), (f64::NAN, 1.0), (0.0, f64::NAN)] {
+        let e = x.clamp(lo, hi).unwrap_err().to_string();
+        assert!(e.contains("clamp"), "{e}");
+    }
 }
 
 type BinaryCase = (

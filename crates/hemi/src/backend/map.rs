@@ -55,6 +55,8 @@ pub enum UnaryOp {
     MulScalar(f64),
     /// x ^ p (`x * x` for p = 2)
     PowScalar(f64),
+    /// `min(max(x, lo), hi)` (`torch.clamp`); NaN stays NaN.
+    Clamp(f64, f64),
 }
 
 impl UnaryOp {
@@ -73,6 +75,7 @@ impl UnaryOp {
             UnaryOp::AddScalar(_) => "add_scalar",
             UnaryOp::MulScalar(_) => "mul_scalar",
             UnaryOp::PowScalar(_) => "pow_scalar",
+            UnaryOp::Clamp(..) => "clamp",
         }
     }
 

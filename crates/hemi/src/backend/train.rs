@@ -98,6 +98,16 @@ pub trait AmpOps: BackendStorage {
     /// read, not on the product.
     fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
 
+    /// One gradient's part of a `p`-norm, in f64 over its F32 (F64 for F64) values in
+    /// element order: `max |x|` for p = ∞ (NaN if any element is NaN), else `Σ |x|^p`
+    /// (`Σ x·x` for p = 2, `Σ |x|` for p = 1). The caller combines the parts and takes the
+    /// root (gradient clipping).
+    fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64>;
+
+    /// How many elements (read as F32) are nonzero with `|x| < tiny`, and how many have
+    /// `|x| > max` or are NaN: a gradient's F16 underflow and overflow counts.
+    fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)>;
+
     /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
     /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits
     /// drawn from `rng` in element order (one `next_u64` per F16 element, one per four BF16
@@ -130,6 +140,16 @@ impl Storage {
             }
             (g, f) => Err(mixed("unscale_check", g, f)),
         }
+    }
+
+    /// `AmpOps::norm_partial` on this storage's backend (one f64 read back).
+    pub fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64> {
+        crate::tensor::storage::dispatch!(self, s => s.norm_partial(layout, p))
+    }
+
+    /// `AmpOps::range_counts` on this storage's backend (two counts read back).
+    pub fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)> {
+        crate::tensor::storage::dispatch!(self, s => s.range_counts(layout, tiny, max))
     }
 
     /// `AmpOps::round_into` on this storage's backend.

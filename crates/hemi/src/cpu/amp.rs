@@ -23,6 +23,48 @@ fn scale_in_place(o: &mut [f32], inv: f32) -> bool {
 }
 
 impl AmpOps for CpuStorage {
+    fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)> {
+        let (tiny, max) = (tiny as f32, max as f32);
+        let (mut under, mut over) = (0u64, 0u64);
+        for &g in self.to_f32(layout).iter() {
+            let a = g.abs();
+            if a > max || a.is_nan() {
+                over += 1;
+            } else if a < tiny && a != 0.0 {
+                under += 1;
+            }
+        }
+        Ok((under, over))
+    }
+
+    fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64> {
+        if self.dtype() == DType::I64 {
+            return Err(Error::dtype(
+                "norm",
+                DType::I64,
+                "norms of float tensors only",
+            ));
+        }
+        let v = self.to_f64(layout);
+        Ok(if p == f64::INFINITY {
+            let mut m = 0.0f64;
+            for &x in v.iter() {
+                let a = x.abs();
+                if a.is_nan() {
+                    return Ok(f64::NAN);
+                }
+                m = m.max(a);
+            }
+            m
+        } else if p == 2.0 {
+            v.iter().map(|x| x * x).sum::<f64>()
+        } else if p == 1.0 {
+            v.iter().map(|x| x.abs()).sum::<f64>()
+        } else {
+            v.iter().map(|x| x.abs().powf(p)).sum::<f64>()
+        })
+    }
+
     fn round_into(
         &self,
         layout: &Layout,

@@ -135,6 +135,10 @@ macro_rules! specialize {
                 let $o = UnaryOp::MulScalar(s);
                 $body
             }
+            UnaryOp::Clamp(lo, hi) => {
+                let $o = UnaryOp::Clamp(lo, hi);
+                $body
+            }
             UnaryOp::PowScalar(p) => {
                 let $o = UnaryOp::PowScalar(p);
                 $body
@@ -181,6 +185,15 @@ impl UnaryOp {
             UnaryOp::Tanh => x.tanh(),
             UnaryOp::AddScalar(s) => x + c(s),
             UnaryOp::MulScalar(s) => x * c(s),
+            UnaryOp::Clamp(lo, hi) => {
+                if x < c(lo) {
+                    c(lo)
+                } else if x > c(hi) {
+                    c(hi)
+                } else {
+                    x // NaN falls through unchanged
+                }
+            }
             UnaryOp::PowScalar(p) => {
                 if p == 2.0 {
                     x * x
@@ -225,6 +238,14 @@ impl UnaryOp {
             UnaryOp::Tanh => C::one() - y * y,
             UnaryOp::AddScalar(_) => C::one(),
             UnaryOp::MulScalar(s) => c(s),
+            // PyTorch passes the gradient where lo <= x <= hi (bounds included).
+            UnaryOp::Clamp(lo, hi) => {
+                if x >= c(lo) && x <= c(hi) {
+                    C::one()
+                } else {
+                    C::zero()
+                }
+            }
             UnaryOp::PowScalar(p) => {
                 if p == 0.0 {
                     C::zero()

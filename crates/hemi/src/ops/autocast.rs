@@ -133,6 +133,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("contiguous", PassThrough),
     ("to_dtype", PassThrough),
     ("to_device", PassThrough),
+    ("clamp", PassThrough),
 ];
 
 /// The policy of `op`, or `None` for a name that is not an op.

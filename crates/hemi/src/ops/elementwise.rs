@@ -187,6 +187,17 @@ impl Tensor {
         }
         unary(self, Unary::MulScalar(1.0 / c))
     }
+    /// Every element limited to `[lo, hi]` (`torch.clamp`; NaN stays NaN). The gradient
+    /// passes where `lo <= x <= hi`. Errors when `lo > hi` or a bound is NaN.
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Tensor> {
+        if lo.is_nan() || hi.is_nan() || lo > hi {
+            return Err(Error::arg(
+                "clamp",
+                format!("need lo <= hi (not NaN), got lo {lo}, hi {hi}"),
+            ));
+        }
+        unary(self, Unary::Clamp(lo, hi))
+    }
     /// `self ^ p` for a scalar exponent.
     pub fn pow_scalar(&self, p: f64) -> Result<Tensor> {
         unary(self, Unary::PowScalar(p))

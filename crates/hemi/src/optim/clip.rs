@@ -2,7 +2,6 @@
 //! by value (`clip_grad_value_`). Both replace each parameter's `.grad` with the clipped
 //! gradient in the gradient's own dtype; parameters without a gradient are skipped.
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -34,48 +33,43 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resul
     }
     let with_grads: Vec<(&Tensor, Tensor)> =
         params.iter().filter_map(|p| Some((p, p.grad()?))).collect();
-    let total = total_norm(with_grads.iter().map(|(_, g)| g), norm_type);
+    let total = total_norm(with_grads.iter().map(|(_, g)| g), norm_type)?;
     if !total.is_finite() {
         return Ok(total);
     }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         for (p, g) in &with_grads {
-            p.set_grad(Some(map_grad(g, |x| x * coef as f32, |x| x * coef)?));
+            p.set_grad(Some(g.mul_scalar(coef)?));
         }
     }
     Ok(total)
 }
 
 /// The `norm_type`-norm of all elements of `grads` together, in f64. NaN anywhere gives NaN
-/// (also for the max norm, where `f64::max` alone would skip it).
-fn total_norm<'a>(grads: impl Iterator<Item = &'a Tensor>, norm_type: f64) -> f64 {
+/// (also for the max norm, where `f64::max` alone would skip it). Each gradient's partial
+/// (its max |g|, or its sum of |g|^p in element order) comes from the backend; the partials
+/// are combined here in parameter order.
+fn total_norm<'a>(grads: impl Iterator<Item = &'a Tensor>, norm_type: f64) -> Result<f64> {
     let mut acc = 0.0f64;
     for g in grads {
-        let v = g.to_vec_f64();
+        let part = g.storage().norm_partial(g.layout(), norm_type)?;
         if norm_type == f64::INFINITY {
-            for x in v {
-                let a = x.abs();
-                if a.is_nan() {
-                    return f64::NAN;
-                }
-                acc = acc.max(a);
+            if part.is_nan() {
+                return Ok(f64::NAN);
             }
-        } else if norm_type == 2.0 {
-            acc += v.iter().map(|x| x * x).sum::<f64>();
-        } else if norm_type == 1.0 {
-            acc += v.iter().map(|x| x.abs()).sum::<f64>();
+            acc = acc.max(part);
         } else {
-            acc += v.iter().map(|x| x.abs().powf(norm_type)).sum::<f64>();
+            acc += part;
         }
     }
-    if norm_type == f64::INFINITY || norm_type == 1.0 {
+    Ok(if norm_type == f64::INFINITY || norm_type == 1.0 {
         acc
     } else if norm_type == 2.0 {
         acc.sqrt()
     } else {
         acc.powf(1.0 / norm_type)
-    }
+    })
 }
 
 /// Clamps every gradient element to `[-clip_value, clip_value]` (PyTorch's
@@ -87,40 +81,17 @@ pub fn clip_grad_value(params: &[Tensor], clip_value: f64) -> Result<()> {
             format!("clip_value must be >= 0, got {clip_value}"),
         ));
     }
-    let c32 = clip_value as f32;
     for p in params {
         if let Some(g) = p.grad() {
-            let new = map_grad(
-                &g,
-                |x| x.clamp(-c32, c32),
-                |x| x.clamp(-clip_value, clip_value),
-            )?;
-            p.set_grad(Some(new));
+            if !g.dtype().is_float() {
+                return Err(Error::dtype(
+                    "clip_grad_value",
+                    g.dtype(),
+                    "gradients must be float tensors",
+                ));
+            }
+            p.set_grad(Some(g.clamp(-clip_value, clip_value)?));
         }
     }
     Ok(())
-}
-
-/// `g` with `f` applied elementwise in the compute type of its dtype (f64 for F64, f32
-/// otherwise), as a new contiguous tensor of the same shape and dtype.
-fn map_grad(
-    g: &Tensor,
-    f32_op: impl Fn(f32) -> f32,
-    f64_op: impl Fn(f64) -> f64,
-) -> Result<Tensor> {
-    match g.dtype() {
-        DType::F64 => {
-            let v = g.to_vec_f64().into_iter().map(f64_op).collect();
-            Tensor::from_f64_vec(v, g.shape(), DType::F64)
-        }
-        DType::F32 | DType::F16 | DType::BF16 => {
-            let v = g.to_vec_f32().into_iter().map(f32_op).collect();
-            Tensor::from_f32_vec(v, g.shape(), g.dtype())
-        }
-        dt => Err(Error::dtype(
-            "clip_grad",
-            dt,
-            "gradients must be float tensors",
-        )),
-    }
 }

@@ -312,18 +312,13 @@ pub struct GradStat {
 }
 
 impl GradStat {
-    fn count(&mut self, grad: &Tensor) {
-        const TINY: f32 = 5.960_464_5e-8; // 2^-24
-        let v = grad.to_vec_f32();
-        self.values += v.len() as u64;
-        for g in v {
-            let a = g.abs();
-            if a > 65504.0 || a.is_nan() {
-                self.overflow += 1;
-            } else if a < TINY && a != 0.0 {
-                self.underflow += 1;
-            }
-        }
+    fn count(&mut self, grad: &Tensor) -> Result<()> {
+        const TINY: f64 = 5.960_464_477_539_063e-8; // 2^-24
+        let (under, over) = grad.storage().range_counts(grad.layout(), TINY, 65504.0)?;
+        self.values += grad.numel() as u64;
+        self.underflow += under;
+        self.overflow += over;
+        Ok(())
     }
 }
 
@@ -717,7 +712,7 @@ pub fn train(
             if cfg.grad_stats {
                 for (st, t) in grad_stats.iter_mut().zip(opt.grad_tensors()) {
                     if let Some(g) = t.grad() {
-                        st.count(&g);
+                        st.count(&g)?;
                     }
                 }
             }
