@@ -137,25 +137,6 @@ impl Tensor {
         }))
     }
 
-    /// A contiguous op result built from compute-type values rounded into `dtype`.
-    pub(crate) fn from_compute<C: FloatDType>(
-        values: Vec<C>,
-        shape: &[usize],
-        dtype: DType,
-        op: &'static str,
-        inputs: &[&Tensor],
-        backward: impl Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
-    ) -> Tensor {
-        debug_assert_eq!(values.len(), shape.iter().product::<usize>());
-        Tensor::from_op(
-            Arc::new(CpuStorage::store::<C>(values, dtype).into()),
-            Layout::contiguous(shape),
-            op,
-            inputs,
-            backward,
-        )
-    }
-
     // ----- accessors ---------------------------------------------------------------------
 
     pub fn id(&self) -> TensorId {
@@ -389,12 +370,6 @@ impl Tensor {
             ));
         }
         Ok(self.to_vec_f64()[0])
-    }
-
-    /// Values in the compute type `C`, contiguous (borrowed when no conversion is needed is
-    /// not possible through the lock, so this returns an owned or shared buffer).
-    pub(crate) fn values<C: FloatDType>(&self) -> Vec<C> {
-        CpuStorage::load::<C>(self.storage().as_cpu(), self.layout()).into_owned()
     }
 
     /// The same values in `dtype` (differentiable: the gradient is cast back). Returns

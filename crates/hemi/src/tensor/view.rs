@@ -133,22 +133,24 @@ impl Tensor {
         ))
     }
 
-    /// Backward of narrow: `self` placed at `start` along `dim` in zeros of `full` shape.
+    /// Backward of narrow: `self` placed at `start` along `dim` in zeros of `full` shape
+    /// (a concatenation with zero blocks on the same device; exact in every dtype).
     fn pad_narrowed(&self, dim: usize, start: usize, full: &[usize]) -> Result<Tensor> {
-        let outer: usize = full[..dim].iter().product();
-        let inner: usize = full[dim + 1..].iter().product();
-        let (len, size) = (self.shape()[dim], full[dim]);
-        crate::with_compute!(self.dtype(), C => {
-            let g = self.values::<C>();
-            let mut out = vec![C::zero(); full.iter().product()];
-            for o in 0..outer {
-                let dst = &mut out[(o * size + start) * inner..(o * size + start + len) * inner];
-                dst.copy_from_slice(&g[o * len * inner..(o + 1) * len * inner]);
+        let len = self.shape()[dim];
+        let zeros = |n: usize| -> Result<Option<Tensor>> {
+            if n == 0 {
+                return Ok(None);
             }
-            Ok(Tensor::from_compute(out, full, self.dtype(), "narrow_backward", &[self], move |_| {
-                Err(Error::Autograd("narrow backward is not differentiable twice".into()))
-            }))
-        })
+            let mut shape = full.to_vec();
+            shape[dim] = n;
+            Ok(Some(
+                Tensor::zeros(&shape, self.dtype())?.to_device(self.device())?,
+            ))
+        };
+        let (before, after) = (zeros(start)?, zeros(full[dim] - start - len)?);
+        let g = self.detach();
+        let parts: Vec<&Tensor> = before.iter().chain([&g]).chain(after.iter()).collect();
+        Tensor::cat(&parts, dim as isize)
     }
 
     /// This tensor expanded to `shape` by broadcasting (size-1 or missing leading dims
