@@ -678,3 +678,60 @@ fn checkpoints_are_identical_for_1_2_and_3_threads() {
         }
     }
 }
+
+/// Two Ctrl-Cs in quick succession (the second may abort the first one's save, or the
+/// kernel may merge them into one): status 130 either way, nothing half-written carries a
+/// final name, and `--resume` continues from the newest complete checkpoint.
+#[test]
+fn two_quick_ctrl_cs_leave_a_resumable_directory() {
+    let t = tmp();
+    let ck = t.path().join("ck");
+    let args = [
+        "--synthetic-size",
+        "640",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        path_str(&ck),
+    ];
+    let full = small(&args);
+    let mut child = Command::new(hemi_bin())
+        .args(&full)
+        .current_dir(t.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("[2,     2]") {
+            break;
+        }
+    }
+    let pid = child.id().to_string();
+    let st = Command::new("sh")
+        .args(["-c", &format!("kill -INT {pid}; kill -INT {pid}")])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(130), "{err}\n{rest:?}");
+    // Epoch 1 was saved before the signals; whatever else is there is complete or hidden.
+    let names = dirs(&ck);
+    assert!(names.iter().any(|d| d == "epoch-0001"), "{names:?}");
+    for d in names.iter().filter(|d| d.starts_with("epoch-")) {
+        assert!(
+            ck.join(d).join("MANIFEST.json").is_file(),
+            "{d} has a final name but no manifest: {names:?}"
+        );
+    }
+    let resumed = run(t.path(), &[&args[..], &["--resume"]].concat());
+    assert!(succeeds(&resumed).contains("resuming at epoch 2"));
+    assert!(
+        dirs(&ck).iter().any(|d| d == "epoch-0002"),
+        "{:?}",
+        dirs(&ck)
+    );
+}
