@@ -25,3 +25,12 @@ pub fn bias_uniform(n: usize, fan_in: usize, rng: &mut Generator) -> Result<Tens
     };
     Tensor::rand(&[n], -bound, bound, DType::F32, rng)
 }
+
+/// `kaiming_normal_(w, mode="fan_out", nonlinearity="relu")`, torchvision's ResNet conv
+/// init: normal with std = √(2 / fan_out), fan_out = out_channels·kh·kw (`shape[0]` times
+/// the receptive field, the product of `shape[2..]`).
+pub fn kaiming_normal_fan_out(shape: &[usize], rng: &mut Generator) -> Result<Tensor> {
+    let fan_out = shape.first().copied().unwrap_or(1) * shape.iter().skip(2).product::<usize>();
+    let std = (2.0 / fan_out.max(1) as f64).sqrt();
+    Tensor::randn(shape, 0.0, std, DType::F32, rng)
+}
