@@ -1,0 +1,496 @@
+//! Residual networks: torchvision's ImageNet family (`resnet18`, `resnet34`, `resnet50`,
+//! with torchvision's `state_dict` names and order) and the CIFAR ResNets of He et al. 2016
+//! §4.2 (`resnet20`, `resnet32`, `resnet56`, with parameter-free option-A shortcuts).
+//!
+//! ImageNet layout (torchvision, ResNet v1.5): 7×7/2 conv (no bias), BN, ReLU, 3×3/2
+//! max-pool with padding 1, four stages of 64/128/256/512 channels (×4 after a Bottleneck)
+//! with stride 2 at the first block of stages 2–4 (on the 3×3 conv of a Bottleneck), global
+//! average pool, fc. A block whose output shape differs from its input adds its input
+//! through `downsample` = 1×1 strided conv (no bias) + BN.
+//!
+//! CIFAR layout (He et al. §4.2): 3×3 conv 16 channels (no bias), BN, ReLU, no max-pool,
+//! three stages of `n` BasicBlocks with 16/32/64 channels (stride 2 at the first block of
+//! stages 2–3), global average pool, fc; depth 6n+2. Option A shortcuts take
+//! `x[:, :, ::2, ::2]` and append zero channels, so they have no parameters.
+//!
+//! Initialisation as torchvision: convs kaiming-normal with fan_out (std = √(2/(out·k·k))),
+//! BN weight 1 and bias 0, fc PyTorch's Linear default; with `zero_init_residual` the last
+//! BN of each block starts at weight 0, so every block starts as its shortcut.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::{
+    init, param, prefixed, prefixed_mut, BatchNorm2d, Conv2d, Kind, Linear, MaxPool2d, Module, Slot,
+};
+use crate::ops::conv::Conv2dOptions;
+use crate::rng::Generator;
+use crate::tensor::Tensor;
+
+/// The architectures `resnet` and `ResNetConfig` know, by name.
+pub const RESNET_ARCHS: [&str; 6] = [
+    "resnet18", "resnet34", "resnet50", "resnet20", "resnet32", "resnet56",
+];
+
+/// The residual block of a network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    /// Two 3×3 convs (`conv1`, `conv2`); expansion 1.
+    Basic,
+    /// 1×1 reduce, 3×3 (strided), 1×1 expand ×4 (`conv1`..`conv3`).
+    Bottleneck,
+}
+
+impl BlockKind {
+    /// Output channels of a block over its `planes`.
+    pub fn expansion(self) -> usize {
+        match self {
+            BlockKind::Basic => 1,
+            BlockKind::Bottleneck => 4,
+        }
+    }
+}
+
+/// How a CIFAR ResNet's blocks that change shape add their input (He et al. §3.3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CifarShortcut {
+    /// Option A: stride-2 subsampling and zero-padded channels; no parameters (the paper's
+    /// CIFAR networks).
+    A,
+    /// Option B: a 1×1 strided conv + BN projection (`downsample.0`, `downsample.1`), as the
+    /// ImageNet networks.
+    B,
+}
+
+/// What a block adds to its residual branch.
+pub enum Shortcut {
+    /// The input itself.
+    Identity,
+    /// Option A: `x[..., ::stride, ::stride]` followed by `extra_channels` zero channels.
+    Pad {
+        stride: usize,
+        extra_channels: usize,
+    },
+    /// torchvision's `downsample`: a 1×1 strided conv without bias, then BN.
+    Projection { conv: Conv2d, bn: BatchNorm2d },
+}
+
+/// A residual block: `relu(bn_k(conv_k(…relu(bn1(conv1(x)))…)) + shortcut(x))`.
+pub struct Block {
+    pub kind: BlockKind,
+    /// (`conv{i+1}`, `bn{i+1}`) in order: two for Basic, three for Bottleneck.
+    pub layers: Vec<(Conv2d, BatchNorm2d)>,
+    pub shortcut: Shortcut,
+}
+
+/// A conv without bias, initialised kaiming-normal fan_out (torchvision's ResNet init).
+fn conv(
+    in_ch: usize,
+    out_ch: usize,
+    k: usize,
+    stride: usize,
+    padding: usize,
+    rng: &mut Generator,
+) -> Result<Conv2d> {
+    let weight = param(init::kaiming_normal_fan_out(&[out_ch, in_ch, k, k], rng)?)?;
+    Ok(Conv2d {
+        weight,
+        bias: None,
+        opts: Conv2dOptions::default().stride(stride).padding(padding),
+    })
+}
+
+impl Block {
+    /// A block from `in_ch` channels to `planes · expansion` channels, its first spatial
+    /// conv strided by `stride`. A shape change uses a projection shortcut unless
+    /// `option_a` is set.
+    fn new(
+        kind: BlockKind,
+        in_ch: usize,
+        planes: usize,
+        stride: usize,
+        option_a: bool,
+        zero_init_residual: bool,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        let out_ch = planes * kind.expansion();
+        let mut layers = match kind {
+            BlockKind::Basic => vec![
+                (
+                    conv(in_ch, planes, 3, stride, 1, rng)?,
+                    BatchNorm2d::new(planes)?,
+                ),
+                (
+                    conv(planes, planes, 3, 1, 1, rng)?,
+                    BatchNorm2d::new(planes)?,
+                ),
+            ],
+            BlockKind::Bottleneck => vec![
+                (
+                    conv(in_ch, planes, 1, 1, 0, rng)?,
+                    BatchNorm2d::new(planes)?,
+                ),
+                (
+                    conv(planes, planes, 3, stride, 1, rng)?,
+                    BatchNorm2d::new(planes)?,
+                ),
+                (
+                    conv(planes, out_ch, 1, 1, 0, rng)?,
+                    BatchNorm2d::new(out_ch)?,
+                ),
+            ],
+        };
+        if zero_init_residual {
+            if let Some((_, bn)) = layers.last_mut() {
+                bn.weight = param(Tensor::zeros(bn.weight.shape(), DType::F32)?)?;
+            }
+        }
+        let shortcut = if stride == 1 && in_ch == out_ch {
+            Shortcut::Identity
+        } else if option_a {
+            if out_ch < in_ch {
+                return Err(Error::arg(
+                    "ResNet",
+                    format!("option-A shortcut cannot reduce {in_ch} to {out_ch} channels"),
+                ));
+            }
+            Shortcut::Pad {
+                stride,
+                extra_channels: out_ch - in_ch,
+            }
+        } else {
+            Shortcut::Projection {
+                conv: conv(in_ch, out_ch, 1, stride, 0, rng)?,
+                bn: BatchNorm2d::new(out_ch)?,
+            }
+        };
+        Ok(Block {
+            kind,
+            layers,
+            shortcut,
+        })
+    }
+
+    /// What the block adds to its residual branch for input `x` ([N, C, H, W]).
+    pub fn shortcut_forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.shortcut {
+            Shortcut::Identity => Ok(x.clone()),
+            Shortcut::Projection { conv, bn } => bn.forward(&conv.forward(x)?),
+            Shortcut::Pad {
+                stride,
+                extra_channels,
+            } => {
+                if x.rank() != 4 {
+                    return Err(Error::shape(
+                        "ResNet shortcut",
+                        format!("expects [N, C, H, W], got {:?}", x.shape()),
+                    ));
+                }
+                // A 1×1 max-pool with stride s is exactly x[:, :, ::s, ::s] (ceil(H/s)
+                // rows, as the strided 3×3 conv with padding 1 gives), with a scatter
+                // for its gradient.
+                let s = if *stride > 1 {
+                    x.max_pool2d((1, 1), (*stride, *stride), (0, 0))?
+                } else {
+                    x.clone()
+                };
+                if *extra_channels == 0 {
+                    return Ok(s);
+                }
+                let mut shape = s.shape().to_vec();
+                shape[1] = *extra_channels;
+                let zeros = Tensor::zeros(&shape, s.dtype())?.to_device(s.device())?;
+                Tensor::cat(&[&s, &zeros], 1)
+            }
+        }
+    }
+
+    fn batch_norms_mut(&mut self) -> impl Iterator<Item = &mut BatchNorm2d> {
+        let shortcut = match &mut self.shortcut {
+            Shortcut::Projection { bn, .. } => Some(bn),
+            _ => None,
+        };
+        self.layers.iter_mut().map(|(_, bn)| bn).chain(shortcut)
+    }
+}
+
+impl Module for Block {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut out = x.clone();
+        let last = self.layers.len() - 1;
+        for (i, (conv, bn)) in self.layers.iter().enumerate() {
+            out = bn.forward(&conv.forward(&out)?)?;
+            if i < last {
+                out = out.relu()?;
+            }
+        }
+        out.add(&self.shortcut_forward(x)?)?.relu()
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        let mut v = Vec::new();
+        for (i, (conv, bn)) in self.layers.iter().enumerate() {
+            v.extend(prefixed(&format!("conv{}", i + 1), conv.tensors()));
+            v.extend(prefixed(&format!("bn{}", i + 1), bn.tensors()));
+        }
+        if let Shortcut::Projection { conv, bn } = &self.shortcut {
+            v.extend(prefixed("downsample.0", conv.tensors()));
+            v.extend(prefixed("downsample.1", bn.tensors()));
+        }
+        v
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        let mut v = Vec::new();
+        for (i, (conv, bn)) in self.layers.iter_mut().enumerate() {
+            v.extend(prefixed_mut(&format!("conv{}", i + 1), conv.tensors_mut()));
+            v.extend(prefixed_mut(&format!("bn{}", i + 1), bn.tensors_mut()));
+        }
+        if let Shortcut::Projection { conv, bn } = &mut self.shortcut {
+            v.extend(prefixed_mut("downsample.0", conv.tensors_mut()));
+            v.extend(prefixed_mut("downsample.1", bn.tensors_mut()));
+        }
+        v
+    }
+    fn set_training(&mut self, training: bool) {
+        for bn in self.batch_norms_mut() {
+            bn.set_training(training);
+        }
+    }
+}
+
+/// A residual network; `layers[i]` is torchvision's `layer{i+1}`.
+pub struct ResNet {
+    pub conv1: Conv2d,
+    pub bn1: BatchNorm2d,
+    /// The ImageNet stem's 3×3/2 max-pool (padding 1); none in the CIFAR networks.
+    pub maxpool: Option<MaxPool2d>,
+    pub layers: Vec<Vec<Block>>,
+    pub fc: Linear,
+}
+
+/// A configuration by architecture name (one of [`RESNET_ARCHS`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResNetConfig {
+    pub arch: String,
+    pub num_classes: usize,
+    /// Start the last BN of each block at weight 0 (torchvision's `zero_init_residual`).
+    pub zero_init_residual: bool,
+}
+
+impl ResNetConfig {
+    pub fn new(arch: &str, num_classes: usize) -> Self {
+        ResNetConfig {
+            arch: arch.to_string(),
+            num_classes,
+            zero_init_residual: false,
+        }
+    }
+
+    /// The network, initialised from `rng`; an error names the known architectures when
+    /// `arch` is not one of them.
+    pub fn build(&self, rng: &mut Generator) -> Result<ResNet> {
+        let (nc, zi) = (self.num_classes, self.zero_init_residual);
+        match self.arch.as_str() {
+            "resnet18" => ResNet::imagenet(BlockKind::Basic, [2, 2, 2, 2], nc, zi, rng),
+            "resnet34" => ResNet::imagenet(BlockKind::Basic, [3, 4, 6, 3], nc, zi, rng),
+            "resnet50" => ResNet::imagenet(BlockKind::Bottleneck, [3, 4, 6, 3], nc, zi, rng),
+            "resnet20" => ResNet::cifar(3, nc, CifarShortcut::A, zi, rng),
+            "resnet32" => ResNet::cifar(5, nc, CifarShortcut::A, zi, rng),
+            "resnet56" => ResNet::cifar(9, nc, CifarShortcut::A, zi, rng),
+            other => Err(Error::arg(
+                "resnet",
+                format!(
+                    "unknown architecture {other:?}; known: {}",
+                    RESNET_ARCHS.join(", ")
+                ),
+            )),
+        }
+    }
+}
+
+/// The ResNet named `name` (one of [`RESNET_ARCHS`]) with `num_classes` outputs.
+pub fn resnet(name: &str, num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    ResNetConfig::new(name, num_classes).build(rng)
+}
+
+/// torchvision's `resnet18`: BasicBlocks [2, 2, 2, 2] (11,689,512 parameters at 1000 classes).
+pub fn resnet18(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet18", num_classes, rng)
+}
+
+/// torchvision's `resnet34`: BasicBlocks [3, 4, 6, 3] (21,797,672 parameters at 1000 classes).
+pub fn resnet34(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet34", num_classes, rng)
+}
+
+/// torchvision's `resnet50`: Bottlenecks [3, 4, 6, 3] (25,557,032 parameters at 1000 classes).
+pub fn resnet50(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet50", num_classes, rng)
+}
+
+/// He et al.'s CIFAR ResNet-20 (n = 3), option-A shortcuts (269,722 parameters at 10 classes).
+pub fn resnet20(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet20", num_classes, rng)
+}
+
+/// He et al.'s CIFAR ResNet-32 (n = 5), option-A shortcuts.
+pub fn resnet32(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet32", num_classes, rng)
+}
+
+/// He et al.'s CIFAR ResNet-56 (n = 9), option-A shortcuts.
+pub fn resnet56(num_classes: usize, rng: &mut Generator) -> Result<ResNet> {
+    resnet("resnet56", num_classes, rng)
+}
+
+fn check_classes(num_classes: usize) -> Result<()> {
+    if num_classes == 0 {
+        return Err(Error::arg("ResNet", "num_classes must be > 0"));
+    }
+    Ok(())
+}
+
+impl ResNet {
+    /// torchvision's ImageNet ResNet with `blocks[i]` blocks in stage `i`.
+    pub fn imagenet(
+        kind: BlockKind,
+        blocks: [usize; 4],
+        num_classes: usize,
+        zero_init_residual: bool,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        check_classes(num_classes)?;
+        let conv1 = conv(3, 64, 7, 2, 3, rng)?;
+        let bn1 = BatchNorm2d::new(64)?;
+        let mut in_ch = 64;
+        let mut layers = Vec::new();
+        for (stage, (&n, planes)) in blocks.iter().zip([64, 128, 256, 512]).enumerate() {
+            let stride = if stage == 0 { 1 } else { 2 };
+            let mut layer = Vec::new();
+            for b in 0..n {
+                let s = if b == 0 { stride } else { 1 };
+                layer.push(Block::new(
+                    kind,
+                    in_ch,
+                    planes,
+                    s,
+                    false,
+                    zero_init_residual,
+                    rng,
+                )?);
+                in_ch = planes * kind.expansion();
+            }
+            layers.push(layer);
+        }
+        Ok(ResNet {
+            conv1,
+            bn1,
+            maxpool: Some(MaxPool2d {
+                kernel: (3, 3),
+                stride: (2, 2),
+                padding: (1, 1),
+            }),
+            layers,
+            fc: Linear::new(in_ch, num_classes, true, rng)?,
+        })
+    }
+
+    /// He et al.'s CIFAR ResNet of depth 6n+2: three stages of `n` BasicBlocks.
+    pub fn cifar(
+        n: usize,
+        num_classes: usize,
+        shortcut: CifarShortcut,
+        zero_init_residual: bool,
+        rng: &mut Generator,
+    ) -> Result<Self> {
+        check_classes(num_classes)?;
+        if n == 0 {
+            return Err(Error::arg(
+                "ResNet",
+                "a CIFAR ResNet needs n >= 1 blocks per stage",
+            ));
+        }
+        let conv1 = conv(3, 16, 3, 1, 1, rng)?;
+        let bn1 = BatchNorm2d::new(16)?;
+        let mut in_ch = 16;
+        let mut layers = Vec::new();
+        for (stage, planes) in [16, 32, 64].into_iter().enumerate() {
+            let stride = if stage == 0 { 1 } else { 2 };
+            let mut layer = Vec::new();
+            for b in 0..n {
+                let s = if b == 0 { stride } else { 1 };
+                layer.push(Block::new(
+                    BlockKind::Basic,
+                    in_ch,
+                    planes,
+                    s,
+                    shortcut == CifarShortcut::A,
+                    zero_init_residual,
+                    rng,
+                )?);
+                in_ch = planes;
+            }
+            layers.push(layer);
+        }
+        Ok(ResNet {
+            conv1,
+            bn1,
+            maxpool: None,
+            layers,
+            fc: Linear::new(in_ch, num_classes, true, rng)?,
+        })
+    }
+
+    /// The features before `fc`: [N, C] after the global average pool.
+    pub fn features(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() != 4 {
+            return Err(Error::shape(
+                "ResNet",
+                format!("expects images [N, C, H, W], got {:?}", x.shape()),
+            ));
+        }
+        let mut x = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
+        if let Some(pool) = &self.maxpool {
+            x = pool.forward(&x)?;
+        }
+        for block in self.layers.iter().flatten() {
+            x = block.forward(&x)?;
+        }
+        x.adaptive_avg_pool2d((1, 1))?.flatten(1, -1)
+    }
+}
+
+impl Module for ResNet {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc.forward(&self.features(x)?)
+    }
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        let mut v = prefixed("conv1", self.conv1.tensors());
+        v.extend(prefixed("bn1", self.bn1.tensors()));
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (j, block) in layer.iter().enumerate() {
+                v.extend(prefixed(&format!("layer{}.{j}", i + 1), block.tensors()));
+            }
+        }
+        v.extend(prefixed("fc", self.fc.tensors()));
+        v
+    }
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        let mut v = prefixed_mut("conv1", self.conv1.tensors_mut());
+        v.extend(prefixed_mut("bn1", self.bn1.tensors_mut()));
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for (j, block) in layer.iter_mut().enumerate() {
+                v.extend(prefixed_mut(
+                    &format!("layer{}.{j}", i + 1),
+                    block.tensors_mut(),
+                ));
+            }
+        }
+        v.extend(prefixed_mut("fc", self.fc.tensors_mut()));
+        v
+    }
+    fn set_training(&mut self, training: bool) {
+        self.bn1.set_training(training);
+        for block in self.layers.iter_mut().flatten() {
+            block.set_training(training);
+        }
+    }
+}
