@@ -216,7 +216,7 @@ impl Block {
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut out = x.clone();
-        let last = self.layers.len() - 1;
+        let last = self.layers.len().saturating_sub(1);
         for (i, (conv, bn)) in self.layers.iter().enumerate() {
             out = bn.forward(&conv.forward(&out)?)?;
             if i < last {
