@@ -27,6 +27,12 @@ enum Command {
         #[command(subcommand)]
         command: DataCommand,
     },
+    /// The models `--model` takes, with their parameter counts.
+    Models {
+        /// Output classes to count parameters for.
+        #[arg(long, default_value_t = 10)]
+        classes: usize,
+    },
     /// Micro-benchmarks of hemi's kernels.
     Bench(bench::BenchArgs),
 }
@@ -77,6 +83,7 @@ fn main() {
             ))),
         },
         Command::Bench(args) => bench::run(args),
+        Command::Models { classes } => list_models(classes),
     };
     match result {
         Ok(()) => {}
@@ -90,4 +97,24 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// `hemi models`: every registered model, its designed input and parameter count.
+fn list_models(classes: usize) -> hemi::Result<()> {
+    println!(
+        "{:<10} {:>13} {:>12}  description",
+        "model", "input", "parameters"
+    );
+    for m in hemi::models::registry::models() {
+        let n = m.build(m.input_shape, classes, 0)?.num_parameters();
+        let [c, h, w] = m.input_shape;
+        println!(
+            "{:<10} {:>13} {:>12}  {}",
+            m.name,
+            format!("{c}x{h}x{w}"),
+            n,
+            m.description
+        );
+    }
+    Ok(())
 }

@@ -16,19 +16,12 @@ use hemi::amp::Precision;
 use hemi::data::{
     Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform,
 };
-use hemi::models::{CifarNet, Mlp};
 use hemi::nn::Module;
 use hemi::train::{
     class_difference, evaluate_with, load_checkpoint, train, DivergenceConfig, Event,
     OptimizerKind, RunInfo, Summary, TrainConfig,
 };
-use hemi::{Error, Generator, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ModelArg {
-    CifarNet,
-    Mlp,
-}
+use hemi::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DatasetArg {
@@ -50,8 +43,9 @@ pub enum OptimizerArg {
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    #[arg(long, value_enum, default_value_t = ModelArg::CifarNet)]
-    model: ModelArg,
+    /// A registered model (`hemi models` lists them): cifar-net, mlp, resnet20, resnet18...
+    #[arg(long, default_value = "cifar-net")]
+    model: String,
     #[arg(long, value_enum, default_value_t = DatasetArg::Auto)]
     dataset: DatasetArg,
     /// Where the data lives: CIFAR-10 binary batches, or `train/` and `test/` class folders
@@ -255,18 +249,7 @@ pub(crate) fn build_model(
     classes: usize,
     seed: u64,
 ) -> Result<Box<dyn Module>> {
-    let mut rng = Generator::new(seed);
-    Ok(match model {
-        "cifar-net" => Box::new(CifarNet::new(
-            shape[0], shape[1], shape[2], classes, &mut rng,
-        )?),
-        "mlp" => Box::new(Mlp::new(shape.iter().product(), 512, classes, &mut rng)?),
-        other => {
-            return Err(Error::Msg(format!(
-                "unknown model {other:?} (cifar-net, mlp)"
-            )))
-        }
-    })
+    hemi::models::registry::build(model, shape, classes, seed)
 }
 
 fn loaders(
@@ -371,6 +354,8 @@ impl Metrics {
 pub fn run_train(args: TrainArgs) -> Result<()> {
     // First, so that a Ctrl-C during data loading is already a clean stop.
     let stop = stop_flag()?;
+    // An unknown model name fails before any data is read.
+    hemi::models::registry::find(&args.model)?;
     if args.resume && args.checkpoint_dir.is_none() {
         return Err(Error::arg("train", "--resume needs --checkpoint-dir"));
     }
@@ -396,10 +381,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     println!("data: {}", data.description);
     let shape = data.train.image_shape();
     let classes = data.train.num_classes();
-    let model_name = match args.model {
-        ModelArg::CifarNet => "cifar-net",
-        ModelArg::Mlp => "mlp",
-    };
+    let model_name = args.model.as_str();
     let mut model = build_model(model_name, shape, classes, args.seed)?;
     let (train_loader, test_loader) = loaders(
         &data,

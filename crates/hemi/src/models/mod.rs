@@ -2,6 +2,7 @@
 
 mod cifar_net;
 mod mlp;
+pub mod registry;
 mod resnet;
 
 pub use cifar_net::CifarNet;

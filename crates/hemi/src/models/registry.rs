@@ -1,0 +1,182 @@
+//! The model registry: every ready-made model declared once (name, what it is, the input it
+//! was designed for, a constructor), so the CLI and the training loop know no model names.
+
+use crate::error::{Error, Result};
+use crate::nn::Module;
+use crate::rng::Generator;
+
+use super::{resnet, CifarNet, Mlp};
+
+/// Builds a model for images of `shape` ([C, H, W]) and `classes` outputs.
+type Build = fn(shape: [usize; 3], classes: usize, rng: &mut Generator) -> Result<Box<dyn Module>>;
+
+/// One registered model.
+pub struct ModelSpec {
+    /// The name `--model` takes.
+    pub name: &'static str,
+    pub description: &'static str,
+    /// The input it was designed for, [C, H, W] (others may work: see `build`).
+    pub input_shape: [usize; 3],
+    build: Build,
+}
+
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSpec")
+            .field("name", &self.name)
+            .field("input_shape", &self.input_shape)
+            .finish()
+    }
+}
+
+impl ModelSpec {
+    /// A fresh model for images of `shape` and `classes` outputs, initialised from `seed`.
+    pub fn build(&self, shape: [usize; 3], classes: usize, seed: u64) -> Result<Box<dyn Module>> {
+        if classes == 0 {
+            return Err(Error::arg(self.name, "needs at least one class"));
+        }
+        (self.build)(shape, classes, &mut Generator::new(seed))
+    }
+}
+
+fn resnet_of(name: &'static str) -> Build {
+    // One function per name: `fn` pointers cannot capture, so match the name here.
+    match name {
+        "resnet18" => |s, c, r| rgb_resnet("resnet18", s, c, r),
+        "resnet34" => |s, c, r| rgb_resnet("resnet34", s, c, r),
+        "resnet50" => |s, c, r| rgb_resnet("resnet50", s, c, r),
+        "resnet20" => |s, c, r| rgb_resnet("resnet20", s, c, r),
+        "resnet32" => |s, c, r| rgb_resnet("resnet32", s, c, r),
+        _ => |s, c, r| rgb_resnet("resnet56", s, c, r),
+    }
+}
+
+/// A ResNet, whose stem takes 3-channel images.
+fn rgb_resnet(
+    name: &'static str,
+    shape: [usize; 3],
+    classes: usize,
+    rng: &mut Generator,
+) -> Result<Box<dyn Module>> {
+    if shape[0] != 3 {
+        return Err(Error::shape(
+            name,
+            format!("takes 3-channel (RGB) images; the data's images are {shape:?}"),
+        ));
+    }
+    Ok(Box::new(resnet::resnet(name, classes, rng)?))
+}
+
+/// Every registered model, in the order `hemi models` lists them.
+pub fn models() -> Vec<ModelSpec> {
+    let mut v = vec![
+        ModelSpec {
+            name: "cifar-net",
+            description:
+                "the documents' CNN: conv 64, conv 128 (3x3, ReLU, 2x2 max-pool), fc 512, 256",
+            input_shape: [3, 32, 32],
+            build: |s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?)),
+        },
+        ModelSpec {
+            name: "mlp",
+            description: "two linear layers (hidden 512) over the flattened image",
+            input_shape: [1, 28, 28],
+            build: |s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
+        },
+    ];
+    let resnets: [(&'static str, &'static str, [usize; 3]); 6] = [
+        (
+            "resnet20",
+            "He et al. 2016 CIFAR ResNet, 3 BasicBlocks per stage, option-A shortcuts",
+            [3, 32, 32],
+        ),
+        (
+            "resnet32",
+            "He et al. 2016 CIFAR ResNet, 5 BasicBlocks per stage",
+            [3, 32, 32],
+        ),
+        (
+            "resnet56",
+            "He et al. 2016 CIFAR ResNet, 9 BasicBlocks per stage",
+            [3, 32, 32],
+        ),
+        (
+            "resnet18",
+            "torchvision resnet18 (BasicBlock [2, 2, 2, 2], ImageNet stem)",
+            [3, 224, 224],
+        ),
+        (
+            "resnet34",
+            "torchvision resnet34 (BasicBlock [3, 4, 6, 3], ImageNet stem)",
+            [3, 224, 224],
+        ),
+        (
+            "resnet50",
+            "torchvision resnet50 v1.5 (Bottleneck [3, 4, 6, 3], ImageNet stem)",
+            [3, 224, 224],
+        ),
+    ];
+    for (name, description, input_shape) in resnets {
+        v.push(ModelSpec {
+            name,
+            description,
+            input_shape,
+            build: resnet_of(name),
+        });
+    }
+    v
+}
+
+/// The registered model named `name`, or an error listing the names there are.
+pub fn find(name: &str) -> Result<ModelSpec> {
+    let all = models();
+    let names: Vec<&str> = all.iter().map(|m| m.name).collect();
+    let list = names.join(", ");
+    all.into_iter()
+        .find(|m| m.name == name)
+        .ok_or_else(|| Error::Arg {
+            op: "model",
+            msg: format!("unknown model {name:?}; the models are: {list}"),
+        })
+}
+
+/// `find(name)?.build(shape, classes, seed)`.
+pub fn build(name: &str, shape: [usize; 3], classes: usize, seed: u64) -> Result<Box<dyn Module>> {
+    find(name)?.build(shape, classes, seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err_of(r: Result<Box<dyn Module>>) -> String {
+        match r {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn every_model_builds_for_its_input_and_names_are_unique() {
+        let all = models();
+        let mut names: Vec<&str> = all.iter().map(|m| m.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        for m in all
+            .iter()
+            .filter(|m| m.name != "resnet50" && m.name != "resnet34")
+        {
+            let net = m.build(m.input_shape, 10, 1).unwrap();
+            assert!(net.num_parameters() > 0, "{}", m.name);
+        }
+        let e = find("resnet7").unwrap_err().to_string();
+        assert!(
+            e.contains("resnet7") && e.contains("cifar-net") && e.contains("resnet56"),
+            "{e}"
+        );
+        let e = err_of(build("resnet20", [1, 28, 28], 10, 0));
+        assert!(e.contains("3-channel") && e.contains("[1, 28, 28]"), "{e}");
+        assert!(build("mlp", [1, 28, 28], 0, 0).is_err());
+    }
+}
