@@ -37,9 +37,6 @@ pub fn round_f32_into(
             format!("{} values do not fill shape {shape:?}", values.len()),
         ));
     }
-    if dtype == DType::I64 {
-        return Err(Error::dtype(OP, dtype, "rounds into float dtypes only"));
-    }
     let src = Tensor::from_f32_vec(values.to_vec(), shape, DType::F32)?;
     src.round_into(dtype, rounding, rng)
 }

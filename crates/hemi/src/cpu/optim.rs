@@ -4,7 +4,6 @@
 
 use super::storage::CpuStorage;
 use crate::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
 
@@ -54,7 +53,7 @@ impl OptimOps for CpuStorage {
         f: SgdFlags,
     ) -> Result<Self> {
         let mut p = self.to_f32(lp).into_owned();
-        let g = self::grad_f32(grad, lg);
+        let g = grad.to_f32(lg);
         let b: &mut [f32] = match buf {
             Some(b) => state_f32("sgd_step", "the momentum buffer", b)?,
             None if f.momentum => {
@@ -89,7 +88,7 @@ impl OptimOps for CpuStorage {
     ) -> Result<Self> {
         const OP: &str = "adam_step";
         let mut p = self.to_f32(lp).into_owned();
-        let g = self::grad_f32(grad, lg);
+        let g = grad.to_f32(lg);
         let m = state_f32(OP, "exp_avg", exp_avg)?;
         let v = state_f32(OP, "exp_avg_sq", exp_avg_sq)?;
         let max = match max_exp_avg_sq {
@@ -118,12 +117,6 @@ impl OptimOps for CpuStorage {
         }
         Ok(CpuStorage::from_f32(p, self.dtype()))
     }
-}
-
-/// A gradient's values as F32 (borrowed when it is a contiguous F32 buffer).
-fn grad_f32<'a>(g: &'a CpuStorage, lg: &Layout) -> std::borrow::Cow<'a, [f32]> {
-    debug_assert!(g.dtype() != DType::I64);
-    g.to_f32(lg)
 }
 
 /// The SGD loop for these flags (each combination its own branch-free build).

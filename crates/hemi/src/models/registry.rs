@@ -7,8 +7,14 @@ use crate::rng::Generator;
 
 use super::{resnet, CifarNet, Mlp};
 
-/// Builds a model for images of `shape` ([C, H, W]) and `classes` outputs.
-type Build = fn(shape: [usize; 3], classes: usize, rng: &mut Generator) -> Result<Box<dyn Module>>;
+/// Builds the model registered as `name` for images of `shape` ([C, H, W]) and `classes`
+/// outputs (the name lets one function serve a family, as `rgb_resnet` does).
+type Build = fn(
+    name: &'static str,
+    shape: [usize; 3],
+    classes: usize,
+    rng: &mut Generator,
+) -> Result<Box<dyn Module>>;
 
 /// One registered model.
 pub struct ModelSpec {
@@ -35,19 +41,7 @@ impl ModelSpec {
         if classes == 0 {
             return Err(Error::arg(self.name, "needs at least one class"));
         }
-        (self.build)(shape, classes, &mut Generator::new(seed))
-    }
-}
-
-fn resnet_of(name: &'static str) -> Build {
-    // One function per name: `fn` pointers cannot capture, so match the name here.
-    match name {
-        "resnet18" => |s, c, r| rgb_resnet("resnet18", s, c, r),
-        "resnet34" => |s, c, r| rgb_resnet("resnet34", s, c, r),
-        "resnet50" => |s, c, r| rgb_resnet("resnet50", s, c, r),
-        "resnet20" => |s, c, r| rgb_resnet("resnet20", s, c, r),
-        "resnet32" => |s, c, r| rgb_resnet("resnet32", s, c, r),
-        _ => |s, c, r| rgb_resnet("resnet56", s, c, r),
+        (self.build)(self.name, shape, classes, &mut Generator::new(seed))
     }
 }
 
@@ -75,13 +69,13 @@ pub fn models() -> Vec<ModelSpec> {
             description:
                 "the documents' CNN: conv 64, conv 128 (3x3, ReLU, 2x2 max-pool), fc 512, 256",
             input_shape: [3, 32, 32],
-            build: |s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?)),
+            build: |_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?)),
         },
         ModelSpec {
             name: "mlp",
             description: "two linear layers (hidden 512) over the flattened image",
             input_shape: [1, 28, 28],
-            build: |s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
+            build: |_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
         },
     ];
     let resnets: [(&'static str, &'static str, [usize; 3]); 6] = [
@@ -121,7 +115,7 @@ pub fn models() -> Vec<ModelSpec> {
             name,
             description,
             input_shape,
-            build: resnet_of(name),
+            build: rgb_resnet,
         });
     }
     v

@@ -129,10 +129,17 @@ impl Storage {
             Device::Cpu => Ok(Storage::Cpu(host.into_owned())),
             Device::Cuda(_) => Err(crate::error::Error::device(
                 "to_device",
-                format!(
-                    "cannot place a tensor on {device}: hemi was built without the `cuda` \
-                     feature (rebuild with `--features cuda`)"
-                ),
+                if cfg!(feature = "cuda") {
+                    format!(
+                        "cannot place a tensor on {device}: the CUDA backend of this build \
+                         (`--features cuda`) is not yet wired into tensors (DEVELOPERS.md)"
+                    )
+                } else {
+                    format!(
+                        "cannot place a tensor on {device}: hemi was built without the `cuda` \
+                         feature (rebuild with `--features cuda`)"
+                    )
+                },
             )),
         }
     }
