@@ -356,10 +356,7 @@ impl Tensor {
             ));
         }
         let s = self.storage().copy_strided(self.layout())?;
-        Ok(s.to_cpu()?
-            .into_owned()
-            .into_vec()
-            .expect("dtype checked above"))
+        Ok(s.into_cpu()?.into_vec().expect("dtype checked above"))
     }
     /// The value of a one-element tensor, as f64.
     pub fn to_scalar(&self) -> Result<f64> {

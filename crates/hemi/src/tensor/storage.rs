@@ -108,6 +108,13 @@ impl Storage {
         }
     }
 
+    /// The buffer as a host buffer, taken without a copy on the CPU.
+    pub fn into_cpu(self) -> Result<CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Ok(s),
+        }
+    }
+
     /// A CPU buffer of `dtype` from little-endian bytes (a file's tensor data); `None`
     /// unless the byte count is a multiple of the element size.
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Storage> {
