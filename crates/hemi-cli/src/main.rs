@@ -18,8 +18,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (CifarNet on CIFAR-10 or the built-in data set).
-    Train(train::TrainArgs),
+    /// Train a model (CifarNet on CIFAR-10 or the built-in data set); boxed, it is by far
+    /// the largest set of arguments.
+    Train(Box<train::TrainArgs>),
     /// Test accuracy of a saved checkpoint.
     Eval(train::EvalArgs),
     /// Data sets: `hemi data fetch cifar10`.
@@ -71,7 +72,7 @@ fn main() {
     tune_allocator();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run_train(args),
+        Command::Train(args) => train::run_train(*args),
         Command::Eval(args) => train::run_eval(args),
         Command::Data {
             command: DataCommand::Fetch { name, data_dir },
@@ -102,19 +103,25 @@ fn main() {
 /// `hemi models`: every registered model, its designed input and parameter count.
 fn list_models(classes: usize) -> hemi::Result<()> {
     println!(
-        "{:<10} {:>13} {:>12}  description",
-        "model", "input", "parameters"
+        "{:<10} {:>13} {:>12}  {:<16} description",
+        "model", "input", "parameters", "recipe"
     );
     for m in hemi::models::registry::models() {
         let n = m.build(m.input_shape, classes, 0)?.num_parameters();
         let [c, h, w] = m.input_shape;
         println!(
-            "{:<10} {:>13} {:>12}  {}",
+            "{:<10} {:>13} {:>12}  {:<16} {}",
             m.name,
             format!("{c}x{h}x{w}"),
             n,
+            m.recipe,
             m.description
         );
+    }
+    println!();
+    println!("recipes (hemi train --recipe NAME; flags override single settings):");
+    for r in hemi::train::Recipe::all() {
+        println!("  {:<16} {}", r.name, r.description);
     }
     Ok(())
 }

@@ -14,12 +14,12 @@ use serde_json::json;
 
 use hemi::amp::Precision;
 use hemi::data::{
-    Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic, Transform,
+    Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic,
 };
 use hemi::nn::Module;
 use hemi::train::{
-    class_difference, evaluate_with, load_checkpoint, train, DivergenceConfig, Event,
-    OptimizerKind, RunInfo, Summary, TrainConfig,
+    class_difference, evaluate_with, load_checkpoint, recipe, train, DivergenceConfig, Event,
+    OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
 };
 use hemi::{Error, Result};
 
@@ -52,19 +52,53 @@ pub struct TrainArgs {
     /// (the layout of the CIFAR-10 JPEG archive), or MNIST IDX files.
     #[arg(long, default_value = "data")]
     data_dir: PathBuf,
-    #[arg(long, default_value_t = 10)]
-    epochs: usize,
-    #[arg(long, default_value_t = 128)]
-    batch_size: usize,
+    /// A training recipe (`hemi models` lists them); default: the model's own
+    /// (`documents` for cifar-net and mlp, `resnet-cifar` for the CIFAR ResNets). The flags
+    /// below override its single settings.
+    #[arg(long)]
+    recipe: Option<String>,
+    /// Default: the recipe's (10 for `documents`, 30 for `resnet-cifar`).
+    #[arg(long)]
+    epochs: Option<usize>,
+    /// Default: the recipe's (128).
+    #[arg(long)]
+    batch_size: Option<usize>,
     #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
     optimizer: OptimizerArg,
-    #[arg(long, default_value_t = 0.001)]
-    lr: f64,
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Default: the optimizer's own (0; 0.01 for AdamW).
+    /// Default: the recipe's (0.001 for `documents`, 0.1 for `resnet-cifar`).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Default: the recipe's (0.9).
+    #[arg(long)]
+    momentum: Option<f64>,
+    /// Default: the recipe's, else the optimizer's own (0; 0.01 for AdamW).
     #[arg(long)]
     weight_decay: Option<f64>,
+    /// Nesterov momentum (SGD): `--nesterov` or `--nesterov false`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    nesterov: Option<bool>,
+    /// No weight decay on biases and BatchNorm/LayerNorm weights (parameters of rank < 2).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    no_decay_norm_bias: Option<bool>,
+    /// The lr schedule after the warm-up, per step: constant, cosine (to 0 at the end of the
+    /// run) or step (x --gamma at each of --milestones epochs).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Epochs at which the step schedule multiplies the lr by --gamma, e.g. `82,123`.
+    #[arg(long, value_delimiter = ',')]
+    milestones: Vec<usize>,
+    #[arg(long, default_value_t = 0.1)]
+    gamma: f64,
+    /// Linear warm-up over this many epochs (fractions allowed).
+    #[arg(long)]
+    warmup_epochs: Option<f64>,
+    /// Stop after this many epochs in total, checkpointed as usual; the schedule still spans
+    /// --epochs and --resume continues the run (a 30-epoch cosine run looked at after 10).
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Label smoothing ε of the training loss, in [0, 1].
+    #[arg(long)]
+    label_smoothing: Option<f64>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Compute threads (default: all cores).
@@ -76,9 +110,10 @@ pub struct TrainArgs {
     /// Print the loss every this many batches.
     #[arg(long, default_value_t = 200)]
     log_every: usize,
-    /// Random crop (padding 4) and horizontal flip on the training images.
-    #[arg(long)]
-    augment: bool,
+    /// Random crop (padding an eighth of the side: 4 on 32x32) and horizontal flip on the
+    /// training images: `--augment` or `--augment false` (default: the recipe's).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    augment: Option<bool>,
     /// Size of the built-in synthetic training set.
     #[arg(long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
     synthetic_size: usize,
@@ -252,18 +287,36 @@ pub(crate) fn build_model(
     hemi::models::registry::build(model, shape, classes, seed)
 }
 
+/// The input normalisation: per channel or one value for all.
+struct Normalize {
+    mean: Vec<f32>,
+    std: Vec<f32>,
+}
+
+impl Normalize {
+    /// The documents' Normalize(0.5, 0.5), which runs before recipes did used.
+    fn half() -> Normalize {
+        Normalize {
+            mean: vec![0.5],
+            std: vec![0.5],
+        }
+    }
+
+    fn is_half(&self) -> bool {
+        self.mean == [0.5] && self.std == [0.5]
+    }
+}
+
 fn loaders(
     data: &Data,
     batch_size: usize,
     seed: u64,
     workers: usize,
     augment: bool,
+    norm: &Normalize,
 ) -> Result<(DataLoader, DataLoader)> {
-    let train_tf = if augment {
-        Transform::cifar_train_augment()
-    } else {
-        Transform::to_tensor_normalize_half()
-    };
+    let side = data.train.image_shape()[2];
+    let train_tf = recipe::train_transform(augment, side, &norm.mean, &norm.std);
     let train = DataLoader::new(
         data.train.clone(),
         LoaderConfig {
@@ -282,7 +335,7 @@ fn loaders(
             shuffle: false,
             seed,
             workers,
-            transform: Transform::to_tensor_normalize_half(),
+            transform: recipe::eval_transform(&norm.mean, &norm.std),
             ..Default::default()
         },
     )?;
@@ -354,8 +407,21 @@ impl Metrics {
 pub fn run_train(args: TrainArgs) -> Result<()> {
     // First, so that a Ctrl-C during data loading is already a clean stop.
     let stop = stop_flag()?;
-    // An unknown model name fails before any data is read.
-    hemi::models::registry::find(&args.model)?;
+    // An unknown model or recipe name fails before any data is read.
+    let spec = hemi::models::registry::find(&args.model)?;
+    let recipe = Recipe::find(args.recipe.as_deref().unwrap_or(spec.recipe))?;
+    let schedule = match &args.schedule {
+        Some(name) => Schedule::parse(name, &args.milestones, args.gamma)?,
+        None if !args.milestones.is_empty() => {
+            return Err(Error::arg("train", "--milestones needs --schedule step"))
+        }
+        None => recipe.schedule.clone(),
+    };
+    let epochs = args.epochs.unwrap_or(recipe.epochs);
+    let batch_size = args.batch_size.unwrap_or(recipe.batch_size);
+    let lr = args.lr.unwrap_or(recipe.lr);
+    let momentum = args.momentum.unwrap_or(recipe.momentum);
+    let augment = args.augment.unwrap_or(recipe.augment);
     if args.resume && args.checkpoint_dir.is_none() {
         return Err(Error::arg("train", "--resume needs --checkpoint-dir"));
     }
@@ -383,24 +449,26 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let classes = data.train.num_classes();
     let model_name = args.model.as_str();
     let mut model = build_model(model_name, shape, classes, args.seed)?;
-    let (train_loader, test_loader) = loaders(
-        &data,
-        args.batch_size,
-        args.seed,
-        args.workers,
-        args.augment,
-    )?;
+    let (mean, std) = recipe.normalize_for(shape[0])?;
+    let norm = Normalize { mean, std };
+    let (train_loader, test_loader) =
+        loaders(&data, batch_size, args.seed, args.workers, augment, &norm)?;
     let optimizer = match args.optimizer {
         OptimizerArg::Sgd => OptimizerKind::Sgd,
         OptimizerArg::Adam => OptimizerKind::Adam,
         OptimizerArg::Adamw => OptimizerKind::AdamW,
     };
     let cfg = TrainConfig {
-        epochs: args.epochs,
+        epochs,
         optimizer,
-        lr: args.lr,
-        momentum: args.momentum,
-        weight_decay: args.weight_decay,
+        lr,
+        momentum,
+        weight_decay: args.weight_decay.or(recipe.weight_decay),
+        nesterov: args.nesterov.unwrap_or(recipe.nesterov),
+        no_decay_norm_bias: args.no_decay_norm_bias.unwrap_or(recipe.no_decay_norm_bias),
+        schedule,
+        warmup_epochs: args.warmup_epochs.unwrap_or(recipe.warmup_epochs),
+        label_smoothing: args.label_smoothing.unwrap_or(recipe.label_smoothing),
         log_every: args.log_every,
         checkpoint_dir: args.checkpoint_dir.clone(),
         resume: args.resume,
@@ -412,15 +480,26 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             max_skipped_fraction: args.max_skipped_fraction,
             ..Default::default()
         },
-        stop_after: None,
+        stop_after: args.stop_after,
         precision: args.precision,
         grad_stats: args.grad_stats,
         seed: args.seed,
         ..Default::default()
     };
     let mut settings = std::collections::BTreeMap::new();
-    settings.insert("batch_size".to_string(), args.batch_size.to_string());
-    settings.insert("augment".to_string(), args.augment.to_string());
+    settings.insert("batch_size".to_string(), batch_size.to_string());
+    settings.insert("augment".to_string(), augment.to_string());
+    if !norm.is_half() {
+        // Only when not the documents' (0.5, 0.5): older checkpoints still resume.
+        settings.insert(
+            "normalize.mean".to_string(),
+            recipe::format_values(&norm.mean),
+        );
+        settings.insert(
+            "normalize.std".to_string(),
+            recipe::format_values(&norm.std),
+        );
+    }
     if data.name == "synthetic" {
         settings.insert(
             "synthetic_size".to_string(),
@@ -441,15 +520,38 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         settings,
     };
     println!(
-        "model: {model_name} ({} parameters), optimizer {} lr {} momentum {}, batch {}, {} epochs, {} threads, precision {}",
+        "model: {model_name} ({} parameters), {} threads, precision {}",
         model.num_parameters(),
-        optimizer.name(),
-        args.lr,
-        args.momentum,
-        args.batch_size,
-        args.epochs,
         rayon::current_num_threads(),
         args.precision,
+    );
+    println!(
+        "recipe {}: {} lr {} momentum {}{}, weight decay {}{}, batch {batch_size}, {epochs} \
+         epochs, schedule {}{}{}, augment {augment}, normalize {:?}/{:?}",
+        recipe.name,
+        optimizer.name(),
+        cfg.lr,
+        cfg.momentum,
+        if cfg.nesterov { " (nesterov)" } else { "" },
+        cfg.weight_decay.map_or("default".into(), |w| w.to_string()),
+        if cfg.no_decay_norm_bias {
+            " (not on biases and norms)"
+        } else {
+            ""
+        },
+        cfg.schedule.describe(),
+        if cfg.warmup_epochs > 0.0 {
+            format!(" after {} warm-up epochs", cfg.warmup_epochs)
+        } else {
+            String::new()
+        },
+        if cfg.label_smoothing > 0.0 {
+            format!(", label smoothing {}", cfg.label_smoothing)
+        } else {
+            String::new()
+        },
+        norm.mean,
+        norm.std,
     );
     let precision = args.precision;
     let show_scale = precision.loss_scaling();
@@ -683,7 +785,15 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
     precision.prepare_model(model.as_mut())?;
     model.load_state_dict(&ck.model)?;
-    let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false)?;
+    let setting = |k: &str| ck.info.settings.get(k);
+    let norm = match (setting("normalize.mean"), setting("normalize.std")) {
+        (Some(m), Some(s)) => Normalize {
+            mean: recipe::parse_values("normalize.mean", m)?,
+            std: recipe::parse_values("normalize.std", s)?,
+        },
+        _ => Normalize::half(),
+    };
+    let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false, &norm)?;
     let (acc, loss) = evaluate_with(model.as_mut(), &test, precision)?;
     let when = if ck.progress.batches_done == 0 {
         format!("after epoch {}", ck.epochs_done)

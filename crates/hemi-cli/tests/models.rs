@@ -67,11 +67,82 @@ fn a_resnet_trains_from_the_cli_and_its_checkpoint_evaluates() {
         "amp-bf16",
         "--checkpoint-dir",
         "ck",
+        "--metrics",
+        "m.jsonl",
     ];
     let out = ok(&hemi(t.path(), &base));
     assert!(out.contains("resnet20 (269722 parameters)"), "{out}");
+    // The model's default recipe, with the flags given overriding it.
+    assert!(
+        out.contains("recipe resnet-cifar: sgd lr 0.1 momentum 0.9, weight decay 0.0001")
+            && out.contains("batch 64, 1 epochs, schedule cosine, augment true"),
+        "{out}"
+    );
+    // eval normalises as the run did (CIFAR-10 mean/std, recorded in the checkpoint), so it
+    // reproduces the run's test accuracy.
+    let metrics = std::fs::read_to_string(t.path().join("m.jsonl")).unwrap();
+    let epoch: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let acc = 100.0 * epoch["test_accuracy"].as_f64().unwrap();
     let ev = ok(&hemi(t.path(), &["eval", "--checkpoint", "ck"]));
-    assert!(ev.contains("Accuracy"), "{ev}");
+    assert!(ev.contains(&format!("images: {acc:.2} %")), "{acc}\n{ev}");
+}
+
+#[test]
+fn recipes_are_listed_and_flags_override_them() {
+    let t = tempfile::tempdir().unwrap();
+    let out = ok(&hemi(t.path(), &["models"]));
+    for r in ["documents", "resnet-cifar", "resnet-imagenet"] {
+        assert!(out.contains(r), "{r} missing from:\n{out}");
+    }
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "--model",
+            "mlp",
+            "--dataset",
+            "synthetic",
+            "--synthetic-size",
+            "64",
+            "--epochs",
+            "1",
+            "--threads",
+            "1",
+            "--precision",
+            "fp32",
+        ];
+        a.extend_from_slice(extra);
+        hemi(t.path(), &a)
+    };
+    let out = ok(&run(&[
+        "--recipe",
+        "resnet-cifar",
+        "--schedule",
+        "step",
+        "--milestones",
+        "1",
+        "--nesterov",
+        "--no-decay-norm-bias",
+        "--label-smoothing",
+        "0.1",
+        "--augment",
+        "false",
+    ]));
+    assert!(
+        out.contains("sgd lr 0.1 momentum 0.9 (nesterov), weight decay 0.0001 (not on biases")
+            && out.contains("schedule step(milestones=1, gamma=0.1), label smoothing 0.1")
+            && out.contains("augment false"),
+        "{out}"
+    );
+    for (args, word) in [
+        (&["--recipe", "fast"][..], "fast"),
+        (&["--schedule", "linear"][..], "linear"),
+        (&["--milestones", "3"][..], "--schedule step"),
+        (&["--warmup-epochs", "2"][..], "warm-up"),
+    ] {
+        let o = run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(word), "{args:?}: {err}");
+    }
 }
 
 #[test]

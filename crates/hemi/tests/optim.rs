@@ -9,9 +9,9 @@
 mod common;
 use common::*;
 use hemi::optim::{
-    clip_grad_norm, clip_grad_value, Adam, AdamConfig, AdamW, AdamWConfig, CosineAnnealingLR,
-    LinearWarmup, LrScheduler, Optimizer, OptimizerState, Scheduler, Sgd, SgdConfig, StateBuffer,
-    StepLR,
+    clip_grad_norm, clip_grad_value, no_decay_mask, Adam, AdamConfig, AdamW, AdamWConfig,
+    CosineAnnealingLR, LinearWarmup, LrScheduler, MultiStepLR, Optimizer, OptimizerState,
+    Scheduler, Sgd, SgdConfig, StateBuffer, StepLR,
 };
 use hemi::{DType, Generator, Tensor};
 
@@ -1263,5 +1263,127 @@ fn step_timing_on_cifar_net_sized_parameters() {
             times[times.len() / 2],
             times[0]
         );
+    }
+}
+
+#[test]
+fn multistep_lr_drops_at_each_milestone() {
+    let s = MultiStepLR {
+        milestones: vec![3, 5],
+        gamma: 0.1,
+    };
+    let got = schedule(&s, 1.0, 7);
+    assert_close(
+        "multistep",
+        &got,
+        &[1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01, 0.01],
+        SCHED_TOL,
+    );
+    let bad = MultiStepLR {
+        milestones: vec![5, 3],
+        gamma: 0.1,
+    };
+    assert!(bad.validate().is_err());
+}
+
+/// With a weight-decay mask, the undecayed parameters follow the optimizer without weight
+/// decay and the others the optimizer with it, bit for bit.
+#[test]
+fn weight_decay_mask_leaves_biases_and_norms_undecayed() {
+    let mut rng = Generator::new(17);
+    let shapes: [&[usize]; 3] = [&[4, 3], &[4], &[2, 3, 3, 3]];
+    let values: Vec<Vec<f64>> = shapes
+        .iter()
+        .map(|s| rand_values(s.iter().product(), -1.0, 1.0, DType::F32, &mut rng))
+        .collect();
+    let grads: Vec<Vec<f64>> = shapes
+        .iter()
+        .map(|s| rand_values(s.iter().product(), -1.0, 1.0, DType::F32, &mut rng))
+        .collect();
+    let make = || -> Vec<Tensor> {
+        shapes
+            .iter()
+            .zip(&values)
+            .map(|(s, v)| {
+                Tensor::from_f64_vec(v.clone(), s, DType::F32)
+                    .unwrap()
+                    .requires_grad_()
+            })
+            .collect()
+    };
+    let run = |opt: &mut dyn Optimizer| -> Vec<Vec<u32>> {
+        for _ in 0..3 {
+            for (p, g) in opt.params().iter().zip(&grads) {
+                p.set_grad(Some(
+                    Tensor::from_f64_vec(g.clone(), p.shape(), DType::F32).unwrap(),
+                ));
+            }
+            opt.step().unwrap();
+        }
+        opt.params()
+            .iter()
+            .map(|p| {
+                p.to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect()
+    };
+    let params = make();
+    let mask = no_decay_mask(&params);
+    assert_eq!(mask, [true, false, true]);
+    type Build = Box<dyn Fn(Vec<Tensor>, f64) -> Box<dyn Optimizer>>;
+    let builders: [(&str, Build); 3] = [
+        (
+            "sgd",
+            Box::new(|p, wd| {
+                let c = SgdConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    weight_decay: wd,
+                    nesterov: true,
+                    ..Default::default()
+                };
+                Box::new(Sgd::new(p, c).unwrap())
+            }),
+        ),
+        (
+            "adam",
+            Box::new(|p, wd| {
+                let c = AdamConfig {
+                    weight_decay: wd,
+                    ..Default::default()
+                };
+                Box::new(Adam::new(p, c).unwrap())
+            }),
+        ),
+        (
+            "adamw",
+            Box::new(|p, wd| {
+                let c = AdamWConfig {
+                    weight_decay: wd,
+                    ..Default::default()
+                };
+                Box::new(AdamW::new(p, c).unwrap())
+            }),
+        ),
+    ];
+    for (name, build) in &builders {
+        let mut masked = build(make(), 0.05);
+        masked.set_weight_decay_mask(&mask).unwrap();
+        let got = run(masked.as_mut());
+        let decayed = run(build(make(), 0.05).as_mut());
+        let plain = run(build(make(), 0.0).as_mut());
+        assert_eq!(got[0], decayed[0], "{name}: weight");
+        assert_eq!(got[1], plain[1], "{name}: bias");
+        assert_eq!(got[2], decayed[2], "{name}: conv weight");
+        assert_ne!(decayed[1], plain[1], "{name}: decay must matter");
+        let e = masked
+            .set_weight_decay_mask(&[true])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 flags for 3 parameters"), "{e}");
     }
 }

@@ -222,3 +222,99 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
     std::fs::remove_dir_all(cfg1.checkpoint_dir.as_ref().unwrap()).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The `resnet-cifar` recipe's pieces (cosine per step after a warm-up, Nesterov, label
+/// smoothing, no decay on biases): the loop sets the closed-form lr at every step, and a run
+/// stopped after one epoch and resumed ends bit-identical to an uninterrupted one.
+#[test]
+fn scheduled_recipe_runs_resume_bit_identically() {
+    use hemi::train::{recipe::lr_schedule, Schedule};
+    let (tr, te) = loaders(2);
+    let cfg = TrainConfig {
+        epochs: 3,
+        optimizer: OptimizerKind::Sgd,
+        lr: 0.05,
+        momentum: 0.9,
+        weight_decay: Some(1e-3),
+        nesterov: true,
+        no_decay_norm_bias: true,
+        schedule: Schedule::Cosine,
+        warmup_epochs: 0.5,
+        label_smoothing: 0.1,
+        log_every: 1,
+        ..Default::default()
+    };
+    let mut whole = model();
+    let mut lrs = Vec::new();
+    train(&mut whole, &tr, &te, &cfg, &info(), &mut |e| {
+        if let Event::Log { lr, .. } = e {
+            lrs.push(*lr)
+        }
+    })
+    .unwrap();
+    // Each Log line reports the lr of the step just taken.
+    let nb = tr.num_batches();
+    let sched = lr_schedule(&Schedule::Cosine, 0.5, 3, nb).unwrap();
+    let want: Vec<f64> = (0..3 * nb as u64).map(|t| sched.lr_at(0.05, t)).collect();
+    assert_eq!(lrs, want);
+    assert!(want[0] < 0.05 / 2.0 && want[nb / 2] == 0.05 && *want.last().unwrap() < 1e-3);
+
+    let dir = tmp("resume-recipe");
+    let stop = TrainConfig {
+        checkpoint_dir: Some(dir.clone()),
+        stop_after: Some(1),
+        ..cfg.clone()
+    };
+    train(&mut model(), &tr, &te, &stop, &info(), &mut |_| {}).unwrap();
+    let mut resumed = Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(99)).unwrap();
+    let resume = TrainConfig {
+        checkpoint_dir: Some(dir.clone()),
+        resume: true,
+        ..cfg.clone()
+    };
+    train(&mut resumed, &tr, &te, &resume, &info(), &mut |_| {}).unwrap();
+    for ((n, a), (_, b)) in whole.state_dict().iter().zip(resumed.state_dict().iter()) {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{n} differs after resume"
+        );
+    }
+    // A resume that changes the schedule is refused, naming it.
+    let changed = TrainConfig {
+        schedule: Schedule::Constant,
+        ..resume.clone()
+    };
+    let e = train(&mut model(), &tr, &te, &changed, &info(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("schedule"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn recipe_settings_are_checked_before_training() {
+    let (tr, te) = loaders(0);
+    let bad = [
+        TrainConfig {
+            optimizer: OptimizerKind::Adam,
+            nesterov: true,
+            ..Default::default()
+        },
+        TrainConfig {
+            label_smoothing: 1.5,
+            ..Default::default()
+        },
+        TrainConfig {
+            epochs: 2,
+            warmup_epochs: 3.0,
+            ..Default::default()
+        },
+    ];
+    for (cfg, word) in bad.iter().zip(["Nesterov", "label smoothing", "warm-up"]) {
+        let e = train(&mut model(), &tr, &te, cfg, &info(), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(word), "{e}");
+    }
+}

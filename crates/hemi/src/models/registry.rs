@@ -23,6 +23,9 @@ pub struct ModelSpec {
     pub description: &'static str,
     /// The input it was designed for, [C, H, W] (others may work: see `build`).
     pub input_shape: [usize; 3],
+    /// The training recipe `hemi train --model NAME` uses unless told otherwise
+    /// (`crate::train::Recipe::find`).
+    pub recipe: &'static str,
     build: Build,
 }
 
@@ -69,12 +72,14 @@ pub fn models() -> Vec<ModelSpec> {
             description:
                 "the documents' CNN: conv 64, conv 128 (3x3, ReLU, 2x2 max-pool), fc 512, 256",
             input_shape: [3, 32, 32],
+            recipe: "documents",
             build: |_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?)),
         },
         ModelSpec {
             name: "mlp",
             description: "two linear layers (hidden 512) over the flattened image",
             input_shape: [1, 28, 28],
+            recipe: "documents",
             build: |_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
         },
     ];
@@ -115,6 +120,11 @@ pub fn models() -> Vec<ModelSpec> {
             name,
             description,
             input_shape,
+            recipe: if input_shape[1] == 32 {
+                "resnet-cifar"
+            } else {
+                "resnet-imagenet"
+            },
             build: rgb_resnet,
         });
     }
@@ -172,5 +182,15 @@ mod tests {
         let e = err_of(build("resnet20", [1, 28, 28], 10, 0));
         assert!(e.contains("3-channel") && e.contains("[1, 28, 28]"), "{e}");
         assert!(build("mlp", [1, 28, 28], 0, 0).is_err());
+    }
+
+    #[test]
+    fn every_model_names_a_known_recipe() {
+        for m in models() {
+            let r = crate::train::Recipe::find(m.recipe).unwrap();
+            r.normalize_for(m.input_shape[0]).unwrap();
+        }
+        assert_eq!(find("resnet20").unwrap().recipe, "resnet-cifar");
+        assert_eq!(find("cifar-net").unwrap().recipe, "documents");
     }
 }

@@ -4,8 +4,8 @@
 //! `p *= 1 - lr * weight_decay` before the update) and in the default weight decay.
 
 use super::optimizer::{
-    check_grads, check_nonneg, check_params, state_zeros, Optimizer, OptimizerState, StateBuffer,
-    StateReader,
+    check_decay_mask, check_grads, check_nonneg, check_params, state_zeros, Optimizer,
+    OptimizerState, StateBuffer, StateReader,
 };
 use crate::backend::train::{AdamDecay, AdamScalars};
 use crate::error::{Error, Result};
@@ -116,6 +116,8 @@ struct AdamCore {
     params: Vec<Tensor>,
     config: AdamConfig,
     state: Vec<Option<ParamState>>,
+    /// Whether weight decay applies to each parameter (`set_weight_decay_mask`).
+    decay: Vec<bool>,
 }
 
 impl AdamCore {
@@ -129,12 +131,14 @@ impl AdamCore {
         config.validate(op)?;
         check_params(op, &params)?;
         let state = vec![None; params.len()];
+        let decay = vec![true; params.len()];
         Ok(AdamCore {
             kind,
             decoupled,
             params,
             config,
             state,
+            decay,
         })
     }
 
@@ -158,7 +162,8 @@ impl AdamCore {
             }
             s.step += 1;
             let k = adam_scalars(s.step, &self.config, self.decoupled);
-            let decay = match (self.config.weight_decay != 0.0, self.decoupled) {
+            let decays = self.config.weight_decay != 0.0 && self.decay[i];
+            let decay = match (decays, self.decoupled) {
                 (false, _) => AdamDecay::None,
                 (true, false) => AdamDecay::L2,
                 (true, true) => AdamDecay::Decoupled,
@@ -361,6 +366,12 @@ macro_rules! impl_optimizer {
             fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
                 self.0
                     .load_state_dict(concat!($name, "::load_state_dict"), state)
+            }
+            fn set_weight_decay_mask(&mut self, decay: &[bool]) -> Result<()> {
+                let op = concat!($name, "::set_weight_decay_mask");
+                check_decay_mask(op, decay, self.0.params.len())?;
+                self.0.decay = decay.to_vec();
+                Ok(())
             }
         }
     };

@@ -16,8 +16,8 @@ mod sgd;
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, clip_grad_value};
 pub(crate) use optimizer::{check_grads, check_params};
-pub use optimizer::{Optimizer, OptimizerState, StateBuffer};
+pub use optimizer::{no_decay_mask, Optimizer, OptimizerState, StateBuffer};
 pub use schedule::{
-    CosineAnnealingLR, LinearWarmup, LrScheduler, Scheduler, SchedulerState, StepLR,
+    CosineAnnealingLR, LinearWarmup, LrScheduler, MultiStepLR, Scheduler, SchedulerState, StepLR,
 };
 pub use sgd::{Sgd, SgdConfig};

@@ -48,6 +48,39 @@ pub trait Optimizer {
     /// of the same count and shapes; the hyper-parameters come from the state, as in
     /// PyTorch. On error nothing changes.
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()>;
+
+    /// Which parameters weight decay applies to, one flag per parameter in `params()` order
+    /// (all by default). The common use leaves biases and normalisation weights undecayed
+    /// (`no_decay_mask`), as PyTorch users do with two parameter groups. An error when the
+    /// length differs from the parameter count, or where the optimizer has no weight decay.
+    fn set_weight_decay_mask(&mut self, decay: &[bool]) -> Result<()> {
+        let _ = decay;
+        Err(Error::arg(
+            "Optimizer::set_weight_decay_mask",
+            "this optimizer has no per-parameter weight decay",
+        ))
+    }
+}
+
+/// The usual "no weight decay on biases and normalisation weights" mask: `true` (decay) for
+/// parameters of rank 2 or more (conv and linear weights, embeddings), `false` for vectors
+/// and scalars (biases, BatchNorm/LayerNorm weights and biases).
+pub fn no_decay_mask(params: &[Tensor]) -> Vec<bool> {
+    params.iter().map(|p| p.rank() >= 2).collect()
+}
+
+/// Checks a weight-decay mask's length against the parameter count.
+pub(crate) fn check_decay_mask(op: &'static str, decay: &[bool], params: usize) -> Result<()> {
+    if decay.len() != params {
+        return Err(Error::arg(
+            op,
+            format!(
+                "the weight-decay mask has {} flags for {params} parameters",
+                decay.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// One named F32 buffer of optimizer state (e.g. `"3.exp_avg"`: parameter 3's first moment),

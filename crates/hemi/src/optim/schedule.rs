@@ -55,6 +55,33 @@ impl LrScheduler for StepLR {
     }
 }
 
+/// Decays the lr by `gamma` at each milestone (PyTorch's `MultiStepLR`):
+/// `base_lr * gamma^(number of milestones <= t)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MultiStepLR {
+    /// Steps at which the lr drops, increasing.
+    pub milestones: Vec<u64>,
+    pub gamma: f64,
+}
+
+impl LrScheduler for MultiStepLR {
+    fn lr_at(&self, base_lr: f64, t: u64) -> f64 {
+        let k = self.milestones.iter().filter(|&&m| m <= t).count();
+        base_lr * self.gamma.powi(k as i32)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let increasing = self.milestones.windows(2).all(|w| w[0] < w[1]);
+        if !increasing || !self.gamma.is_finite() || self.milestones.len() > i32::MAX as usize {
+            return Err(Error::arg(
+                "MultiStepLR",
+                format!("need increasing milestones and a finite gamma, got {self:?}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Cosine annealing from `base_lr` down to `eta_min` over `t_max` steps (PyTorch's
 /// `CosineAnnealingLR`, closed form, no restarts):
 /// `eta_min + (base_lr - eta_min) * (1 + cos(pi * t / t_max)) / 2`.

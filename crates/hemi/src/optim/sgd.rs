@@ -2,8 +2,8 @@
 //! decay: PyTorch's `torch.optim.SGD` update rule, step for step.
 
 use super::optimizer::{
-    check_grads, check_nonneg, check_params, state_zeros, Optimizer, OptimizerState, StateBuffer,
-    StateReader,
+    check_decay_mask, check_grads, check_nonneg, check_params, state_zeros, Optimizer,
+    OptimizerState, StateBuffer, StateReader,
 };
 use crate::backend::train::{SgdFlags, SgdScalars};
 use crate::error::{Error, Result};
@@ -75,6 +75,8 @@ pub struct Sgd {
     /// One F32 momentum buffer per parameter, created by its first step with a gradient.
     /// F32, shaped and placed like the parameter.
     momentum_buffers: Vec<Option<Tensor>>,
+    /// Whether weight decay applies to each parameter (`set_weight_decay_mask`).
+    decay: Vec<bool>,
 }
 
 impl Sgd {
@@ -84,10 +86,12 @@ impl Sgd {
         config.validate("Sgd::new")?;
         check_params("Sgd::new", &params)?;
         let momentum_buffers = vec![None; params.len()];
+        let decay = vec![true; params.len()];
         Ok(Sgd {
             params,
             config,
             momentum_buffers,
+            decay,
         })
     }
 
@@ -124,7 +128,7 @@ impl Optimizer for Sgd {
                 self.momentum_buffers[i] = Some(state_zeros(p)?);
             }
             let f = SgdFlags {
-                weight_decay: c.weight_decay != 0.0,
+                weight_decay: c.weight_decay != 0.0 && self.decay[i],
                 momentum,
                 first,
                 nesterov: c.nesterov,
@@ -177,6 +181,12 @@ impl Optimizer for Sgd {
             scalars,
             buffers,
         }
+    }
+
+    fn set_weight_decay_mask(&mut self, decay: &[bool]) -> Result<()> {
+        check_decay_mask("Sgd::set_weight_decay_mask", decay, self.params.len())?;
+        self.decay = decay.to_vec();
+        Ok(())
     }
 
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {

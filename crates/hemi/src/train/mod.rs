@@ -7,6 +7,7 @@
 //! a metrics file.
 
 pub mod checkpoint;
+pub mod recipe;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,7 @@ pub use checkpoint::{
     latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, Checkpoint, Progress,
     RunInfo,
 };
+pub use recipe::{Recipe, Schedule};
 
 use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use crate::data::DataLoader;
@@ -24,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::ops::loss::{cross_entropy, CrossEntropyOptions};
 use crate::optim::{
-    Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, OptimizerState, Sgd, SgdConfig,
+    no_decay_mask, Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, OptimizerState, Sgd, SgdConfig,
 };
 use crate::tensor::Tensor;
 
@@ -67,6 +69,16 @@ pub struct TrainConfig {
     pub momentum: f64,
     /// `None`: the optimizer's default (0 for SGD and Adam, 0.01 for AdamW).
     pub weight_decay: Option<f64>,
+    /// Nesterov momentum (SGD).
+    pub nesterov: bool,
+    /// No weight decay on biases and normalisation weights (parameters of rank < 2).
+    pub no_decay_norm_bias: bool,
+    /// The lr schedule after the warm-up, applied per optimizer step.
+    pub schedule: Schedule,
+    /// Linear warm-up over this many epochs (fractions allowed).
+    pub warmup_epochs: f64,
+    /// Label smoothing of the training loss (ε of `CrossEntropyOptions`).
+    pub label_smoothing: f64,
     pub log_every: usize,
     /// The checkpoint root: a checkpoint directory (`epoch-0003/`...) is written into it after
     /// every epoch, and when the run is stopped through `stop`.
@@ -107,6 +119,11 @@ impl Default for TrainConfig {
             lr: 1e-3,
             momentum: 0.9,
             weight_decay: None,
+            nesterov: false,
+            no_decay_norm_bias: false,
+            schedule: Schedule::Constant,
+            warmup_epochs: 0.0,
+            label_smoothing: 0.0,
             log_every: 200,
             checkpoint_dir: None,
             resume: false,
@@ -185,6 +202,23 @@ fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
             cfg.weight_decay.map_or("default".into(), |w| w.to_string()),
         ),
     ];
+    // Recorded only when set, so that checkpoints of runs made before these settings
+    // existed (all at their defaults) still resume.
+    if cfg.nesterov {
+        v.push(("nesterov", "true".into()));
+    }
+    if cfg.no_decay_norm_bias {
+        v.push(("no_decay_norm_bias", "true".into()));
+    }
+    if cfg.schedule != Schedule::Constant {
+        v.push(("schedule", cfg.schedule.describe()));
+    }
+    if cfg.warmup_epochs != 0.0 {
+        v.push(("warmup_epochs", cfg.warmup_epochs.to_string()));
+    }
+    if cfg.label_smoothing != 0.0 {
+        v.push(("label_smoothing", cfg.label_smoothing.to_string()));
+    }
     if cfg.precision.loss_scaling() {
         v.extend([
             ("scaler.init_scale", s.init_scale.to_string()),
@@ -214,6 +248,7 @@ pub fn build_optimizer(cfg: &TrainConfig, params: Vec<Tensor>) -> Result<Box<dyn
                 lr: cfg.lr,
                 momentum: cfg.momentum,
                 weight_decay: cfg.weight_decay.unwrap_or(0.0),
+                nesterov: cfg.nesterov,
                 ..Default::default()
             },
         )?),
@@ -416,6 +451,24 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result
         ));
     }
     cfg.divergence.validate()?;
+    if cfg.nesterov && cfg.optimizer != OptimizerKind::Sgd {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "Nesterov momentum applies to SGD, not {}",
+                cfg.optimizer.name()
+            ),
+        ));
+    }
+    if !(0.0..=1.0).contains(&cfg.label_smoothing) {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "label smoothing must be in [0, 1], got {}",
+                cfg.label_smoothing
+            ),
+        ));
+    }
     if train.num_batches() == 0 {
         return Err(Error::arg(
             "train",
@@ -562,12 +615,20 @@ pub fn train(
     }
     let info = &info;
     precision.prepare_model(model)?;
-    let mut opt = AmpOptimizer::new(
-        precision,
-        model.parameters(),
-        cfg.scaler.clone(),
-        cfg.seed,
-        |params| build_optimizer(cfg, params),
+    let params = model.parameters();
+    let decay = no_decay_mask(&params);
+    let mut opt = AmpOptimizer::new(precision, params, cfg.scaler.clone(), cfg.seed, |params| {
+        let mut opt = build_optimizer(cfg, params)?;
+        if cfg.no_decay_norm_bias {
+            opt.set_weight_decay_mask(&decay)?;
+        }
+        Ok(opt)
+    })?;
+    let schedule = recipe::lr_schedule(
+        &cfg.schedule,
+        cfg.warmup_epochs,
+        cfg.epochs,
+        train.num_batches(),
     )?;
     let mut start_at = Progress::default();
     if cfg.resume {
@@ -631,7 +692,10 @@ pub fn train(
         train_images: 0,
         train_seconds: 0.0,
     };
-    let ce = CrossEntropyOptions::default();
+    let ce = CrossEntropyOptions {
+        label_smoothing: cfg.label_smoothing,
+        ..Default::default()
+    };
     /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
     const MAX_BAD_LOSSES: usize = 50;
     let mut bad_losses = 0usize;
@@ -676,6 +740,10 @@ pub fn train(
                 ));
             }
             let batch = batch?;
+            // The schedule is a closed form of the global step: a resumed run sets the same
+            // lr an uninterrupted one would.
+            let t = ((epoch - 1) * train.num_batches() + b) as u64;
+            opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
             let loss = {
                 let _ac = precision.autocast();
