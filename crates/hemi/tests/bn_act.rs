@@ -8,6 +8,15 @@ mod common;
 use common::*;
 use hemi::{DType, Generator, Tensor};
 
+/// x, the residual (when used), weight, bias and the output gradient.
+type Data<'a> = (
+    &'a [f64],
+    Option<&'a [f64]>,
+    &'a [f64],
+    &'a [f64],
+    &'a [f64],
+);
+
 const SHAPES: [&[usize]; 3] = [&[4, 3, 5, 7], &[3, 5, 2, 3], &[2, 4, 1, 9]];
 
 /// Runs `relu(bn(x) [+ r])` fused (in `dtype`) or composed, returning the output and the
@@ -16,7 +25,7 @@ const SHAPES: [&[usize]; 3] = [&[4, 3, 5, 7], &[3, 5, 2, 3], &[2, 4, 1, 9]];
 fn run(
     fused: bool,
     dtype: DType,
-    (xv, rv, wv, bv, gv): (&[f64], Option<&[f64]>, &[f64], &[f64], &[f64]),
+    (xv, rv, wv, bv, gv): Data<'_>,
     shape: &[usize],
     strided: bool,
     training: bool,

@@ -373,7 +373,7 @@ pub(crate) fn bn_act_forward<T: WithDType>(
                     let shift = b.map_or(0.0, |b| b[ch]);
                     let mu = mean[ch];
                     let xr = run_f32(d, x, i, ch, bx);
-                    let rr = residual.map(|r| &*run_f32(d, r, i, ch, br));
+                    let rr = residual.map(|r| run_f32(d, r, i, ch, br));
                     emit(&mut ob[ch * d.s..][..d.s], bo, |o| {
                         for (o, &v) in o.iter_mut().zip(xr) {
                             *o = (v - mu) * scale + shift;
@@ -444,7 +444,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
         let (mut dweight, mut dbias) = (0f32, 0f32);
         for i in 0..d.n {
             let gr = run_f32(d, g, i, ch, &mut bg);
-            let yr = y.map(|y| &*run_f32(d, y, i, ch, &mut by));
+            let yr = y.map(|y| run_f32(d, y, i, ch, &mut by));
             let gz = through_relu(gr, yr, &mut bz);
             let xr = run_f32(d, x, i, ch, &mut bx);
             dbias += sum_slice(gz);
@@ -473,7 +473,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
             let (mut dxb, mut drb) = (dxb, drb);
             for ch in 0..d.c {
                 let gr = run_f32(d, g, i, ch, bg);
-                let yr = y.map(|y| &*run_f32(d, y, i, ch, by));
+                let yr = y.map(|y| run_f32(d, y, i, ch, by));
                 let gz = through_relu(gr, yr, bz);
                 if let Some(drb) = drb.as_deref_mut() {
                     chunked::write(gz, &mut drb[ch * d.s..][..d.s]);
