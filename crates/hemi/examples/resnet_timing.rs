@@ -1,5 +1,5 @@
 //! Times one training step's forward and backward of a ResNet on a random batch, in F32
-//! and under BF16 autocast (F32 weights). Not a benchmark harness: a quick figure.
+//! and under BF16 and F16 autocast (F32 weights). Not a benchmark harness: a quick figure.
 //!
 //! cargo run --release -p hemi --example resnet_timing -- [ARCH] [BATCH] [ITERS]
 
@@ -29,7 +29,11 @@ fn main() -> Result<()> {
         "{arch}: {} parameters, batch {batch} of 3x{side}x{side}",
         net.num_parameters()
     );
-    for (label, dtype) in [("fp32", None), ("amp-bf16", Some(DType::BF16))] {
+    for (label, dtype) in [
+        ("fp32", None),
+        ("amp-bf16", Some(DType::BF16)),
+        ("amp-f16", Some(DType::F16)),
+    ] {
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
         for i in 0..=iters {
             net.zero_grad();
@@ -51,10 +55,10 @@ fn main() -> Result<()> {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
+        let (f, b) = (med(&mut fwd), med(&mut bwd));
         println!(
-            "{label:>9}: forward {:.3} s, backward {:.3} s (median of {iters})",
-            med(&mut fwd),
-            med(&mut bwd)
+            "{label:>9}: forward {f:.3} s, backward {b:.3} s (median of {iters}), {:.0} img/s",
+            batch as f64 / (f + b)
         );
     }
     Ok(())

@@ -411,6 +411,47 @@ pub trait NnOps: BackendStorage {
         dtypes: GradDTypes,
     ) -> Result<Grads<Self>>;
 
+    /// `relu(batch_norm(x) + residual)` in one pass (ResNet's BN + ReLU and BN + add + ReLU),
+    /// `x` this buffer, `residual` (optional, `x`'s shape and dtype) and the ReLU (when
+    /// `relu`) applied to the F32 result before its one rounding into `x`'s dtype, F32, F16
+    /// or BF16 (checked by the caller). Statistics, running statistics and the returned
+    /// `mean`/`invstd` as `batch_norm`.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_act(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        residual: Opt<'_, Self>,
+        relu: bool,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        running: Running<'_, Self>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<BatchNorm<Self>>;
+
+    /// Gradients of `batch_norm_act` from the output gradient (this buffer), the output `y`
+    /// (given when the ReLU was applied: its mask), the input `x` and the forward's `mean`
+    /// and `invstd`: the norm's gradients as `batch_norm_backward` (`dx` in `x`'s dtype), and
+    /// when `want_residual` the residual's gradient (the output gradient through the ReLU,
+    /// in `x`'s dtype).
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_act_backward(
+        &self,
+        ldy: &Layout,
+        y: Opt<'_, Self>,
+        x: &Self,
+        lx: &Layout,
+        g: BatchNormGeom,
+        mean: &Self,
+        invstd: &Self,
+        weight: Opt<'_, Self>,
+        training: bool,
+        dtypes: GradDTypes,
+        want_residual: bool,
+    ) -> Result<(Grads<Self>, Option<Self>)>;
+
     /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
     /// statistics in its compute type, then `* weight + bias` (each [d]).
     fn layer_norm(
@@ -690,6 +731,66 @@ impl Storage {
             let w = peer_opt(OP, s, weight)?;
             s.batch_norm_backward(ldy, x, lx, g, mean, invstd, w, training, dtypes)?
                 .map(|b| wrap!(self, b))
+        }))
+    }
+
+    /// `NnOps::batch_norm_act` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_act(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        residual: Option<(&Storage, &Layout)>,
+        relu: bool,
+        weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>,
+        running: Running<'_, Storage>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<BatchNorm<Storage>> {
+        const OP: &str = "batch_norm_act";
+        Ok(dispatch!(self, s => {
+            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
+            let res = peer_opt(OP, s, residual)?;
+            let running = match running {
+                Some(((m, lm), (v, lv))) => Some(((peer(OP, s, m)?, lm), (peer(OP, s, v)?, lv))),
+                None => None,
+            };
+            let r = s.batch_norm_act(l, g, res, relu, w, b, running, training, momentum, eps)?;
+            BatchNorm {
+                out: wrap!(self, r.out),
+                mean: wrap!(self, r.mean),
+                invstd: wrap!(self, r.invstd),
+                running: r.running.map(|(m, v)| (wrap!(self, m), wrap!(self, v))),
+            }
+        }))
+    }
+
+    /// `NnOps::batch_norm_act_backward` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_act_backward(
+        &self,
+        ldy: &Layout,
+        y: Option<(&Storage, &Layout)>,
+        x: &Storage,
+        lx: &Layout,
+        g: BatchNormGeom,
+        mean: &Storage,
+        invstd: &Storage,
+        weight: Option<(&Storage, &Layout)>,
+        training: bool,
+        dtypes: GradDTypes,
+        want_residual: bool,
+    ) -> Result<(Grads<Storage>, Option<Storage>)> {
+        const OP: &str = "batch_norm_act_backward";
+        Ok(dispatch!(self, s => {
+            let (x, mean, invstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, invstd)?);
+            let (w, y) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, y)?);
+            let (grads, dres) = s.batch_norm_act_backward(
+                ldy, y, x, lx, g, mean, invstd, w, training, dtypes, want_residual,
+            )?;
+            (grads.map(|b| wrap!(self, b)), dres.map(|b| wrap!(self, b)))
         }))
     }
 

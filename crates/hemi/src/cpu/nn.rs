@@ -2,6 +2,8 @@
 //! contiguous in the type a kernel takes), the kernels of `cpu::{matmul, conv, conv_block,
 //! pool, norm}`, and each result rounded once into the dtype asked for.
 
+use std::borrow::Cow;
+
 use half::{bf16, f16};
 use num_traits::One;
 
@@ -37,6 +39,40 @@ macro_rules! with_f32_or_half {
             _ => $else,
         }
     };
+}
+
+/// Keeps freed activation buffers in the process instead of handing them back to the OS.
+///
+/// A training step allocates and frees the same few megabyte-sized buffers (activations,
+/// column matrices, gradients) layer after layer. glibc serves blocks above its mmap
+/// threshold with fresh `mmap`s and trims the heap top on `free`, so every step faulted its
+/// activations in again, page by page: a fifth of a ResNet-20 step on 2 cores went to page
+/// faults, zeroing and `munmap`. Raising the mmap threshold to glibc's maximum (32 MiB)
+/// and the trim threshold to 1 GiB keeps those pages mapped for the next layer and the
+/// next step. Done once, on the first network primitive; a no-op on other C libraries.
+/// Peak memory is unchanged (the pages were in use at the peak anyway); set
+/// `HEMI_NO_MALLOPT` to keep the C library's defaults.
+pub(crate) fn keep_freed_memory() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            if std::env::var_os("HEMI_NO_MALLOPT").is_some() {
+                return;
+            }
+            extern "C" {
+                fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
+            }
+            const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
+            const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
+            // SAFETY: mallopt only sets allocator tunables; any value is accepted or
+            // refused with 0, nothing is freed or moved.
+            unsafe {
+                mallopt(M_MMAP_THRESHOLD, 32 << 20);
+                mallopt(M_TRIM_THRESHOLD, 1 << 30);
+            }
+        }
+    });
 }
 
 /// The elements `layout` addresses as `[T]` (the caller matched `T` to the dtype).
@@ -129,6 +165,115 @@ fn conv_bias_grad<C: FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
         .collect()
 }
 
+/// `NnOps::batch_norm_act` over F32/F16/BF16 elements `T` (the input's dtype).
+#[allow(clippy::too_many_arguments)]
+fn bn_act<T: WithDType>(
+    x: &CpuStorage,
+    l: &Layout,
+    g: BatchNormGeom,
+    residual: Opt<'_, CpuStorage>,
+    relu: bool,
+    weight: Opt<'_, CpuStorage>,
+    bias: Opt<'_, CpuStorage>,
+    running: Running<'_, CpuStorage>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<BatchNorm<CpuStorage>> {
+    const OP: &str = "batch_norm_act";
+    let xv = elems::<T>(x, l);
+    let res = residual
+        .map(|(r, lr)| r.elems::<T>(lr).ok_or_else(|| wrong_dtype(OP, r.dtype())))
+        .transpose()?;
+    let (mean, var, new_running) = if training {
+        let (mean, var) = norm::bn_stats_t(&xv, g);
+        let new_running = running.map(|((rm, lm), (rv, lv))| {
+            let m = g.m() as f64;
+            let unbiased: Vec<f64> = var.iter().map(|&v| f64::from(v) * m / (m - 1.0)).collect();
+            (
+                update_running(rm, lm, &mean, momentum),
+                update_running(rv, lv, &unbiased, momentum),
+            )
+        });
+        (mean, var, new_running)
+    } else {
+        let ((rm, lm), (rv, lv)) = running.ok_or_else(|| {
+            Error::arg("batch_norm", "eval mode needs running_mean and running_var")
+        })?;
+        (rm.to_f32(lm).into_owned(), rv.to_f32(lv).into_owned(), None)
+    };
+    let eps_c = eps as f32;
+    let rstd: Vec<f32> = var.iter().map(|&v| 1.0 / (v + eps_c).sqrt()).collect();
+    let wv = weight.map(|(w, l)| w.to_f32(l));
+    let bv = bias.map(|(b, l)| b.to_f32(l));
+    let out = norm::bn_act_forward(
+        &xv,
+        res.as_deref(),
+        g,
+        &mean,
+        &rstd,
+        wv.as_deref(),
+        bv.as_deref(),
+        relu,
+    );
+    Ok(BatchNorm {
+        out: CpuStorage::from_vec(out),
+        mean: CpuStorage::from_vec(mean),
+        invstd: CpuStorage::from_vec(rstd),
+        running: new_running,
+    })
+}
+
+/// `NnOps::batch_norm_act_backward` over F32/F16/BF16 elements `T` (the input's dtype).
+#[allow(clippy::too_many_arguments)]
+fn bn_act_backward<T: WithDType>(
+    dy: &CpuStorage,
+    ldy: &Layout,
+    y: Opt<'_, CpuStorage>,
+    x: &CpuStorage,
+    lx: &Layout,
+    g: BatchNormGeom,
+    mean: &CpuStorage,
+    invstd: &CpuStorage,
+    weight: Opt<'_, CpuStorage>,
+    training: bool,
+    (dx_dt, dw_dt, db_dt): GradDTypes,
+    want_residual: bool,
+) -> Result<(Grads<CpuStorage>, Option<CpuStorage>)> {
+    fn same<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
+        s.elems::<T>(l)
+            .ok_or_else(|| wrong_dtype("batch_norm_act_backward", s.dtype()))
+    }
+    let (gv, xv) = (same::<T>(dy, ldy)?, same::<T>(x, lx)?);
+    let yv = y.map(|(y, l)| same::<T>(y, l)).transpose()?;
+    let wv = weight.map(|(w, l)| w.to_f32(l));
+    let r = norm::bn_act_backward(
+        &gv,
+        yv.as_deref(),
+        &xv,
+        g,
+        stat::<f32>(mean),
+        stat::<f32>(invstd),
+        wv.as_deref(),
+        training,
+        dx_dt.is_some(),
+        want_residual,
+    );
+    let grads = Grads {
+        dx: r.dx.zip(dx_dt).map(|(v, dt)| {
+            let s = CpuStorage::from_vec(v);
+            if dt == T::DTYPE {
+                s
+            } else {
+                CpuStorage::from_f64(s.to_f64(&Layout::contiguous(&[s.len()])).into_owned(), dt)
+            }
+        }),
+        dweight: dw_dt.map(|dt| CpuStorage::from_f32(r.dweight, dt)),
+        dbias: db_dt.map(|dt| CpuStorage::from_f32(r.dbias, dt)),
+    };
+    Ok((grads, r.dres.map(CpuStorage::from_vec)))
+}
+
 impl NnOps for CpuStorage {
     fn matmul(
         &self,
@@ -138,6 +283,7 @@ impl NnOps for CpuStorage {
         bias: Opt<'_, Self>,
         out: DType,
     ) -> Result<Self> {
+        keep_freed_memory();
         let (ra, rb) = (la.shape().len(), lb.shape().len());
         let batch = broadcast_shapes("matmul", &la.shape()[..ra - 2], &lb.shape()[..rb - 2])?;
         Ok(crate::with_compute!(out, C => {
@@ -156,6 +302,7 @@ impl NnOps for CpuStorage {
         g: &Conv2dGeom,
         out: DType,
     ) -> Result<Self> {
+        keep_freed_memory();
         // All F16 or all BF16 (autocast's case): unfolded and multiplied as stored, each
         // image's F32 result rounded into the output, so the batch never exists in F32.
         if out.is_half() && self.dtype() == out && w.dtype() == out {
@@ -388,7 +535,13 @@ impl NnOps for CpuStorage {
         momentum: f64,
         eps: f64,
     ) -> Result<BatchNorm<Self>> {
+        keep_freed_memory();
         let dtype = self.dtype();
+        if matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return self.batch_norm_act(
+                l, g, None, false, weight, bias, running, training, momentum, eps,
+            );
+        }
         Ok(crate::with_compute!(dtype, C => {
             let x = self.load::<C>(l);
             let (mean, var, new_running) = if training {
@@ -435,6 +588,12 @@ impl NnOps for CpuStorage {
         training: bool,
         dtypes: GradDTypes,
     ) -> Result<Grads<Self>> {
+        if matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) && self.dtype() == x.dtype() {
+            let (grads, _) = self.batch_norm_act_backward(
+                ldy, None, x, lx, g, mean, invstd, weight, training, dtypes, false,
+            )?;
+            return Ok(grads);
+        }
         Ok(crate::with_compute!(x.dtype(), C => {
             let (gv, xv) = (self.load::<C>(ldy), x.load::<C>(lx));
             let wv = weight.map(|(w, l)| w.load::<C>(l));
@@ -450,6 +609,44 @@ impl NnOps for CpuStorage {
             );
             norm_grads(r, dtypes)
         }))
+    }
+
+    fn batch_norm_act(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        residual: Opt<'_, Self>,
+        relu: bool,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        running: Running<'_, Self>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+    ) -> Result<BatchNorm<Self>> {
+        keep_freed_memory();
+        with_f32_or_half!(self.dtype(), T => bn_act::<T>(
+            self, l, g, residual, relu, weight, bias, running, training, momentum, eps,
+        ), _ => Err(wrong_dtype("batch_norm_act", self.dtype())))
+    }
+
+    fn batch_norm_act_backward(
+        &self,
+        ldy: &Layout,
+        y: Opt<'_, Self>,
+        x: &Self,
+        lx: &Layout,
+        g: BatchNormGeom,
+        mean: &Self,
+        invstd: &Self,
+        weight: Opt<'_, Self>,
+        training: bool,
+        dtypes: GradDTypes,
+        want_residual: bool,
+    ) -> Result<(Grads<Self>, Option<Self>)> {
+        with_f32_or_half!(x.dtype(), T => bn_act_backward::<T>(
+            self, ldy, y, x, lx, g, mean, invstd, weight, training, dtypes, want_residual,
+        ), _ => Err(wrong_dtype("batch_norm_act_backward", x.dtype())))
     }
 
     fn layer_norm(

@@ -6,9 +6,11 @@
 use rayon::prelude::*;
 
 use crate::backend::nn::BatchNormGeom;
+use crate::cpu::chunked;
 use crate::cpu::map::PAR_THRESHOLD;
 use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
+use crate::dtype::{same_slice_mut, WithDType};
 use crate::tensor::FloatDType;
 
 /// Channel `ch` of a `[n, c, s]` buffer: the `n` contiguous runs `v[(i*c + ch)*s ..][..s]`.
@@ -282,4 +284,250 @@ pub(crate) fn ln_backward<C: FloatDType>(
     let mut dweight = add_in_order(partials, 2 * d);
     let dbias = dweight.split_off(d);
     (need_dx.then_some(dx), dweight, dbias)
+}
+
+// ----- Batch norm over F32/F16/BF16 storage, fused with a residual add and a ReLU ----------
+//
+// The kernels below read the tensor's own elements (a channel's run at a time, converted to
+// F32 in a run-sized buffer for F16/BF16, borrowed for F32) and round each result once into
+// the storage dtype, so under autocast no F32 copy of an activation or of its gradient is
+// ever made. They compute exactly what `bn_stats` / `bn_forward` / `bn_backward` compute in
+// F32 (same sums in the same order), followed by `+ residual` and `relu` as the separate
+// ops do them: for F32 the fused op gives the bits of the unfused composition.
+
+/// Run `i` (image) of channel `ch` of a `[n, c, s]` buffer as F32 (borrowed for F32).
+fn run_f32<'b, T: WithDType>(
+    d: BatchNormGeom,
+    v: &'b [T],
+    i: usize,
+    ch: usize,
+    buf: &'b mut [f32],
+) -> &'b [f32] {
+    chunked::read(v, (i * d.c + ch) * d.s, &mut buf[..d.s])
+}
+
+/// `relu` as the unary op computes it (NaN passes through).
+#[inline(always)]
+fn relu_f32(z: f32) -> f32 {
+    if z > 0.0 || z.is_nan() {
+        z
+    } else {
+        0.0
+    }
+}
+
+/// `bn_stats` over F32/F16/BF16 elements, in F32.
+pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
+    let inv_m = 1.0 / d.m() as f32;
+    let stats = par_map(d.c, d.m(), |ch| {
+        let mut buf = vec![0f32; d.s];
+        let mut sum = 0f32;
+        for i in 0..d.n {
+            sum += sum_slice(run_f32(d, x, i, ch, &mut buf));
+        }
+        let mean = sum * inv_m;
+        let mut sq = 0f32;
+        for i in 0..d.n {
+            sq += sum_map(run_f32(d, x, i, ch, &mut buf), |v| (v - mean) * (v - mean));
+        }
+        (mean, sq * inv_m)
+    });
+    stats.into_iter().unzip()
+}
+
+/// Writes `f(out)` into `o`: straight into it for F32, else into `buf` rounded into it.
+#[inline]
+fn emit<T: WithDType>(o: &mut [T], buf: &mut [f32], f: impl FnOnce(&mut [f32])) {
+    if let Some(o) = same_slice_mut::<T, f32>(o) {
+        f(o);
+    } else {
+        let buf = &mut buf[..o.len()];
+        f(buf);
+        chunked::write(buf, o);
+    }
+}
+
+/// `y = act((x - mean) * (rstd * w) + b [+ residual])` per channel, `act` ReLU or none, in
+/// F32, rounded once into `T`. Parallel over images.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bn_act_forward<T: WithDType>(
+    x: &[T],
+    residual: Option<&[T]>,
+    d: BatchNormGeom,
+    mean: &[f32],
+    rstd: &[f32],
+    w: Option<&[f32]>,
+    b: Option<&[f32]>,
+    relu: bool,
+) -> Vec<T> {
+    let mut out = vec![T::default(); x.len()];
+    let block = (d.c * d.s).max(1);
+    out.par_chunks_mut(block)
+        .enumerate()
+        .with_min_len((PAR_THRESHOLD / block).max(1))
+        .for_each_init(
+            || (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]),
+            |(bx, br, bo), (i, ob)| {
+                for ch in 0..d.c {
+                    let scale = rstd[ch] * w.map_or(1.0, |w| w[ch]);
+                    let shift = b.map_or(0.0, |b| b[ch]);
+                    let mu = mean[ch];
+                    let xr = run_f32(d, x, i, ch, bx);
+                    let rr = residual.map(|r| run_f32(d, r, i, ch, br));
+                    emit(&mut ob[ch * d.s..][..d.s], bo, |o| {
+                        for (o, &v) in o.iter_mut().zip(xr) {
+                            *o = (v - mu) * scale + shift;
+                        }
+                        if let Some(rr) = rr {
+                            for (o, &r) in o.iter_mut().zip(rr) {
+                                *o += r;
+                            }
+                        }
+                        if relu {
+                            for o in o.iter_mut() {
+                                *o = relu_f32(*o);
+                            }
+                        }
+                    });
+                }
+            },
+        );
+    out
+}
+
+/// The gradients of `bn_act_forward`.
+pub(crate) struct BnActGrads<T> {
+    pub dx: Option<Vec<T>>,
+    /// The residual's gradient: the output gradient through the ReLU.
+    pub dres: Option<Vec<T>>,
+    pub dweight: Vec<f32>,
+    pub dbias: Vec<f32>,
+}
+
+/// The output gradient through the ReLU (`g · [y > 0]`, as the ReLU's backward) into `buf`,
+/// or `g` itself without one.
+#[inline]
+fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b [f32] {
+    let Some(y) = y else { return g };
+    let buf = &mut buf[..g.len()];
+    for ((o, &g), &y) in buf.iter_mut().zip(g).zip(y) {
+        *o = g * if y > 0.0 { 1.0 } else { 0.0 };
+    }
+    buf
+}
+
+/// Gradients of `bn_act_forward` from the output gradient `g`, the output `y` (when the
+/// ReLU was applied) and the input `x`: two passes, the per-channel sums (parallel over
+/// channels, each summed in image order: no dependence on the thread count) and then the
+/// elementwise `dx` (the closed form of `bn_backward`) and the residual's gradient.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bn_act_backward<T: WithDType>(
+    g: &[T],
+    y: Option<&[T]>,
+    x: &[T],
+    d: BatchNormGeom,
+    mean: &[f32],
+    rstd: &[f32],
+    w: Option<&[f32]>,
+    training: bool,
+    need_dx: bool,
+    need_dres: bool,
+) -> BnActGrads<T> {
+    let sums = par_map(d.c, 2 * d.m(), |ch| {
+        let (mu, rs) = (mean[ch], rstd[ch]);
+        let (mut bg, mut by, mut bx, mut bz) = (
+            vec![0f32; d.s],
+            vec![0f32; d.s],
+            vec![0f32; d.s],
+            vec![0f32; d.s],
+        );
+        let (mut dweight, mut dbias) = (0f32, 0f32);
+        for i in 0..d.n {
+            let gr = run_f32(d, g, i, ch, &mut bg);
+            let yr = y.map(|y| run_f32(d, y, i, ch, &mut by));
+            let gz = through_relu(gr, yr, &mut bz);
+            let xr = run_f32(d, x, i, ch, &mut bx);
+            dbias += sum_slice(gz);
+            dweight += sum_map2(gz, xr, |g, v| g * ((v - mu) * rs));
+        }
+        (dweight, dbias)
+    });
+    let (dweight, dbias): (Vec<f32>, Vec<f32>) = sums.into_iter().unzip();
+    if !need_dx && !need_dres {
+        return BnActGrads {
+            dx: None,
+            dres: None,
+            dweight,
+            dbias,
+        };
+    }
+    let inv_m = 1.0 / d.m() as f32;
+    let len = if need_dx { x.len() } else { 0 };
+    let mut dx = vec![T::default(); len];
+    let mut dres = vec![T::default(); if need_dres { x.len() } else { 0 }];
+    let block = (d.c * d.s).max(1);
+    let n = d.n;
+    let image =
+        |i: usize, dxb: Option<&mut [T]>, drb: Option<&mut [T]>, bufs: &mut [Vec<f32>; 5]| {
+            let [bg, by, bx, bz, bo] = bufs;
+            let (mut dxb, mut drb) = (dxb, drb);
+            for ch in 0..d.c {
+                let gr = run_f32(d, g, i, ch, bg);
+                let yr = y.map(|y| run_f32(d, y, i, ch, by));
+                let gz = through_relu(gr, yr, bz);
+                if let Some(drb) = drb.as_deref_mut() {
+                    chunked::write(gz, &mut drb[ch * d.s..][..d.s]);
+                }
+                let Some(dxb) = dxb.as_deref_mut() else {
+                    continue;
+                };
+                let wc = w.map_or(1.0, |w| w[ch]);
+                let (mu, rs) = (mean[ch], rstd[ch]);
+                let o = &mut dxb[ch * d.s..][..d.s];
+                if training {
+                    let xr = run_f32(d, x, i, ch, bx);
+                    let dnorm_mean = wc * dbias[ch] * inv_m;
+                    let dnorm_norm_mean = wc * dweight[ch] * inv_m;
+                    emit(o, bo, |o| {
+                        for ((o, &g), &v) in o.iter_mut().zip(gz).zip(xr) {
+                            let xhat = (v - mu) * rs;
+                            *o = rs * (g * wc - dnorm_mean - xhat * dnorm_norm_mean);
+                        }
+                    });
+                } else {
+                    emit(o, bo, |o| {
+                        for (o, &g) in o.iter_mut().zip(gz) {
+                            *o = g * wc * rs;
+                        }
+                    });
+                }
+            }
+        };
+    let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; d.s]);
+    let min_len = (PAR_THRESHOLD / block).max(1);
+    match (need_dx, need_dres) {
+        (true, true) => dx
+            .par_chunks_mut(block)
+            .zip(dres.par_chunks_mut(block))
+            .enumerate()
+            .with_min_len(min_len)
+            .for_each_init(init, |b, (i, (o, r))| image(i, Some(o), Some(r), b)),
+        (true, false) => dx
+            .par_chunks_mut(block)
+            .enumerate()
+            .with_min_len(min_len)
+            .for_each_init(init, |b, (i, o)| image(i, Some(o), None, b)),
+        _ => dres
+            .par_chunks_mut(block)
+            .enumerate()
+            .with_min_len(min_len)
+            .for_each_init(init, |b, (i, r)| image(i, None, Some(r), b)),
+    }
+    debug_assert!(n == 0 || len == 0 || len / block == n);
+    BnActGrads {
+        dx: need_dx.then_some(dx),
+        dres: need_dres.then_some(dres),
+        dweight,
+        dbias,
+    }
 }

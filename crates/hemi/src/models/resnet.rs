@@ -215,15 +215,19 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // BN + ReLU, and the last BN + shortcut + ReLU, each one fused op (one pass, and
+        // only its input and output kept for the backward).
         let mut out = x.clone();
         let last = self.layers.len().saturating_sub(1);
         for (i, (conv, bn)) in self.layers.iter().enumerate() {
-            out = bn.forward(&conv.forward(&out)?)?;
-            if i < last {
-                out = out.relu()?;
-            }
+            let y = conv.forward(&out)?;
+            out = if i < last {
+                bn.forward_act(&y, None, true)?
+            } else {
+                bn.forward_act(&y, Some(&self.shortcut_forward(x)?), true)?
+            };
         }
-        out.add(&self.shortcut_forward(x)?)?.relu()
+        Ok(out)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         let mut v = Vec::new();
@@ -447,7 +451,7 @@ impl ResNet {
                 format!("expects images [N, C, H, W], got {:?}", x.shape()),
             ));
         }
-        let mut x = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
+        let mut x = self.bn1.forward_act(&self.conv1.forward(x)?, None, true)?;
         if let Some(pool) = &self.maxpool {
             x = pool.forward(&x)?;
         }

@@ -37,15 +37,18 @@ impl BatchNorm2d {
     }
 }
 
-impl Module for BatchNorm2d {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl BatchNorm2d {
+    /// `relu(self.forward(x) + residual)` (the residual when given, the ReLU when `relu`)
+    /// as one fused op (`Tensor::batch_norm_act`): the same values and gradients as the
+    /// three layers, in one pass, keeping only `x` and the output for the backward.
+    pub fn forward_act(&self, x: &Tensor, residual: Option<&Tensor>, relu: bool) -> Result<Tensor> {
         let training = self.training.load(Ordering::Relaxed);
         if training {
             let n = self.num_batches_tracked.to_vec_i64()[0];
             self.num_batches_tracked
                 .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
         }
-        x.batch_norm(
+        x.batch_norm_act(
             Some(&self.running_mean),
             Some(&self.running_var),
             Some(&self.weight),
@@ -53,7 +56,15 @@ impl Module for BatchNorm2d {
             training,
             self.momentum,
             self.eps,
+            residual,
+            relu,
         )
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_act(x, None, false)
     }
     fn set_training(&mut self, training: bool) {
         self.training.store(training, Ordering::Relaxed);

@@ -87,6 +87,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("var", Fp32),
     // FP32 statistics, input dtype kept.
     ("batch_norm", Fp32Statistics),
+    ("batch_norm_act", Fp32Statistics),
     // Promote to the widest input.
     ("add", Promote),
     ("sub", Promote),

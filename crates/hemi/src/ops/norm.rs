@@ -17,6 +17,7 @@
 use std::sync::Arc;
 
 use crate::backend::nn::BatchNormGeom;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Layout, Tensor};
 
@@ -101,7 +102,64 @@ impl Tensor {
         momentum: f64,
         eps: f64,
     ) -> Result<Tensor> {
+        self.batch_norm_act(
+            running_mean,
+            running_var,
+            weight,
+            bias,
+            training,
+            momentum,
+            eps,
+            None,
+            false,
+        )
+    }
+
+    /// `batch_norm(..)`, then `+ residual` (when given), then ReLU (when `relu`), as one op:
+    /// ResNet's BN + ReLU and BN + shortcut + ReLU. The same values and gradients as
+    /// `self.batch_norm(..)?.add(residual)?.relu()` (bit for bit in F32; in F16/BF16 the
+    /// sum is rounded once instead of after each op), in one pass forward and two backward,
+    /// keeping only the input and the output for the backward (the composition keeps three
+    /// activations). F32, F16 and BF16 inputs with a residual of the same dtype and shape
+    /// take the fused kernel; anything else runs the composition (same errors).
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_act(
+        &self,
+        running_mean: Option<&Tensor>,
+        running_var: Option<&Tensor>,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        training: bool,
+        momentum: f64,
+        eps: f64,
+        residual: Option<&Tensor>,
+        relu: bool,
+    ) -> Result<Tensor> {
         const OP: &str = "batch_norm";
+        let fused = residual.is_some() || relu;
+        if fused {
+            let dtype = self.dtype();
+            let fits = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+                && residual.is_none_or(|r| r.dtype() == dtype && r.shape() == self.shape());
+            if !fits {
+                let y = self.batch_norm_act(
+                    running_mean,
+                    running_var,
+                    weight,
+                    bias,
+                    training,
+                    momentum,
+                    eps,
+                    None,
+                    false,
+                )?;
+                let y = match residual {
+                    Some(r) => y.add(r)?,
+                    None => y,
+                };
+                return if relu { y.relu() } else { Ok(y) };
+            }
+        }
         require_float(OP, "input", self)?;
         if self.rank() < 2 {
             return Err(Error::shape(
@@ -158,19 +216,36 @@ impl Tensor {
 
         let dtype = self.dtype();
         let (wp, bp) = (part(weight), part(bias));
+        let rp = part(residual);
         let running_p = running.map(|(m, v)| (part(Some(m)), part(Some(v))));
-        let r = self.storage().batch_norm(
-            self.layout(),
-            d,
-            as_ref(&wp),
-            as_ref(&bp),
-            running_p
-                .as_ref()
-                .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given"))),
-            training,
-            momentum,
-            eps,
-        )?;
+        let running_r = running_p
+            .as_ref()
+            .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given")));
+        let r = if fused {
+            self.storage().batch_norm_act(
+                self.layout(),
+                d,
+                as_ref(&rp),
+                relu,
+                as_ref(&wp),
+                as_ref(&bp),
+                running_r,
+                training,
+                momentum,
+                eps,
+            )?
+        } else {
+            self.storage().batch_norm(
+                self.layout(),
+                d,
+                as_ref(&wp),
+                as_ref(&bp),
+                running_r,
+                training,
+                momentum,
+                eps,
+            )?
+        };
         if let (Some((rm, rv)), Some((new_m, new_v))) = (running, r.running) {
             rm.set_data(&Tensor::from_storage(
                 Arc::new(new_m),
@@ -190,26 +265,64 @@ impl Tensor {
         let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
         let (mean, invstd) = (r.mean, r.invstd);
         let cs = [d.c];
-        Ok(Tensor::from_op(
-            Arc::new(r.out),
-            Layout::contiguous(&shape),
-            OP,
-            &inputs,
-            move |g| {
-                let grads = g.storage().batch_norm_backward(
-                    g.layout(),
-                    &saved_x.storage(),
-                    saved_x.layout(),
-                    d,
-                    &mean,
-                    &invstd,
-                    as_ref(&wp),
-                    training,
-                    (need_dx.then_some(dtype), w_dtype, b_dtype),
-                )?;
-                Ok(norm_grads(grads, &shape, &cs, &cs))
-            },
-        ))
+        let out = Arc::new(r.out);
+        let layout = Layout::contiguous(&shape);
+        if fused {
+            inputs.extend(residual);
+            // The ReLU's mask is read from the output itself (as the ReLU op does), so the
+            // node keeps the input and the output, nothing more.
+            let saved_y = relu.then(|| Tensor::from_storage(out.clone(), layout.clone()));
+            let want_res = residual.is_some_and(|r| r.requires_grad());
+            let has_res = residual.is_some();
+            return Ok(Tensor::from_op(
+                out,
+                layout,
+                "batch_norm_act",
+                &inputs,
+                move |g| {
+                    let g = if g.dtype() == dtype {
+                        g.clone()
+                    } else {
+                        g.to_dtype(dtype)?
+                    };
+                    let yp = part(saved_y.as_ref());
+                    let (grads, dres) = g.storage().batch_norm_act_backward(
+                        g.layout(),
+                        as_ref(&yp),
+                        &saved_x.storage(),
+                        saved_x.layout(),
+                        d,
+                        &mean,
+                        &invstd,
+                        as_ref(&wp),
+                        training,
+                        (need_dx.then_some(dtype), w_dtype, b_dtype),
+                        want_res,
+                    )?;
+                    let mut out = norm_grads(grads, &shape, &cs, &cs);
+                    if has_res {
+                        out.push(dres.map(|s| {
+                            Tensor::from_storage(Arc::new(s), Layout::contiguous(&shape))
+                        }));
+                    }
+                    Ok(out)
+                },
+            ));
+        }
+        Ok(Tensor::from_op(out, layout, OP, &inputs, move |g| {
+            let grads = g.storage().batch_norm_backward(
+                g.layout(),
+                &saved_x.storage(),
+                saved_x.layout(),
+                d,
+                &mean,
+                &invstd,
+                as_ref(&wp),
+                training,
+                (need_dx.then_some(dtype), w_dtype, b_dtype),
+            )?;
+            Ok(norm_grads(grads, &shape, &cs, &cs))
+        }))
     }
 
     /// Layer normalisation over the trailing dims `normalized_shape` (PyTorch's
