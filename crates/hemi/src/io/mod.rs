@@ -12,9 +12,11 @@ use safetensors::SafeTensors;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::nn::Module;
 use crate::tensor::{Storage, Tensor};
 
-/// Tensors with their names, in file or `state_dict` order.
+/// Tensors with their names, in `state_dict` order, or as a file stores them (see
+/// `from_safetensors_bytes`).
 pub type NamedTensors = Vec<(String, Tensor)>;
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {
@@ -99,8 +101,13 @@ pub fn save_safetensors(
     atomic_write(path, &to_safetensors_bytes(tensors, metadata)?)
 }
 
-/// Parses safetensors bytes into named tensors, in file order; `what` names the source
-/// in errors.
+/// Parses safetensors bytes into named tensors, in the order of their data in the file;
+/// `what` names the source in errors.
+///
+/// That is not the order they were saved in: `safetensors::serialize` (hemi's writer, and
+/// `safetensors.torch.save_file`) lays tensors out by descending dtype alignment, then by
+/// name, so a `state_dict` comes back with its I64 `num_batches_tracked` counters first and
+/// the rest sorted by name. Match tensors by name (`load_state_dict` does).
 pub fn from_safetensors_bytes(
     what: &str,
     data: &[u8],
@@ -114,7 +121,7 @@ pub fn from_safetensors_bytes(
     let st = SafeTensors::deserialize(data)
         .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
-    // Keep the order of the file (offsets), which is the order tensors were written in.
+    // The order of the data in the file (offsets): dtype alignment, then name.
     let mut entries: Vec<(String, TensorView<'_>)> = st.tensors();
     entries.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
     for (name, view) in entries {
@@ -164,4 +171,109 @@ pub fn load_safetensors(path: &Path) -> Result<(NamedTensors, HashMap<String, St
     }
     let data = fs::read(path).map_err(|e| io_err(path, e))?;
     from_safetensors_bytes(&path.display().to_string(), &data)
+}
+
+/// How a `state_dict` differs from a model's tensors, by name: what PyTorch's
+/// `load_state_dict(strict=True)` refuses.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateDictMismatch {
+    /// The model's names the dict lacks, in the model's order.
+    pub missing: Vec<String>,
+    /// The dict's names the model lacks, in the dict's order.
+    pub unexpected: Vec<String>,
+    /// Names the dict holds more than once.
+    pub duplicated: Vec<String>,
+    /// (name, the dict's shape, the model's shape) where they differ.
+    pub shapes: Vec<(String, Vec<usize>, Vec<usize>)>,
+}
+
+impl StateDictMismatch {
+    pub fn is_empty(&self) -> bool {
+        self.missing.is_empty()
+            && self.unexpected.is_empty()
+            && self.duplicated.is_empty()
+            && self.shapes.is_empty()
+    }
+}
+
+impl std::fmt::Display for StateDictMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        let list = |what: &str, names: &[String]| {
+            format!("{} {what} key(s): {}", names.len(), names.join(", "))
+        };
+        if !self.missing.is_empty() {
+            parts.push(list("missing", &self.missing));
+        }
+        if !self.unexpected.is_empty() {
+            parts.push(list("unexpected", &self.unexpected));
+        }
+        if !self.duplicated.is_empty() {
+            parts.push(list("duplicated", &self.duplicated));
+        }
+        if !self.shapes.is_empty() {
+            let s: Vec<String> = self
+                .shapes
+                .iter()
+                .map(|(n, got, want)| format!("{n}: checkpoint {got:?}, model {want:?}"))
+                .collect();
+            parts.push(format!("{} shape mismatch(es): {}", s.len(), s.join("; ")));
+        }
+        write!(f, "{}", parts.join("; "))
+    }
+}
+
+/// Every way `state` differs from `model`'s tensors by name and shape (empty: a strict
+/// load accepts it). Values and dtypes are not compared: loading casts, as PyTorch's does.
+pub fn state_dict_mismatch<M: Module + ?Sized>(
+    model: &M,
+    state: &[(String, Tensor)],
+) -> StateDictMismatch {
+    let ours: HashMap<String, Vec<usize>> = model
+        .tensors()
+        .into_iter()
+        .map(|(n, t, _, _)| (n, t.shape().to_vec()))
+        .collect();
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut m = StateDictMismatch::default();
+    for (name, t) in state {
+        let count = seen.entry(name.as_str()).or_insert(0);
+        *count += 1;
+        if *count == 2 {
+            m.duplicated.push(name.clone());
+        }
+        if *count > 1 {
+            continue;
+        }
+        match ours.get(name) {
+            None => m.unexpected.push(name.clone()),
+            Some(shape) if shape.as_slice() != t.shape() => {
+                m.shapes
+                    .push((name.clone(), t.shape().to_vec(), shape.clone()))
+            }
+            Some(_) => {}
+        }
+    }
+    m.missing = model
+        .tensors()
+        .into_iter()
+        .filter(|(n, ..)| !seen.contains_key(n.as_str()))
+        .map(|(n, ..)| n)
+        .collect();
+    m
+}
+
+/// `model.load_state_dict(state)` after checking the whole dict first: every name of the
+/// model present once, no other names, the same shapes. The error lists every missing,
+/// unexpected, duplicated and mis-shaped name (not only the first), and nothing is loaded
+/// unless all of it can be.
+pub fn load_state_dict_strict<M: Module + ?Sized>(
+    model: &mut M,
+    state: &[(String, Tensor)],
+) -> Result<()> {
+    let m = state_dict_mismatch(model, state);
+    if !m.is_empty() {
+        return Err(Error::Msg(format!("load_state_dict (strict): {m}")));
+    }
+    model.load_state_dict(state)
 }
