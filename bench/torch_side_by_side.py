@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""hemi against PyTorch on the same machine: CifarNet training images/s and peak memory.
+"""hemi against PyTorch on the same machine: training images/s and peak memory.
+
+CifarNet by default, or a ResNet with --model (see below).
 
 Pairs, each run a separate process, interleaved round by round so that a burst of load on
 a shared machine hits both sides alike:
@@ -14,12 +16,21 @@ data, batch 128, 2 threads. Peak memory is the child's ru_maxrss from os.wait4 f
 sides (hemi's self-reported peak_rss_mib is kept too). Prints medians, the ratios
 hemi / PyTorch, and whether the speed issue's targets are met.
 
+With `--model resnet20|resnet18|resnet50` PyTorch runs
+`shared/bench/torch_resnet_throughput.py --model NAME --size S` instead (its own CIFAR
+resnet20, or torchvision's resnet18/50 with 10 classes; SGD momentum 0.9, weight decay
+1e-4) and hemi `hemi bench train --model NAME --image-size S` (SGD momentum 0.9);
+defaults: resnet20 batch 128 at 32x32, resnet18/50 batch 32 at 224x224. The speed issue's
+targets are CifarNet's and are only checked for it.
+
     cargo build --release -p hemi-cli
     python3 bench/torch_side_by_side.py                 # 3 rounds
     python3 bench/torch_side_by_side.py --rounds 1 --steps 5 --json runs.json
     python3 bench/torch_side_by_side.py --hemi-baseline OLD/target/release/hemi
         # a third side per pair: an earlier hemi build, run in the same rounds, so a change
         # is measured before and after in one run (medians and the after/before ratio)
+    python3 bench/torch_side_by_side.py --model resnet20 --pairs fp32,bf16
+    python3 bench/torch_side_by_side.py --model resnet50 --rounds 1 --steps 3
 
 Python 3.11 standard library only. Needs a PyTorch venv (see --torch-python).
 """
@@ -40,17 +51,28 @@ VENV_HINT = ("python3 -m venv /tmp/torch-ref && "
 # (label, PyTorch --mode, hemi --precision)
 PAIRS = [("fp32", "fp32", "fp32"), ("bf16", "bf16", "amp-bf16"), ("fp16", "fp16", "amp-fp16")]
 
+# --model: (title, PyTorch script, its model arguments, default batch, default image side).
+MODELS = {
+    "cifar-net": ("CifarNet (k3)", "torch_cnn_throughput.py", ["--variant", "k3"], 128, 32),
+    "resnet20": ("ResNet-20 (CIFAR, option A)", "torch_resnet_throughput.py",
+                 ["--model", "resnet20"], 128, 32),
+    "resnet18": ("ResNet-18 (torchvision, 10 classes)", "torch_resnet_throughput.py",
+                 ["--model", "resnet18"], 32, 224),
+    "resnet50": ("ResNet-50 (torchvision, 10 classes)", "torch_resnet_throughput.py",
+                 ["--model", "resnet50"], 32, 224),
+}
 
-def find_torch_script(given):
+
+def find_torch_script(given, name):
     if given:
         return Path(given)
     # shared/ sits beside the repository's checkout (…/main and …/shared); a worktree may
     # sit one level deeper.
     for base in (REPO.parent, REPO.parent.parent):
-        p = base / "shared" / "bench" / "torch_cnn_throughput.py"
+        p = base / "shared" / "bench" / name
         if p.exists():
             return p
-    return REPO.parent / "shared" / "bench" / "torch_cnn_throughput.py"
+    return REPO.parent / "shared" / "bench" / name
 
 
 def run_child(cmd):
@@ -84,13 +106,18 @@ def main():
                     help="an earlier hemi binary to run beside --hemi in every round")
     ap.add_argument("--torch-python", default="/tmp/torch-ref/bin/python")
     ap.add_argument("--torch-script", default=None,
-                    help="default: shared/bench/torch_cnn_throughput.py beside the repo")
+                    help="default: shared/bench/torch_cnn_throughput.py beside the repo "
+                         "(torch_resnet_throughput.py for the ResNets)")
+    ap.add_argument("--model", default="cifar-net", choices=list(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="timed steps per run (both sides)")
     ap.add_argument("--torch-warmup", type=int, default=3)
     ap.add_argument("--torch-fp16-steps", type=int, default=3,
                     help="PyTorch fp16 on CPU is very slow: fewer steps (warm-up 1)")
-    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="default: 128 (cifar-net, resnet20), 32 (resnet18, resnet50)")
+    ap.add_argument("--image-size", type=int, default=None,
+                    help="ResNets only; default 32 (resnet20), 224 (resnet18, resnet50)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pairs", default="fp32,bf16,fp16")
     ap.add_argument("--json", metavar="FILE", help="write every raw run here ('-': stdout)")
@@ -99,7 +126,16 @@ def main():
     if not Path(a.torch_python).exists():
         sys.exit(f"no PyTorch python at {a.torch_python}; make one with:\n  {VENV_HINT}\n"
                  f"or pass --torch-python")
-    script = find_torch_script(a.torch_script)
+    title, script_name, torch_model_args, batch0, size0 = MODELS[a.model]
+    a.batch_size = a.batch_size or batch0
+    a.image_size = a.image_size or size0
+    if a.model == "cifar-net" and a.image_size != 32:
+        sys.exit("cifar-net is fixed to 32x32 images")
+    # The CNN script takes no --size; hemi's flag is only passed where it matters, so that
+    # an older hemi binary (--hemi-baseline) still runs CifarNet.
+    size_args = [] if a.model == "cifar-net" else ["--size", str(a.image_size)]
+    hemi_size_args = [] if a.model == "cifar-net" else ["--image-size", str(a.image_size)]
+    script = find_torch_script(a.torch_script, script_name)
     if not script.exists():
         sys.exit(f"PyTorch reference script not found at {script}; pass --torch-script")
     if not Path(a.hemi).exists():
@@ -113,12 +149,13 @@ def main():
             steps, warm = ((a.torch_fp16_steps, 1) if mode == "fp16"
                            else (a.steps, a.torch_warmup))
             out, wall, rss = run_child(
-                [a.torch_python, str(script), "--mode", mode, "--variant", "k3",
+                [a.torch_python, str(script), "--mode", mode, *torch_model_args, *size_args,
                  "--steps", str(steps), "--warmup", str(warm), "--batch", str(a.batch_size),
                  "--threads", str(a.threads)])
             j = last_json(out)
             runs.append({"round": r + 1, "pair": label, "side": "torch", "mode": mode,
-                         "images_per_s": j["images_per_s"], "ms_per_step": j["ms_per_step"],
+                         "images_per_s": j["images_per_s"],
+                         "ms_per_step": j.get("ms_per_step", j.get("median_step_ms")),
                          "peak_rss_mib": rss, "wall_s": wall, "raw": j})
             print(f"round {r + 1}: torch {mode:9s} {j['images_per_s']:8.1f} img/s  "
                   f"peak {rss:7.1f} MiB  ({wall:.0f} s)", file=sys.stderr)
@@ -130,8 +167,8 @@ def main():
             for side, binary in sides:
                 out, wall, rss = run_child(
                     [binary, "bench", "--threads", str(a.threads), "train", "--model",
-                     "cifar-net", "--precision", prec, "--batch-size", str(a.batch_size),
-                     "--steps", str(a.steps), "--json"])
+                     a.model, "--precision", prec, "--batch-size", str(a.batch_size),
+                     *hemi_size_args, "--steps", str(a.steps), "--json"])
                 j = last_json(out)
                 runs.append({"round": r + 1, "pair": label, "side": side, "mode": prec,
                              "images_per_s": j["images_per_s"],
@@ -147,7 +184,8 @@ def main():
              and x.get(key) is not None]
         return statistics.median(v) if v else float("nan")
 
-    print(f"\nCifarNet (k3), batch {a.batch_size}, {a.threads} threads, random data, medians "
+    print(f"\n{title}, batch {a.batch_size} ({a.image_size}x{a.image_size}), {a.threads} "
+          f"threads, random data, medians "
           f"of {a.rounds} rounds; timed steps: {a.steps} (PyTorch fp16: "
           f"{a.torch_fp16_steps}); peak RSS = child's ru_maxrss")
     print("| pair | PyTorch img/s | hemi img/s | hemi/PyTorch speed "
@@ -180,6 +218,8 @@ def main():
                   f"| {br:.0f} | {hr:.0f} |")
 
     checks = []
+    if a.model != "cifar-net":
+        m = {}  # the speed issue's targets are CifarNet's
     if "fp32" in m:
         checks.append(("hemi fp32 >= 1.3x PyTorch fp32", m["fp32"][1] / m["fp32"][0], 1.3))
     if "bf16" in m:
@@ -192,13 +232,15 @@ def main():
         checks.append(("hemi amp-fp16 >= 8x PyTorch fp16", m["fp16"][1] / m["fp16"][0], 8.0))
     for label, v in m.items():
         checks.append((f"hemi peak RSS <= 0.5x PyTorch's ({label})", v[3] / v[2], 0.5))
-    print("\ntargets:")
+    if checks:
+        print("\ntargets:")
     for name, got, want in checks:
         ok = got <= want if "<=" in name else got >= want
         print(f"  {'met    ' if ok else 'NOT met'}  {name}: {got:.2f}x")
 
     if a.json:
-        doc = {"batch_size": a.batch_size, "threads": a.threads, "rounds": a.rounds,
+        doc = {"model": a.model, "image_size": a.image_size,
+               "batch_size": a.batch_size, "threads": a.threads, "rounds": a.rounds,
                "steps": a.steps, "torch_fp16_steps": a.torch_fp16_steps,
                "torch_script": str(script), "runs": runs}
         if a.json == "-":

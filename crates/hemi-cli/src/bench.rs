@@ -8,10 +8,11 @@
 //!   (`hemi::dtype::convert`) and of a scalar `half` loop, for F32↔F16 and F32↔BF16.
 //!
 //! - `hemi bench train [--model cifar-net] [--precision amp-fp16] [--batch-size 128]
-//!   [--steps 20]`: full training steps (forward, loss, backward, optimizer step with the
-//!   preset's loss scaling or master weights) on random data; images/s from the median step
-//!   time after two warm-up steps, and the process's peak resident memory. Run one preset
-//!   per process so that the peak memory is that preset's.
+//!   [--steps 20] [--image-size 32]`: full training steps (forward, loss, backward,
+//!   optimizer step with the preset's loss scaling or master weights) on random 3×S×S
+//!   images; images/s from the median step time after two warm-up steps, and the process's
+//!   peak resident memory. Run one preset per process so that the peak memory is that
+//!   preset's.
 //! - `hemi bench conv [--layers cifar-conv1,cifar-conv2,resnet-3x3] [--batch-size N]`:
 //!   median ms and GFLOP/s of `Tensor::conv2d`'s forward, input gradient and weight
 //!   gradient per layer, in F32, F16 and BF16.
@@ -73,6 +74,10 @@ enum Which {
         /// Timed steps (after two warm-up steps).
         #[arg(long, default_value_t = 20)]
         steps: usize,
+        /// Side of the square RGB images (224 for the ImageNet ResNets as torchvision
+        /// benchmarks them).
+        #[arg(long, default_value_t = 32)]
+        image_size: usize,
     },
     /// Convolution layers: forward, input gradient and weight gradient, F32/F16/BF16.
     ///
@@ -195,7 +200,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
         }
         Which::Convert { n } => fits(&format!("--n {n}"), n.checked_mul(16))?,
-        Which::Train { batch_size, .. } | Which::Pool { batch_size } => check_batch(*batch_size)?,
+        Which::Train {
+            batch_size,
+            image_size,
+            ..
+        } => {
+            check_batch(*batch_size)?;
+            if *image_size == 0 {
+                return Err(Error::arg("bench", "--image-size must be at least 1"));
+            }
+            // The input alone, in F32; the activations are many times more.
+            fits(
+                &format!("--batch-size {batch_size} --image-size {image_size}"),
+                batch_size
+                    .checked_mul(*image_size)
+                    .and_then(|n| n.checked_mul(*image_size))
+                    .and_then(|n| n.checked_mul(12)),
+            )?
+        }
+        Which::Pool { batch_size } => check_batch(*batch_size)?,
         Which::Conv { batch_size, .. } => {
             if let Some(b) = batch_size {
                 check_batch(*b)?
@@ -214,7 +237,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             precision,
             batch_size,
             steps,
-        } => pool.install(|| bench_train(&args, model, *precision, *batch_size, *steps)),
+            image_size,
+        } => {
+            pool.install(|| bench_train(&args, model, *precision, *batch_size, *steps, *image_size))
+        }
         Which::Conv { layers, batch_size } => bench_conv(&args, &pool, layers, *batch_size),
         Which::Pool { batch_size } => bench_pool(&args, &pool, *batch_size),
     }
@@ -443,6 +469,7 @@ fn bench_train(
     precision: Precision,
     batch: usize,
     steps: usize,
+    size: usize,
 ) -> Result<()> {
     const WARMUP: usize = 2;
     if batch == 0 || steps == 0 {
@@ -452,7 +479,7 @@ fn bench_train(
         ));
     }
     let mut rng = Generator::new(0);
-    let mut model = crate::train::build_model(model_name, [3, 32, 32], 10, 0)?;
+    let mut model = crate::train::build_model(model_name, [3, size, size], 10, 0)?;
     precision.prepare_model(model.as_mut())?;
     let mut opt = AmpOptimizer::new(
         precision,
@@ -470,7 +497,7 @@ fn bench_train(
             )?) as Box<dyn Optimizer>)
         },
     )?;
-    let images = Tensor::randn(&[batch, 3, 32, 32], 0.0, 1.0, DType::F32, &mut rng)?;
+    let images = Tensor::randn(&[batch, 3, size, size], 0.0, 1.0, DType::F32, &mut rng)?;
     let labels = Tensor::randint(&[batch], 10, &mut rng)?;
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
@@ -510,7 +537,7 @@ fn bench_train(
     if args.json {
         let j = serde_json::json!({
             "bench": "train", "model": model_name, "precision": precision.name(),
-            "batch_size": batch, "steps": steps, "threads": args.threads,
+            "batch_size": batch, "image_size": size, "steps": steps, "threads": args.threads,
             "images_per_s": ips, "median_step_ms": med * 1e3,
             "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
             "skipped": opt.skipped_steps(),
@@ -518,7 +545,7 @@ fn bench_train(
         println!("{j}");
     } else {
         println!(
-            "train {model_name} {precision} batch {batch}, {} threads: {ips:.0} images/s \
+            "train {model_name} {precision} batch {batch} ({size}x{size}), {} threads: {ips:.0} images/s \
              (median step {:.1} ms over {steps}), peak RSS {}",
             args.threads,
             med * 1e3,

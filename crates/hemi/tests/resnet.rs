@@ -360,8 +360,9 @@ fn option_a_shortcut_subsamples_and_pads_with_zeros() {
                 for i in 0..ho {
                     for j in 0..wo {
                         let got = sv[((b * 64 + ch) * ho + i) * wo + j];
-                        let want = if ch < c {
-                            xv[((b * c + ch) * h + 2 * i) * w + 2 * j]
+                        // 16 zero channels, the input's 32, then 16 more.
+                        let want = if (16..16 + c).contains(&ch) {
+                            xv[((b * c + ch - 16) * h + 2 * i) * w + 2 * j]
                         } else {
                             0.0
                         };

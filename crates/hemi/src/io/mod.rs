@@ -12,9 +12,11 @@ use safetensors::SafeTensors;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::nn::Module;
 use crate::tensor::{Storage, Tensor};
 
-/// Tensors with their names, in file or `state_dict` order.
+/// Tensors with their names, in `state_dict` order, or as a file stores them (see
+/// `from_safetensors_bytes`).
 pub type NamedTensors = Vec<(String, Tensor)>;
 
 fn io_err(path: &Path, source: std::io::Error) -> Error {
@@ -99,8 +101,13 @@ pub fn save_safetensors(
     atomic_write(path, &to_safetensors_bytes(tensors, metadata)?)
 }
 
-/// Parses safetensors bytes into named tensors, in file order; `what` names the source
-/// in errors.
+/// Parses safetensors bytes into named tensors, in the order of their data in the file;
+/// `what` names the source in errors.
+///
+/// That is not the order they were saved in: `safetensors::serialize` (hemi's writer, and
+/// `safetensors.torch.save_file`) lays tensors out by descending dtype alignment, then by
+/// name, so a `state_dict` comes back with its I64 `num_batches_tracked` counters first and
+/// the rest sorted by name. Match tensors by name (`load_state_dict` does).
 pub fn from_safetensors_bytes(
     what: &str,
     data: &[u8],
@@ -114,7 +121,7 @@ pub fn from_safetensors_bytes(
     let st = SafeTensors::deserialize(data)
         .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
-    // Keep the order of the file (offsets), which is the order tensors were written in.
+    // The order of the data in the file (offsets): dtype alignment, then name.
     let mut entries: Vec<(String, TensorView<'_>)> = st.tensors();
     entries.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
     for (name, view) in entries {
@@ -164,4 +171,16 @@ pub fn load_safetensors(path: &Path) -> Result<(NamedTensors, HashMap<String, St
     }
     let data = fs::read(path).map_err(|e| io_err(path, e))?;
     from_safetensors_bytes(&path.display().to_string(), &data)
+}
+
+pub use crate::nn::{state_dict_mismatch, StateDictMismatch};
+
+/// `model.load_state_dict(state)`, which checks the whole dict first (every name of the
+/// model present once, no other names, the same shapes), lists every mismatch in its error
+/// and loads nothing unless all of it can be loaded.
+pub fn load_state_dict_strict<M: Module + ?Sized>(
+    model: &mut M,
+    state: &[(String, Tensor)],
+) -> Result<()> {
+    model.load_state_dict(state)
 }

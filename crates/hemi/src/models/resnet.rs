@@ -65,7 +65,9 @@ pub enum CifarShortcut {
 pub enum Shortcut {
     /// The input itself.
     Identity,
-    /// Option A: `x[..., ::stride, ::stride]` followed by `extra_channels` zero channels.
+    /// Option A: `x[..., ::stride, ::stride]` between zero channels, `extra_channels / 2`
+    /// before and the rest after (the placement of the widely used PyTorch CIFAR ResNet,
+    /// `F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, p, p))`, so its weights carry over).
     Pad {
         stride: usize,
         extra_channels: usize,
@@ -196,10 +198,14 @@ impl Block {
                 if *extra_channels == 0 {
                     return Ok(s);
                 }
-                let mut shape = s.shape().to_vec();
-                shape[1] = *extra_channels;
-                let zeros = Tensor::zeros(&shape, s.dtype())?.to_device(s.device())?;
-                Tensor::cat(&[&s, &zeros], 1)
+                let zeros = |channels: usize| -> Result<Tensor> {
+                    let mut shape = s.shape().to_vec();
+                    shape[1] = channels;
+                    Tensor::zeros(&shape, s.dtype())?.to_device(s.device())
+                };
+                let before = *extra_channels / 2;
+                let (lo, hi) = (zeros(before)?, zeros(*extra_channels - before)?);
+                Tensor::cat(&[&lo, &s, &hi], 1)
             }
         }
     }

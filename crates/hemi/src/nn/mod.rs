@@ -13,6 +13,7 @@ mod loss;
 mod norm;
 mod pool;
 mod sequential;
+mod state_dict;
 
 pub use activation::{Dropout, Flatten, Gelu, Relu};
 pub use conv::Conv2d;
@@ -21,6 +22,7 @@ pub use loss::{CrossEntropyLoss, MseLoss, NllLoss};
 pub use norm::{BatchNorm2d, LayerNorm};
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 pub use sequential::Sequential;
+pub use state_dict::{state_dict_mismatch, StateDictMismatch};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -84,36 +86,27 @@ pub trait Module: Send {
     }
 
     /// Loads values by name into the existing tensors (in place, so optimizers holding
-    /// the parameters keep working). Every name must be present with the same shape
-    /// (PyTorch's `strict=True`); values are cast to each tensor's dtype.
+    /// the parameters keep working). Strict, as PyTorch's `strict=True`: the whole dict is
+    /// checked first (every name present once, no other names, the same shapes), the error
+    /// lists every mismatch, and nothing is loaded unless all of it can be. Values are cast
+    /// to each tensor's dtype.
     fn load_state_dict(&mut self, state: &[(String, Tensor)]) -> Result<()> {
+        let m = state_dict_mismatch(&*self, state);
+        if !m.is_empty() {
+            return Err(Error::Msg(format!("load_state_dict (strict): {m}")));
+        }
+        // Cast first, so that a failing cast also leaves the model as it was.
+        let mut values = Vec::with_capacity(state.len());
         let mut slots = self.tensors_mut();
         for slot in &slots {
-            if !state.iter().any(|(n, _)| *n == slot.name) {
-                return Err(Error::Msg(format!(
-                    "load_state_dict: missing key {:?}",
-                    slot.name
-                )));
-            }
+            let (_, v) = state
+                .iter()
+                .find(|(n, _)| *n == slot.name)
+                .expect("checked above");
+            values.push(v.detach().to_dtype(slot.tensor.dtype())?);
         }
-        for (name, value) in state {
-            let Some(slot) = slots.iter_mut().find(|s| s.name == *name) else {
-                return Err(Error::Msg(format!(
-                    "load_state_dict: unexpected key {name:?}"
-                )));
-            };
-            if value.shape() != slot.tensor.shape() {
-                return Err(Error::shape(
-                    "load_state_dict",
-                    format!(
-                        "{name}: checkpoint has {:?}, model has {:?}",
-                        value.shape(),
-                        slot.tensor.shape()
-                    ),
-                ));
-            }
-            slot.tensor
-                .set_data(&value.detach().to_dtype(slot.tensor.dtype())?)?;
+        for (slot, v) in slots.iter_mut().zip(&values) {
+            slot.tensor.set_data(v)?;
         }
         Ok(())
     }
