@@ -52,6 +52,16 @@ const MAX_KC: usize = 512;
 /// The largest MR·NR of any kernel (stack buffer of an edge tile).
 const MAX_TILE: usize = 14 * 32;
 
+/// Tile (MR×NR) and blocking (KC, MC, NC) of the wide F32-panel kernels (`avx512f` and its
+/// twin `portable-wide`); see `PortableF32Wide`.
+const WIDE_MR: usize = 8;
+const WIDE_NR: usize = 32;
+const WIDE_KC: usize = 256;
+const WIDE_MC: usize = 256;
+const WIDE_NC: usize = 2048;
+const _: () = assert!(WIDE_MR * WIDE_NR <= MAX_TILE && WIDE_KC <= MAX_KC);
+const _: () = assert!(WIDE_NR.is_multiple_of(16) && WIDE_MC.is_multiple_of(WIDE_MR));
+
 // ---------------------------------------------------------------------------------------------
 // Kernels and dispatch
 
@@ -70,14 +80,25 @@ pub enum Kernel {
     /// AVX-512 BF16 `vdpbf16ps` on BF16-pair panels (14×32 tiles, 28 zmm accumulators). Needs
     /// AVX-512 F, BW and BF16 (Rust's `avx512bf16` implies BW, which the packing code uses).
     Avx512Bf16,
+    /// Plain Rust on F32 panels of the `avx512f` kernel's tile (WIDE_MR×WIDE_NR), with that
+    /// kernel's blocking and its fused multiply-adds (`f32::mul_add`), so it gives the same
+    /// bits: any CPU, any operand dtypes. Slow (a library call per multiply-add where the
+    /// build lacks FMA); it exists so the wide packing is tested on CPUs without AVX-512.
+    PortableF32Wide,
+    /// AVX-512 F on F32 panels (WIDE_MR×WIDE_NR tiles, one zmm accumulator per 16 columns of
+    /// a row): any operand dtypes. Needs AVX-512 F, plus AVX2, FMA and F16C for the packing
+    /// (every AVX-512 CPU has them).
+    Avx512F32,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 6] = [
         Kernel::PortableF32,
         Kernel::PortableBf16Pairs,
+        Kernel::PortableF32Wide,
         Kernel::Avx2Fma,
         Kernel::Avx512Bf16,
+        Kernel::Avx512F32,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,13 +107,15 @@ impl Kernel {
             Kernel::PortableBf16Pairs => "portable-bf16-pairs",
             Kernel::Avx2Fma => "avx2-fma",
             Kernel::Avx512Bf16 => "avx512bf16",
+            Kernel::PortableF32Wide => "portable-wide",
+            Kernel::Avx512F32 => "avx512f",
         }
     }
 
     /// Whether this CPU can run the kernel.
     pub fn is_available(self) -> bool {
         match self {
-            Kernel::PortableF32 | Kernel::PortableBf16Pairs => true,
+            Kernel::PortableF32 | Kernel::PortableBf16Pairs | Kernel::PortableF32Wide => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2")
@@ -105,8 +128,15 @@ impl Kernel {
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512F32 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2Fma | Kernel::Avx512Bf16 => false,
+            Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => false,
         }
     }
 
@@ -114,7 +144,9 @@ impl Kernel {
     pub fn accepts(self, a: DType, b: DType) -> bool {
         let half_or_f32 = |d| matches!(d, DType::F32 | DType::F16 | DType::BF16);
         match self {
-            Kernel::PortableF32 | Kernel::Avx2Fma => half_or_f32(a) && half_or_f32(b),
+            Kernel::PortableF32 | Kernel::Avx2Fma | Kernel::PortableF32Wide | Kernel::Avx512F32 => {
+                half_or_f32(a) && half_or_f32(b)
+            }
             Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => a == DType::BF16 && b == DType::BF16,
         }
     }
@@ -124,6 +156,7 @@ impl Kernel {
         match self {
             Kernel::PortableF32 | Kernel::Avx2Fma => (6, 16),
             Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (14, 32),
+            Kernel::PortableF32Wide | Kernel::Avx512F32 => (WIDE_MR, WIDE_NR),
         }
     }
 }
@@ -170,6 +203,22 @@ pub fn select_kernel(a: DType, b: DType) -> Kernel {
     } else {
         Kernel::PortableF32
     }
+}
+
+/// The kernel an F32 × F32 product `m×k · k×n` runs on in hemi's GEMM, or `None` where the
+/// `gemm` crate runs it (`cpu::gemm::product` asks): the one `force_kernel` set where it takes
+/// F32, else `avx512f` where the CPU has it. (The `gemm` crate reaches AVX-512 only when
+/// built with nightly Rust, so on stable it multiplies F32 at AVX2 width even there.)
+pub fn f32_kernel(m: usize, k: usize, n: usize) -> Option<Kernel> {
+    if let Some(&kernel) = Kernel::ALL.get(FORCED.load(Ordering::Relaxed)) {
+        if kernel.accepts(DType::F32, DType::F32) {
+            return Some(kernel);
+        }
+    }
+    let _ = (m, k, n);
+    Kernel::Avx512F32
+        .is_available()
+        .then_some(Kernel::Avx512F32)
 }
 
 /// Name of the microkernel `gemm` would run for these operand dtypes (for benches and logs).
@@ -325,8 +374,14 @@ fn run_task<A: WithDType, B: WithDType>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx512Bf16.is_available()`.
         Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16::<A, B>(job, rows, cols, ws) },
+        Kernel::PortableF32Wide => run_tile::<PortableF32Wide, A, B>(job, rows, cols, ws),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked `Kernel::Avx512F32.is_available()`.
+        Kernel::Avx512F32 => unsafe { x86::run_tile_avx512f::<A, B>(job, rows, cols, ws) },
         #[cfg(not(target_arch = "x86_64"))]
-        Kernel::Avx2Fma | Kernel::Avx512Bf16 => unreachable!("checked by is_available"),
+        Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => {
+            unreachable!("checked by is_available")
+        }
     })
 }
 
@@ -468,7 +523,7 @@ const PACK_STEPS: usize = 16;
 
 /// F32 panels: panel t holds rows `i0 + t*W ..` of `x`; `panel[p * W + r] = x(i0 + t*W + r,
 /// p0 + p)` as F32 for p < kc, rows past `h` zero. `simd`: the caller runs with AVX2 and
-/// F16C enabled (the `avx2-fma` kernel).
+/// F16C enabled (the `avx2-fma` and `avx512f` kernels).
 #[inline(always)]
 fn pack_f32<const W: usize, T: WithDType>(
     x: &MatRef<'_, T>,
@@ -521,7 +576,7 @@ fn pack_f32<const W: usize, T: WithDType>(
                         let at = x.offset(i0 + t * W + first + i, p0);
                         load_run(x.data, at, x.cs, &mut row[..kc], simd);
                     }
-                    // SAFETY: `simd` is set only by the avx2-fma kernel (AVX available); the
+                    // SAFETY: `simd` is set only by the avx2-fma and avx512f kernels (AVX); the
                     // function checks that the panel holds the n8 steps it writes.
                     unsafe { x86::transpose_rows_8(&rows, n8, panel, W, first) };
                     for p in n8..kc {
@@ -574,7 +629,7 @@ fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32
         if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
-                // SAFETY: `simd` is set only by the avx2-fma kernel, available with F16C.
+                // SAFETY: `simd` is set only by kernels that need F16C (avx2-fma, avx512f).
                 unsafe { x86::f16_to_f32_f16c(&x[s..s + n], out) };
                 return;
             }
@@ -588,7 +643,7 @@ fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32
         if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
-                // SAFETY: `simd` is set only by the avx2-fma kernel, available with AVX2.
+                // SAFETY: `simd` is set only by kernels that need AVX2 (avx2-fma, avx512f).
                 unsafe { x86::bf16_to_f32_avx2(&x[s..s + n], out) };
                 return;
             }
@@ -796,24 +851,96 @@ impl Micro for PortableF32 {
         ldc: usize,
         load_c: bool,
     ) {
-        // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
-        let (a, b) = unsafe {
-            (
-                std::slice::from_raw_parts(a, steps * 6),
-                std::slice::from_raw_parts(b, steps * 16),
-            )
-        };
-        let mut acc = [[0f32; 16]; 6];
-        for (ap, bp) in a.chunks_exact(6).zip(b.chunks_exact(16)) {
-            for (acc_row, &x) in acc.iter_mut().zip(ap) {
-                for (s, &y) in acc_row.iter_mut().zip(bp) {
-                    *s += x * y;
-                }
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_f32::<6, 16, false>(steps, a, b, c, ldc, load_c) }
+    }
+}
+
+/// Blocking of the wide F32-panel kernels (`portable-wide`, `avx512f`), for Zen 4 / Zen 5
+/// (32 / 48 KiB L1d, 1 MiB L2 per core): the B micro-panel is 256 × 32 F32 = 32 KiB, an A
+/// block 256 × 256 F32 = 256 KiB. The 8-row tile divides the channel counts of convolutions
+/// (16, 32, 64, and 9× those for the input gradient), so their products waste no rows.
+struct PortableF32Wide;
+
+impl Micro for PortableF32Wide {
+    type P = f32;
+    const KSTEP: usize = 1;
+    const MR: usize = WIDE_MR;
+    const NR: usize = WIDE_NR;
+    const KC: usize = WIDE_KC;
+    const MC: usize = WIDE_MC;
+    const NC: usize = WIDE_NC;
+
+    #[inline(always)]
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<WIDE_MR, T>(a, i0, h, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<WIDE_NR, T>(bt, j0, w, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_f32::<WIDE_MR, WIDE_NR, true>(steps, a, b, c, ldc, load_c) }
+    }
+}
+
+/// The F32-panel tile in plain Rust: `acc[r][j] += a[r] · b[j]` step by step from zero, the
+/// product rounded before the add, or not (`FUSED`: `f32::mul_add`, one rounding, as an FMA
+/// instruction), then `c = (load_c ? c : 0) + acc`.
+///
+/// # Safety
+/// As `Micro::tile`.
+#[inline(always)]
+unsafe fn tile_f32<const MR: usize, const NR: usize, const FUSED: bool>(
+    steps: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
+    let (a, b) = unsafe {
+        (
+            std::slice::from_raw_parts(a, steps * MR),
+            std::slice::from_raw_parts(b, steps * NR),
+        )
+    };
+    let mut acc = [[0f32; NR]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+        for (acc_row, &x) in acc.iter_mut().zip(ap) {
+            for (s, &y) in acc_row.iter_mut().zip(bp) {
+                *s = if FUSED { x.mul_add(y, *s) } else { *s + x * y };
             }
         }
-        // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
-        unsafe { store_tile(&acc, c, ldc, load_c) }
     }
+    // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
+    unsafe { store_tile(&acc, c, ldc, load_c) }
 }
 
 /// Blocking of the BF16-pair kernels, for Sapphire Rapids / Zen 4 (48 / 32 KiB L1d, 2 / 1 MiB
@@ -920,6 +1047,7 @@ unsafe fn store_tile<const R: usize, const N: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{pack_f32, pack_pairs, run_tile, Job, Micro, Workspace};
+    use super::{WIDE_KC, WIDE_MC, WIDE_MR, WIDE_NC, WIDE_NR};
     use crate::cpu::gemm::MatRef;
     use crate::dtype::WithDType;
     use half::{bf16, f16};
@@ -952,6 +1080,20 @@ mod x86 {
         ws: &mut Workspace,
     ) {
         run_tile::<Avx512Bf16, A, B>(job, rows, cols, ws)
+    }
+
+    /// `run_tile` compiled for AVX-512 F (packing with AVX2 and F16C).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn run_tile_avx512f<A: WithDType, B: WithDType>(
+        job: &Job<'_, A, B>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        ws: &mut Workspace,
+    ) {
+        run_tile::<Avx512F32, A, B>(job, rows, cols, ws)
     }
 
     /// F16 -> F32 with `vcvtph2ps`, 8 per instruction; a tail of under 8 goes through a
@@ -1268,6 +1410,112 @@ mod x86 {
                 }
                 _mm512_storeu_ps(row, lo);
                 _mm512_storeu_ps(row.add(16), hi);
+            }
+        }
+    }
+
+    /// Blocking as `PortableF32Wide`.
+    struct Avx512F32;
+
+    impl Micro for Avx512F32 {
+        type P = f32;
+        const KSTEP: usize = 1;
+        const MR: usize = WIDE_MR;
+        const NR: usize = WIDE_NR;
+        const KC: usize = WIDE_KC;
+        const MC: usize = WIDE_MC;
+        const NC: usize = WIDE_NC;
+
+        #[inline(always)]
+        fn pack_a<T: WithDType>(
+            a: &MatRef<'_, T>,
+            i0: usize,
+            h: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<WIDE_MR, T>(a, i0, h, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        fn pack_b<T: WithDType>(
+            bt: &MatRef<'_, T>,
+            j0: usize,
+            w: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<WIDE_NR, T>(bt, j0, w, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        unsafe fn tile(
+            steps: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            ldc: usize,
+            load_c: bool,
+        ) {
+            // SAFETY: forwarded from the caller (who also guarantees AVX-512 F).
+            unsafe { tile_zmm::<WIDE_MR, { WIDE_NR / 16 }>(steps, a, b, c, ldc, load_c) }
+        }
+    }
+
+    /// MR×(16·NV) F32 tile: per k step, NV B loads, MR A broadcasts, MR·NV FMAs into MR·NV
+    /// zmm accumulators. Each accumulator sums its k steps in order from zero with one
+    /// rounding per step, then C is added: what `tile_f32::<_, _, true>` does, bit for bit.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_zmm<const MR: usize, const NV: usize>(
+        steps: usize,
+        mut a: *const f32,
+        mut b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        for r in 0..MR {
+            for v in 0..NV {
+                // SAFETY: prefetches are hints, and these addresses lie in the C tile (a row
+                // of 16·NV F32 spans NV or NV + 1 lines).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * v).cast()) };
+            }
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * NV - 1).cast()) };
+        }
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        for _ in 0..steps {
+            // SAFETY: the caller guarantees `steps` steps of MR (a) and 16·NV (b) floats.
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(b.add(16 * v));
+                }
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(r));
+                    for (s, &y) in acc_row.iter_mut().zip(&bv) {
+                        *s = _mm512_fmadd_ps(x, y, *s);
+                    }
+                }
+                a = a.add(MR);
+                b = b.add(16 * NV);
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            for (v, &s) in acc_row.iter().enumerate() {
+                // SAFETY: the caller guarantees MR rows of 16·NV floats at stride ldc.
+                unsafe {
+                    let p = c.add(r * ldc + 16 * v);
+                    let s = if load_c {
+                        _mm512_add_ps(_mm512_loadu_ps(p), s)
+                    } else {
+                        s
+                    };
+                    _mm512_storeu_ps(p, s);
+                }
             }
         }
     }
