@@ -339,7 +339,12 @@ fn avx512f_equals_its_portable_twin_bit_for_bit() {
 fn f32_products_take_the_route_f32_kernel_names() {
     let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Generator::new(75);
-    for &(m, k, n) in &F32_CASES[1..] {
+    // Small and skinny products stay on the gemm crate, larger ones go to avx512f where the
+    // CPU has it (the last two; the message names the route).
+    let shapes = F32_CASES[1..]
+        .iter()
+        .chain(&[(67, 300, 250), (129, 40, 1000)]);
+    for &(m, k, n) in shapes {
         let (abuf, asd) = f32_view(m, k, 1, &mut rng);
         let (bbuf, bsd) = f32_view(k, n, 0, &mut rng);
         let (a, b) = (view(&abuf, m, k, asd), view(&bbuf, k, n, bsd));
@@ -372,5 +377,46 @@ fn f32_products_take_the_route_f32_kernel_names() {
                 .all(|(x, y)| x.to_bits() == y.to_bits()),
             "{m}x{k}x{n}: F64 product left the gemm crate"
         );
+    }
+}
+
+/// Where the CPU has AVX-512 F, `avx512f` takes the products it was measured faster on
+/// (squares, ResNet-20's per-image convolution products forward, input and weight
+/// gradient, and their batched forms) and leaves those it loses on to the gemm crate
+/// (matrix-vector, a 10-class classifier's, tiny ones). Elsewhere nothing changes route.
+#[test]
+fn f32_route_follows_the_measurements() {
+    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let fast = Kernel::Avx512F32
+        .is_available()
+        .then_some(Kernel::Avx512F32);
+    let wins = [
+        (256, 256, 256),
+        (2048, 2048, 2048),
+        (16, 27, 1024),
+        (16, 144, 1024),
+        (32, 288, 256),
+        (64, 576, 64),
+        (144, 16, 1024),
+        (576, 64, 64),
+        (16, 1024, 27),
+        (16, 1024, 144),
+        (64, 64, 576),
+        (16, 144, 131072),
+        (16, 131072, 144),
+    ];
+    for (m, k, n) in wins {
+        assert_eq!(f32_kernel(m, k, n), fast, "{m}x{k}x{n}");
+    }
+    let losses = [
+        (1, 1024, 1024),
+        (1024, 1024, 1),
+        (128, 64, 10),
+        (512, 256, 16),
+        (16, 256, 48),
+        (32, 32, 32),
+    ];
+    for (m, k, n) in losses {
+        assert_eq!(f32_kernel(m, k, n), None, "{m}x{k}x{n}");
     }
 }

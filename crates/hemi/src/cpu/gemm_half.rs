@@ -4,6 +4,8 @@
 //! Why not the `gemm` crate for half operands: it takes F32 operands, so an F16/BF16 product
 //! first needed a full-size converted copy of each operand. Here conversion happens while
 //! packing, on cache-sized blocks, and BF16×BF16 runs on `vdpbf16ps` where the CPU has it.
+//! F32×F32 products come here too on CPUs with AVX-512 F (`f32_kernel`), where the `avx512f`
+//! kernel is about twice as fast as the `gemm` crate, whose AVX-512 code needs nightly Rust.
 //!
 //! The scheme is Goto/BLIS blocking:
 //! ```text
@@ -12,15 +14,23 @@
 //!     for ic in m, step MC              pack A[ic.., pc..] into MR-row panels (L2)
 //!       for jr, ir                      microkernel: the MR×NR tile of C += A panel · B panel
 //! ```
-//! A B micro-panel (KC×NR) stays in L1 while the A micro-panels of the block stream past it.
+//! A B micro-panel (KC×NR) stays in L1 while the A micro-panels of the block stream past it;
+//! when the whole packed B block fits in L2 (small k), the tiles go a row at a time instead,
+//! so that consecutive tiles do not store to rows of C a power-of-two stride apart.
 //! Edges (m % MR, n % NR, odd k) are zero-padded in the panels; a partial tile of C is computed
 //! whole into a stack buffer and only its valid part is stored.
 //!
-//! Two packed formats, each with a plain-Rust kernel beside the SIMD one (same panels, so the
-//! packing of both formats is tested on any CPU):
+//! Two packed formats, three tile shapes, each with a plain-Rust kernel beside the SIMD one
+//! (same panels, so the packing of every shape is tested on any CPU):
 //! - F32 panels, 6×16 tiles: `avx2-fma` (12 ymm accumulators) and `portable`. Any operand
-//!   dtype; F16 converts with `vcvtph2ps` (F16C) in the `avx2-fma` path and through `half`
-//!   in the portable one, BF16 by a 16-bit shift.
+//!   dtype; F16 converts with `vcvtph2ps` (F16C) in the SIMD paths and through `half` in
+//!   the portable ones, BF16 by a 16-bit shift.
+//! - F32 panels, 8×32 tiles (`WIDE_*`): `avx512f` (16 zmm accumulators: per k step two B
+//!   loads, eight broadcasts, sixteen FMAs) and `portable-wide`, which sums with
+//!   `f32::mul_add` in the same order and so gives the same bits. Any operand dtype, packed
+//!   as above. Measured on Zen 5 against 12×32, 14×32 and 8×48 tiles and KC 256–512: all run
+//!   the microkernel at the FMA limit in L1, and 8×32 was fastest on whole products, the
+//!   8 rows dividing convolutions' channel counts.
 //! - BF16 pairs, 14×32 tiles: `avx512bf16` and `portable-bf16-pairs`. BF16×BF16 only. Each
 //!   packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1 (high half); A is
 //!   broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and `vdpbf16ps` adds both
@@ -49,6 +59,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
 /// The largest KC of any kernel (size of the stack buffers used while packing).
 const MAX_KC: usize = 512;
+/// Packed B blocks up to this many elements (256 KiB) are swept a row of tiles at a time.
+const ACROSS_MAX_B: usize = 64 * 1024;
 /// The largest MR·NR of any kernel (stack buffer of an edge tile).
 const MAX_TILE: usize = 14 * 32;
 
@@ -207,18 +219,23 @@ pub fn select_kernel(a: DType, b: DType) -> Kernel {
 
 /// The kernel an F32 × F32 product `m×k · k×n` runs on in hemi's GEMM, or `None` where the
 /// `gemm` crate runs it (`cpu::gemm::product` asks): the one `force_kernel` set where it takes
-/// F32, else `avx512f` where the CPU has it. (The `gemm` crate reaches AVX-512 only when
-/// built with nightly Rust, so on stable it multiplies F32 at AVX2 width even there.)
+/// F32, else `avx512f` where the CPU has it and the shape suits its 8×32 tiles (below).
+///
+/// The `gemm` crate reaches AVX-512 only when built with nightly Rust, so on stable it
+/// multiplies F32 at AVX2 width even on AVX-512 CPUs, and `avx512f` runs 1.3–2.7× faster
+/// on square and convolution products (one Zen 5 core). It loses where its tiles are mostly
+/// padding or the product is too small to amortise the packing: matrix-vector products
+/// (2–30× slower), n = 10 (a classifier) or 16 (0.5–0.6×), 16×256×48 (0.8×), 32³ (0.7×).
+/// So it takes products of at least 64³ multiply-adds whose tiles are at least 70% useful.
 pub fn f32_kernel(m: usize, k: usize, n: usize) -> Option<Kernel> {
     if let Some(&kernel) = Kernel::ALL.get(FORCED.load(Ordering::Relaxed)) {
         if kernel.accepts(DType::F32, DType::F32) {
             return Some(kernel);
         }
     }
-    let _ = (m, k, n);
-    Kernel::Avx512F32
-        .is_available()
-        .then_some(Kernel::Avx512F32)
+    let padded = m.next_multiple_of(WIDE_MR) * n.next_multiple_of(WIDE_NR);
+    let suits = (m * n).saturating_mul(k) >= 64 * 64 * 64 && 10 * m * n >= 7 * padded;
+    (suits && Kernel::Avx512F32.is_available()).then_some(Kernel::Avx512F32)
 }
 
 /// Name of the microkernel `gemm` would run for these operand dtypes (for benches and logs).
@@ -467,41 +484,51 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             let steps = kc.div_ceil(M::KSTEP);
             let (a_len, b_len) = (steps * mr, steps * nr);
             M::pack_b(&bt, jc, nc, pc, kc, &mut bpack[..n_panels * b_len]);
+            // Tile order: down a column of tiles (the B micro-panel stays in L1 while the A
+            // panels stream past), or, when the packed B block is small enough to stay in
+            // L2, across a row of tiles: consecutive tiles then store to different lines
+            // of C instead of rows a stride apart, which a power-of-two row stride maps
+            // onto the same few L1 sets (one Zen 5 core, 144×16·16×1024: avx512f 2.7×,
+            // avx2-fma 2.2× faster this way; unchanged where k is large).
+            let across = n_panels * b_len <= ACROSS_MAX_B;
             // The first k block overwrites C unless the caller accumulates.
             let load_c = job.accumulate || pc > 0;
             for ic in rows.clone().step_by(M::MC) {
                 let mc = (rows.end - ic).min(M::MC);
                 let m_panels = mc.div_ceil(mr);
                 M::pack_a(&job.a, ic, mc, pc, kc, &mut apack[..m_panels * a_len]);
-                for jp in 0..n_panels {
+                for t in 0..n_panels * m_panels {
+                    let (jp, ip) = if across {
+                        (t % n_panels, t / n_panels)
+                    } else {
+                        (t / m_panels, t % m_panels)
+                    };
                     let j = jc + jp * nr;
                     let w = (nc - jp * nr).min(nr);
                     let bp = bpack[jp * b_len..].as_ptr();
-                    for ip in 0..m_panels {
-                        let i = ic + ip * mr;
-                        let h = (mc - ip * mr).min(mr);
-                        let ap = apack[ip * a_len..].as_ptr();
-                        if h == mr && w == nr {
-                            // SAFETY: the panels hold `steps` steps of MR and NR elements;
-                            // rows i..i+MR and columns j..j+NR lie inside this task's
-                            // rectangle of dst (m x n, row stride ldc = n).
-                            unsafe {
-                                let c = job.c.0.add(i * job.ldc + j);
-                                M::tile(steps, ap, bp, c, job.ldc, load_c)
+                    let i = ic + ip * mr;
+                    let h = (mc - ip * mr).min(mr);
+                    let ap = apack[ip * a_len..].as_ptr();
+                    if h == mr && w == nr {
+                        // SAFETY: the panels hold `steps` steps of MR and NR elements;
+                        // rows i..i+MR and columns j..j+NR lie inside this task's
+                        // rectangle of dst (m x n, row stride ldc = n).
+                        unsafe {
+                            let c = job.c.0.add(i * job.ldc + j);
+                            M::tile(steps, ap, bp, c, job.ldc, load_c)
+                        };
+                    } else {
+                        // SAFETY: as above, with `edge` (MR x NR, stride NR) as C.
+                        unsafe { M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, false) };
+                        for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
+                            // SAFETY: row i+r, columns j..j+w are inside this task's
+                            // rectangle of dst, which no other task touches.
+                            let dst = unsafe {
+                                let row = job.c.0.add((i + r) * job.ldc + j);
+                                std::slice::from_raw_parts_mut(row, w)
                             };
-                        } else {
-                            // SAFETY: as above, with `edge` (MR x NR, stride NR) as C.
-                            unsafe { M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, false) };
-                            for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
-                                // SAFETY: row i+r, columns j..j+w are inside this task's
-                                // rectangle of dst, which no other task touches.
-                                let dst = unsafe {
-                                    let row = job.c.0.add((i + r) * job.ldc + j);
-                                    std::slice::from_raw_parts_mut(row, w)
-                                };
-                                for (d, &t) in dst.iter_mut().zip(tile_row) {
-                                    *d = if load_c { *d + t } else { t };
-                                }
+                            for (d, &t) in dst.iter_mut().zip(tile_row) {
+                                *d = if load_c { *d + t } else { t };
                             }
                         }
                     }
