@@ -599,14 +599,8 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
             args.reps, args.threads
         );
         println!(
-            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>12}  {}",
-            "n",
-            "hemi f32",
-            "hemi f16",
-            "hemi bf16",
-            "gemm f32",
-            "f32 / gemm",
-            "kernels f32/f16/bf16"
+            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>12}  kernels f32/f16/bf16",
+            "n", "hemi f32", "hemi f16", "hemi bf16", "gemm f32", "f32 / gemm"
         );
     }
     for &n in sizes {
