@@ -178,10 +178,12 @@ static FORCED: AtomicUsize = AtomicUsize::new(NONE_FORCED);
 const NONE_FORCED: usize = usize::MAX;
 
 /// Makes `gemm` run `kernel` for every product in the process whose dtypes it takes (others
-/// keep the automatic choice), or restores the automatic choice (`None`). For tests and
-/// benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel: e.g. the
-/// BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs` on CPUs
-/// without AVX-512. Panics if this CPU cannot run `kernel`.
+/// keep the automatic choice), or restores the automatic choice (`None`). An F32-panel
+/// kernel also takes every F32 × F32 product of `cpu::gemm::product` (see `f32_kernel`). For
+/// tests and benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel:
+/// e.g. the BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs`, or
+/// the 8×32 F32 packing of `avx512f` through `portable-wide`, on CPUs without AVX-512.
+/// Panics if this CPU cannot run `kernel`.
 ///
 /// The setting is global, not scoped: every thread's products switch at once, so results
 /// computed while another thread changes it may mix kernels (each kernel sums in its own
