@@ -3,7 +3,8 @@
 //!
 //! - `hemi bench matmul [--sizes 256,512,1024]`: GFLOP/s (2·n³ / median seconds) of hemi's
 //!   n×n matmul in F32, F16 and BF16, and of the `gemm` crate called directly on f32
-//!   buffers (the baseline hemi's F32 path should stay within 10% of).
+//!   buffers (the baseline hemi's F32 path should stay within 10% of, or beat where it runs
+//!   on hemi's own GEMM), and the GEMM kernel each hemi product ran on.
 //! - `hemi bench convert [--n 16777216]`: Gelem/s of hemi's bulk conversions
 //!   (`hemi::dtype::convert`) and of a scalar `half` loop, for F32↔F16 and F32↔BF16.
 //!
@@ -28,6 +29,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::autograd::backward_with;
+use hemi::cpu::gemm_half;
 use hemi::dtype::convert;
 use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
@@ -624,7 +626,7 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
             args.reps, args.threads
         );
         println!(
-            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>12}",
+            "{:>6} {:>10} {:>10} {:>10} {:>10} {:>12}  kernels f32/f16/bf16",
             "n", "hemi f32", "hemi f16", "hemi bf16", "gemm f32", "f32 / gemm"
         );
     }
@@ -675,11 +677,20 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
         }
 
         let rate = |secs: f64| flop / secs / 1e9;
+        // The kernel each hemi product ran on: F32 goes to the gemm crate unless hemi's GEMM
+        // has the better kernel for it (`f32_kernel`).
+        let kernels = [
+            gemm_half::f32_kernel(n, n, n).map_or("gemm", |k| k.name()),
+            gemm_half::kernel_name(DType::F16, DType::F16),
+            gemm_half::kernel_name(DType::BF16, DType::BF16),
+            "gemm",
+        ];
         if args.json {
-            for (imp, dt, secs) in &gflops {
+            for ((imp, dt, secs), kernel) in gflops.iter().zip(kernels) {
                 println!(
                     "{{\"bench\":\"matmul\",\"impl\":\"{imp}\",\"dtype\":\"{dt}\",\"n\":{n},\
-                     \"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\"gflops\":{:.3}}}",
+                     \"kernel\":\"{kernel}\",\"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\
+                     \"gflops\":{:.3}}}",
                     args.threads,
                     args.reps,
                     rate(*secs)
@@ -688,12 +699,15 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
         } else {
             let r: Vec<f64> = gflops.iter().map(|g| rate(g.2)).collect();
             println!(
-                "{n:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>11.0}%",
+                "{n:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>11.0}%  {}/{}/{}",
                 r[0],
                 r[1],
                 r[2],
                 r[3],
-                100.0 * r[0] / r[3]
+                100.0 * r[0] / r[3],
+                kernels[0],
+                kernels[1],
+                kernels[2]
             );
         }
     }

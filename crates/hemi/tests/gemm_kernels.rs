@@ -5,12 +5,19 @@
 //! `portable-bf16-pairs`, which reads the same panels. Each result is checked against F64
 //! with the F32 summation bound (`assert_sums_close`).
 //!
+//! F32 products take the same route where `gemm_half::f32_kernel` names a kernel (a forced
+//! F32-panel kernel, or `avx512f` on CPUs with AVX-512 F), so the F32 ops run on every
+//! F32-panel kernel too. Below them, the F32-panel kernels straight through `gemm_with`
+//! against F64 on odd sizes and strided views, `avx512f` against its plain-Rust twin
+//! `portable-wide` bit for bit, and the route `cpu::gemm::product` takes for F32.
+//!
 //! The kernel choice is process-wide, so the tests of this binary take turns (`KERNEL_LOCK`).
 
 mod common;
 use common::block::block_matches_reference;
 use common::*;
-use hemi::cpu::gemm_half::{force_kernel, kernel_name, Kernel};
+use hemi::cpu::gemm::{matmul_into, product, MatRef};
+use hemi::cpu::gemm_half::{f32_kernel, force_kernel, gemm_with, kernel_name, Kernel};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
 use std::sync::Mutex;
@@ -33,6 +40,9 @@ fn on_each_kernel(dtype: DType, f: impl Fn(Kernel)) {
             k.name(),
             "the forced kernel runs"
         );
+        if dtype == DType::F32 {
+            assert_eq!(f32_kernel(9, 9, 9), Some(k), "F32 products take it too");
+        }
         // Restores the automatic choice even when `f` panics.
         struct Reset;
         impl Drop for Reset {
@@ -54,7 +64,7 @@ fn f64_leaf(v: &[f64], shape: &[usize], abs: bool) -> Tensor {
 
 #[test]
 fn conv_block_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         on_each_kernel(dtype, |_| block_matches_reference(dtype));
     }
 }
@@ -126,7 +136,7 @@ fn conv2d_matches_f64(dtype: DType, kernel: Kernel) {
 
 #[test]
 fn conv2d_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         on_each_kernel(dtype, |k| conv2d_matches_f64(dtype, k));
     }
 }
@@ -134,7 +144,7 @@ fn conv2d_on_each_kernel() {
 /// matmul of half tensors (one operand a transposed view) and its gradients against F64.
 #[test]
 fn matmul_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         on_each_kernel(dtype, |kernel| {
             let mut rng = Generator::new(72);
             let (m, k, n) = (37, 70, 45);
@@ -169,5 +179,244 @@ fn matmul_on_each_kernel() {
                 assert_sums_close(&what, &got[i], &want[i], &abs[i], terms, dtype);
             }
         });
+    }
+}
+
+// ----- the F32-panel kernels straight through `gemm_with` ------------------------------------
+
+/// A random `rows x cols` F32 matrix in a buffer of its own, and its view: row-major,
+/// transposed (column-major), or with padded rows and every other column (neither stride
+/// 1). Buffer elements outside the view are NaN, so a read past the view shows.
+fn f32_view(
+    rows: usize,
+    cols: usize,
+    layout: usize,
+    rng: &mut Generator,
+) -> (Vec<f32>, [isize; 2]) {
+    let (len, rs, cs) = match layout % 3 {
+        0 => (rows * cols, cols, 1),
+        1 => (rows * cols, 1, rows),
+        _ => (rows * (2 * cols + 3), 2 * cols + 3, 2),
+    };
+    let mut buf = vec![f32::NAN; len.max(1)];
+    for i in 0..rows {
+        for j in 0..cols {
+            buf[i * rs + j * cs] = rng.uniform(-1.0, 1.0) as f32;
+        }
+    }
+    (buf, [rs as isize, cs as isize])
+}
+
+fn view(buf: &[f32], rows: usize, cols: usize, [rs, cs]: [isize; 2]) -> MatRef<'_, f32> {
+    MatRef {
+        data: buf,
+        rows,
+        cols,
+        rs,
+        cs,
+    }
+}
+
+/// `like`'s view on another buffer of the same length.
+fn same_view<'a, T>(data: &'a [T], like: &MatRef<'_, f32>) -> MatRef<'a, T> {
+    assert_eq!(data.len(), like.data.len());
+    MatRef {
+        data,
+        rows: like.rows,
+        cols: like.cols,
+        rs: like.rs,
+        cs: like.cs,
+    }
+}
+
+/// Sizes that are no multiple of any tile (6×16, 8×32, 14×32), k past every KC (256, 512)
+/// with uneven blocks, m past MC, n past one B panel, and a transposed / strided operand.
+const F32_CASES: [(usize, usize, usize); 6] = [
+    (1, 1, 1),
+    (13, 7, 45),
+    (9, 531, 33),
+    (37, 300, 70),
+    (270, 19, 29),
+    (17, 1029, 2),
+];
+
+/// `dst (= 0.25 | += into 0.25) + a·b` on `kernel`, checked against F64:
+/// |err| <= 2·(k + 2)·u·Σ|terms| with u = 2^-24 (F32 sums in any order with or without FMA
+/// err by at most γ_{k+1}·Σ|terms|, Higham §3.1; the start value adds one more term).
+#[test]
+fn f32_panel_kernels_match_f64_on_views() {
+    let mut rng = Generator::new(73);
+    let kernels: Vec<Kernel> = Kernel::ALL
+        .into_iter()
+        .filter(|k| k.is_available() && k.accepts(DType::F32, DType::F32))
+        .collect();
+    for kernel in kernels {
+        for (ci, &(m, k, n)) in F32_CASES.iter().enumerate() {
+            for accumulate in [false, true] {
+                let (abuf, asd) = f32_view(m, k, ci, &mut rng);
+                let (bbuf, bsd) = f32_view(k, n, ci + 1 + usize::from(accumulate), &mut rng);
+                let (a, b) = (view(&abuf, m, k, asd), view(&bbuf, k, n, bsd));
+                let mut dst = vec![0.25f32; m * n];
+                gemm_with(kernel, &mut dst, a, b, accumulate, true);
+                let at = |v: &MatRef<'_, f32>, i: usize, j: usize| {
+                    f64::from(v.data[(i as isize * v.rs + j as isize * v.cs) as usize])
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let start = if accumulate { 0.25 } else { 0.0 };
+                        let (mut want, mut abs) = (start, start);
+                        for p in 0..k {
+                            let t = at(&a, i, p) * at(&b, p, j);
+                            want += t;
+                            abs += t.abs();
+                        }
+                        let tol = 2.0 * (k as f64 + 2.0) * f64::powi(2.0, -24) * abs;
+                        let got = f64::from(dst[i * n + j]);
+                        assert!(
+                            (got - want).abs() <= tol,
+                            "{} {m}x{k}x{n} acc {accumulate}: ({i}, {j}) got {got}, want \
+                             {want} (tol {tol:e})",
+                            kernel.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `avx512f` and `portable-wide` share the packing and sum every element in the same order
+/// with one rounding per multiply-add, so they agree to the bit; also on F16 / BF16 operands
+/// (converted exactly while packing). Skipped where the CPU lacks AVX-512 F.
+#[test]
+fn avx512f_equals_its_portable_twin_bit_for_bit() {
+    if !Kernel::Avx512F32.is_available() {
+        println!("no AVX-512 F here: avx512f not run");
+        return;
+    }
+    let mut rng = Generator::new(74);
+    for (ci, &(m, k, n)) in F32_CASES.iter().enumerate() {
+        for accumulate in [false, true] {
+            let (abuf, asd) = f32_view(m, k, ci + 2, &mut rng);
+            let (bbuf, bsd) = f32_view(k, n, ci, &mut rng);
+            let (a, b) = (view(&abuf, m, k, asd), view(&bbuf, k, n, bsd));
+            let run = |kernel| {
+                let mut dst: Vec<f32> = (0..m * n).map(|i| i as f32 * 0.125).collect();
+                gemm_with(kernel, &mut dst, a, b, accumulate, true);
+                dst
+            };
+            let (fast, twin) = (run(Kernel::Avx512F32), run(Kernel::PortableF32Wide));
+            for (i, (x, y)) in fast.iter().zip(&twin).enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "{m}x{k}x{n} acc {accumulate}: element {i}: {x} vs {y}"
+                );
+            }
+            // Half operands: the A buffer as F16 and the B buffer as BF16, same views.
+            let ah: Vec<half::f16> = abuf.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let bb: Vec<half::bf16> = bbuf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let (ah, bb) = (same_view(&ah, &a), same_view(&bb, &b));
+            let run = |kernel| {
+                let mut dst = vec![0.5f32; m * n];
+                gemm_with(kernel, &mut dst, ah, bb, accumulate, true);
+                dst
+            };
+            let (fast, twin) = (run(Kernel::Avx512F32), run(Kernel::PortableF32Wide));
+            assert!(
+                fast.iter()
+                    .zip(&twin)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{m}x{k}x{n} acc {accumulate}: F16 x BF16 differ"
+            );
+        }
+    }
+}
+
+/// `cpu::gemm::product` on F32 operands runs the kernel `f32_kernel` names (bit for bit its
+/// `gemm_with`), else the `gemm` crate (bit for bit `matmul_into`); F64 always the latter.
+#[test]
+fn f32_products_take_the_route_f32_kernel_names() {
+    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = Generator::new(75);
+    // Small and skinny products stay on the gemm crate, larger ones go to avx512f where the
+    // CPU has it (the last two; the message names the route).
+    let shapes = F32_CASES[1..]
+        .iter()
+        .chain(&[(67, 300, 250), (129, 40, 1000)]);
+    for &(m, k, n) in shapes {
+        let (abuf, asd) = f32_view(m, k, 1, &mut rng);
+        let (bbuf, bsd) = f32_view(k, n, 0, &mut rng);
+        let (a, b) = (view(&abuf, m, k, asd), view(&bbuf, k, n, bsd));
+        let mut got = vec![0f32; m * n];
+        product(&mut got, a, b, false, true);
+        let mut want = vec![0f32; m * n];
+        match f32_kernel(m, k, n) {
+            Some(kernel) => gemm_with(kernel, &mut want, a, b, false, true),
+            None => matmul_into(&mut want, a, b, false),
+        }
+        let route = f32_kernel(m, k, n).map_or("gemm crate", |k| k.name());
+        println!("{m}x{k}x{n}: {route}");
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{m}x{k}x{n}: product differs from {route}"
+        );
+        let (a64, b64): (Vec<f64>, Vec<f64>) = (
+            abuf.iter().map(|&x| f64::from(x)).collect(),
+            bbuf.iter().map(|&x| f64::from(x)).collect(),
+        );
+        let (a64, b64) = (same_view(&a64, &a), same_view(&b64, &b));
+        let (mut got, mut want) = (vec![0f64; m * n], vec![0f64; m * n]);
+        product(&mut got, a64, b64, false, true);
+        matmul_into(&mut want, a64, b64, false);
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{m}x{k}x{n}: F64 product left the gemm crate"
+        );
+    }
+}
+
+/// Where the CPU has AVX-512 F, `avx512f` takes the products it was measured faster on
+/// (squares, ResNet-20's per-image convolution products forward, input and weight
+/// gradient, and their batched forms) and leaves those it loses on to the gemm crate
+/// (matrix-vector, a 10-class classifier's, tiny ones). Elsewhere nothing changes route.
+#[test]
+fn f32_route_follows_the_measurements() {
+    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let fast = Kernel::Avx512F32
+        .is_available()
+        .then_some(Kernel::Avx512F32);
+    let wins = [
+        (256, 256, 256),
+        (2048, 2048, 2048),
+        (16, 27, 1024),
+        (16, 144, 1024),
+        (32, 288, 256),
+        (64, 576, 64),
+        (144, 16, 1024),
+        (576, 64, 64),
+        (16, 1024, 27),
+        (16, 1024, 144),
+        (64, 64, 576),
+        (16, 144, 131072),
+        (16, 131072, 144),
+    ];
+    for (m, k, n) in wins {
+        assert_eq!(f32_kernel(m, k, n), fast, "{m}x{k}x{n}");
+    }
+    let losses = [
+        (1, 1024, 1024),
+        (1024, 1024, 1),
+        (128, 64, 10),
+        (512, 256, 16),
+        (16, 256, 48),
+        (32, 32, 32),
+    ];
+    for (m, k, n) in losses {
+        assert_eq!(f32_kernel(m, k, n), None, "{m}x{k}x{n}");
     }
 }

@@ -109,7 +109,17 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
     par: bool,
 ) {
     match (a.cast::<C>(), b.cast::<C>()) {
-        (Some(a), Some(b)) => matmul_into_par(dst, a, b, acc, par),
+        (Some(a), Some(b)) => {
+            // F32 on hemi's GEMM where it has the better kernel (AVX-512 on stable Rust).
+            if let (Some(d), Some(a32), Some(b32)) =
+                (C::as_f32_mut(dst), a.cast::<f32>(), b.cast::<f32>())
+            {
+                if let Some(kernel) = gemm_half::f32_kernel(a.rows, a.cols, b.cols) {
+                    return gemm_half::gemm_with(kernel, d, a32, b32, acc, par);
+                }
+            }
+            matmul_into_par(dst, a, b, acc, par)
+        }
         _ => {
             let dst = C::as_f32_mut(dst).expect("half-precision operands: F32 compute");
             gemm_half::gemm(dst, a, b, acc, par)

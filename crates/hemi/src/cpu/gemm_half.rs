@@ -4,6 +4,8 @@
 //! Why not the `gemm` crate for half operands: it takes F32 operands, so an F16/BF16 product
 //! first needed a full-size converted copy of each operand. Here conversion happens while
 //! packing, on cache-sized blocks, and BF16×BF16 runs on `vdpbf16ps` where the CPU has it.
+//! F32×F32 products come here too on CPUs with AVX-512 F (`f32_kernel`), where the `avx512f`
+//! kernel is about twice as fast as the `gemm` crate, whose AVX-512 code needs nightly Rust.
 //!
 //! The scheme is Goto/BLIS blocking:
 //! ```text
@@ -12,15 +14,23 @@
 //!     for ic in m, step MC              pack A[ic.., pc..] into MR-row panels (L2)
 //!       for jr, ir                      microkernel: the MR×NR tile of C += A panel · B panel
 //! ```
-//! A B micro-panel (KC×NR) stays in L1 while the A micro-panels of the block stream past it.
+//! A B micro-panel (KC×NR) stays in L1 while the A micro-panels of the block stream past it;
+//! when the whole packed B block fits in L2 (small k), the tiles go a row at a time instead,
+//! so that consecutive tiles do not store to rows of C a power-of-two stride apart.
 //! Edges (m % MR, n % NR, odd k) are zero-padded in the panels; a partial tile of C is computed
 //! whole into a stack buffer and only its valid part is stored.
 //!
-//! Two packed formats, each with a plain-Rust kernel beside the SIMD one (same panels, so the
-//! packing of both formats is tested on any CPU):
+//! Two packed formats, three tile shapes, each with a plain-Rust kernel beside the SIMD one
+//! (same panels, so the packing of every shape is tested on any CPU):
 //! - F32 panels, 6×16 tiles: `avx2-fma` (12 ymm accumulators) and `portable`. Any operand
-//!   dtype; F16 converts with `vcvtph2ps` (F16C) in the `avx2-fma` path and through `half`
-//!   in the portable one, BF16 by a 16-bit shift.
+//!   dtype; F16 converts with `vcvtph2ps` (F16C) in the SIMD paths and through `half` in
+//!   the portable ones, BF16 by a 16-bit shift.
+//! - F32 panels, 8×32 tiles (`WIDE_*`): `avx512f` (16 zmm accumulators: per k step two B
+//!   loads, eight broadcasts, sixteen FMAs) and `portable-wide`, which sums with
+//!   `f32::mul_add` in the same order and so gives the same bits. Any operand dtype, packed
+//!   as above. Measured on Zen 5 against 12×32, 14×32 and 8×48 tiles and KC 256–512: all run
+//!   the microkernel at the FMA limit in L1, and 8×32 was fastest on whole products, the
+//!   8 rows dividing convolutions' channel counts.
 //! - BF16 pairs, 14×32 tiles: `avx512bf16` and `portable-bf16-pairs`. BF16×BF16 only. Each
 //!   packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1 (high half); A is
 //!   broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and `vdpbf16ps` adds both
@@ -49,8 +59,20 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
 /// The largest KC of any kernel (size of the stack buffers used while packing).
 const MAX_KC: usize = 512;
+/// Packed B blocks up to this many elements (256 KiB) are swept a row of tiles at a time.
+const ACROSS_MAX_B: usize = 64 * 1024;
 /// The largest MR·NR of any kernel (stack buffer of an edge tile).
 const MAX_TILE: usize = 14 * 32;
+
+/// Tile (MR×NR) and blocking (KC, MC, NC) of the wide F32-panel kernels (`avx512f` and its
+/// twin `portable-wide`); see `PortableF32Wide`.
+const WIDE_MR: usize = 8;
+const WIDE_NR: usize = 32;
+const WIDE_KC: usize = 256;
+const WIDE_MC: usize = 256;
+const WIDE_NC: usize = 2048;
+const _: () = assert!(WIDE_MR * WIDE_NR <= MAX_TILE && WIDE_KC <= MAX_KC);
+const _: () = assert!(WIDE_NR.is_multiple_of(16) && WIDE_MC.is_multiple_of(WIDE_MR));
 
 // ---------------------------------------------------------------------------------------------
 // Kernels and dispatch
@@ -70,14 +92,25 @@ pub enum Kernel {
     /// AVX-512 BF16 `vdpbf16ps` on BF16-pair panels (14×32 tiles, 28 zmm accumulators). Needs
     /// AVX-512 F, BW and BF16 (Rust's `avx512bf16` implies BW, which the packing code uses).
     Avx512Bf16,
+    /// Plain Rust on F32 panels of the `avx512f` kernel's tile (WIDE_MR×WIDE_NR), with that
+    /// kernel's blocking and its fused multiply-adds (`f32::mul_add`), so it gives the same
+    /// bits: any CPU, any operand dtypes. Slow (a library call per multiply-add where the
+    /// build lacks FMA); it exists so the wide packing is tested on CPUs without AVX-512.
+    PortableF32Wide,
+    /// AVX-512 F on F32 panels (WIDE_MR×WIDE_NR tiles, one zmm accumulator per 16 columns of
+    /// a row): any operand dtypes. Needs AVX-512 F, plus AVX2, FMA and F16C for the packing
+    /// (every AVX-512 CPU has them).
+    Avx512F32,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 6] = [
         Kernel::PortableF32,
         Kernel::PortableBf16Pairs,
+        Kernel::PortableF32Wide,
         Kernel::Avx2Fma,
         Kernel::Avx512Bf16,
+        Kernel::Avx512F32,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,13 +119,15 @@ impl Kernel {
             Kernel::PortableBf16Pairs => "portable-bf16-pairs",
             Kernel::Avx2Fma => "avx2-fma",
             Kernel::Avx512Bf16 => "avx512bf16",
+            Kernel::PortableF32Wide => "portable-wide",
+            Kernel::Avx512F32 => "avx512f",
         }
     }
 
     /// Whether this CPU can run the kernel.
     pub fn is_available(self) -> bool {
         match self {
-            Kernel::PortableF32 | Kernel::PortableBf16Pairs => true,
+            Kernel::PortableF32 | Kernel::PortableBf16Pairs | Kernel::PortableF32Wide => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2")
@@ -105,8 +140,15 @@ impl Kernel {
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512F32 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2Fma | Kernel::Avx512Bf16 => false,
+            Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => false,
         }
     }
 
@@ -114,7 +156,9 @@ impl Kernel {
     pub fn accepts(self, a: DType, b: DType) -> bool {
         let half_or_f32 = |d| matches!(d, DType::F32 | DType::F16 | DType::BF16);
         match self {
-            Kernel::PortableF32 | Kernel::Avx2Fma => half_or_f32(a) && half_or_f32(b),
+            Kernel::PortableF32 | Kernel::Avx2Fma | Kernel::PortableF32Wide | Kernel::Avx512F32 => {
+                half_or_f32(a) && half_or_f32(b)
+            }
             Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => a == DType::BF16 && b == DType::BF16,
         }
     }
@@ -124,6 +168,7 @@ impl Kernel {
         match self {
             Kernel::PortableF32 | Kernel::Avx2Fma => (6, 16),
             Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (14, 32),
+            Kernel::PortableF32Wide | Kernel::Avx512F32 => (WIDE_MR, WIDE_NR),
         }
     }
 }
@@ -133,10 +178,12 @@ static FORCED: AtomicUsize = AtomicUsize::new(NONE_FORCED);
 const NONE_FORCED: usize = usize::MAX;
 
 /// Makes `gemm` run `kernel` for every product in the process whose dtypes it takes (others
-/// keep the automatic choice), or restores the automatic choice (`None`). For tests and
-/// benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel: e.g. the
-/// BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs` on CPUs
-/// without AVX-512. Panics if this CPU cannot run `kernel`.
+/// keep the automatic choice), or restores the automatic choice (`None`). An F32-panel
+/// kernel also takes every F32 × F32 product of `cpu::gemm::product` (see `f32_kernel`). For
+/// tests and benchmarks that hold the callers of `gemm` (convolution, matmul) to one kernel:
+/// e.g. the BF16-pair packing of the `avx512bf16` kernel through `portable-bf16-pairs`, or
+/// the 8×32 F32 packing of `avx512f` through `portable-wide`, on CPUs without AVX-512.
+/// Panics if this CPU cannot run `kernel`.
 ///
 /// The setting is global, not scoped: every thread's products switch at once, so results
 /// computed while another thread changes it may mix kernels (each kernel sums in its own
@@ -170,6 +217,27 @@ pub fn select_kernel(a: DType, b: DType) -> Kernel {
     } else {
         Kernel::PortableF32
     }
+}
+
+/// The kernel an F32 × F32 product `m×k · k×n` runs on in hemi's GEMM, or `None` where the
+/// `gemm` crate runs it (`cpu::gemm::product` asks): the one `force_kernel` set where it takes
+/// F32, else `avx512f` where the CPU has it and the shape suits its 8×32 tiles (below).
+///
+/// The `gemm` crate reaches AVX-512 only when built with nightly Rust, so on stable it
+/// multiplies F32 at AVX2 width even on AVX-512 CPUs, and `avx512f` runs 1.3–2.7× faster
+/// on square and convolution products (one Zen 5 core). It loses where its tiles are mostly
+/// padding or the product is too small to amortise the packing: matrix-vector products
+/// (2–30× slower), n = 10 (a classifier) or 16 (0.5–0.6×), 16×256×48 (0.8×), 32³ (0.7×).
+/// So it takes products of at least 64³ multiply-adds whose tiles are at least 70% useful.
+pub fn f32_kernel(m: usize, k: usize, n: usize) -> Option<Kernel> {
+    if let Some(&kernel) = Kernel::ALL.get(FORCED.load(Ordering::Relaxed)) {
+        if kernel.accepts(DType::F32, DType::F32) {
+            return Some(kernel);
+        }
+    }
+    let padded = m.next_multiple_of(WIDE_MR) * n.next_multiple_of(WIDE_NR);
+    let suits = (m * n).saturating_mul(k) >= 64 * 64 * 64 && 10 * m * n >= 7 * padded;
+    (suits && Kernel::Avx512F32.is_available()).then_some(Kernel::Avx512F32)
 }
 
 /// Name of the microkernel `gemm` would run for these operand dtypes (for benches and logs).
@@ -325,8 +393,14 @@ fn run_task<A: WithDType, B: WithDType>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx512Bf16.is_available()`.
         Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16::<A, B>(job, rows, cols, ws) },
+        Kernel::PortableF32Wide => run_tile::<PortableF32Wide, A, B>(job, rows, cols, ws),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked `Kernel::Avx512F32.is_available()`.
+        Kernel::Avx512F32 => unsafe { x86::run_tile_avx512f::<A, B>(job, rows, cols, ws) },
         #[cfg(not(target_arch = "x86_64"))]
-        Kernel::Avx2Fma | Kernel::Avx512Bf16 => unreachable!("checked by is_available"),
+        Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => {
+            unreachable!("checked by is_available")
+        }
     })
 }
 
@@ -412,41 +486,51 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             let steps = kc.div_ceil(M::KSTEP);
             let (a_len, b_len) = (steps * mr, steps * nr);
             M::pack_b(&bt, jc, nc, pc, kc, &mut bpack[..n_panels * b_len]);
+            // Tile order: down a column of tiles (the B micro-panel stays in L1 while the A
+            // panels stream past), or, when the packed B block is small enough to stay in
+            // L2, across a row of tiles: consecutive tiles then store to different lines
+            // of C instead of rows a stride apart, which a power-of-two row stride maps
+            // onto the same few L1 sets (one Zen 5 core, 144×16·16×1024: avx512f 2.7×,
+            // avx2-fma 2.2× faster this way; unchanged where k is large).
+            let across = n_panels * b_len <= ACROSS_MAX_B;
             // The first k block overwrites C unless the caller accumulates.
             let load_c = job.accumulate || pc > 0;
             for ic in rows.clone().step_by(M::MC) {
                 let mc = (rows.end - ic).min(M::MC);
                 let m_panels = mc.div_ceil(mr);
                 M::pack_a(&job.a, ic, mc, pc, kc, &mut apack[..m_panels * a_len]);
-                for jp in 0..n_panels {
+                for t in 0..n_panels * m_panels {
+                    let (jp, ip) = if across {
+                        (t % n_panels, t / n_panels)
+                    } else {
+                        (t / m_panels, t % m_panels)
+                    };
                     let j = jc + jp * nr;
                     let w = (nc - jp * nr).min(nr);
                     let bp = bpack[jp * b_len..].as_ptr();
-                    for ip in 0..m_panels {
-                        let i = ic + ip * mr;
-                        let h = (mc - ip * mr).min(mr);
-                        let ap = apack[ip * a_len..].as_ptr();
-                        if h == mr && w == nr {
-                            // SAFETY: the panels hold `steps` steps of MR and NR elements;
-                            // rows i..i+MR and columns j..j+NR lie inside this task's
-                            // rectangle of dst (m x n, row stride ldc = n).
-                            unsafe {
-                                let c = job.c.0.add(i * job.ldc + j);
-                                M::tile(steps, ap, bp, c, job.ldc, load_c)
+                    let i = ic + ip * mr;
+                    let h = (mc - ip * mr).min(mr);
+                    let ap = apack[ip * a_len..].as_ptr();
+                    if h == mr && w == nr {
+                        // SAFETY: the panels hold `steps` steps of MR and NR elements;
+                        // rows i..i+MR and columns j..j+NR lie inside this task's
+                        // rectangle of dst (m x n, row stride ldc = n).
+                        unsafe {
+                            let c = job.c.0.add(i * job.ldc + j);
+                            M::tile(steps, ap, bp, c, job.ldc, load_c)
+                        };
+                    } else {
+                        // SAFETY: as above, with `edge` (MR x NR, stride NR) as C.
+                        unsafe { M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, false) };
+                        for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
+                            // SAFETY: row i+r, columns j..j+w are inside this task's
+                            // rectangle of dst, which no other task touches.
+                            let dst = unsafe {
+                                let row = job.c.0.add((i + r) * job.ldc + j);
+                                std::slice::from_raw_parts_mut(row, w)
                             };
-                        } else {
-                            // SAFETY: as above, with `edge` (MR x NR, stride NR) as C.
-                            unsafe { M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, false) };
-                            for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
-                                // SAFETY: row i+r, columns j..j+w are inside this task's
-                                // rectangle of dst, which no other task touches.
-                                let dst = unsafe {
-                                    let row = job.c.0.add((i + r) * job.ldc + j);
-                                    std::slice::from_raw_parts_mut(row, w)
-                                };
-                                for (d, &t) in dst.iter_mut().zip(tile_row) {
-                                    *d = if load_c { *d + t } else { t };
-                                }
+                            for (d, &t) in dst.iter_mut().zip(tile_row) {
+                                *d = if load_c { *d + t } else { t };
                             }
                         }
                     }
@@ -468,7 +552,7 @@ const PACK_STEPS: usize = 16;
 
 /// F32 panels: panel t holds rows `i0 + t*W ..` of `x`; `panel[p * W + r] = x(i0 + t*W + r,
 /// p0 + p)` as F32 for p < kc, rows past `h` zero. `simd`: the caller runs with AVX2 and
-/// F16C enabled (the `avx2-fma` kernel).
+/// F16C enabled (the `avx2-fma` and `avx512f` kernels).
 #[inline(always)]
 fn pack_f32<const W: usize, T: WithDType>(
     x: &MatRef<'_, T>,
@@ -521,7 +605,7 @@ fn pack_f32<const W: usize, T: WithDType>(
                         let at = x.offset(i0 + t * W + first + i, p0);
                         load_run(x.data, at, x.cs, &mut row[..kc], simd);
                     }
-                    // SAFETY: `simd` is set only by the avx2-fma kernel (AVX available); the
+                    // SAFETY: `simd` is set only by the avx2-fma and avx512f kernels (AVX); the
                     // function checks that the panel holds the n8 steps it writes.
                     unsafe { x86::transpose_rows_8(&rows, n8, panel, W, first) };
                     for p in n8..kc {
@@ -574,7 +658,7 @@ fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32
         if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
-                // SAFETY: `simd` is set only by the avx2-fma kernel, available with F16C.
+                // SAFETY: `simd` is set only by kernels that need F16C (avx2-fma, avx512f).
                 unsafe { x86::f16_to_f32_f16c(&x[s..s + n], out) };
                 return;
             }
@@ -588,7 +672,7 @@ fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32
         if stride == 1 {
             #[cfg(target_arch = "x86_64")]
             if simd {
-                // SAFETY: `simd` is set only by the avx2-fma kernel, available with AVX2.
+                // SAFETY: `simd` is set only by kernels that need AVX2 (avx2-fma, avx512f).
                 unsafe { x86::bf16_to_f32_avx2(&x[s..s + n], out) };
                 return;
             }
@@ -796,24 +880,96 @@ impl Micro for PortableF32 {
         ldc: usize,
         load_c: bool,
     ) {
-        // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
-        let (a, b) = unsafe {
-            (
-                std::slice::from_raw_parts(a, steps * 6),
-                std::slice::from_raw_parts(b, steps * 16),
-            )
-        };
-        let mut acc = [[0f32; 16]; 6];
-        for (ap, bp) in a.chunks_exact(6).zip(b.chunks_exact(16)) {
-            for (acc_row, &x) in acc.iter_mut().zip(ap) {
-                for (s, &y) in acc_row.iter_mut().zip(bp) {
-                    *s += x * y;
-                }
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_f32::<6, 16, false>(steps, a, b, c, ldc, load_c) }
+    }
+}
+
+/// Blocking of the wide F32-panel kernels (`portable-wide`, `avx512f`), for Zen 4 / Zen 5
+/// (32 / 48 KiB L1d, 1 MiB L2 per core): the B micro-panel is 256 × 32 F32 = 32 KiB, an A
+/// block 256 × 256 F32 = 256 KiB. The 8-row tile divides the channel counts of convolutions
+/// (16, 32, 64, and 9× those for the input gradient), so their products waste no rows.
+struct PortableF32Wide;
+
+impl Micro for PortableF32Wide {
+    type P = f32;
+    const KSTEP: usize = 1;
+    const MR: usize = WIDE_MR;
+    const NR: usize = WIDE_NR;
+    const KC: usize = WIDE_KC;
+    const MC: usize = WIDE_MC;
+    const NC: usize = WIDE_NC;
+
+    #[inline(always)]
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<WIDE_MR, T>(a, i0, h, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [f32],
+    ) {
+        pack_f32::<WIDE_NR, T>(bt, j0, w, p0, kc, out, false)
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        steps: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { tile_f32::<WIDE_MR, WIDE_NR, true>(steps, a, b, c, ldc, load_c) }
+    }
+}
+
+/// The F32-panel tile in plain Rust: `acc[r][j] += a[r] · b[j]` step by step from zero, the
+/// product rounded before the add, or not (`FUSED`: `f32::mul_add`, one rounding, as an FMA
+/// instruction), then `c = (load_c ? c : 0) + acc`.
+///
+/// # Safety
+/// As `Micro::tile`.
+#[inline(always)]
+unsafe fn tile_f32<const MR: usize, const NR: usize, const FUSED: bool>(
+    steps: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load_c: bool,
+) {
+    // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
+    let (a, b) = unsafe {
+        (
+            std::slice::from_raw_parts(a, steps * MR),
+            std::slice::from_raw_parts(b, steps * NR),
+        )
+    };
+    let mut acc = [[0f32; NR]; MR];
+    for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+        for (acc_row, &x) in acc.iter_mut().zip(ap) {
+            for (s, &y) in acc_row.iter_mut().zip(bp) {
+                *s = if FUSED { x.mul_add(y, *s) } else { *s + x * y };
             }
         }
-        // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
-        unsafe { store_tile(&acc, c, ldc, load_c) }
     }
+    // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
+    unsafe { store_tile(&acc, c, ldc, load_c) }
 }
 
 /// Blocking of the BF16-pair kernels, for Sapphire Rapids / Zen 4 (48 / 32 KiB L1d, 2 / 1 MiB
@@ -920,6 +1076,7 @@ unsafe fn store_tile<const R: usize, const N: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{pack_f32, pack_pairs, run_tile, Job, Micro, Workspace};
+    use super::{WIDE_KC, WIDE_MC, WIDE_MR, WIDE_NC, WIDE_NR};
     use crate::cpu::gemm::MatRef;
     use crate::dtype::WithDType;
     use half::{bf16, f16};
@@ -952,6 +1109,20 @@ mod x86 {
         ws: &mut Workspace,
     ) {
         run_tile::<Avx512Bf16, A, B>(job, rows, cols, ws)
+    }
+
+    /// `run_tile` compiled for AVX-512 F (packing with AVX2 and F16C).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn run_tile_avx512f<A: WithDType, B: WithDType>(
+        job: &Job<'_, A, B>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        ws: &mut Workspace,
+    ) {
+        run_tile::<Avx512F32, A, B>(job, rows, cols, ws)
     }
 
     /// F16 -> F32 with `vcvtph2ps`, 8 per instruction; a tail of under 8 goes through a
@@ -1268,6 +1439,112 @@ mod x86 {
                 }
                 _mm512_storeu_ps(row, lo);
                 _mm512_storeu_ps(row.add(16), hi);
+            }
+        }
+    }
+
+    /// Blocking as `PortableF32Wide`.
+    struct Avx512F32;
+
+    impl Micro for Avx512F32 {
+        type P = f32;
+        const KSTEP: usize = 1;
+        const MR: usize = WIDE_MR;
+        const NR: usize = WIDE_NR;
+        const KC: usize = WIDE_KC;
+        const MC: usize = WIDE_MC;
+        const NC: usize = WIDE_NC;
+
+        #[inline(always)]
+        fn pack_a<T: WithDType>(
+            a: &MatRef<'_, T>,
+            i0: usize,
+            h: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<WIDE_MR, T>(a, i0, h, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        fn pack_b<T: WithDType>(
+            bt: &MatRef<'_, T>,
+            j0: usize,
+            w: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [f32],
+        ) {
+            pack_f32::<WIDE_NR, T>(bt, j0, w, p0, kc, out, true)
+        }
+
+        #[inline(always)]
+        unsafe fn tile(
+            steps: usize,
+            a: *const f32,
+            b: *const f32,
+            c: *mut f32,
+            ldc: usize,
+            load_c: bool,
+        ) {
+            // SAFETY: forwarded from the caller (who also guarantees AVX-512 F).
+            unsafe { tile_zmm::<WIDE_MR, { WIDE_NR / 16 }>(steps, a, b, c, ldc, load_c) }
+        }
+    }
+
+    /// MR×(16·NV) F32 tile: per k step, NV B loads, MR A broadcasts, MR·NV FMAs into MR·NV
+    /// zmm accumulators. Each accumulator sums its k steps in order from zero with one
+    /// rounding per step, then C is added: what `tile_f32::<_, _, true>` does, bit for bit.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_zmm<const MR: usize, const NV: usize>(
+        steps: usize,
+        mut a: *const f32,
+        mut b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        for r in 0..MR {
+            for v in 0..NV {
+                // SAFETY: prefetches are hints, and these addresses lie in the C tile (a row
+                // of 16·NV F32 spans NV or NV + 1 lines).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * v).cast()) };
+            }
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 16 * NV - 1).cast()) };
+        }
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        for _ in 0..steps {
+            // SAFETY: the caller guarantees `steps` steps of MR (a) and 16·NV (b) floats.
+            unsafe {
+                let mut bv = [_mm512_setzero_ps(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(b.add(16 * v));
+                }
+                for (r, acc_row) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(r));
+                    for (s, &y) in acc_row.iter_mut().zip(&bv) {
+                        *s = _mm512_fmadd_ps(x, y, *s);
+                    }
+                }
+                a = a.add(MR);
+                b = b.add(16 * NV);
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            for (v, &s) in acc_row.iter().enumerate() {
+                // SAFETY: the caller guarantees MR rows of 16·NV floats at stride ldc.
+                unsafe {
+                    let p = c.add(r * ldc + 16 * v);
+                    let s = if load_c {
+                        _mm512_add_ps(_mm512_loadu_ps(p), s)
+                    } else {
+                        s
+                    };
+                    _mm512_storeu_ps(p, s);
+                }
             }
         }
     }
