@@ -17,7 +17,9 @@ mod common;
 use common::block::block_matches_reference;
 use common::*;
 use hemi::cpu::gemm::{matmul_into, product, MatRef};
-use hemi::cpu::gemm_half::{f32_kernel, force_kernel, gemm_with, kernel_name, Kernel};
+use hemi::cpu::gemm_half::{
+    f32_kernel, force_kernel, gemm, gemm_with, kernel_for, kernel_name, Kernel,
+};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
 use std::sync::Mutex;
@@ -418,5 +420,52 @@ fn f32_route_follows_the_measurements() {
     ];
     for (m, k, n) in losses {
         assert_eq!(f32_kernel(m, k, n), None, "{m}x{k}x{n}");
+    }
+}
+
+/// Products with F16 (or mixed F16/BF16/F32) operands run on `avx512f` where the CPU has it
+/// and the shape suits its tiles, else on `select_kernel`'s choice (`avx2-fma` or
+/// `portable`); BF16 × BF16 keeps its own kernel. `gemm` follows `kernel_for` bit for bit.
+#[test]
+fn half_products_take_the_wide_kernel_where_it_suits() {
+    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let wide = Kernel::Avx512F32.is_available();
+    let narrow = kernel_name(DType::F16, DType::F16);
+    for (a, b) in [
+        (DType::F16, DType::F16),
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F16),
+    ] {
+        let big = kernel_for(a, b, 64, 576, 1024);
+        assert_eq!(
+            big.name(),
+            if wide { "avx512f" } else { narrow },
+            "{a:?} x {b:?}"
+        );
+        assert_eq!(kernel_for(a, b, 32, 32, 32).name(), narrow, "{a:?} x {b:?}");
+    }
+    assert_eq!(
+        kernel_for(DType::BF16, DType::BF16, 64, 576, 1024).name(),
+        kernel_name(DType::BF16, DType::BF16)
+    );
+    let mut rng = Generator::new(76);
+    for (m, k, n) in [(64, 300, 1000), (33, 40, 17)] {
+        let av = rand_values(m * k, -1.0, 1.0, DType::F16, &mut rng);
+        let bv = rand_values(k * n, -1.0, 1.0, DType::F16, &mut rng);
+        let ah: Vec<half::f16> = av.iter().map(|&x| half::f16::from_f64(x)).collect();
+        let bh: Vec<half::f16> = bv.iter().map(|&x| half::f16::from_f64(x)).collect();
+        let a = MatRef::row_major(&ah, m, k);
+        let b = MatRef::row_major(&bh, k, n);
+        let (mut got, mut want) = (vec![0f32; m * n], vec![0f32; m * n]);
+        gemm(&mut got, a, b, false, true);
+        let kernel = kernel_for(DType::F16, DType::F16, m, k, n);
+        gemm_with(kernel, &mut want, a, b, false, true);
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{m}x{k}x{n}: gemm differs from {}",
+            kernel.name()
+        );
     }
 }

@@ -235,9 +235,29 @@ pub fn f32_kernel(m: usize, k: usize, n: usize) -> Option<Kernel> {
             return Some(kernel);
         }
     }
+    (wide_suits(m, k, n) && Kernel::Avx512F32.is_available()).then_some(Kernel::Avx512F32)
+}
+
+/// Whether an `m×k · k×n` product suits `avx512f`'s 8×32 tiles: at least 64³ multiply-adds
+/// and tiles at least 70% useful (the measurements in `f32_kernel`'s doc).
+fn wide_suits(m: usize, k: usize, n: usize) -> bool {
     let padded = m.next_multiple_of(WIDE_MR) * n.next_multiple_of(WIDE_NR);
-    let suits = (m * n).saturating_mul(k) >= 64 * 64 * 64 && 10 * m * n >= 7 * padded;
-    (suits && Kernel::Avx512F32.is_available()).then_some(Kernel::Avx512F32)
+    (m * n).saturating_mul(k) >= 64 * 64 * 64 && 10 * m * n >= 7 * padded
+}
+
+/// The kernel `gemm` runs for this product: `select_kernel`'s, except that products with an
+/// F16 or F32 operand that would run on `avx2-fma` run on `avx512f` where the CPU has it and
+/// the shape suits its tiles (same panels, twice the width), unless `force_kernel` chose.
+pub fn kernel_for(a: DType, b: DType, m: usize, k: usize, n: usize) -> Kernel {
+    let forced = Kernel::ALL
+        .get(FORCED.load(Ordering::Relaxed))
+        .is_some_and(|k| k.accepts(a, b));
+    match select_kernel(a, b) {
+        Kernel::Avx2Fma if !forced && wide_suits(m, k, n) && Kernel::Avx512F32.is_available() => {
+            Kernel::Avx512F32
+        }
+        kernel => kernel,
+    }
 }
 
 /// Name of the microkernel `gemm` would run for these operand dtypes (for benches and logs).
@@ -246,7 +266,7 @@ pub fn kernel_name(a: DType, b: DType) -> &'static str {
 }
 
 /// `dst = (accumulate ? dst : 0) + a·b`, `dst` row-major contiguous `a.rows x b.cols`,
-/// accumulated in F32 with the kernel `select_kernel` picks. `parallel` lets it split the
+/// accumulated in F32 with the kernel `kernel_for` picks. `parallel` lets it split the
 /// output over rayon's pool (products under 64³ multiply-adds stay on the calling thread);
 /// pass false from inside a task that is already parallel. Panics on mismatched shapes or
 /// out-of-bounds views (callers validate user input first).
@@ -257,7 +277,7 @@ pub fn gemm<A: WithDType, B: WithDType>(
     accumulate: bool,
     parallel: bool,
 ) {
-    let kernel = select_kernel(a.dtype(), b.dtype());
+    let kernel = kernel_for(a.dtype(), b.dtype(), a.rows, a.cols, b.cols);
     gemm_with(kernel, dst, a, b, accumulate, parallel)
 }
 
