@@ -83,48 +83,48 @@ pub fn models() -> Vec<ModelSpec> {
             build: |_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
         },
     ];
-    let resnets: [(&'static str, &'static str, [usize; 3]); 6] = [
+    /// The input and the recipe of a family of ResNets.
+    type Family = ([usize; 3], &'static str);
+    const CIFAR: Family = ([3, 32, 32], "resnet-cifar");
+    const IMAGENET: Family = ([3, 224, 224], "resnet-imagenet");
+    let resnets: [(&'static str, &'static str, Family); 6] = [
         (
             "resnet20",
             "He et al. 2016 CIFAR ResNet, 3 BasicBlocks per stage, option-A shortcuts",
-            [3, 32, 32],
+            CIFAR,
         ),
         (
             "resnet32",
             "He et al. 2016 CIFAR ResNet, 5 BasicBlocks per stage",
-            [3, 32, 32],
+            CIFAR,
         ),
         (
             "resnet56",
             "He et al. 2016 CIFAR ResNet, 9 BasicBlocks per stage",
-            [3, 32, 32],
+            CIFAR,
         ),
         (
             "resnet18",
             "torchvision resnet18 (BasicBlock [2, 2, 2, 2], ImageNet stem)",
-            [3, 224, 224],
+            IMAGENET,
         ),
         (
             "resnet34",
             "torchvision resnet34 (BasicBlock [3, 4, 6, 3], ImageNet stem)",
-            [3, 224, 224],
+            IMAGENET,
         ),
         (
             "resnet50",
             "torchvision resnet50 v1.5 (Bottleneck [3, 4, 6, 3], ImageNet stem)",
-            [3, 224, 224],
+            IMAGENET,
         ),
     ];
-    for (name, description, input_shape) in resnets {
+    for (name, description, (input_shape, recipe)) in resnets {
         v.push(ModelSpec {
             name,
             description,
             input_shape,
-            recipe: if input_shape[1] == 32 {
-                "resnet-cifar"
-            } else {
-                "resnet-imagenet"
-            },
+            recipe,
             build: rgb_resnet,
         });
     }

@@ -91,6 +91,7 @@ pub fn lr_schedule(
     let total = epochs as u64 * spe;
     let warmup = (warmup_epochs * spe as f64).round() as u64;
     let after: Box<dyn LrScheduler> = match schedule {
+        // A StepLR that never steps: exactly the base lr.
         Schedule::Constant => Box::new(StepLR {
             step_size: u64::MAX,
             gamma: 1.0,
@@ -112,17 +113,18 @@ pub fn lr_schedule(
             })
         }
     };
-    after.validate()?;
-    if warmup == 0 {
-        return Ok(after);
-    }
-    let w = LinearWarmup {
-        warmup_steps: warmup,
-        start_factor: 1.0 / warmup as f64,
-        after: Some(after),
+    let schedule: Box<dyn LrScheduler> = if warmup == 0 {
+        after
+    } else {
+        Box::new(LinearWarmup {
+            warmup_steps: warmup,
+            start_factor: 1.0 / warmup as f64,
+            after: Some(after),
+        })
     };
-    w.validate()?;
-    Ok(Box::new(w))
+    // The warm-up validates the schedule after it too.
+    schedule.validate()?;
+    Ok(schedule)
 }
 
 /// A named training recipe.
