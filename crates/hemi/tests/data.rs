@@ -106,7 +106,11 @@ fn collect_epoch(loader: &DataLoader, epoch: u64) -> Vec<(Vec<f32>, Vec<i64>, Ve
         .epoch(epoch)
         .map(|b| {
             let b = b.unwrap();
-            (b.images.to_vec_f32(), b.labels.to_vec_i64(), b.indices)
+            (
+                b.images().unwrap().to_vec_f32(),
+                b.labels.to_vec_i64(),
+                b.indices,
+            )
         })
         .collect()
 }
@@ -662,8 +666,8 @@ fn loader_batches_are_tensors() {
     let set = counting_set(10, 3, [3, 4, 5]);
     let loader = DataLoader::new(set, config(4, 2)).unwrap();
     let b = loader.epoch(0).next().unwrap().unwrap();
-    assert_eq!(b.images.shape(), &[4, 3, 4, 5]);
-    assert_eq!(b.images.dtype(), DType::F32);
+    assert_eq!(b.images().unwrap().shape(), &[4, 3, 4, 5]);
+    assert_eq!(b.images().unwrap().dtype(), DType::F32);
     assert_eq!(b.labels.shape(), &[4]);
     assert_eq!(b.labels.dtype(), DType::I64);
     assert_eq!(b.len(), 4);

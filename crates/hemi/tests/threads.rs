@@ -126,7 +126,7 @@ fn train_params(model: &mut dyn Module, precision: Precision, batch: usize, step
         let loss = {
             let _ac = precision.autocast();
             let logits = model
-                .forward(&precision.input(&batch.images).unwrap())
+                .forward(&precision.input(batch.images().unwrap()).unwrap())
                 .unwrap();
             cross_entropy(&logits, &batch.labels, CrossEntropyOptions::default()).unwrap()
         };

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::dataset::Dataset;
+use super::inputs::Inputs;
 use super::synthetic::mix_seed;
 use super::transforms::Transform;
 use crate::dtype::DType;
@@ -63,16 +64,22 @@ impl Default for LoaderConfig {
     }
 }
 
-/// One batch: images `[B, C, H, W]` F32, labels `[B]` I64, and which samples they are.
+/// One batch: the model's inputs (images `[B, C, H, W]` F32, or text), the labels (`[B]`
+/// I64 class indices; `[B, L]` I64 for masked-LM targets, -100 where no loss is taken), and
+/// which samples they are.
 #[derive(Clone, Debug)]
 pub struct Batch {
-    pub images: Tensor,
+    pub inputs: Inputs,
     pub labels: Tensor,
     /// The data set indices of the batch's samples, in batch order.
     pub indices: Vec<usize>,
 }
 
 impl Batch {
+    /// The images of an image batch; an error for text.
+    pub fn images(&self) -> Result<&Tensor> {
+        self.inputs.images()
+    }
     pub fn len(&self) -> usize {
         self.indices.len()
     }
@@ -348,7 +355,11 @@ impl Iterator for Epoch {
             let b = raw.labels.len();
             let [c, h, w] = self.job.sample_shape;
             Ok(Batch {
-                images: Tensor::from_f32_vec(raw.images, &[b, c, h, w], DType::F32)?,
+                inputs: Inputs::Images(Tensor::from_f32_vec(
+                    raw.images,
+                    &[b, c, h, w],
+                    DType::F32,
+                )?),
                 labels: Tensor::from_vec(raw.labels, &[b])?,
                 indices: raw.indices,
             })

@@ -22,6 +22,7 @@ mod dataset;
 mod fetch;
 mod idx;
 mod image_folder;
+mod inputs;
 mod loader;
 mod synthetic;
 mod transforms;
@@ -36,6 +37,7 @@ pub use idx::{
     MnistKind, IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC,
 };
 pub use image_folder::{parse_image, ImageFolder, IMAGE_EXTENSIONS, MAX_IMAGE_SIDE};
+pub use inputs::{Inputs, TextInputs};
 pub use loader::{Batch, DataLoader, Epoch, LoaderConfig};
 pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
 pub use transforms::{crop_padded, hflip, random_crop, Augment, Transform};

@@ -24,6 +24,7 @@ pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 pub use sequential::Sequential;
 pub use state_dict::{state_dict_mismatch, StateDictMismatch};
 
+use crate::data::Inputs;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -50,6 +51,13 @@ pub struct Slot<'a> {
 pub trait Module: Send {
     /// Applies the module.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Applies the module to a batch's inputs. The default takes images and calls
+    /// `forward`; models with several inputs (token ids, attention mask, token types)
+    /// override it.
+    fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {
+        self.forward(inputs.images()?)
+    }
 
     /// The module's tensors in `state_dict` order: (name, tensor, kind, is_norm).
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)>;

@@ -397,7 +397,7 @@ pub fn evaluate_with(
         let batch = batch?;
         let logits = {
             let _ac = precision.autocast();
-            model.forward(&precision.input(&batch.images)?)?
+            model.forward(&precision.input(batch.images()?)?)?
         };
         let loss = cross_entropy(&logits, &batch.labels, CrossEntropyOptions::default())?;
         let pred = logits.argmax(1, false)?.to_vec_i64();
@@ -747,7 +747,7 @@ pub fn train(
             opt.zero_grad();
             let loss = {
                 let _ac = precision.autocast();
-                let logits = model.forward(&precision.input(&batch.images)?)?;
+                let logits = model.forward(&precision.input(batch.images()?)?)?;
                 cross_entropy(&logits, &batch.labels, ce)?
             };
             let lv = loss.to_scalar()?;
