@@ -650,6 +650,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             epoch,
             train_loss,
             test_accuracy,
+            test_loss,
             seconds,
             images_per_s,
         } => {
@@ -662,7 +663,8 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             );
             if let Some(m) = metrics.as_mut() {
                 let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
-                               "test_accuracy": test_accuracy, "seconds": seconds,
+                               "test_accuracy": test_accuracy, "test_loss": test_loss,
+                               "seconds": seconds,
                                "images_per_s": images_per_s, "precision": precision.name()});
                 if let Err(e) = m.write(&j, true) {
                     write_err.get_or_insert(e);

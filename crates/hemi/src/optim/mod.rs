@@ -18,6 +18,7 @@ pub use clip::{clip_grad_norm, clip_grad_value};
 pub(crate) use optimizer::{check_grads, check_params};
 pub use optimizer::{no_decay_mask, Optimizer, OptimizerState, StateBuffer};
 pub use schedule::{
-    CosineAnnealingLR, LinearWarmup, LrScheduler, MultiStepLR, Scheduler, SchedulerState, StepLR,
+    CosineAnnealingLR, LinearDecay, LinearWarmup, LrScheduler, MultiStepLR, Scheduler,
+    SchedulerState, StepLR,
 };
 pub use sgd::{Sgd, SgdConfig};

@@ -109,6 +109,28 @@ impl LrScheduler for CosineAnnealingLR {
     }
 }
 
+/// Linear decay from `base_lr` to 0 over `total_steps` (PyTorch's `LinearLR(start_factor=1,
+/// end_factor=0, total_iters=total_steps)`; after a warm-up, the decay of Hugging Face's
+/// `get_linear_schedule_with_warmup`): `base_lr * max(0, 1 - t / total_steps)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearDecay {
+    pub total_steps: u64,
+}
+
+impl LrScheduler for LinearDecay {
+    fn lr_at(&self, base_lr: f64, t: u64) -> f64 {
+        let frac = t.min(self.total_steps) as f64 / self.total_steps.max(1) as f64;
+        base_lr * (1.0 - frac)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.total_steps == 0 {
+            return Err(Error::arg("LinearDecay", "need total_steps > 0"));
+        }
+        Ok(())
+    }
+}
+
 /// Linear warm-up from `start_factor * base_lr` to `base_lr` over `warmup_steps` steps,
 /// then `after` (if any) run from its own step 0, or the constant `base_lr`.
 ///

@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod recipe;
+pub mod task;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,12 +20,12 @@ pub use checkpoint::{
     RunInfo,
 };
 pub use recipe::{Recipe, Schedule};
+pub use task::{find_task, Classification, MaskedLm, Task, TaskOutput};
 
 use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use crate::data::DataLoader;
 use crate::error::{Error, Result};
 use crate::nn::Module;
-use crate::ops::loss::{cross_entropy, CrossEntropyOptions};
 use crate::optim::{
     no_decay_mask, Adam, AdamConfig, AdamW, AdamWConfig, Optimizer, OptimizerState, Sgd, SgdConfig,
 };
@@ -109,6 +110,8 @@ pub struct TrainConfig {
     pub grad_stats: bool,
     /// Seed of the stochastic-rounding stream (pure-bf16).
     pub seed: u64,
+    /// What the run optimises (default: classification).
+    pub task: Arc<dyn Task>,
 }
 
 impl Default for TrainConfig {
@@ -137,6 +140,7 @@ impl Default for TrainConfig {
             scaler: GradScalerConfig::default(),
             grad_stats: false,
             seed: 0,
+            task: Arc::new(Classification),
         }
     }
 }
@@ -218,6 +222,9 @@ fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
     }
     if cfg.label_smoothing != 0.0 {
         v.push(("label_smoothing", cfg.label_smoothing.to_string()));
+    }
+    if cfg.task.name() != Classification.name() {
+        v.push(("task", cfg.task.name().to_string()));
     }
     if cfg.precision.loss_scaling() {
         v.extend([
@@ -309,6 +316,8 @@ pub enum Event {
         epoch: usize,
         train_loss: f64,
         test_accuracy: f64,
+        /// Mean test loss per target (its exp is the perplexity of a language model).
+        test_loss: f64,
         seconds: f64,
         images_per_s: f64,
     },
@@ -390,27 +399,62 @@ pub fn evaluate_with(
     loader: &DataLoader,
     precision: Precision,
 ) -> Result<(f64, f64)> {
+    let e = evaluate_task(model, loader, precision, &Classification)?;
+    Ok((e.accuracy, e.loss))
+}
+
+/// A model's scores on a test set under a task.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    /// Fraction of targets predicted correctly (samples; masked tokens for masked-LM).
+    pub accuracy: f64,
+    /// Mean loss per target.
+    pub loss: f64,
+    /// Targets scored.
+    pub targets: usize,
+}
+
+impl Evaluation {
+    /// exp(mean loss): the perplexity of a language model.
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
+}
+
+/// Scores `model` on every batch of `loader` under `task`, in eval mode and without
+/// gradients, with the forward pass of `precision`.
+pub fn evaluate_task(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+    task: &dyn Task,
+) -> Result<Evaluation> {
     model.set_training(false);
     let _g = crate::autograd::no_grad();
-    let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
-    for batch in loader.epoch(0) {
-        let batch = batch?;
-        let logits = {
-            let _ac = precision.autocast();
-            model.forward(&precision.input(batch.images()?)?)?
-        };
-        let loss = cross_entropy(&logits, &batch.labels, CrossEntropyOptions::default())?;
-        let pred = logits.argmax(1, false)?.to_vec_i64();
-        let labels = batch.labels.to_vec_i64();
-        correct += pred.iter().zip(&labels).filter(|(p, l)| p == l).count();
-        total += labels.len();
-        loss_sum += loss.to_scalar()? * labels.len() as f64;
-    }
+    let run = || -> Result<Evaluation> {
+        let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
+        for batch in loader.epoch(0) {
+            let batch = batch?;
+            let out = {
+                let _ac = precision.autocast();
+                task.forward(&*model, &batch, precision, 0.0, true)?
+            };
+            correct += out.correct;
+            total += out.count;
+            loss_sum += out.loss.to_scalar()? * out.count as f64;
+        }
+        if total == 0 {
+            return Err(Error::arg("evaluate", "the test set is empty"));
+        }
+        Ok(Evaluation {
+            accuracy: correct as f64 / total as f64,
+            loss: loss_sum / total as f64,
+            targets: total,
+        })
+    };
+    let r = run();
     model.set_training(true);
-    if total == 0 {
-        return Err(Error::arg("evaluate", "the test set is empty"));
-    }
-    Ok((correct as f64 / total as f64, loss_sum / total as f64))
+    r
 }
 
 /// Overwrites the optimizer's saved hyperparameters with the new run's, for the settings
@@ -692,10 +736,7 @@ pub fn train(
         train_images: 0,
         train_seconds: 0.0,
     };
-    let ce = CrossEntropyOptions {
-        label_smoothing: cfg.label_smoothing,
-        ..Default::default()
-    };
+    let task = cfg.task.as_ref();
     /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
     const MAX_BAD_LOSSES: usize = 50;
     let mut bad_losses = 0usize;
@@ -747,8 +788,8 @@ pub fn train(
             opt.zero_grad();
             let loss = {
                 let _ac = precision.autocast();
-                let logits = model.forward(&precision.input(batch.images()?)?)?;
-                cross_entropy(&logits, &batch.labels, ce)?
+                task.forward(&*model, &batch, precision, cfg.label_smoothing, false)?
+                    .loss
             };
             let lv = loss.to_scalar()?;
             // Under loss scaling a non-finite loss gives non-finite gradients: the step is
@@ -830,7 +871,8 @@ pub fn train(
             }
         }
         let train_secs = start.elapsed().as_secs_f64();
-        let (acc, _) = evaluate_with(model, test, precision)?;
+        let eval = evaluate_task(model, test, precision, task)?;
+        let acc = eval.accuracy;
         let seconds = start.elapsed().as_secs_f64();
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
@@ -854,6 +896,7 @@ pub fn train(
             epoch,
             train_loss: mean_or_nan(epoch_loss, epoch_batches),
             test_accuracy: acc,
+            test_loss: eval.loss,
             seconds,
             images_per_s: trained_images as f64 / train_secs.max(1e-9),
         });

@@ -8,7 +8,9 @@
 
 use crate::data::Transform;
 use crate::error::{Error, Result};
-use crate::optim::{CosineAnnealingLR, LinearWarmup, LrScheduler, MultiStepLR, StepLR};
+use crate::optim::{
+    CosineAnnealingLR, LinearDecay, LinearWarmup, LrScheduler, MultiStepLR, StepLR,
+};
 
 use super::OptimizerKind;
 
@@ -23,6 +25,10 @@ pub enum Schedule {
     /// Multiply by `gamma` at the start of each milestone epoch (PyTorch's `MultiStepLR`
     /// stepped per epoch; He et al. 2016: milestones 82 and 123 of 164, gamma 0.1).
     Step { milestones: Vec<usize>, gamma: f64 },
+    /// Linear decay from the base lr to 0 at the last step of the run, per step (after a
+    /// warm-up: Hugging Face's `get_linear_schedule_with_warmup`, the BERT fine-tuning
+    /// schedule).
+    Linear,
 }
 
 impl Schedule {
@@ -31,6 +37,7 @@ impl Schedule {
             Schedule::Constant => "constant",
             Schedule::Cosine => "cosine",
             Schedule::Step { .. } => "step",
+            Schedule::Linear => "linear",
         }
     }
 
@@ -50,6 +57,7 @@ impl Schedule {
         let s = match name {
             "constant" => Schedule::Constant,
             "cosine" => Schedule::Cosine,
+            "linear" => Schedule::Linear,
             "step" => Schedule::Step {
                 milestones: milestones.to_vec(),
                 gamma,
@@ -57,7 +65,7 @@ impl Schedule {
             _ => {
                 return Err(Error::arg(
                     "schedule",
-                    format!("unknown schedule {name:?} (constant, cosine, step)"),
+                    format!("unknown schedule {name:?} (constant, cosine, linear, step)"),
                 ))
             }
         };
@@ -99,6 +107,9 @@ pub fn lr_schedule(
         Schedule::Cosine => Box::new(CosineAnnealingLR {
             t_max: (total - warmup).max(1),
             eta_min: 0.0,
+        }),
+        Schedule::Linear => Box::new(LinearDecay {
+            total_steps: (total - warmup).max(1),
         }),
         Schedule::Step { milestones, gamma } => {
             // Milestones are epochs of the whole run; the scheduler after the warm-up
@@ -204,7 +215,41 @@ impl Recipe {
             normalize: (&[0.485, 0.456, 0.406], &[0.229, 0.224, 0.225]),
             ..resnet_cifar.clone()
         };
-        vec![documents, resnet_cifar, resnet_imagenet]
+        let bert_finetune = Recipe {
+            name: "bert-finetune",
+            description: "BERT fine-tuning (Devlin et al. 2019, Hugging Face's defaults): AdamW \
+                          lr 5e-5, weight decay 0.01 except biases and LayerNorm, linear \
+                          warm-up over 6 % of the steps then linear decay to 0, batch 32, \
+                          1 epoch",
+            epochs: 1,
+            batch_size: 32,
+            optimizer: OptimizerKind::AdamW,
+            lr: 5e-5,
+            momentum: 0.9,
+            weight_decay: Some(0.01),
+            nesterov: false,
+            no_decay_norm_bias: true,
+            schedule: Schedule::Linear,
+            warmup_epochs: 0.06,
+            label_smoothing: 0.0,
+            augment: false,
+            normalize: (&[], &[]),
+        };
+        let bert_mlm = Recipe {
+            name: "bert-mlm",
+            description: "masked-LM (continued) pretraining: AdamW lr 1e-4, weight decay 0.01 \
+                          except biases and LayerNorm, 6 % linear warm-up then linear decay, \
+                          batch 32, 1 epoch, 15 % of tokens masked 80/10/10",
+            lr: 1e-4,
+            ..bert_finetune.clone()
+        };
+        vec![
+            documents,
+            resnet_cifar,
+            resnet_imagenet,
+            bert_finetune,
+            bert_mlm,
+        ]
     }
 
     /// The recipe called `name`; the error lists the known ones.
@@ -310,8 +355,24 @@ mod tests {
     }
 
     #[test]
+    fn linear_decay_after_warmup_reaches_zero_at_the_end() {
+        // 1 epoch of 100 steps, 6 % warm-up: Hugging Face's linear schedule.
+        let s = lr_schedule(&Schedule::Linear, 0.06, 1, 100).unwrap();
+        assert!(s.lr_at(1.0, 0) > 0.0 && s.lr_at(1.0, 0) < s.lr_at(1.0, 5));
+        assert_eq!(s.lr_at(1.0, 6), 1.0);
+        assert!((s.lr_at(1.0, 53) - 0.5).abs() < 1e-12);
+        assert_eq!(s.lr_at(1.0, 100), 0.0);
+        let r = Recipe::find("bert-finetune").unwrap();
+        assert_eq!(
+            (r.optimizer, r.lr, r.batch_size),
+            (OptimizerKind::AdamW, 5e-5, 32)
+        );
+        assert!(r.no_decay_norm_bias && r.weight_decay == Some(0.01));
+    }
+
+    #[test]
     fn bad_settings_are_errors() {
-        assert!(Schedule::parse("linear", &[], 0.1).is_err());
+        assert!(Schedule::parse("exponential", &[], 0.1).is_err());
         assert!(Schedule::parse("cosine", &[3], 0.1).is_err());
         assert!(lr_schedule(&Schedule::Cosine, 5.0, 4, 10).is_err());
         assert!(lr_schedule(&Schedule::Cosine, f64::NAN, 4, 10).is_err());
