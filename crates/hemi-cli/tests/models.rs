@@ -135,7 +135,7 @@ fn recipes_are_listed_and_flags_override_them() {
     );
     for (args, word) in [
         (&["--recipe", "fast"][..], "fast"),
-        (&["--schedule", "linear"][..], "linear"),
+        (&["--schedule", "triangle"][..], "triangle"),
         (&["--milestones", "3"][..], "--schedule step"),
         (&["--warmup-epochs", "2"][..], "warm-up"),
     ] {

@@ -1,5 +1,8 @@
 //! The model registry: every ready-made model declared once (name, what it is, the input it
-//! was designed for, a constructor), so the CLI and the training loop know no model names.
+//! was designed for, its task and recipe, a constructor), so the CLI and the training loop
+//! know no model names.
+
+use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::nn::Module;
@@ -16,17 +19,40 @@ type Build = fn(
     rng: &mut Generator,
 ) -> Result<Box<dyn Module>>;
 
+/// Builds the text model registered as `name` from a Hugging Face `config.json` with
+/// `classes` outputs (ignored by models whose outputs are the vocabulary).
+type BuildText = fn(
+    name: &'static str,
+    config: &Path,
+    classes: usize,
+    rng: &mut Generator,
+) -> Result<Box<dyn Module>>;
+
+/// What a model takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputKind {
+    /// Images `[B, C, H, W]`.
+    Image,
+    /// Token ids, attention mask and token types `[B, L]` (`data::TextInputs`).
+    Text,
+}
+
 /// One registered model.
 pub struct ModelSpec {
     /// The name `--model` takes.
     pub name: &'static str,
     pub description: &'static str,
-    /// The input it was designed for, [C, H, W] (others may work: see `build`).
+    pub input: InputKind,
+    /// The input it was designed for, [C, H, W] (others may work: see `build`); [0, 0, 0]
+    /// for text models.
     pub input_shape: [usize; 3],
     /// The training recipe `hemi train --model NAME` uses unless told otherwise
     /// (`crate::train::Recipe::find`).
     pub recipe: &'static str,
-    build: Build,
+    /// The task it trains for (`crate::train::find_task`).
+    pub task: &'static str,
+    build: Option<Build>,
+    build_text: Option<BuildText>,
 }
 
 impl std::fmt::Debug for ModelSpec {
@@ -44,7 +70,25 @@ impl ModelSpec {
         if classes == 0 {
             return Err(Error::arg(self.name, "needs at least one class"));
         }
-        (self.build)(self.name, shape, classes, &mut Generator::new(seed))
+        let build = self.build.ok_or_else(|| {
+            Error::arg(
+                self.name,
+                "is a text model: it is built from a config.json (build_text)",
+            )
+        })?;
+        build(self.name, shape, classes, &mut Generator::new(seed))
+    }
+
+    /// A fresh text model from the Hugging Face `config.json` at `config`, with `classes`
+    /// outputs, initialised from `seed` (load pretrained weights afterwards).
+    pub fn build_text(&self, config: &Path, classes: usize, seed: u64) -> Result<Box<dyn Module>> {
+        if classes == 0 {
+            return Err(Error::arg(self.name, "needs at least one class"));
+        }
+        let build = self.build_text.ok_or_else(|| {
+            Error::arg(self.name, "is an image model: it is built for an image shape")
+        })?;
+        build(self.name, config, classes, &mut Generator::new(seed))
     }
 }
 
@@ -71,16 +115,22 @@ pub fn models() -> Vec<ModelSpec> {
             name: "cifar-net",
             description:
                 "the documents' CNN: conv 64, conv 128 (3x3, ReLU, 2x2 max-pool), fc 512, 256",
+            input: InputKind::Image,
             input_shape: [3, 32, 32],
             recipe: "documents",
-            build: |_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?)),
+            task: "classification",
+            build: Some(|_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?))),
+            build_text: None,
         },
         ModelSpec {
             name: "mlp",
             description: "two linear layers (hidden 512) over the flattened image",
+            input: InputKind::Image,
             input_shape: [1, 28, 28],
             recipe: "documents",
-            build: |_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?)),
+            task: "classification",
+            build: Some(|_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?))),
+            build_text: None,
         },
     ];
     /// The input and the recipe of a family of ResNets.
@@ -123,9 +173,12 @@ pub fn models() -> Vec<ModelSpec> {
         v.push(ModelSpec {
             name,
             description,
+            input: InputKind::Image,
             input_shape,
             recipe,
-            build: rgb_resnet,
+            task: "classification",
+            build: Some(rgb_resnet),
+            build_text: None,
         });
     }
     v
