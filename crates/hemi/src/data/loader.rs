@@ -121,6 +121,20 @@ pub struct DataLoader {
     config: LoaderConfig,
 }
 
+impl std::fmt::Debug for DataLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("DataLoader");
+        d.field("samples", &self.len())
+            .field("batch_size", &self.config.batch_size)
+            .field("num_batches", &self.num_batches());
+        match &self.source {
+            Source::Images { sample_shape, .. } => d.field("sample_shape", sample_shape),
+            Source::Text(t) => d.field("text", &t.config),
+        };
+        d.finish()
+    }
+}
+
 /// What a loader batches.
 #[derive(Clone)]
 enum Source {
@@ -537,12 +551,10 @@ impl Iterator for Epoch {
                     images,
                     labels,
                     shape: [c, h, w],
-                } => {
-                    (
-                        Inputs::Images(Tensor::from_f32_vec(images, &[b, c, h, w], DType::F32)?),
-                        Tensor::from_vec(labels, &[b])?,
-                    )
-                }
+                } => (
+                    Inputs::Images(Tensor::from_f32_vec(images, &[b, c, h, w], DType::F32)?),
+                    Tensor::from_vec(labels, &[b])?,
+                ),
                 RawData::Text(t) => {
                     let shape = [b, t.seq_len];
                     let labels = if t.mlm {

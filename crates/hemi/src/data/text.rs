@@ -5,9 +5,9 @@
 //! Files are read whole at `open` and kept as strings; the loader tokenises them (see
 //! `loader.rs`). Errors name the file, the 1-based line and what is wrong.
 //!
-//! TSV files are read without quoting: GLUE's TSVs hold sentences such as
-//! `" the greatest musicians "` whose quotes are part of the text, and a tab cannot occur
-//! inside a field anyway. CSV files follow RFC 4180 (quoted fields may hold commas,
+//! TSV files are read without quoting, as GLUE's are written: a `"` in a sentence is text
+//! (with CSV quoting, one unbalanced quote would swallow the lines after it), and a tab
+//! cannot occur inside a field anyway. CSV files follow RFC 4180 (quoted fields may hold commas,
 //! doubled quotes and newlines).
 
 use std::collections::BTreeSet;
@@ -164,7 +164,12 @@ impl TextClassificationDataset {
         let header = if columns.header {
             match next()? {
                 Some((_, r)) => Some(r),
-                None => return Err(data_error(path, "the file is empty: expected a header line")),
+                None => {
+                    return Err(data_error(
+                        path,
+                        "the file is empty: expected a header line",
+                    ))
+                }
             }
         } else {
             None
@@ -172,15 +177,17 @@ impl TextClassificationDataset {
         let resolve = |c: &Column| -> Result<usize> {
             match (c, &header) {
                 (Column::Index(i), _) => Ok(*i),
-                (Column::Name(n), Some(h)) => h.iter().position(|f| f.trim() == n).ok_or_else(|| {
-                    data_error(
-                        path,
-                        format!(
-                            "line 1: no column named {n:?} in the header (columns: {})",
-                            h.iter().collect::<Vec<_>>().join(", ")
-                        ),
-                    )
-                }),
+                (Column::Name(n), Some(h)) => {
+                    h.iter().position(|f| f.trim() == n).ok_or_else(|| {
+                        data_error(
+                            path,
+                            format!(
+                                "line 1: no column named {n:?} in the header (columns: {})",
+                                h.iter().collect::<Vec<_>>().join(", ")
+                            ),
+                        )
+                    })
+                }
                 (Column::Name(n), None) => Err(data_error(
                     path,
                     format!(
@@ -257,7 +264,9 @@ impl TextClassificationDataset {
                     "{} texts, {} labels and {} pairs: expected one of each per sample",
                     texts.len(),
                     labels.len(),
-                    pairs.as_ref().map_or("no".to_string(), |p| p.len().to_string())
+                    pairs
+                        .as_ref()
+                        .map_or("no".to_string(), |p| p.len().to_string())
                 ),
             ));
         }
@@ -402,8 +411,14 @@ impl TextCorpus {
         let path = path.as_ref();
         let bytes = read_file(path, "a text file with one example per line")?;
         let text = std::str::from_utf8(&bytes).map_err(|e| {
-            let line = 1 + bytes[..e.valid_up_to()].iter().filter(|&&b| b == b'\n').count();
-            data_error(path, format!("line {line}: invalid UTF-8: text files must be UTF-8"))
+            let line = 1 + bytes[..e.valid_up_to()]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count();
+            data_error(
+                path,
+                format!("line {line}: invalid UTF-8: text files must be UTF-8"),
+            )
         })?;
         let lines = text
             .split('\n')

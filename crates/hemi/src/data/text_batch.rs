@@ -72,11 +72,12 @@ impl Default for MlmConfig {
 impl MlmConfig {
     fn check(&self) -> Result<()> {
         let ok = |p: f64| p.is_finite() && (0.0..=1.0).contains(&p);
-        if !(ok(self.probability) && self.probability > 0.0)
-            || !ok(self.mask)
-            || !ok(self.random)
-            || self.mask + self.random > 1.0 + 1e-12
-        {
+        let valid = ok(self.probability)
+            && self.probability > 0.0
+            && ok(self.mask)
+            && ok(self.random)
+            && self.mask + self.random <= 1.0 + 1e-12;
+        if !valid {
             return Err(Error::arg(
                 "MlmConfig",
                 format!(
@@ -187,7 +188,14 @@ impl TextSource {
     /// inside runs of `BUCKET_CHUNK_BATCHES` batches, then the full batches put in an order
     /// drawn from (seed, epoch); a last, smaller batch stays last (so `drop_last` drops
     /// it). Every index stays exactly once.
-    pub fn bucket(&self, order: &mut [usize], batch_size: usize, seed: u64, epoch: u64, shuffle: bool) {
+    pub fn bucket(
+        &self,
+        order: &mut [usize],
+        batch_size: usize,
+        seed: u64,
+        epoch: u64,
+        shuffle: bool,
+    ) {
         let run = batch_size.saturating_mul(BUCKET_CHUNK_BATCHES).max(1);
         for chunk in order.chunks_mut(run) {
             chunk.sort_by_key(|&i| self.encodings[i].len());

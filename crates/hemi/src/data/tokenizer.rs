@@ -76,7 +76,10 @@ impl Tokenizer {
         check_regular_file(path, "a Hugging Face tokenizer.json")?;
         let bytes = std::fs::read(path).map_err(|e| super::dataset::io_error(path, e))?;
         let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            data_error(path, format!("not a readable Hugging Face tokenizer.json: {e}"))
+            data_error(
+                path,
+                format!("not a readable Hugging Face tokenizer.json: {e}"),
+            )
         })?;
         let padding_pad_id = inner.get_padding().map(|p| p.pad_id);
         inner
@@ -146,12 +149,13 @@ impl Tokenizer {
         };
         let processor = self.inner.get_post_processor();
         let added = processor.map_or(0, |p| p.added_tokens(b.is_some()));
-        if max_length <= added {
+        if max_length < added {
             return Err(Error::arg(
                 "Tokenizer::encode",
                 format!(
-                    "max_length {max_length} leaves no room for text beside the {added} special \
-                     tokens"
+                    "max_length {max_length} is shorter than the {added} special tokens every \
+                     sequence{} gets",
+                    if b.is_some() { " pair" } else { "" }
                 ),
             ));
         }
@@ -201,8 +205,12 @@ impl Tokenizer {
 
     /// The `[MASK]` id; an error naming the file if the tokenizer has none.
     pub fn mask_id(&self) -> Result<u32> {
-        self.mask_id
-            .ok_or_else(|| data_error(&self.path, "the tokenizer has no mask token ([MASK] or <mask>)"))
+        self.mask_id.ok_or_else(|| {
+            data_error(
+                &self.path,
+                "the tokenizer has no mask token ([MASK] or <mask>)",
+            )
+        })
     }
 
     /// The `[CLS]` id; an error naming the file if the tokenizer has none.
