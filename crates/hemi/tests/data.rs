@@ -671,7 +671,7 @@ fn loader_batches_are_tensors() {
     assert_eq!(b.labels.shape(), &[4]);
     assert_eq!(b.labels.dtype(), DType::I64);
     assert_eq!(b.len(), 4);
-    assert_eq!(loader.sample_shape(), [3, 4, 5]);
+    assert_eq!(loader.sample_shape(), Some([3, 4, 5]));
     // A transform that does not fit the data set is refused up front.
     let set = counting_set(10, 3, [3, 4, 5]);
     let cfg = LoaderConfig {

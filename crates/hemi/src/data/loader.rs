@@ -14,6 +14,13 @@
 //! finished batches, which bounds memory and lets workers decode and transform while the
 //! model trains. A worker's error arrives as an `Err` item in its batch's place (and ends
 //! the epoch); a worker that panics is reported as an error too.
+//!
+//! Text loaders (`DataLoader::text`) keep all of this. Their samples are tokenised when the
+//! loader is made; a batch is padded to its longest sequence (dynamic padding), and its
+//! masked-LM draws (if any) come from (seed, epoch, sample index) like augmentations. With
+//! `TextConfig::bucket` the epoch's order is rearranged into length buckets, still a
+//! function of (seed, epoch) alone (see `order`). `LoaderConfig::transform` applies to
+//! images only.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,8 +29,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::dataset::Dataset;
-use super::inputs::Inputs;
+use super::inputs::{Inputs, TextInputs};
 use super::synthetic::mix_seed;
+use super::text::TextDataset;
+use super::text_batch::{RawText, TextConfig, TextSource};
+use super::tokenizer::{Encoding, Tokenizer};
 use super::transforms::Transform;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -90,18 +100,50 @@ impl Batch {
 
 /// A batch as a worker builds it: plain vectors, made into tensors by the consumer.
 struct RawBatch {
-    images: Vec<f32>,
-    labels: Vec<i64>,
+    data: RawData,
     indices: Vec<usize>,
+}
+
+enum RawData {
+    Images {
+        images: Vec<f32>,
+        labels: Vec<i64>,
+        /// `[C, H, W]`.
+        shape: [usize; 3],
+    },
+    Text(RawText),
 }
 
 /// Batches of a data set, epoch by epoch (see the module docs for the guarantees).
 #[derive(Clone)]
 pub struct DataLoader {
-    dataset: Arc<dyn Dataset>,
+    source: Source,
     config: LoaderConfig,
-    /// `[C, H, W]` of every sample after the transform.
-    sample_shape: [usize; 3],
+}
+
+impl std::fmt::Debug for DataLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("DataLoader");
+        d.field("samples", &self.len())
+            .field("batch_size", &self.config.batch_size)
+            .field("num_batches", &self.num_batches());
+        match &self.source {
+            Source::Images { sample_shape, .. } => d.field("sample_shape", sample_shape),
+            Source::Text(t) => d.field("text", &t.config),
+        };
+        d.finish()
+    }
+}
+
+/// What a loader batches.
+#[derive(Clone)]
+enum Source {
+    Images {
+        dataset: Arc<dyn Dataset>,
+        /// `[C, H, W]` of every sample after the transform.
+        sample_shape: [usize; 3],
+    },
+    Text(Arc<TextSource>),
 }
 
 impl DataLoader {
@@ -113,28 +155,130 @@ impl DataLoader {
         }
         let sample_shape = config.transform.output_shape(dataset.image_shape())?;
         Ok(DataLoader {
-            dataset,
+            source: Source::Images {
+                dataset,
+                sample_shape,
+            },
             config,
-            sample_shape,
         })
     }
 
-    pub fn dataset(&self) -> &Arc<dyn Dataset> {
-        &self.dataset
+    /// Batches of tokenised text: every sample of `dataset` is tokenised here (on all
+    /// cores), so a text the tokenizer rejects, a label out of range or a missing label
+    /// (classification without `text.mlm`) is an error now, not mid-epoch. Batches hold
+    /// `Inputs::Text` (`[B, L]` I64, L the longest sequence of the batch, padded with the
+    /// pad id) and `[B]` class labels, or `[B, L]` masked-LM targets with `text.mlm`.
+    pub fn text(
+        dataset: Arc<dyn TextDataset>,
+        tokenizer: Arc<Tokenizer>,
+        config: LoaderConfig,
+        text: TextConfig,
+    ) -> Result<DataLoader> {
+        if config.batch_size == 0 {
+            return Err(Error::arg("DataLoader", "batch_size 0"));
+        }
+        let source = TextSource::new(dataset, tokenizer, text)?;
+        Ok(DataLoader {
+            source: Source::Text(Arc::new(source)),
+            config,
+        })
+    }
+
+    /// The image data set; `None` for a text loader.
+    pub fn dataset(&self) -> Option<&Arc<dyn Dataset>> {
+        match &self.source {
+            Source::Images { dataset, .. } => Some(dataset),
+            Source::Text(_) => None,
+        }
+    }
+
+    /// The text data set; `None` for an image loader.
+    pub fn text_dataset(&self) -> Option<&Arc<dyn TextDataset>> {
+        match &self.source {
+            Source::Images { .. } => None,
+            Source::Text(t) => Some(&t.dataset),
+        }
+    }
+
+    /// The tokenizer of a text loader.
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        match &self.source {
+            Source::Images { .. } => None,
+            Source::Text(t) => Some(&t.tokenizer),
+        }
+    }
+
+    /// The text settings of a text loader.
+    pub fn text_config(&self) -> Option<&TextConfig> {
+        match &self.source {
+            Source::Images { .. } => None,
+            Source::Text(t) => Some(&t.config),
+        }
+    }
+
+    /// Every sample's tokens (text loaders), index = data set index.
+    pub fn encodings(&self) -> Option<&[Encoding]> {
+        match &self.source {
+            Source::Images { .. } => None,
+            Source::Text(t) => Some(&t.encodings),
+        }
+    }
+
+    pub fn is_text(&self) -> bool {
+        matches!(self.source, Source::Text(_))
+    }
+
+    /// Whether the loader produces masked-LM targets.
+    pub fn is_mlm(&self) -> bool {
+        matches!(&self.source, Source::Text(t) if t.config.mlm.is_some())
     }
 
     pub fn config(&self) -> &LoaderConfig {
         &self.config
     }
 
-    /// `[C, H, W]` of the batches' images.
-    pub fn sample_shape(&self) -> [usize; 3] {
-        self.sample_shape
+    /// Samples in the data set.
+    pub fn len(&self) -> usize {
+        match &self.source {
+            Source::Images { dataset, .. } => dataset.len(),
+            Source::Text(t) => t.encodings.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The range of the batches' labels: the data set's classes, or for masked-LM the
+    /// vocabulary (targets are token ids; -100 marks no target).
+    pub fn num_classes(&self) -> usize {
+        match &self.source {
+            Source::Images { dataset, .. } => dataset.num_classes(),
+            Source::Text(t) if t.config.mlm.is_some() => t.tokenizer.vocab_size(),
+            Source::Text(t) => t.dataset.num_classes(),
+        }
+    }
+
+    /// The data set's class names (empty for masked-LM, whose targets are token ids).
+    pub fn class_names(&self) -> &[String] {
+        match &self.source {
+            Source::Images { dataset, .. } => dataset.class_names(),
+            Source::Text(t) if t.config.mlm.is_some() => &[],
+            Source::Text(t) => t.dataset.class_names(),
+        }
+    }
+
+    /// `[C, H, W]` of the batches' images; `None` for text.
+    pub fn sample_shape(&self) -> Option<[usize; 3]> {
+        match &self.source {
+            Source::Images { sample_shape, .. } => Some(*sample_shape),
+            Source::Text(_) => None,
+        }
     }
 
     /// Batches per epoch.
     pub fn num_batches(&self) -> usize {
-        let (n, b) = (self.dataset.len(), self.config.batch_size);
+        let (n, b) = (self.len(), self.config.batch_size);
         if self.config.drop_last {
             n / b
         } else {
@@ -144,19 +288,33 @@ impl DataLoader {
 
     /// Samples per epoch (fewer than the data set's when `drop_last` drops some).
     pub fn samples_per_epoch(&self) -> usize {
-        self.dataset
-            .len()
-            .min(self.num_batches() * self.config.batch_size)
+        self.len().min(self.num_batches() * self.config.batch_size)
     }
 
-    /// The order of the data set's indices in `epoch`, a function of (seed, epoch) only.
+    /// The order of the data set's indices in `epoch`, a function of (seed, epoch) only;
+    /// batch `k` is `order[k * batch_size..]`, `batch_size` long (the last may be shorter).
+    ///
+    /// With `TextConfig::bucket`, the shuffled order is then sorted by token count inside
+    /// runs of `BUCKET_CHUNK_BATCHES` batches, and the full batches are shuffled again so
+    /// that short and long batches alternate; the last, smaller batch stays last.
     pub fn order(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.dataset.len()).collect();
+        let mut order: Vec<usize> = (0..self.len()).collect();
         if self.config.shuffle {
             let mut rng = Generator::new(mix_seed(&[self.config.seed, SHUFFLE_TAG, epoch]));
             for i in (1..order.len()).rev() {
                 let j = rng.below(i as u64 + 1) as usize;
                 order.swap(i, j);
+            }
+        }
+        if let Source::Text(t) = &self.source {
+            if t.config.bucket {
+                t.bucket(
+                    &mut order,
+                    self.config.batch_size,
+                    self.config.seed,
+                    epoch,
+                    self.config.shuffle,
+                );
             }
         }
         order
@@ -170,11 +328,20 @@ impl DataLoader {
     /// The batches of `epoch` from batch `first` on: what a run resumed in the middle of
     /// an epoch still has to see, identical to the rest of an uninterrupted epoch.
     pub fn epoch_from(&self, epoch: u64, first: usize) -> Epoch {
+        let kind = match &self.source {
+            Source::Images {
+                dataset,
+                sample_shape,
+            } => Kind::Images {
+                dataset: dataset.clone(),
+                transform: self.config.transform.clone(),
+                table: self.config.transform.float_table(sample_shape[0]),
+                sample_shape: *sample_shape,
+            },
+            Source::Text(t) => Kind::Text(t.clone()),
+        };
         let job = Arc::new(Job {
-            dataset: self.dataset.clone(),
-            transform: self.config.transform.clone(),
-            table: self.config.transform.float_table(self.sample_shape[0]),
-            sample_shape: self.sample_shape,
+            kind,
             order: self.order(epoch),
             batch_size: self.config.batch_size,
             seed: self.config.seed,
@@ -236,15 +403,22 @@ const AUGMENT_TAG: u64 = 0x4155_474d; // "AUGM"
 
 /// What every worker of one epoch shares.
 struct Job {
-    dataset: Arc<dyn Dataset>,
-    transform: Transform,
-    table: Vec<[f32; 256]>,
-    sample_shape: [usize; 3],
+    kind: Kind,
     order: Vec<usize>,
     batch_size: usize,
     seed: u64,
     epoch: u64,
     stop: AtomicBool,
+}
+
+enum Kind {
+    Images {
+        dataset: Arc<dyn Dataset>,
+        transform: Transform,
+        table: Vec<[f32; 256]>,
+        sample_shape: [usize; 3],
+    },
+    Text(Arc<TextSource>),
 }
 
 impl Job {
@@ -255,37 +429,56 @@ impl Job {
     /// Loads, transforms and collates batch `k`.
     fn build(&self, k: usize) -> Result<RawBatch> {
         let indices = self.order[self.range(k)].to_vec();
-        let per: usize = self.sample_shape.iter().product();
+        let data = match &self.kind {
+            Kind::Images {
+                dataset,
+                transform,
+                table,
+                sample_shape,
+            } => self.build_images(&indices, dataset, transform, table, *sample_shape)?,
+            Kind::Text(t) => RawData::Text(t.build(&indices, self.seed, self.epoch)?),
+        };
+        Ok(RawBatch { data, indices })
+    }
+
+    fn build_images(
+        &self,
+        indices: &[usize],
+        dataset: &Arc<dyn Dataset>,
+        transform: &Transform,
+        table: &[[f32; 256]],
+        sample_shape: [usize; 3],
+    ) -> Result<RawData> {
+        let per: usize = sample_shape.iter().product();
         let mut images = vec![0f32; per * indices.len()];
         let mut labels = Vec::with_capacity(indices.len());
         for (&i, out) in indices.iter().zip(images.chunks_exact_mut(per)) {
-            let sample = self.dataset.get(i)?;
-            if sample.label >= self.dataset.num_classes() {
+            let sample = dataset.get(i)?;
+            if sample.label >= dataset.num_classes() {
                 return Err(Error::Index {
                     op: "DataLoader: sample label",
                     index: sample.label as i64,
-                    size: self.dataset.num_classes(),
+                    size: dataset.num_classes(),
                 });
             }
             let mut rng = Generator::new(mix_seed(&[self.seed, AUGMENT_TAG, self.epoch, i as u64]));
-            let shape = self.transform.output_shape(sample.image.shape())?;
-            if shape != self.sample_shape {
+            let shape = transform.output_shape(sample.image.shape())?;
+            if shape != sample_shape {
                 return Err(Error::shape(
                     "DataLoader",
                     format!(
                         "sample {i} is {:?} after the transform, the batch's samples are {:?}",
-                        shape, self.sample_shape
+                        shape, sample_shape
                     ),
                 ));
             }
-            self.transform
-                .apply_into(&sample.image, &mut rng, &self.table, out)?;
+            transform.apply_into(&sample.image, &mut rng, table, out)?;
             labels.push(sample.label as i64);
         }
-        Ok(RawBatch {
+        Ok(RawData::Images {
             images,
             labels,
-            indices,
+            shape: sample_shape,
         })
     }
 }
@@ -352,15 +545,34 @@ impl Iterator for Epoch {
         let raw = self.next_raw();
         self.next += 1;
         let batch = raw.and_then(|raw| {
-            let b = raw.labels.len();
-            let [c, h, w] = self.job.sample_shape;
+            let b = raw.indices.len();
+            let (inputs, labels) = match raw.data {
+                RawData::Images {
+                    images,
+                    labels,
+                    shape: [c, h, w],
+                } => (
+                    Inputs::Images(Tensor::from_f32_vec(images, &[b, c, h, w], DType::F32)?),
+                    Tensor::from_vec(labels, &[b])?,
+                ),
+                RawData::Text(t) => {
+                    let shape = [b, t.seq_len];
+                    let labels = if t.mlm {
+                        Tensor::from_vec(t.labels, &shape)?
+                    } else {
+                        Tensor::from_vec(t.labels, &[b])?
+                    };
+                    let inputs = Inputs::Text(TextInputs {
+                        input_ids: Tensor::from_vec(t.input_ids, &shape)?,
+                        attention_mask: Tensor::from_vec(t.attention_mask, &shape)?,
+                        token_type_ids: Tensor::from_vec(t.token_type_ids, &shape)?,
+                    });
+                    (inputs, labels)
+                }
+            };
             Ok(Batch {
-                inputs: Inputs::Images(Tensor::from_f32_vec(
-                    raw.images,
-                    &[b, c, h, w],
-                    DType::F32,
-                )?),
-                labels: Tensor::from_vec(raw.labels, &[b])?,
+                inputs,
+                labels,
                 indices: raw.indices,
             })
         });

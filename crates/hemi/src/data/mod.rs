@@ -1,6 +1,6 @@
 //! Data sets, transforms and the DataLoader.
 //!
-//! Sources, each a `Dataset` of `u8` images with class labels:
+//! Image sources, each a `Dataset` of `u8` images with class labels:
 //! - `Cifar10`: CIFAR-10's official binary batches (`cifar10.rs`);
 //! - `ImageFolder`: torchvision-style `root/<class>/*.jpg|png` folders (`image_folder.rs`);
 //! - `MnistKind`: MNIST and Fashion-MNIST IDX files, raw or gzipped (`idx.rs`);
@@ -9,7 +9,14 @@
 //!
 //! `Transform` (`transforms.rs`) augments a sample and converts it to float; `DataLoader`
 //! (`loader.rs`) turns a data set into shuffled, transformed `[B, C, H, W]` F32 batches on
-//! worker threads. Malformed files are `Error::Data` naming the file and what is wrong.
+//! worker threads.
+//!
+//! Text: `Tokenizer` (`tokenizer.rs`) wraps Hugging Face's `tokenizers` for a
+//! `tokenizer.json`; `TextClassificationDataset` reads labelled CSV/TSV files and
+//! `TextCorpus` one example per line (`text.rs`), both `TextDataset`s; `DataLoader::text`
+//! makes padded `Inputs::Text` batches with class or masked-LM labels (`text_batch.rs`).
+//!
+//! Malformed files are `Error::Data` naming the file and what is wrong.
 //!
 //! Every reader treats its files as hostile: it opens only regular files (a FIFO would
 //! block forever), checks every size product for overflow, and refuses a size the file
@@ -25,6 +32,9 @@ mod image_folder;
 mod inputs;
 mod loader;
 mod synthetic;
+mod text;
+mod text_batch;
+mod tokenizer;
 mod transforms;
 
 pub use cifar10::{Cifar10, CIFAR10_CLASSES};
@@ -40,4 +50,9 @@ pub use image_folder::{parse_image, ImageFolder, IMAGE_EXTENSIONS, MAX_IMAGE_SID
 pub use inputs::{Inputs, TextInputs};
 pub use loader::{Batch, DataLoader, Epoch, LoaderConfig};
 pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
+pub use text::{
+    Column, TextClassificationDataset, TextColumns, TextCorpus, TextDataset, TextSample,
+};
+pub use text_batch::{MlmConfig, TextConfig, BUCKET_CHUNK_BATCHES};
+pub use tokenizer::{Encoding, Tokenizer};
 pub use transforms::{crop_padded, hflip, random_crop, Augment, Transform};

@@ -518,12 +518,12 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result
             "train",
             format!(
                 "the training set gives no batches ({} samples, batch size {})",
-                train.dataset().len(),
+                train.len(),
                 train.config().batch_size
             ),
         ));
     }
-    if test.dataset().is_empty() {
+    if test.is_empty() {
         return Err(Error::arg("train", "the test set is empty"));
     }
     if train.sample_shape() != test.sample_shape() {
@@ -536,8 +536,8 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result
             ),
         ));
     }
-    let (a, b) = (train.dataset().num_classes(), test.dataset().num_classes());
-    let (na, nb) = (train.dataset().class_names(), test.dataset().class_names());
+    let (a, b) = (train.num_classes(), test.num_classes());
+    let (na, nb) = (train.class_names(), test.class_names());
     if a != b || na != nb {
         return Err(Error::arg(
             "train",
