@@ -602,3 +602,77 @@ fn autocast_runs_in_the_lower_dtype_and_keeps_the_mask() {
         attn_tol(DType::F16, 8, 4),
     );
 }
+
+// ----- speed (ignored: run with --ignored --nocapture) --------------------------------------
+
+/// Median seconds of `runs` calls of `f`, after one warm-up call.
+fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = std::time::Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[runs / 2]
+}
+
+#[test]
+#[ignore]
+fn attention_speed() {
+    // BERT-MiniLM fine-tuning: B=32, H=12, L=64, D=32, q/k/v permuted views of [B, L, H·D].
+    let (b, h, l, d) = (32, 12, 64, 32);
+    let mut rng = Generator::new(51);
+    let (m, _) = padding_mask(b, 1, 1, l, -1e4);
+    for dtype in [DType::F32, DType::BF16] {
+        let mk = |rng: &mut Generator| {
+            let v = rand_values(b * h * l * d, -1.0, 1.0, dtype, rng);
+            bert_view(&v, (b, h, l, d), dtype).detach().requires_grad_()
+        };
+        // Leaves are the permuted views' bases (detach keeps the view), as in a model.
+        let (q, k, v) = (mk(&mut rng), mk(&mut rng), mk(&mut rng));
+        let mt = Tensor::from_f64_vec(m.clone(), &[b, 1, 1, l], dtype).unwrap();
+        let g = Tensor::ones(&[b, h, l, d], dtype).unwrap();
+        let fused_fwd = || {
+            let _ng = hemi::no_grad();
+            q.scaled_dot_product_attention(&k, &v, Some(&mt), 0.0, None, None)
+                .unwrap();
+        };
+        let comp_fwd = || {
+            let _ng = hemi::no_grad();
+            composed(&q, &k, &v, Some(&mt), 1.0 / (d as f64).sqrt());
+        };
+        let fused = || {
+            let o = q
+                .scaled_dot_product_attention(&k, &v, Some(&mt), 0.0, None, None)
+                .unwrap();
+            hemi::autograd::backward_with(&o, g.clone()).unwrap();
+        };
+        let comp = || {
+            let o = composed(&q, &k, &v, Some(&mt), 1.0 / (d as f64).sqrt());
+            hemi::autograd::backward_with(&o, g.clone()).unwrap();
+        };
+        let runs = 7;
+        let (ff, cf) = (median_secs(runs, fused_fwd), median_secs(runs, comp_fwd));
+        let (fb, cb) = (median_secs(runs, fused), median_secs(runs, comp));
+        let scores = b * h * l * l;
+        println!(
+            "{dtype}: forward fused {:.1} ms, composed {:.1} ms; forward+backward fused {:.1} ms, \
+             composed {:.1} ms",
+            ff * 1e3,
+            cf * 1e3,
+            fb * 1e3,
+            cb * 1e3
+        );
+        println!(
+            "{dtype}: saved for backward: fused log-sum-exp {} KiB; [B,H,L,L] probabilities in \
+             {dtype} {} KiB (composed keeps them plus the scores: each [B,H,L,L] tensor is {} KiB, \
+             and its forward makes 4: q·kᵀ, ·scale, +mask, softmax)",
+            b * h * l * 4 / 1024,
+            scores * dtype.size_in_bytes() / 1024,
+            scores * dtype.size_in_bytes() / 1024,
+        );
+    }
+}

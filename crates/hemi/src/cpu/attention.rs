@@ -27,6 +27,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::AttentionGeom;
+use crate::cpu::gemm::{product, MatRef};
 use crate::cpu::map::PAR_THRESHOLD;
 use crate::dtype::{convert, same_slice, same_slice_mut, DType, FloatDType, WithDType};
 use crate::tensor::Layout;
@@ -70,16 +71,6 @@ impl<'a, T: WithDType> Heads<'a, T> {
     /// Row `i` of head `h` into `dst` (its length is the row's), in the compute type.
     fn row<C: FloatDType>(&self, h: usize, i: usize, dst: &mut [C]) {
         load_row(self.data, self.offs[h] + i * self.rs, self.cs, dst);
-    }
-
-    /// The first `rows` rows of head `h` into `dst` (`rows · cols` values, row-major).
-    fn matrix<C: FloatDType>(&self, h: usize, rows: usize, cols: usize, dst: &mut [C]) {
-        if cols == 0 {
-            return;
-        }
-        for (i, d) in dst.chunks_exact_mut(cols).take(rows).enumerate() {
-            self.row(h, i, d);
-        }
     }
 }
 
@@ -139,14 +130,6 @@ fn dot<C: FloatDType>(a: &[C], b: &[C]) -> C {
     s
 }
 
-/// `y += a·x`.
-#[inline]
-fn axpy<C: FloatDType>(y: &mut [C], a: C, x: &[C]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
 /// The dropout decision of one probability: a splitmix64 hash of `seed` and the flat index,
 /// its top 53 bits compared with `p · 2^53`.
 struct Dropout {
@@ -189,28 +172,6 @@ impl Dropout {
     }
 }
 
-/// Row `i`'s scores of head `h`: `s[j] = scale · q·k_j + mask[i][j]`, and their maximum
-/// (-inf when every score is -inf).
-#[allow(clippy::too_many_arguments)]
-fn scores<C: FloatDType>(
-    q: &[C],
-    kbuf: &[C],
-    d: usize,
-    scale: C,
-    mask_row: Option<&[C]>,
-    s: &mut [C],
-) -> C {
-    for (j, sj) in s.iter_mut().enumerate() {
-        *sj = scale * dot(q, &kbuf[j * d..][..d]);
-    }
-    if let Some(m) = mask_row {
-        for (sj, &mj) in s.iter_mut().zip(m) {
-            *sj += mj;
-        }
-    }
-    s.iter().fold(C::neg_infinity(), |a, &b| a.max(b))
-}
-
 /// The mask rows of one head, in a row buffer (loaded once when the mask does not vary by row).
 struct MaskRows<'a, C> {
     heads: Option<&'a Heads<'a, C>>,
@@ -235,7 +196,72 @@ impl<'a, C: FloatDType> MaskRows<'a, C> {
     }
 }
 
+/// Query rows per block: the block's scores are one `[BLOCK, lk]` compute-type buffer.
+const BLOCK: usize = 64;
+
+impl<'a, T: WithDType> Heads<'a, T> {
+    /// Rows `r0..r0 + rows` of head `h` (all `cols` columns) as a GEMM operand, in place.
+    fn mat(&self, h: usize, r0: usize, rows: usize, cols: usize) -> MatRef<'a, T> {
+        let off = self.offs[h] + r0 * self.rs;
+        MatRef {
+            data: if rows == 0 || cols == 0 {
+                &self.data[..0]
+            } else {
+                &self.data[off..]
+            },
+            rows,
+            cols,
+            rs: self.rs as isize,
+            cs: self.cs as isize,
+        }
+    }
+}
+
+/// Row `i` of block `s` (`lk` wide) turned into probabilities: `scale · s + mask`, softmax;
+/// returns the log-sum-exp (-inf for a fully masked row, whose probabilities are zeros).
+fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>) -> C {
+    s.iter_mut().for_each(|x| *x *= scale);
+    if let Some(m) = mask_row {
+        for (x, &mj) in s.iter_mut().zip(m) {
+            *x += mj;
+        }
+    }
+    let mx = s.iter().fold(C::neg_infinity(), |a, &b| a.max(b));
+    if mx == C::neg_infinity() {
+        s.iter_mut().for_each(|x| *x = C::zero());
+        return mx;
+    }
+    let mut sum = C::zero();
+    for x in s.iter_mut() {
+        *x = (*x - mx).exp();
+        sum += *x;
+    }
+    let inv = C::one() / sum;
+    s.iter_mut().for_each(|x| *x *= inv);
+    mx + sum.ln()
+}
+
+/// The probabilities of a row recomputed from its log-sum-exp: `exp(scale · s + mask - lse)`.
+fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, lse: C) {
+    if lse == C::neg_infinity() {
+        s.iter_mut().for_each(|x| *x = C::zero());
+        return;
+    }
+    match mask_row {
+        Some(m) => {
+            for (x, &mj) in s.iter_mut().zip(m) {
+                *x = (*x * scale + mj - lse).exp();
+            }
+        }
+        None => s.iter_mut().for_each(|x| *x = (*x * scale - lse).exp()),
+    }
+}
+
 /// The forward: the output `[batch, lq, dv]` in `T` and the per-row log-sum-exp in `C`.
+///
+/// Per head and block of query rows: `S = Q_blk Kᵀ` and `O_blk = P V` are GEMMs on the
+/// stored elements (`cpu::gemm::product`: F32 accumulation, half operands converted in its
+/// packing, strided views read in place); the softmax runs on the block's F32 rows.
 pub(crate) fn forward<T: WithDType, C: FloatDType>(
     (q, lq_l): (&[T], &Layout),
     (k, lk_l): (&[T], &Layout),
@@ -257,44 +283,32 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
         .into_par_iter()
         .with_min_len((PAR_THRESHOLD / work).max(1))
         .map(|h| {
-            let (mut kbuf, mut vbuf) = (vec![C::zero(); lk * d], vec![C::zero(); lk * dv]);
-            kh.matrix(h, lk, d, &mut kbuf);
-            vh.matrix(h, lk, dv, &mut vbuf);
+            let (kt, vm) = (kh.mat(h, 0, lk, d).t(), vh.mat(h, 0, lk, dv));
             let mut masks = MaskRows::new(mh.as_ref(), lk);
-            let (mut qrow, mut s, mut orow) =
-                (vec![C::zero(); d], vec![C::zero(); lk], vec![C::zero(); dv]);
+            let mut s = vec![C::zero(); BLOCK.min(lq) * lk];
+            let mut o = vec![C::zero(); BLOCK.min(lq) * dv];
             let mut z = vec![C::zero(); if drop.is_some() { lk } else { 0 }];
             let mut out = vec![T::default(); lq * dv];
             let mut lse = vec![C::zero(); lq];
-            for i in 0..lq {
-                qh.row(h, i, &mut qrow);
-                let mx = scores(&qrow, &kbuf, d, scale, masks.get(h, i), &mut s);
-                orow.iter_mut().for_each(|o| *o = C::zero());
-                if mx == C::neg_infinity() {
-                    // A fully masked row: zeros (see the module notes).
-                    lse[i] = mx;
-                    store_row(&orow, &mut out[i * dv..][..dv]);
-                    continue;
-                }
-                let mut sum = C::zero();
-                for sj in s.iter_mut() {
-                    *sj = (*sj - mx).exp();
-                    sum += *sj;
-                }
-                lse[i] = mx + sum.ln();
-                let inv = C::one() / sum;
-                if let Some(drop) = &drop {
-                    drop.factors(((h * lq + i) * lk) as u64, &mut z);
-                    for (sj, &zj) in s.iter_mut().zip(&z) {
-                        *sj = *sj * inv * zj;
+            for i0 in (0..lq).step_by(BLOCK) {
+                let bq = BLOCK.min(lq - i0);
+                let (s, o) = (&mut s[..bq * lk], &mut o[..bq * dv]);
+                product(s, qh.mat(h, i0, bq, d), kt, false, false);
+                for r in 0..bq {
+                    let i = i0 + r;
+                    let row = &mut s[r * lk..][..lk];
+                    lse[i] = softmax_row(row, scale, masks.get(h, i));
+                    if let Some(drop) = &drop {
+                        drop.factors(((h * lq + i) * lk) as u64, &mut z);
+                        row.iter_mut().zip(&z).for_each(|(p, &zj)| *p *= zj);
                     }
-                } else {
-                    s.iter_mut().for_each(|sj| *sj *= inv);
                 }
-                for (j, &p) in s.iter().enumerate() {
-                    axpy(&mut orow, p, &vbuf[j * dv..][..dv]);
+                product(o, MatRef::row_major(&s[..], bq, lk), vm, false, false);
+                if dv > 0 {
+                    for (r, orow) in o.chunks_exact(dv).enumerate() {
+                        store_row(orow, &mut out[(i0 + r) * dv..][..dv]);
+                    }
                 }
-                store_row(&orow, &mut out[i * dv..][..dv]);
             }
             (out, lse)
         })
@@ -310,10 +324,10 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
 
 /// The backward: (dq, dk, dv) in `T`, contiguous `[batch, l, d]`.
 ///
-/// Per row i, with `P` the softmax recomputed from the log-sum-exp, `Z` the dropout
-/// factors (1 without dropout) and `dO` the output gradient:
-/// `dV_j += P_ij Z_ij dO_i`, `dP_ij = Z_ij (dO_i · v_j)`, `D_i = Σ_j P_ij dP_ij`,
-/// `dS_ij = P_ij (dP_ij - D_i)`, `dQ_i = scale Σ_j dS_ij k_j`, `dK_j += scale dS_ij q_i`.
+/// Per block of query rows, with `P` the softmax recomputed from the log-sum-exp, `Z` the
+/// dropout factors (1 without dropout) and `dO` the output gradient (GEMMs as in the
+/// forward): `dV += (P∘Z)ᵀ dO`, `dP = Z ∘ (dO Vᵀ)`, `D_i = Σ_j P_ij dP_ij`,
+/// `dS = scale · P ∘ (dP - D)`, `dQ = dS K`, `dK += dSᵀ Q`.
 #[allow(clippy::type_complexity)]
 pub(crate) fn backward<T: WithDType, C: FloatDType>(
     (dout, ldo): (&[T], &Layout),
@@ -339,54 +353,49 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
         .into_par_iter()
         .with_min_len((PAR_THRESHOLD / work).max(1))
         .map(|h| {
-            let mut qbuf = vec![C::zero(); lq * d];
-            let (mut kbuf, mut vbuf) = (vec![C::zero(); lk * d], vec![C::zero(); lk * dv]);
-            qh.matrix(h, lq, d, &mut qbuf);
-            kh.matrix(h, lk, d, &mut kbuf);
-            vh.matrix(h, lk, dv, &mut vbuf);
+            let (km, vm) = (kh.mat(h, 0, lk, d), vh.mat(h, 0, lk, dv));
             let mut masks = MaskRows::new(mh.as_ref(), lk);
             let (mut dk, mut dvacc) = (vec![C::zero(); lk * d], vec![C::zero(); lk * dv]);
+            let nb = BLOCK.min(lq);
+            let (mut p, mut dp) = (vec![C::zero(); nb * lk], vec![C::zero(); nb * lk]);
+            let mut dqb = vec![C::zero(); nb * d];
             let mut dq = vec![T::default(); lq * d];
-            let (mut p, mut dp, mut dorow, mut dqrow) = (
-                vec![C::zero(); lk],
-                vec![C::zero(); lk],
-                vec![C::zero(); dv],
-                vec![C::zero(); d],
-            );
             let mut z = vec![C::zero(); if drop.is_some() { lk } else { 0 }];
-            for i in 0..lq {
-                let l = lse[h * lq + i];
-                let qrow = &qbuf[i * d..][..d];
-                dqrow.iter_mut().for_each(|x| *x = C::zero());
-                let mrow = masks.get(h, i);
-                if l == C::neg_infinity() {
-                    store_row(&dqrow, &mut dq[i * d..][..d]);
-                    continue;
-                }
-                scores(qrow, &kbuf, d, scale, mrow, &mut p);
-                p.iter_mut().for_each(|s| *s = (*s - l).exp());
-                oh.row(h, i, &mut dorow);
-                for (j, dpj) in dp.iter_mut().enumerate() {
-                    *dpj = dot(&dorow, &vbuf[j * dv..][..dv]);
-                }
-                if let Some(drop) = &drop {
-                    drop.factors(((h * lq + i) * lk) as u64, &mut z);
-                    for j in 0..lk {
-                        axpy(&mut dvacc[j * dv..][..dv], p[j] * z[j], &dorow);
-                        dp[j] *= z[j];
+            for i0 in (0..lq).step_by(BLOCK) {
+                let bq = BLOCK.min(lq - i0);
+                let (p, dp, dqb) = (&mut p[..bq * lk], &mut dp[..bq * lk], &mut dqb[..bq * d]);
+                let (qm, dom) = (qh.mat(h, i0, bq, d), oh.mat(h, i0, bq, dv));
+                product(p, qm, km.t(), false, false);
+                product(dp, dom, vm.t(), false, false);
+                for r in 0..bq {
+                    let i = i0 + r;
+                    let (pr, dpr) = (&mut p[r * lk..][..lk], &mut dp[r * lk..][..lk]);
+                    probs_row(pr, scale, masks.get(h, i), lse[h * lq + i]);
+                    if let Some(drop) = &drop {
+                        drop.factors(((h * lq + i) * lk) as u64, &mut z);
+                        dpr.iter_mut().zip(&z).for_each(|(x, &zj)| *x *= zj);
                     }
-                } else {
-                    for j in 0..lk {
-                        axpy(&mut dvacc[j * dv..][..dv], p[j], &dorow);
+                    let di = dot(pr, dpr);
+                    // dS overwrites dP; P becomes P∘Z for dV.
+                    for (x, &pj) in dpr.iter_mut().zip(pr.iter()) {
+                        *x = pj * (*x - di) * scale;
+                    }
+                    if drop.is_some() {
+                        pr.iter_mut().zip(&z).for_each(|(x, &zj)| *x *= zj);
                     }
                 }
-                let di = dot(&p, &dp);
-                for j in 0..lk {
-                    let ds = p[j] * (dp[j] - di) * scale;
-                    axpy(&mut dqrow, ds, &kbuf[j * d..][..d]);
-                    axpy(&mut dk[j * d..][..d], ds, qrow);
+                let (pm, dsm) = (
+                    MatRef::row_major(&p[..], bq, lk),
+                    MatRef::row_major(&dp[..], bq, lk),
+                );
+                product(&mut dvacc, pm.t(), dom, true, false);
+                product(dqb, dsm, km, false, false);
+                product(&mut dk, dsm.t(), qm, true, false);
+                if d > 0 {
+                    for (r, row) in dqb.chunks_exact(d).enumerate() {
+                        store_row(row, &mut dq[(i0 + r) * d..][..d]);
+                    }
                 }
-                store_row(&dqrow, &mut dq[i * d..][..d]);
             }
             let (mut dk_t, mut dv_t) = (vec![T::default(); lk * d], vec![T::default(); lk * dv]);
             store_row(&dk, &mut dk_t);
