@@ -295,3 +295,57 @@ fn matmul_broadcast(dtype: DType) {
     check("dB", &gb.to_vec_f64(), &db, &db_mag);
 }
 dtype_tests!(matmul_broadcast_leading_dims, super::matmul_broadcast);
+
+// ----- speed (ignored: run with --ignored --nocapture) --------------------------------------
+
+fn median_ms(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = std::time::Instant::now();
+            f();
+            s.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[runs / 2]
+}
+
+#[test]
+#[ignore]
+fn elementwise_speed() {
+    // BERT-MiniLM fine-tuning activations: batch 32 x length 64 rows of H = 384 or 4H = 1536.
+    let mut rng = Generator::new(66);
+    for (rows, cols) in [(2048, 384), (2048, 1536)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = Tensor::randn(&[rows, cols], 0.0, 1.0, dtype, &mut rng)
+                .unwrap()
+                .requires_grad_();
+            let y = Tensor::randn(&[rows, cols], 0.0, 1.0, dtype, &mut rng).unwrap();
+            let w = Tensor::ones(&[cols], DType::F32).unwrap().requires_grad_();
+            let b = Tensor::zeros(&[cols], DType::F32).unwrap().requires_grad_();
+            let g = Tensor::ones(&[rows, cols], dtype).unwrap();
+            type Op<'a> = (&'static str, Box<dyn Fn() -> Tensor + 'a>);
+            let ops: Vec<Op> = vec![
+                (
+                    "layer_norm",
+                    Box::new(|| x.layer_norm(&[cols], Some(&w), Some(&b), 1e-12).unwrap()),
+                ),
+                ("gelu", Box::new(|| x.gelu().unwrap())),
+                ("softmax", Box::new(|| x.softmax(-1).unwrap())),
+                ("add", Box::new(|| x.add(&y).unwrap())),
+            ];
+            for (name, op) in &ops {
+                let fwd = median_ms(7, || {
+                    let _ng = hemi::no_grad();
+                    op();
+                });
+                let both = median_ms(7, || {
+                    let out = op();
+                    hemi::autograd::backward_with(&out, g.to_dtype(out.dtype()).unwrap()).unwrap();
+                });
+                println!("[{rows}, {cols}] {dtype} {name}: forward {fwd:.2} ms, forward+backward {both:.2} ms");
+            }
+        }
+    }
+}
