@@ -1,17 +1,17 @@
 //! Fused scaled-dot-product attention on the CPU, forward and backward, flash-attention
-//! style: per head, one query row at a time, the scores `scale · q_i·kⱼ + mask_ij` are
-//! computed into a row buffer of `lk` values in the compute type (F32, F64 for F64), turned
-//! into probabilities and multiplied by V, so no `[batch, lq, lk]` score tensor ever exists.
-//! The forward keeps only the per-row log-sum-exp of the scores; the backward recomputes each
-//! row's probabilities from it (Dao et al., "FlashAttention", 2022, Algorithm 4 without the
-//! tiling a GPU needs). Heads run in parallel; within a head the order of every sum is fixed,
-//! so the thread count changes no bit.
+//! style: per head and block of up to 64 query rows, the scores `scale · Q_blk Kᵀ + mask`
+//! are computed into a `[64, lk]` buffer in the compute type (F32, F64 for F64), turned into
+//! probabilities row by row and multiplied by V, so no `[batch, lq, lk]` score tensor ever
+//! exists. The forward keeps only the per-row log-sum-exp of the scores; the backward
+//! recomputes each block's probabilities from it (Dao et al., "FlashAttention", 2022,
+//! Algorithm 4, with the key dimension untiled). Heads run in parallel; within a head the
+//! order of every sum is fixed (the GEMMs run single-threaded there), so the thread count
+//! changes no bit.
 //!
-//! Inputs are read through their layouts: each head's K and V (and Q in the backward) are
-//! converted once into compute-type buffers (`lk·d` values, a few KiB at BERT's sizes),
-//! straight from strided views such as the `[B, H, L, D]` permutation of a `[B, L, H·D]`
-//! projection, with no copy of the whole tensor. Results are rounded once into the inputs'
-//! dtype.
+//! Inputs are read through their layouts: the block products are `cpu::gemm::product` on the
+//! stored elements as strided views (F32 accumulation; F16/BF16 converted inside its
+//! packing), so the `[B, H, L, D]` permutation of a `[B, L, H·D]` projection is read in
+//! place, with no copy of the whole tensor. Results are rounded once into the inputs' dtype.
 //!
 //! Fully masked rows: a row whose scores are all -inf has no softmax; its output and its
 //! gradients are zeros (as PyTorch's math path since 2.5, `_safe_softmax`). A large finite
