@@ -281,6 +281,25 @@ fn empty_and_degenerate_sizes() {
         .scaled_dot_product_attention(&k, &v, None, 0.0, None, None)
         .unwrap();
     assert_eq!(out.shape(), [2, 0, 2]);
+    // No keys: every row fully masked, zeros (and zero gradients); D = 0: uniform weights.
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let q = Tensor::ones(&[2, 3, 4], dtype).unwrap().requires_grad_();
+        let k = Tensor::ones(&[2, 0, 4], dtype).unwrap().requires_grad_();
+        let v = Tensor::ones(&[2, 0, 5], dtype).unwrap();
+        let out = q
+            .scaled_dot_product_attention(&k, &v, None, 0.0, None, None)
+            .unwrap();
+        assert_eq!(out.to_vec_f64(), vec![0.0; 30], "{dtype}");
+        out.sum_all().unwrap().backward().unwrap();
+        assert_eq!(q.grad().unwrap().to_vec_f64(), vec![0.0; 24]);
+        let q = Tensor::ones(&[1, 2, 0], dtype).unwrap();
+        let k = Tensor::ones(&[1, 2, 0], dtype).unwrap();
+        let v = Tensor::from_f64_vec(vec![1.0, 3.0], &[1, 2, 1], dtype).unwrap();
+        let out = q
+            .scaled_dot_product_attention(&k, &v, None, 0.0, None, None)
+            .unwrap();
+        assert_eq!(out.to_vec_f64(), [2.0, 2.0], "{dtype}");
+    }
     let q = Tensor::ones(&[1, 3, 3], DType::BF16).unwrap();
     let k = Tensor::ones(&[1, 1, 3], DType::BF16).unwrap();
     let v = Tensor::from_f64_vec(vec![0.25, -2.0], &[1, 1, 2], DType::BF16).unwrap();
