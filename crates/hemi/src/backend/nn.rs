@@ -169,6 +169,22 @@ impl BatchNormGeom {
     }
 }
 
+/// Shape of a scaled-dot-product attention (checked by the caller): `batch` heads (the
+/// product of the leading dims), each with queries `[lq, d]`, keys `[lk, d]`, values
+/// `[lk, dv]` and output `[lq, dv]`; the scores are `scale · q·kᵀ (+ mask)`. `dropout`: the
+/// drop probability in (0, 1) and the seed of the counter-based mask (the same seed gives
+/// the same mask in the forward and the backward, on any number of threads).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionGeom {
+    pub batch: usize,
+    pub lq: usize,
+    pub lk: usize,
+    pub d: usize,
+    pub dv: usize,
+    pub scale: f64,
+    pub dropout: Option<(f64, u64)>,
+}
+
 /// What a forward keeps for its backward on the backend (max-pool's argmax, the fused
 /// block's window indices): opaque above the boundary, read back by the backend that made
 /// it.
@@ -479,6 +495,41 @@ pub trait NnOps: BackendStorage {
         weight: Opt<'_, Self>,
         dtypes: GradDTypes,
     ) -> Result<Grads<Self>>;
+
+    /// Fused scaled-dot-product attention: `softmax(scale · q·kᵀ + mask) · v` per head, with
+    /// dropout on the probabilities when `g.dropout` is set. `q` (this buffer), `k`, `v` are
+    /// views of rank >= 2 whose leading dims (all equal) enumerate the `g.batch` heads, of one
+    /// dtype; `mask` (in the compute type: F32, or F64 for F64) is a view of the same rank
+    /// broadcast to `[.., lq, lk]`. Scores, softmax and products in the compute type, never
+    /// the whole score tensor at once; returns the output `[.., lq, dv]` rounded once into
+    /// `q`'s dtype and the per-row log-sum-exp of the scores (compute type, `[batch, lq]`),
+    /// all the backward needs besides the inputs.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        lq: &Layout,
+        k: &Self,
+        lk: &Layout,
+        v: &Self,
+        lv: &Layout,
+        mask: Opt<'_, Self>,
+        g: &AttentionGeom,
+    ) -> Result<(Self, Self)>;
+
+    /// Gradients of `attention` from the output gradient `dout` (this buffer, `[.., lq, dv]`),
+    /// the inputs and the forward's log-sum-exp: the scores and probabilities are recomputed
+    /// row by row. Returns (dq, dk, dv), contiguous, in `q`'s dtype.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        ldout: &Layout,
+        q: (&Self, &Layout),
+        k: (&Self, &Layout),
+        v: (&Self, &Layout),
+        mask: Opt<'_, Self>,
+        lse: &Self,
+        g: &AttentionGeom,
+    ) -> Result<(Self, Self, Self)>;
 }
 
 /// The buffer of `other` on the backend of `like`, or a device error naming both.
@@ -834,6 +885,47 @@ impl Storage {
             let w = peer_opt(OP, s, weight)?;
             s.layer_norm_backward(ldy, x, lx, d, mean, rstd, w, dtypes)?
                 .map(|b| wrap!(self, b))
+        }))
+    }
+    /// `NnOps::attention` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        lq: &Layout,
+        k: &Storage,
+        lk: &Layout,
+        v: &Storage,
+        lv: &Layout,
+        mask: Option<(&Storage, &Layout)>,
+        g: &AttentionGeom,
+    ) -> Result<(Storage, Storage)> {
+        const OP: &str = "scaled_dot_product_attention";
+        Ok(dispatch!(self, s => {
+            let (k, v, m) = (peer(OP, s, k)?, peer(OP, s, v)?, peer_opt(OP, s, mask)?);
+            let (out, lse) = s.attention(lq, k, lk, v, lv, m, g)?;
+            (wrap!(self, out), wrap!(self, lse))
+        }))
+    }
+
+    /// `NnOps::attention_backward` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        ldout: &Layout,
+        q: (&Storage, &Layout),
+        k: (&Storage, &Layout),
+        v: (&Storage, &Layout),
+        mask: Option<(&Storage, &Layout)>,
+        lse: &Storage,
+        g: &AttentionGeom,
+    ) -> Result<(Storage, Storage, Storage)> {
+        const OP: &str = "scaled_dot_product_attention_backward";
+        Ok(dispatch!(self, s => {
+            let (qs, ks, vs) = (peer(OP, s, q.0)?, peer(OP, s, k.0)?, peer(OP, s, v.0)?);
+            let (m, lse) = (peer_opt(OP, s, mask)?, peer(OP, s, lse)?);
+            let (dq, dk, dv) =
+                s.attention_backward(ldout, (qs, q.1), (ks, k.1), (vs, v.1), m, lse, g)?;
+            (wrap!(self, dq), wrap!(self, dk), wrap!(self, dv))
         }))
     }
 }

@@ -78,6 +78,25 @@ pub(crate) fn apply<C: FloatDType>(op: BinaryOp, x: C, y: C) -> C {
     }
 }
 
+/// `o = x op y` over one F32 chunk, the op matched once per chunk (a per-element match on a
+/// captured op keeps the loop scalar).
+fn binary_chunk(op: BinaryOp, x: &[f32], y: &[f32], o: &mut [f32]) {
+    macro_rules! each {
+        ($f:expr) => {
+            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                *o = $f(x, y);
+            }
+        };
+    }
+    match op {
+        BinaryOp::Add => each!(|x: f32, y: f32| x + y),
+        BinaryOp::Sub => each!(|x: f32, y: f32| x - y),
+        BinaryOp::Mul => each!(|x: f32, y: f32| x * y),
+        BinaryOp::Div => each!(|x: f32, y: f32| x / y),
+        op => each!(|x: f32, y: f32| apply(op, x, y)),
+    }
+}
+
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_TANH_C: f64 = 0.044_715;
 
@@ -266,9 +285,24 @@ impl MapOps for CpuStorage {
         op: BinaryOp,
         out: DType,
     ) -> Result<Self> {
+        // Contiguous F32/F16/BF16 operands of one shape (no broadcast): chunk by chunk in
+        // F32, no full-size F32 copies of half operands (the same values: F32, one rounding).
+        if let (Some(a), Some(b)) = (Src::of(self, la), Src::of(rhs, lb)) {
+            if let Some(y) = map2(a, b, out, move |x, y, o| binary_chunk(op, x, y, o)) {
+                return Ok(y);
+            }
+        }
         Ok(crate::with_compute!(out, C => {
             let (x, y) = (self.load::<C>(la), rhs.load::<C>(lb));
-            CpuStorage::store::<C>(zip_map(&x, &y, |x, y| apply(op, x, y)), out)
+            // The op matched once, outside the loop, so each loop vectorises.
+            let v = match op {
+                BinaryOp::Add => zip_map(&x, &y, |x, y| x + y),
+                BinaryOp::Sub => zip_map(&x, &y, |x, y| x - y),
+                BinaryOp::Mul => zip_map(&x, &y, |x, y| x * y),
+                BinaryOp::Div => zip_map(&x, &y, |x, y| x / y),
+                op => zip_map(&x, &y, |x, y| apply(op, x, y)),
+            };
+            CpuStorage::store::<C>(v, out)
         }))
     }
 

@@ -2,6 +2,7 @@
 //! autograd here.
 
 pub mod amp;
+pub mod attention;
 pub mod chunked;
 pub mod conv;
 pub mod conv_block;

@@ -9,8 +9,8 @@ use num_traits::One;
 
 use super::storage::CpuStorage;
 use crate::backend::nn::{
-    AdaptivePool2dGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices,
-    LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
+    AdaptivePool2dGeom, AttentionGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads,
+    Indices, LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
 };
 use crate::cpu::reduce::sum_slice;
 use crate::cpu::{chunked, conv, conv_block, matmul, norm, pool};
@@ -696,5 +696,31 @@ impl NnOps for CpuStorage {
             );
             norm_grads(r, dtypes)
         }))
+    }
+
+    fn attention(
+        &self,
+        lq: &Layout,
+        k: &Self,
+        lk: &Layout,
+        v: &Self,
+        lv: &Layout,
+        mask: Opt<'_, Self>,
+        g: &AttentionGeom,
+    ) -> Result<(Self, Self)> {
+        super::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
+    }
+
+    fn attention_backward(
+        &self,
+        ldout: &Layout,
+        q: (&Self, &Layout),
+        k: (&Self, &Layout),
+        v: (&Self, &Layout),
+        mask: Opt<'_, Self>,
+        lse: &Self,
+        g: &AttentionGeom,
+    ) -> Result<(Self, Self, Self)> {
+        super::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
     }
 }

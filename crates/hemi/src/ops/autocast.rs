@@ -66,6 +66,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("linear", LowerPrecision),
     ("conv2d", LowerPrecision),
     ("conv2d_relu_max_pool2", LowerPrecision),
+    ("scaled_dot_product_attention", LowerPrecision),
     // FP32.
     ("exp", Fp32),
     ("log", Fp32),

@@ -1,6 +1,7 @@
 //! Op entry points: validation, dtype promotion, dispatch to kernels, and the backward of
 //! each op recorded for autograd. One family of ops per file.
 
+pub mod attention;
 pub mod autocast;
 pub mod conv;
 pub mod dropout;
