@@ -667,3 +667,111 @@ fn gradients_match_finite_differences_f64() {
         }
     }
 }
+
+#[test]
+fn initialisation_follows_transformers() {
+    let cfg = BertConfig {
+        vocab_size: 300,
+        hidden_size: 64,
+        num_hidden_layers: 1,
+        num_attention_heads: 4,
+        intermediate_size: 128,
+        pad_token_id: Some(5),
+        ..BertConfig::default()
+    };
+    let m = BertForMaskedLM::new(&cfg, &mut Generator::new(4)).unwrap();
+    for (name, t) in m.state_dict() {
+        let v = t.to_vec_f64();
+        if name.contains("LayerNorm.weight") {
+            assert!(v.iter().all(|&x| x == 1.0), "{name}: ones");
+        } else if name.ends_with("bias") {
+            assert!(v.iter().all(|&x| x == 0.0), "{name}: zeros");
+        } else {
+            // N(0, 0.02): the sample std of n draws is within 5/√(2n) of it (5 sigma).
+            let rows = if name.ends_with("word_embeddings.weight") {
+                let row = &v[5 * 64..6 * 64];
+                assert!(
+                    row.iter().all(|&x| x == 0.0),
+                    "{name}: padding row 5 is zero"
+                );
+                v[..5 * 64].iter().chain(&v[6 * 64..]).copied().collect()
+            } else {
+                v
+            };
+            let n = rows.len() as f64;
+            let std = (rows.iter().map(|x| x * x).sum::<f64>() / n).sqrt();
+            let mean = rows.iter().sum::<f64>() / n;
+            assert!(
+                (std - 0.02).abs() <= 0.02 * 5.0 / (2.0 * n).sqrt(),
+                "{name}: std {std}"
+            );
+            assert!(mean.abs() <= 5.0 * 0.02 / n.sqrt(), "{name}: mean {mean}");
+        }
+    }
+}
+
+#[test]
+fn dropout_follows_set_training() {
+    let dir = Path::new(FIXTURES).join("tiny/cls");
+    let mut m =
+        BertForSequenceClassification::from_pretrained(&dir, None, &mut Generator::new(0)).unwrap();
+    let batch = fixture("tiny/batch.safetensors");
+    let (ids, mask, types) = text(&batch, 3);
+    let _g = hemi::no_grad();
+    let run = |m: &BertForSequenceClassification| {
+        m.forward_text(&ids, &mask, &types).unwrap().to_vec_f32()
+    };
+    // A new model trains (dropout on): two passes draw different masks.
+    assert_ne!(run(&m), run(&m), "training: dropout must change the logits");
+    m.set_training(false);
+    let a = run(&m);
+    assert_eq!(a, run(&m), "eval: deterministic");
+    let want = get(&batch, "cls_logits").to_vec_f64();
+    let a: Vec<f64> = a.iter().map(|&x| x as f64).collect();
+    let d = max_abs_diff(&a, &want);
+    assert!(
+        d <= f32_bound(3, &want),
+        "eval logits vs transformers: max|d| {d:.3e}"
+    );
+}
+
+/// A model cast to F16 (norms kept F32, apex O2; and all F16) on a padded batch, with one
+/// sequence entirely masked: the additive mask stays finite in F16, so no NaN appears.
+#[test]
+fn f16_model_with_padding_stays_finite() {
+    let dir = Path::new(FIXTURES).join("tiny/cls");
+    let batch = fixture("tiny/batch.safetensors");
+    let (ids, mask, types) = text(&batch, 3);
+    let mut mv = mask.to_vec_i64();
+    let want = get(&batch, "cls_logits").to_vec_f64();
+    for keep_norms in [true, false] {
+        let mut m =
+            BertForSequenceClassification::from_pretrained(&dir, None, &mut Generator::new(0))
+                .unwrap();
+        m.set_training(false);
+        m.to_dtype(DType::F16, keep_norms).unwrap();
+        let _g = hemi::no_grad();
+        let got = m.forward_text(&ids, &mask, &types).unwrap().to_vec_f64();
+        // Every op rounds into F16 (u = eps/2 of its output); a dot product of K terms of
+        // random sign has magnitude ~√K times smaller than Σ|terms|, so the roundings of its
+        // inputs reach its output amplified by ~√K (K ≤ 37 here; the fixture's weights are
+        // N(0, 0.5), so the network is far from linear); layers add errors, hence √depth.
+        // 4 eps·√K·√depth of max|logit|; about a quarter of it is reached.
+        let k = 37f64;
+        let eps = DType::F16.finfo().unwrap().epsilon;
+        let bound = 4.0 * eps * k.sqrt() * 2f64.sqrt() * max_abs(&want);
+        let d = max_abs_diff(&got, &want);
+        eprintln!("F16 (norms F32: {keep_norms}): max|d| {d:.3e}, bound {bound:.3e}");
+        assert!(
+            d <= bound,
+            "F16 (norms F32: {keep_norms}): max|d| {d:.3e} > {bound:.3e}"
+        );
+        mv[18..27].fill(0);
+        let none = Tensor::from_vec(mv.clone(), &[3, 9]).unwrap();
+        let out = m.forward_text(&ids, &none, &types).unwrap().to_vec_f64();
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "fully masked row: {out:?}"
+        );
+    }
+}
