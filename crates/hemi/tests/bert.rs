@@ -271,6 +271,21 @@ fn base_checkpoint_loads_into_head_models() {
     // The masked LM takes the encoder and ignores the pooler; its decoder is the
     // (pretrained) word-embedding matrix.
     let mlm = BertForMaskedLM::from_pretrained(&dir, &mut rng).unwrap();
+    // And a head model's checkpoint loads into a BertModel (its encoder; the head unused).
+    let tiny = Path::new(FIXTURES).join("tiny/mlm");
+    let base = BertModel::from_pretrained(&tiny, &mut rng).unwrap();
+    assert!(
+        base.pooler.is_none(),
+        "the masked LM's checkpoint has no pooler"
+    );
+    let tiny_file = fixture("tiny/mlm/model.safetensors");
+    for (name, t) in base.state_dict() {
+        assert_eq!(
+            t.to_vec_f32(),
+            get(&tiny_file, &format!("bert.{name}")).to_vec_f32(),
+            "{name}"
+        );
+    }
     let sd = mlm.state_dict();
     assert!(sd.iter().all(|(n, _)| !n.contains("pooler")));
     assert_eq!(
@@ -392,6 +407,11 @@ fn bad_config_names_the_file_and_field() {
             "\"hidden_dropout_prob\": 0.1",
             "\"hidden_dropout_prob\": 1.5",
             "hidden_dropout_prob",
+        ),
+        (
+            "\"tie_word_embeddings\": true",
+            "\"tie_word_embeddings\": false",
+            "tie_word_embeddings",
         ),
     ];
     for (from, to, field) in cases {

@@ -217,6 +217,13 @@ impl BertConfig {
                 ))
             })?,
         };
+        if obj.get("tie_word_embeddings") == Some(&Value::Bool(false)) {
+            return Err(bad(
+                "field `tie_word_embeddings`: false is not supported (hemi's masked-LM decoder \
+                 is the word-embedding matrix)"
+                    .into(),
+            ));
+        }
         if let Some(x) = obj.get("position_embedding_type") {
             if x.as_str() != Some("absolute") {
                 return Err(bad(format!(
@@ -771,7 +778,7 @@ impl BertModel {
         // F32/half weights in an autocast region, else the weights' dtype); `attention`
         // casts if they differ.
         let wdt = self.embeddings.word_embeddings.weight.dtype();
-        let score_dtype = match crate::amp::autocast_dtype() {
+        let score_dtype = match crate::ops::autocast::autocast_dtype() {
             Some(dt) if wdt != DType::F64 => dt,
             _ => wdt,
         };
@@ -1090,10 +1097,11 @@ fn read_checkpoint(path: &Path) -> Result<Vec<(String, Tensor)>> {
 /// Loads a transformers BERT checkpoint (`model.safetensors`) into `model` (a `BertModel`
 /// or a head model whose encoder is under `bert.`).
 ///
-/// The file may be the model's own checkpoint (every name of the model, nothing else), or,
-/// for a head model, a base-model checkpoint without the `bert.` prefix: then the file must
+/// The file may be the model's own checkpoint (every name of the model, nothing else); for
+/// a head model, a base-model checkpoint without the `bert.` prefix: then the file must
 /// cover every `bert.*` tensor (its pooler is ignored when the model has none, as
-/// transformers' masked-LM does) and the head keeps its fresh values. Buffers hemi does not
+/// transformers' masked-LM does) and the head keeps its fresh values; for a `BertModel`,
+/// a head model's checkpoint, whose `bert.*` tensors are loaded and the rest ignored. Buffers hemi does not
 /// hold and tied names are ignored (see `is_ignored_name`). Any other missing, unexpected
 /// or mis-shaped name is an error listing all of them, and then nothing is loaded. Values
 /// are cast to each tensor's dtype.
@@ -1114,7 +1122,16 @@ pub fn load_pretrained_state<M: Module + ?Sized>(
         .map(|(n, t, _, _)| (n, t.shape().to_vec()))
         .collect();
     let is_head = ours.keys().any(|n| n.starts_with("bert."));
-    let base_checkpoint = is_head && !state.iter().any(|(n, _)| n.starts_with("bert."));
+    let file_is_head = state.iter().any(|(n, _)| n.starts_with("bert."));
+    if !is_head && file_is_head {
+        // A head model's checkpoint into a `BertModel`: its encoder, without the head (the
+        // head's weights go unused, as in transformers' `BertModel.from_pretrained`).
+        state = state
+            .into_iter()
+            .filter_map(|(n, t)| n.strip_prefix("bert.").map(|n| (n.to_string(), t)))
+            .collect();
+    }
+    let base_checkpoint = is_head && !file_is_head;
     if base_checkpoint {
         let has_pooler = ours.contains_key("bert.pooler.dense.weight");
         state.retain(|(n, _)| has_pooler || !n.starts_with("pooler."));
