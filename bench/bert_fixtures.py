@@ -174,6 +174,26 @@ MLM's decoder weight is tied to the word embeddings; see which names the file ho
 | token_type_ids | I64 | [3, 9] | 0, except tokens 4..7 of the second sequence (1) |
 | cls_logits | F32 | [3, 3] | `BertForSequenceClassification` logits (eval) |
 | mlm_logits | F32 | [3, 9, 101] | `BertForMaskedLM` logits (eval) |
+
+## Tied weights in transformers' files
+
+`BertForMaskedLM`'s decoder is tied (`_tied_weights_keys`: `cls.predictions.decoder.weight`
+→ `bert.embeddings.word_embeddings.weight`, `cls.predictions.decoder.bias` →
+`cls.predictions.bias`), and `save_pretrained` leaves both tied names out of
+`model.safetensors` (`tiny/mlm/model.safetensors` holds 42 tensors, none of them
+`cls.predictions.decoder.*`); PyTorch's in-memory `state_dict()` does list them. hemi's
+`state_dict` matches the file, and hemi's loader ignores the two names when an older file
+holds them. transformers 5 saves no `embeddings.position_ids` buffer; older files (the
+MiniLM one) hold it and hemi ignores it.
+
+## Checking hemi-written checkpoints in transformers
+
+    HEMI_BERT_EXPORT=/tmp/x cargo test --release -p hemi --test bert save_pretrained
+    /tmp/torch-ref/bin/python bench/bert_fixtures.py --check-hemi /tmp/x/cls --kind cls
+    /tmp/torch-ref/bin/python bench/bert_fixtures.py --check-hemi /tmp/x/mlm --kind mlm
+
+Each loads with `output_loading_info=True` and fails on any missing, unexpected or
+mismatched key, or a value that differs from the file.
 """
 
 
