@@ -1,10 +1,16 @@
 //! Ready-made models.
 
+mod bert;
 mod cifar_net;
 mod mlp;
 pub mod registry;
 mod resnet;
 
+pub use bert::{
+    extended_attention_mask, load_pretrained, load_pretrained_state, save_pretrained,
+    sentence_embedding, BertConfig, BertEmbeddings, BertForMaskedLM, BertForSequenceClassification,
+    BertLayer, BertModel, HiddenAct,
+};
 pub use cifar_net::CifarNet;
 pub use mlp::Mlp;
 pub use resnet::{
