@@ -471,8 +471,8 @@ pub fn extended_attention_mask(attention_mask: &Tensor, dtype: DType) -> Result<
 
 /// Scaled dot-product attention, `softmax(q kᵀ / √d + mask) v`, with dropout on the
 /// probabilities while training: q, k, v `[B, heads, L, d]`, mask `[B, 1, 1, L]` additive.
-/// The one place attention is computed (a fused op replaces these steps later). Under
-/// autocast the products run in the low dtype and the softmax in F32 (the policy table).
+/// The one place attention is computed: the fused op, which never stores the score matrix
+/// (under autocast q, k, v run in the low dtype, the softmax accumulates in F32).
 fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -482,16 +482,9 @@ fn attention(
     training: bool,
     rng: &mut Generator,
 ) -> Result<Tensor> {
-    let d = *q.shape().last().unwrap_or(&1);
-    let scores = q
-        .matmul(&k.transpose(-1, -2)?)?
-        .mul_scalar(1.0 / (d as f64).sqrt())?;
-    let scores = match mask {
-        Some(m) => scores.add(&m.to_dtype(scores.dtype())?)?,
-        None => scores,
-    };
-    let probs = scores.softmax(-1)?.dropout(dropout_p, training, rng)?;
-    probs.matmul(v)
+    let p = if training { dropout_p } else { 0.0 };
+    let rng = if p > 0.0 { Some(rng) } else { None };
+    q.scaled_dot_product_attention(k, v, mask, p, rng, None)
 }
 
 /// `embeddings.*`: word + position + token-type embeddings, LayerNorm, dropout.
