@@ -30,10 +30,11 @@ use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::autograd::backward_with;
 use hemi::cpu::gemm_half;
+use hemi::data::{Batch, Inputs, TextInputs};
 use hemi::dtype::convert;
 use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
-use hemi::optim::{Optimizer, Sgd, SgdConfig};
+use hemi::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use hemi::{DType, Error, Generator, Result, Tensor};
 
 #[derive(Args)]
@@ -80,6 +81,15 @@ enum Which {
         /// benchmarks them).
         #[arg(long, default_value_t = 32)]
         image_size: usize,
+        /// Text models: a Hugging Face model directory whose config and weights to use.
+        #[arg(long)]
+        pretrained: Option<std::path::PathBuf>,
+        /// Text models: a BERT config.json (fresh weights) instead of --pretrained.
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+        /// Text models: tokens per sequence (every sequence has exactly this many).
+        #[arg(long, default_value_t = 64)]
+        max_length: usize,
     },
     /// Convolution layers: forward, input gradient and weight gradient, F32/F16/BF16.
     ///
@@ -205,9 +215,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Which::Train {
             batch_size,
             image_size,
+            max_length,
             ..
         } => {
             check_batch(*batch_size)?;
+            if *max_length == 0 {
+                return Err(Error::arg("bench", "--max-length must be at least 1"));
+            }
             if *image_size == 0 {
                 return Err(Error::arg("bench", "--image-size must be at least 1"));
             }
@@ -240,8 +254,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
             batch_size,
             steps,
             image_size,
+            pretrained,
+            config,
+            max_length,
         } => {
-            pool.install(|| bench_train(&args, model, *precision, *batch_size, *steps, *image_size))
+            let spec = hemi::models::registry::find(model)?;
+            if spec.input == hemi::models::registry::InputKind::Text {
+                let text = TextBench {
+                    pretrained: pretrained.as_deref(),
+                    config: config.as_deref(),
+                    max_length: *max_length,
+                };
+                pool.install(|| {
+                    bench_train_text(&args, &spec, &text, *precision, *batch_size, *steps)
+                })
+            } else {
+                pool.install(|| {
+                    bench_train(&args, model, *precision, *batch_size, *steps, *image_size)
+                })
+            }
         }
         Which::Conv { layers, batch_size } => bench_conv(&args, &pool, layers, *batch_size),
         Which::Pool { batch_size } => bench_pool(&args, &pool, *batch_size),
@@ -549,6 +580,143 @@ fn bench_train(
         println!(
             "train {model_name} {precision} batch {batch} ({size}x{size}), {} threads: {ips:.0} images/s \
              (median step {:.1} ms over {steps}), peak RSS {}",
+            args.threads,
+            med * 1e3,
+            rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))
+        );
+    }
+    Ok(())
+}
+
+/// Where `bench train` takes a text model from.
+struct TextBench<'a> {
+    pretrained: Option<&'a std::path::Path>,
+    config: Option<&'a std::path::Path>,
+    max_length: usize,
+}
+
+/// Median sentences/s of full training steps of a text model (forward, the task's loss,
+/// backward, AdamW step under the preset) on random token ids, every sequence exactly
+/// `max_length` tokens with a full attention mask; masked-LM targets at 15 % of positions.
+fn bench_train_text(
+    args: &BenchArgs,
+    spec: &hemi::models::registry::ModelSpec,
+    text: &TextBench<'_>,
+    precision: Precision,
+    batch: usize,
+    steps: usize,
+) -> Result<()> {
+    const WARMUP: usize = 2;
+    if batch == 0 || steps == 0 {
+        return Err(Error::arg(
+            "bench train",
+            "--batch-size and --steps must be at least 1",
+        ));
+    }
+    let config = match (text.config, text.pretrained) {
+        (Some(c), _) => c.to_path_buf(),
+        (None, Some(d)) => d.join("config.json"),
+        (None, None) => {
+            return Err(Error::arg(
+                "bench train",
+                format!("{} needs --pretrained DIR or --config FILE", spec.name),
+            ))
+        }
+    };
+    let cfg = hemi::models::BertConfig::from_file(&config)?;
+    let l = text.max_length;
+    if l > cfg.max_position_embeddings {
+        return Err(Error::arg(
+            "bench train",
+            format!(
+                "--max-length {l} exceeds the model's max_position_embeddings {}",
+                cfg.max_position_embeddings
+            ),
+        ));
+    }
+    let mlm = spec.task == "masked-lm";
+    let classes = if mlm { cfg.vocab_size } else { 2 };
+    let mut model = spec.build_text(&config, classes, 0)?;
+    if let Some(d) = text.pretrained {
+        hemi::models::load_pretrained(model.as_mut(), &d.join("model.safetensors"))?;
+    }
+    precision.prepare_model(model.as_mut())?;
+    let task = hemi::train::find_task(spec.task)?;
+    let mut opt = AmpOptimizer::new(
+        precision,
+        model.parameters(),
+        GradScalerConfig::default(),
+        0,
+        |p| {
+            Ok(Box::new(AdamW::new(
+                p,
+                AdamWConfig {
+                    lr: 5e-5,
+                    weight_decay: 0.01,
+                    ..Default::default()
+                },
+            )?) as Box<dyn Optimizer>)
+        },
+    )?;
+    let mut rng = Generator::new(0);
+    // Ids above the special tokens of a BERT vocabulary.
+    let low = 1000.min(cfg.vocab_size / 2) as u64;
+    let span = cfg.vocab_size as u64 - low;
+    let ids: Vec<i64> = (0..batch * l)
+        .map(|_| (low + rng.next_u64() % span) as i64)
+        .collect();
+    let labels = if mlm {
+        let v: Vec<i64> = ids
+            .iter()
+            .map(|&id| if rng.next_u64() % 100 < 15 { id } else { -100 })
+            .collect();
+        Tensor::from_vec(v, &[batch, l])?
+    } else {
+        Tensor::randint(&[batch], 2, &mut rng)?
+    };
+    let b = Batch {
+        inputs: Inputs::Text(TextInputs {
+            input_ids: Tensor::from_vec(ids, &[batch, l])?,
+            attention_mask: Tensor::from_vec(vec![1i64; batch * l], &[batch, l])?,
+            token_type_ids: Tensor::from_vec(vec![0i64; batch * l], &[batch, l])?,
+        }),
+        labels,
+        indices: (0..batch).collect(),
+    };
+    let mut times = Vec::with_capacity(steps);
+    let mut last_loss = f64::NAN;
+    for i in 0..WARMUP + steps {
+        let t0 = Instant::now();
+        opt.zero_grad();
+        let loss = {
+            let _ac = precision.autocast();
+            task.forward(model.as_ref(), &b, precision, 0.0, false)?
+                .loss
+        };
+        opt.backward(&loss)?;
+        opt.step()?;
+        last_loss = loss.to_scalar()?;
+        if i >= WARMUP {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let med = median(times);
+    let sps = batch as f64 / med;
+    let rss = crate::train::peak_rss_mib();
+    if args.json {
+        let j = serde_json::json!({
+            "bench": "train", "model": spec.name, "precision": precision.name(),
+            "batch_size": batch, "max_length": l, "steps": steps, "threads": args.threads,
+            "sentences_per_s": sps, "median_step_ms": med * 1e3,
+            "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
+            "skipped": opt.skipped_steps(),
+        });
+        println!("{j}");
+    } else {
+        println!(
+            "train {} {precision} batch {batch} x length {l}, {} threads: {sps:.1} sentences/s \
+             (median step {:.1} ms over {steps}), peak RSS {}",
+            spec.name,
             args.threads,
             med * 1e3,
             rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))

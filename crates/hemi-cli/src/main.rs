@@ -1,8 +1,10 @@
 //! `hemi`: the command-line front end (train, eval, bench).
 
 use clap::{Parser, Subcommand};
+use hemi::models::registry::InputKind;
 
 mod bench;
+mod text;
 mod train;
 
 #[derive(Parser)]
@@ -36,6 +38,9 @@ enum Command {
     },
     /// Micro-benchmarks of hemi's kernels.
     Bench(bench::BenchArgs),
+    /// Sentence embeddings of a text file's lines (JSON lines), as sentence-transformers
+    /// computes them: mean of the final hidden states, L2-normalised.
+    Embed(text::EmbedArgs),
 }
 
 #[derive(Subcommand)]
@@ -84,6 +89,7 @@ fn main() {
             ))),
         },
         Command::Bench(args) => bench::run(args),
+        Command::Embed(args) => text::run_embed(args),
         Command::Models { classes } => list_models(classes),
     };
     match result {
@@ -103,19 +109,23 @@ fn main() {
 /// `hemi models`: every registered model, its designed input and parameter count.
 fn list_models(classes: usize) -> hemi::Result<()> {
     println!(
-        "{:<10} {:>13} {:>12}  {:<16} description",
+        "{:<15} {:>13} {:>12}  {:<16} description",
         "model", "input", "parameters", "recipe"
     );
     for m in hemi::models::registry::models() {
-        let n = m.build(m.input_shape, classes, 0)?.num_parameters();
-        let [c, h, w] = m.input_shape;
+        // Text models take their size from a config.json (`--pretrained DIR`), so they have
+        // no parameter count of their own.
+        let (input, n) = match m.input {
+            InputKind::Image => {
+                let [c, h, w] = m.input_shape;
+                let n = m.build(m.input_shape, classes, 0)?.num_parameters();
+                (format!("{c}x{h}x{w}"), n.to_string())
+            }
+            InputKind::Text => ("text".to_string(), "config".to_string()),
+        };
         println!(
-            "{:<10} {:>13} {:>12}  {:<16} {}",
-            m.name,
-            format!("{c}x{h}x{w}"),
-            n,
-            m.recipe,
-            m.description
+            "{:<15} {:>13} {:>12}  {:<16} {}",
+            m.name, input, n, m.recipe, m.description
         );
     }
     println!();

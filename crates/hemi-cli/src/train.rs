@@ -14,14 +14,18 @@ use serde_json::json;
 
 use hemi::amp::Precision;
 use hemi::data::{
-    Cifar10, DataLoader, Dataset, ImageFolder, LoaderConfig, MnistKind, Split, Synthetic,
+    Cifar10, Column, DataLoader, Dataset, ImageFolder, LoaderConfig, MlmConfig, MnistKind, Split,
+    Synthetic, TextColumns,
 };
+use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::Module;
 use hemi::train::{
     class_difference, evaluate_with, load_checkpoint, recipe, train, DivergenceConfig, Event,
     OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
 };
 use hemi::{Error, Result};
+
+use crate::text::{load_text_data, text_loaders, TextLoading, TextSources};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DatasetArg {
@@ -32,6 +36,9 @@ pub enum DatasetArg {
     ImageFolder,
     Mnist,
     FashionMnist,
+    /// Text (the default for text models): `train.tsv` and `dev.tsv` under --data-dir
+    /// (GLUE's layout), or for masked-LM a plain text file, one example per line.
+    Text,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -63,8 +70,9 @@ pub struct TrainArgs {
     /// Default: the recipe's (128).
     #[arg(long)]
     batch_size: Option<usize>,
-    #[arg(long, value_enum, default_value_t = OptimizerArg::Sgd)]
-    optimizer: OptimizerArg,
+    /// Default: the recipe's (SGD; AdamW for the BERT recipes).
+    #[arg(long, value_enum)]
+    optimizer: Option<OptimizerArg>,
     /// Default: the recipe's (0.001 for `documents`, 0.1 for `resnet-cifar`).
     #[arg(long)]
     lr: Option<f64>,
@@ -153,6 +161,39 @@ pub struct TrainArgs {
     /// (|g| < 2^-24 or > 65504); printed at the end.
     #[arg(long)]
     grad_stats: bool,
+    /// Text models: a Hugging Face model directory (config.json, model.safetensors,
+    /// tokenizer.json) to start from, e.g. ../shared/models/all-MiniLM-L6-v2.
+    #[arg(long)]
+    pretrained: Option<PathBuf>,
+    /// Text models: a BERT config.json for a freshly initialised model (default:
+    /// --pretrained's).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Text models: a tokenizer.json, or a directory holding one (default: --pretrained's).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Text: tokens per sequence at most, special tokens included (longer texts are
+    /// truncated); each batch is padded to its longest sequence.
+    #[arg(long, default_value_t = 64)]
+    max_length: usize,
+    /// Text: batch sequences of similar length together (less padding).
+    #[arg(long)]
+    bucket: bool,
+    /// Text classification: the column holding the text (a header name, or a 0-based
+    /// index for files without a header line).
+    #[arg(long, default_value = "sentence")]
+    text_column: String,
+    /// Text classification: the column holding the label.
+    #[arg(long, default_value = "label")]
+    label_column: String,
+    /// Masked-LM: the share of tokens chosen as targets (of which 80 % become [MASK], 10 %
+    /// a random token, 10 % stay).
+    #[arg(long, default_value_t = 0.15)]
+    mlm_probability: f64,
+    /// Text models: after training, write the model in Hugging Face's layout (config.json,
+    /// model.safetensors, tokenizer.json) to this directory, so `transformers` loads it.
+    #[arg(long)]
+    save_pretrained: Option<PathBuf>,
 }
 
 pub(crate) fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
@@ -255,6 +296,10 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
             ))),
         },
         DatasetArg::ImageFolder => folder("image-folder"),
+        DatasetArg::Text => Err(Error::arg(
+            "train",
+            "--dataset text is for text models (bert-classifier, bert-mlm)",
+        )),
         DatasetArg::Mnist | DatasetArg::FashionMnist => {
             let (k, name) = if kind == DatasetArg::Mnist {
                 (MnistKind::Mnist, "mnist")
@@ -404,6 +449,265 @@ impl Metrics {
     }
 }
 
+/// A model and its data, ready for `train`.
+struct Prepared {
+    model: Box<dyn Module>,
+    train: DataLoader,
+    test: DataLoader,
+    /// What a sample is called in rates: `images`, `texts`.
+    unit: &'static str,
+    /// The input side of the recipe line (augmentation and normalisation, or tokenisation).
+    inputs_note: String,
+    /// How `--save-pretrained` writes the model (text models).
+    save: Option<SavePretrained>,
+    /// Everything but the model name, seed, precision and settings.
+    info: RunInfo,
+}
+
+/// `--save-pretrained DIR`: the model in Hugging Face's layout, with its tokenizer.
+struct SavePretrained {
+    config: hemi::models::BertConfig,
+    architecture: &'static str,
+    tokenizer: PathBuf,
+}
+
+impl SavePretrained {
+    fn write(&self, model: &dyn Module, dir: &Path) -> Result<()> {
+        hemi::models::save_pretrained(model, &self.config, self.architecture, dir)?;
+        std::fs::copy(&self.tokenizer, dir.join("tokenizer.json"))
+            .map_err(|e| io_err(&self.tokenizer, e))?;
+        Ok(())
+    }
+}
+
+fn unfinished_info(
+    dataset: &str,
+    data_dir: Option<PathBuf>,
+    input_shape: [usize; 3],
+    classes: usize,
+    class_names: Vec<String>,
+    lens: (usize, usize),
+) -> RunInfo {
+    RunInfo {
+        model: String::new(),
+        dataset: dataset.into(),
+        data_dir,
+        input_shape,
+        classes,
+        class_names,
+        train_len: lens.0,
+        test_len: lens.1,
+        seed: 0,
+        precision: String::new(),
+        settings: Default::default(),
+    }
+}
+
+fn prepare_images(
+    args: &TrainArgs,
+    recipe: &Recipe,
+    batch_size: usize,
+    augment: bool,
+    data_dir: &Path,
+    settings: &mut std::collections::BTreeMap<String, String>,
+) -> Result<Prepared> {
+    let text_only = [
+        ("--pretrained", args.pretrained.is_some()),
+        ("--config", args.config.is_some()),
+        ("--tokenizer", args.tokenizer.is_some()),
+        ("--save-pretrained", args.save_pretrained.is_some()),
+        ("--dataset text", args.dataset == DatasetArg::Text),
+    ];
+    if let Some((flag, _)) = text_only.iter().find(|(_, set)| *set) {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "{flag} is for text models (bert-classifier, bert-mlm); {} takes images",
+                args.model
+            ),
+        ));
+    }
+    let data = load_data(args.dataset, data_dir, args.seed, args.synthetic_size)?;
+    println!("data: {}", data.description);
+    let shape = data.train.image_shape();
+    let classes = data.train.num_classes();
+    let model = build_model(&args.model, shape, classes, args.seed)?;
+    let (mean, std) = recipe.normalize_for(shape[0])?;
+    let norm = Normalize { mean, std };
+    let (train, test) = loaders(&data, batch_size, args.seed, args.workers, augment, &norm)?;
+    settings.insert("augment".to_string(), augment.to_string());
+    if !norm.is_half() {
+        // Only when not the documents' (0.5, 0.5): older checkpoints still resume.
+        settings.insert(
+            "normalize.mean".to_string(),
+            recipe::format_values(&norm.mean),
+        );
+        settings.insert(
+            "normalize.std".to_string(),
+            recipe::format_values(&norm.std),
+        );
+    }
+    if data.name == "synthetic" {
+        settings.insert(
+            "synthetic_size".to_string(),
+            args.synthetic_size.to_string(),
+        );
+    }
+    Ok(Prepared {
+        model,
+        train,
+        test,
+        unit: "images",
+        inputs_note: format!(
+            "augment {augment}, normalize {:?}/{:?}",
+            norm.mean, norm.std
+        ),
+        save: None,
+        info: unfinished_info(
+            data.name,
+            (data.name != "synthetic").then(|| data_dir.to_path_buf()),
+            shape,
+            classes,
+            data.train.class_names().to_vec(),
+            (data.train.len(), data.test.len()),
+        ),
+    })
+}
+
+/// A text column flag: a 0-based index when it is a number, else a header name.
+fn column(s: &str) -> Column {
+    s.parse::<usize>()
+        .map_or_else(|_| Column::Name(s.to_string()), Column::Index)
+}
+
+fn prepare_text(
+    args: &TrainArgs,
+    spec: &ModelSpec,
+    batch_size: usize,
+    data_dir: &Path,
+    settings: &mut std::collections::BTreeMap<String, String>,
+) -> Result<Prepared> {
+    if !matches!(args.dataset, DatasetArg::Auto | DatasetArg::Text) {
+        return Err(Error::arg(
+            "train",
+            format!("{} is a text model: it trains on --dataset text", spec.name),
+        ));
+    }
+    if args.max_length < 2 {
+        return Err(Error::arg(
+            "train",
+            "--max-length must be at least 2 ([CLS] and [SEP])",
+        ));
+    }
+    let mlm = spec.task == "masked-lm";
+    let mlm_config = if mlm {
+        let p = args.mlm_probability;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(Error::arg(
+                "train",
+                format!("--mlm-probability {p} is not in (0, 1]"),
+            ));
+        }
+        Some(MlmConfig {
+            probability: p,
+            ..Default::default()
+        })
+    } else {
+        None
+    };
+    let sources = TextSources::resolve(
+        spec.name,
+        args.pretrained.as_deref(),
+        args.config.as_deref(),
+        args.tokenizer.as_deref(),
+    )?;
+    let tokenizer = sources.tokenizer()?;
+    let columns = TextColumns {
+        text: column(&args.text_column),
+        label: column(&args.label_column),
+        header: !(args.text_column.parse::<usize>().is_ok()
+            && args.label_column.parse::<usize>().is_ok()),
+        ..TextColumns::named("sentence", "label")
+    };
+    let data = load_text_data(data_dir, mlm, &columns)?;
+    println!("data: {}", data.description);
+    let t0 = Instant::now();
+    let (train, test) = text_loaders(
+        &data,
+        &tokenizer,
+        &TextLoading {
+            batch_size,
+            max_length: args.max_length,
+            bucket: args.bucket,
+            mlm: mlm_config,
+            seed: args.seed,
+            workers: args.workers,
+        },
+    )?;
+    println!(
+        "tokenised with {} in {:.1} s (vocabulary {})",
+        sources.tokenizer.display(),
+        t0.elapsed().as_secs_f64(),
+        tokenizer.vocab_size()
+    );
+    let classes = if mlm {
+        tokenizer.vocab_size()
+    } else {
+        data.train.num_classes()
+    };
+    let model = sources.build(spec, classes, &tokenizer, args.seed)?;
+    match &sources.weights {
+        Some(w) => println!("weights: {}", w.display()),
+        None => println!("weights: fresh, from {}", sources.config.display()),
+    }
+    sources.record(settings);
+    settings.insert("max_length".into(), args.max_length.to_string());
+    settings.insert("bucket".into(), args.bucket.to_string());
+    if mlm {
+        settings.insert("mlm_probability".into(), args.mlm_probability.to_string());
+    } else {
+        settings.insert("text_column".into(), args.text_column.clone());
+        settings.insert("label_column".into(), args.label_column.clone());
+    }
+    let save = match spec.architecture {
+        Some(architecture) => Some(SavePretrained {
+            config: sources.bert_config(spec, classes)?,
+            architecture,
+            tokenizer: sources.tokenizer.clone(),
+        }),
+        None => None,
+    };
+    let class_names = if mlm {
+        Vec::new()
+    } else {
+        data.train.class_names().to_vec()
+    };
+    Ok(Prepared {
+        model,
+        train,
+        test,
+        unit: "texts",
+        inputs_note: format!(
+            "max length {}{}{}",
+            args.max_length,
+            if args.bucket { ", length buckets" } else { "" },
+            mlm_config.map_or(String::new(), |m| format!(
+                ", {} % of tokens masked (80/10/10)",
+                100.0 * m.probability
+            ))
+        ),
+        save,
+        info: unfinished_info(
+            data.name,
+            Some(data_dir.to_path_buf()),
+            [1, 1, args.max_length],
+            classes,
+            class_names,
+            (data.train.len(), data.test.len()),
+        ),
+    })
+}
+
 pub fn run_train(args: TrainArgs) -> Result<()> {
     // First, so that a Ctrl-C during data loading is already a clean stop.
     let stop = stop_flag()?;
@@ -443,20 +747,34 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             .map_err(|e| Error::Msg(format!("--threads {t}: {e}")))?;
     }
     let data_dir = std::path::absolute(&args.data_dir).map_err(|e| io_err(&args.data_dir, e))?;
-    let data = load_data(args.dataset, &data_dir, args.seed, args.synthetic_size)?;
-    println!("data: {}", data.description);
-    let shape = data.train.image_shape();
-    let classes = data.train.num_classes();
-    let model_name = args.model.as_str();
-    let mut model = build_model(model_name, shape, classes, args.seed)?;
-    let (mean, std) = recipe.normalize_for(shape[0])?;
-    let norm = Normalize { mean, std };
-    let (train_loader, test_loader) =
-        loaders(&data, batch_size, args.seed, args.workers, augment, &norm)?;
+    let task = hemi::train::find_task(spec.task)?;
+    let mut settings = std::collections::BTreeMap::new();
+    settings.insert("batch_size".to_string(), batch_size.to_string());
+    let prepared = match spec.input {
+        InputKind::Image => prepare_images(
+            &args,
+            &recipe,
+            batch_size,
+            augment,
+            &data_dir,
+            &mut settings,
+        )?,
+        InputKind::Text => prepare_text(&args, &spec, batch_size, &data_dir, &mut settings)?,
+    };
+    let Prepared {
+        mut model,
+        train: train_loader,
+        test: test_loader,
+        unit,
+        inputs_note,
+        save,
+        info: partial,
+    } = prepared;
     let optimizer = match args.optimizer {
-        OptimizerArg::Sgd => OptimizerKind::Sgd,
-        OptimizerArg::Adam => OptimizerKind::Adam,
-        OptimizerArg::Adamw => OptimizerKind::AdamW,
+        None => recipe.optimizer,
+        Some(OptimizerArg::Sgd) => OptimizerKind::Sgd,
+        Some(OptimizerArg::Adam) => OptimizerKind::Adam,
+        Some(OptimizerArg::Adamw) => OptimizerKind::AdamW,
     };
     let cfg = TrainConfig {
         epochs,
@@ -484,40 +802,17 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         precision: args.precision,
         grad_stats: args.grad_stats,
         seed: args.seed,
+        task,
         ..Default::default()
     };
-    let mut settings = std::collections::BTreeMap::new();
-    settings.insert("batch_size".to_string(), batch_size.to_string());
-    settings.insert("augment".to_string(), augment.to_string());
-    if !norm.is_half() {
-        // Only when not the documents' (0.5, 0.5): older checkpoints still resume.
-        settings.insert(
-            "normalize.mean".to_string(),
-            recipe::format_values(&norm.mean),
-        );
-        settings.insert(
-            "normalize.std".to_string(),
-            recipe::format_values(&norm.std),
-        );
-    }
-    if data.name == "synthetic" {
-        settings.insert(
-            "synthetic_size".to_string(),
-            args.synthetic_size.to_string(),
-        );
-    }
+    let model_name = args.model.as_str();
+    let test_len = partial.test_len;
     let info = RunInfo {
         model: model_name.into(),
-        dataset: data.name.into(),
-        data_dir: (data.name != "synthetic").then(|| data_dir.clone()),
-        input_shape: shape,
-        classes,
-        class_names: data.train.class_names().to_vec(),
-        train_len: data.train.len(),
-        test_len: data.test.len(),
         seed: args.seed,
         precision: args.precision.name().into(),
         settings,
+        ..partial
     };
     println!(
         "model: {model_name} ({} parameters), {} threads, precision {}",
@@ -527,7 +822,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     );
     println!(
         "recipe {}: {} lr {} momentum {}{}, weight decay {}{}, batch {batch_size}, {epochs} \
-         epochs, schedule {}{}{}, augment {augment}, normalize {:?}/{:?}",
+         epochs, schedule {}{}{}, {inputs_note}",
         recipe.name,
         optimizer.name(),
         cfg.lr,
@@ -550,9 +845,9 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         } else {
             String::new()
         },
-        norm.mean,
-        norm.std,
     );
+    let perplexity = cfg.task.reports_perplexity();
+    let mut last_test_loss = f64::NAN;
     let precision = args.precision;
     let show_scale = precision.loss_scaling();
     let mut metrics = args.metrics.as_ref().map(|p| Metrics {
@@ -615,7 +910,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                     String::new()
                 };
                 b.set_message(format!(
-                    "{:.0} img/s, loss {running:.3}{scale}",
+                    "{:.0} {unit}/s, loss {running:.3}{scale}",
                     bar_images as f64 / bar_start.elapsed().as_secs_f64().max(1e-9)
                 ));
             }
@@ -657,10 +952,21 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             if let Some(b) = bar.take() {
                 b.finish_and_clear();
             }
-            println!(
-                "epoch {epoch}: train loss {train_loss:.3}, test accuracy {:.2} %, {seconds:.1} s, {images_per_s:.0} img/s",
-                100.0 * test_accuracy
-            );
+            last_test_loss = *test_loss;
+            if perplexity {
+                println!(
+                    "epoch {epoch}: train loss {train_loss:.3}, held-out MLM loss {test_loss:.4}, \
+                     perplexity {:.2}, masked-token accuracy {:.2} %, {seconds:.1} s, \
+                     {images_per_s:.0} {unit}/s",
+                    test_loss.exp(),
+                    100.0 * test_accuracy
+                );
+            } else {
+                println!(
+                    "epoch {epoch}: train loss {train_loss:.3}, test accuracy {:.2} %, {seconds:.1} s, {images_per_s:.0} {unit}/s",
+                    100.0 * test_accuracy
+                );
+            }
             if let Some(m) = metrics.as_mut() {
                 let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
                                "test_accuracy": test_accuracy, "test_loss": test_loss,
@@ -672,6 +978,22 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             }
         }
     };
+    if perplexity && !args.resume {
+        // The starting point the run's held-out perplexity is compared against.
+        let e = hemi::train::evaluate_task(
+            model.as_mut(),
+            &test_loader,
+            Precision::Fp32,
+            cfg.task.as_ref(),
+        )?;
+        println!(
+            "before training (fp32): held-out MLM loss {:.4}, perplexity {:.2}, masked-token \
+             accuracy {:.2} %",
+            e.loss,
+            e.perplexity(),
+            100.0 * e.accuracy
+        );
+    }
     let result = train(
         model.as_mut(),
         &train_loader,
@@ -691,18 +1013,30 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         return Err(e);
     }
     println!("Finished Training");
+    if perplexity {
+        println!(
+            "Held-out masked-LM loss {last_test_loss:.4}, perplexity {:.2}, masked-token \
+             accuracy {:.2} % ({test_len} texts)",
+            last_test_loss.exp(),
+            100.0 * summary.test_accuracy
+        );
+    } else {
+        println!(
+            "Accuracy of the network on the {test_len} test {unit}: {:.0} %",
+            100.0 * summary.test_accuracy
+        );
+    }
     println!(
-        "Accuracy of the network on the {} test images: {:.0} %",
-        data.test.len(),
-        100.0 * summary.test_accuracy
-    );
-    println!(
-        "summary: {} epochs in {:.1} s of training, {:.0} images/s, peak memory {}",
+        "summary: {} epochs in {:.1} s of training, {:.0} {unit}/s, peak memory {}",
         summary.epochs_run,
         summary.train_seconds,
         summary.images_per_s(),
         peak_rss_mib().map_or("unknown".into(), |m| format!("{m:.0} MiB"))
     );
+    if let (Some(dir), Some(save)) = (&args.save_pretrained, &save) {
+        save.write(model.as_ref(), dir)?;
+        println!("saved in Hugging Face's layout to {}", dir.display());
+    }
     print_precision_summary(&summary);
     Ok(())
 }
@@ -742,6 +1076,10 @@ fn print_precision_summary(s: &Summary) {
 
 pub fn run_eval(args: EvalArgs) -> Result<()> {
     let ck = load_checkpoint(&args.checkpoint)?;
+    let spec = hemi::models::registry::find(&ck.info.model)?;
+    if spec.input == InputKind::Text {
+        return eval_text(&args, &spec, &ck);
+    }
     let dir = args
         .data_dir
         .or(ck.info.data_dir.clone())
@@ -816,5 +1154,118 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         data.test.len(),
         100.0 * acc
     );
+    Ok(())
+}
+
+/// `hemi eval` of a text model's checkpoint: the model, tokenizer and held-out texts its
+/// settings name.
+fn eval_text(args: &EvalArgs, spec: &ModelSpec, ck: &hemi::train::Checkpoint) -> Result<()> {
+    let setting = |k: &str| -> Result<&String> {
+        ck.info.settings.get(k).ok_or_else(|| {
+            Error::Msg(format!(
+                "checkpoint {}: a text model's run without the setting {k:?}",
+                ck.dir.display()
+            ))
+        })
+    };
+    let number = |k: &str| -> Result<usize> {
+        setting(k)?.parse().map_err(|_| {
+            Error::Msg(format!(
+                "checkpoint {}: setting {k} is not a number",
+                ck.dir.display()
+            ))
+        })
+    };
+    let sources = TextSources::resolve(
+        spec.name,
+        None,
+        Some(Path::new(setting("config")?)),
+        Some(Path::new(setting("tokenizer")?)),
+    )?;
+    let tokenizer = sources.tokenizer()?;
+    let dir = args
+        .data_dir
+        .clone()
+        .or(ck.info.data_dir.clone())
+        .ok_or_else(|| Error::Msg("the checkpoint names no data; give --data-dir".into()))?;
+    let mlm = spec.task == "masked-lm";
+    let columns = if mlm {
+        TextColumns::named("sentence", "label")
+    } else {
+        let (t, l) = (setting("text_column")?, setting("label_column")?);
+        TextColumns {
+            text: column(t),
+            label: column(l),
+            header: !(t.parse::<usize>().is_ok() && l.parse::<usize>().is_ok()),
+            ..TextColumns::named("sentence", "label")
+        }
+    };
+    let data = load_text_data(&dir, mlm, &columns)?;
+    if !mlm && data.test.class_names() != ck.info.class_names.as_slice() {
+        return Err(Error::Msg(format!(
+            "{}: the held-out texts' classes differ from the checkpoint's: {}",
+            dir.display(),
+            class_difference(
+                &ck.info.class_names,
+                data.test.class_names(),
+                ck.info.classes,
+                data.test.num_classes()
+            )
+        )));
+    }
+    let mlm_config = if mlm {
+        let p: f64 = setting("mlm_probability")?.parse().map_err(|_| {
+            Error::Msg(format!(
+                "checkpoint {}: bad mlm_probability",
+                ck.dir.display()
+            ))
+        })?;
+        Some(MlmConfig {
+            probability: p,
+            ..Default::default()
+        })
+    } else {
+        None
+    };
+    let (_, test) = text_loaders(
+        &data,
+        &tokenizer,
+        &TextLoading {
+            batch_size: args.batch_size,
+            max_length: number("max_length")?,
+            bucket: false,
+            mlm: mlm_config,
+            seed: ck.info.seed,
+            workers: 2,
+        },
+    )?;
+    let precision = Precision::parse(&ck.info.precision)?;
+    let mut model = spec.build_text(&sources.config, ck.info.classes, 0)?;
+    precision.prepare_model(model.as_mut())?;
+    model.load_state_dict(&ck.model)?;
+    let task = hemi::train::find_task(spec.task)?;
+    let e = hemi::train::evaluate_task(model.as_mut(), &test, precision, task.as_ref())?;
+    println!(
+        "checkpoint {} (precision {precision}), data: {}",
+        ck.dir.display(),
+        data.description
+    );
+    if mlm {
+        println!(
+            "Held-out masked-LM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.2} % \
+             ({} texts)",
+            e.loss,
+            e.perplexity(),
+            100.0 * e.accuracy,
+            data.test.len()
+        );
+    } else {
+        println!(
+            "Accuracy of the network on the {} test texts: {:.2} % (loss {:.4})",
+            data.test.len(),
+            100.0 * e.accuracy,
+            e.loss
+        );
+    }
     Ok(())
 }

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::models::bert::{BertConfig, BertForMaskedLM, BertForSequenceClassification};
 use crate::nn::Module;
 use crate::rng::Generator;
 
@@ -51,6 +52,8 @@ pub struct ModelSpec {
     pub recipe: &'static str,
     /// The task it trains for (`crate::train::find_task`).
     pub task: &'static str,
+    /// The `transformers` class its `save_pretrained` layout loads into (text models).
+    pub architecture: Option<&'static str>,
     build: Option<Build>,
     build_text: Option<BuildText>,
 }
@@ -86,7 +89,10 @@ impl ModelSpec {
             return Err(Error::arg(self.name, "needs at least one class"));
         }
         let build = self.build_text.ok_or_else(|| {
-            Error::arg(self.name, "is an image model: it is built for an image shape")
+            Error::arg(
+                self.name,
+                "is an image model: it is built for an image shape",
+            )
         })?;
         build(self.name, config, classes, &mut Generator::new(seed))
     }
@@ -119,6 +125,7 @@ pub fn models() -> Vec<ModelSpec> {
             input_shape: [3, 32, 32],
             recipe: "documents",
             task: "classification",
+            architecture: None,
             build: Some(|_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?))),
             build_text: None,
         },
@@ -129,6 +136,7 @@ pub fn models() -> Vec<ModelSpec> {
             input_shape: [1, 28, 28],
             recipe: "documents",
             task: "classification",
+            architecture: None,
             build: Some(|_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?))),
             build_text: None,
         },
@@ -177,10 +185,41 @@ pub fn models() -> Vec<ModelSpec> {
             input_shape,
             recipe,
             task: "classification",
+            architecture: None,
             build: Some(rgb_resnet),
             build_text: None,
         });
     }
+    v.push(ModelSpec {
+        name: "bert-classifier",
+        description: "BERT encoder + pooler + linear head (transformers' \
+                      BertForSequenceClassification), from a config.json or --pretrained",
+        input: InputKind::Text,
+        input_shape: [0, 0, 0],
+        recipe: "bert-finetune",
+        task: "classification",
+        architecture: Some("BertForSequenceClassification"),
+        build: None,
+        build_text: Some(|_, config, classes, rng| {
+            let cfg = BertConfig::from_file(config)?.with_num_labels(classes);
+            Ok(Box::new(BertForSequenceClassification::new(&cfg, rng)?))
+        }),
+    });
+    v.push(ModelSpec {
+        name: "bert-mlm",
+        description: "BERT encoder + masked-LM head tied to the word embeddings \
+                      (transformers' BertForMaskedLM), from a config.json or --pretrained",
+        input: InputKind::Text,
+        input_shape: [0, 0, 0],
+        recipe: "bert-mlm",
+        task: "masked-lm",
+        architecture: Some("BertForMaskedLM"),
+        build: None,
+        build_text: Some(|_, config, _, rng| {
+            let cfg = BertConfig::from_file(config)?;
+            Ok(Box::new(BertForMaskedLM::new(&cfg, rng)?))
+        }),
+    });
     v
 }
 
@@ -222,7 +261,7 @@ mod tests {
         assert_eq!(names.len(), all.len());
         for m in all
             .iter()
-            .filter(|m| m.name != "resnet50" && m.name != "resnet34")
+            .filter(|m| m.name != "resnet50" && m.name != "resnet34" && m.input == InputKind::Image)
         {
             let net = m.build(m.input_shape, 10, 1).unwrap();
             assert!(net.num_parameters() > 0, "{}", m.name);
@@ -241,9 +280,37 @@ mod tests {
     fn every_model_names_a_known_recipe() {
         for m in models() {
             let r = crate::train::Recipe::find(m.recipe).unwrap();
-            r.normalize_for(m.input_shape[0]).unwrap();
+            crate::train::find_task(m.task).unwrap();
+            if m.input == InputKind::Image {
+                r.normalize_for(m.input_shape[0]).unwrap();
+            }
         }
         assert_eq!(find("resnet20").unwrap().recipe, "resnet-cifar");
         assert_eq!(find("cifar-net").unwrap().recipe, "documents");
+    }
+
+    #[test]
+    fn text_models_build_from_a_config_and_refuse_image_shapes() {
+        let cfg = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/bert/tiny/cls/config.json");
+        let cls = find("bert-classifier").unwrap();
+        let net = cls.build_text(&cfg, 3, 0).unwrap();
+        let head = net
+            .tensors()
+            .into_iter()
+            .find(|(n, ..)| n == "classifier.weight")
+            .map(|(_, t, ..)| t.shape().to_vec());
+        assert_eq!(head.unwrap()[0], 3);
+        let mlm = find("bert-mlm").unwrap().build_text(&cfg, 1, 0).unwrap();
+        assert!(mlm
+            .tensors()
+            .iter()
+            .any(|(n, ..)| n == "cls.predictions.transform.dense.weight"));
+        let e = err_of(cls.build([3, 32, 32], 10, 0));
+        assert!(e.contains("text model"), "{e}");
+        let e = err_of(find("mlp").unwrap().build_text(&cfg, 2, 0));
+        assert!(e.contains("image model"), "{e}");
+        let e = err_of(cls.build_text(std::path::Path::new("/nonexistent/config.json"), 2, 0));
+        assert!(e.contains("/nonexistent/config.json"), "{e}");
     }
 }
