@@ -465,7 +465,14 @@ fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     #[cfg(not(target_arch = "x86_64"))]
     let (bf16_dot, avx2) = (false, false);
     let f32_kernel = if avx2 { "avx2-fma" } else { "portable" };
-    let bf16_kernel = if bf16_dot { "avx512bf16" } else { f32_kernel };
+    let amx = Kernel::AmxBf16.is_available();
+    let bf16_kernel = if amx {
+        "amx-bf16"
+    } else if bf16_dot {
+        "avx512bf16"
+    } else {
+        f32_kernel
+    };
     println!(
         "bf16 x bf16 -> {}, otherwise {}",
         kernel_name(DType::BF16, DType::BF16),

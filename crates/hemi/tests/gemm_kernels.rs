@@ -469,3 +469,69 @@ fn half_products_take_the_wide_kernel_where_it_suits() {
         );
     }
 }
+
+/// `amx-bf16` and `portable-amx` read the same panels. On small integers every partial sum
+/// is exact in F32 (|sum| < 2^24), so whatever order the hardware adds in, the two agree to
+/// the bit, and a misplaced, dropped or doubled element of any panel shows; on random values
+/// they agree within the F32 summation bound (each is checked against F64 in
+/// `tests/gemm_half.rs`). Every layout, k past a block (512) and odd, edge tiles (m, n no
+/// multiples of 32), accumulating or not. Skipped where the CPU or the OS gives no AMX.
+#[test]
+fn amx_agrees_with_its_portable_twin() {
+    if !Kernel::AmxBf16.is_available() {
+        println!("no usable AMX here: amx-bf16 not run");
+        return;
+    }
+    let mut rng = Generator::new(76);
+    let cases = [
+        (1, 1, 1),
+        (33, 31, 47),
+        (64, 64, 64),
+        (70, 1100, 40),
+        (300, 97, 65),
+        (5, 2049, 3),
+    ];
+    for (ci, &(m, k, n)) in cases.iter().enumerate() {
+        for accumulate in [false, true] {
+            for integers in [true, false] {
+                let (mut abuf, asd) = f32_view(m, k, ci, &mut rng);
+                let (mut bbuf, bsd) = f32_view(k, n, ci + 1 + usize::from(accumulate), &mut rng);
+                if integers {
+                    for x in abuf.iter_mut().chain(bbuf.iter_mut()) {
+                        *x = (*x * 8.0).round();
+                    }
+                }
+                let ab: Vec<half::bf16> = abuf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                let bb: Vec<half::bf16> = bbuf.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                let (a, b) = (view(&abuf, m, k, asd), view(&bbuf, k, n, bsd));
+                let (ab, bb) = (same_view(&ab, &a), same_view(&bb, &b));
+                let run = |kernel| {
+                    let mut dst: Vec<f32> = (0..m * n).map(|i| (i % 64) as f32).collect();
+                    gemm_with(kernel, &mut dst, ab, bb, accumulate, true);
+                    dst
+                };
+                let (fast, twin) = (run(Kernel::AmxBf16), run(Kernel::PortableAmx));
+                for (idx, (x, y)) in fast.iter().zip(&twin).enumerate() {
+                    let (i, j) = (idx / n, idx % n);
+                    let mut abs = if accumulate { (idx % 64) as f64 } else { 0.0 };
+                    for p in 0..k {
+                        let at = |v: &MatRef<'_, half::bf16>, r: usize, c: usize| {
+                            f64::from(v.data[(r as isize * v.rs + c as isize * v.cs) as usize])
+                        };
+                        abs += (at(&ab, i, p) * at(&bb, p, j)).abs();
+                    }
+                    let tol = if integers {
+                        0.0
+                    } else {
+                        4.0 * (k as f64 + 2.0) * f64::powi(2.0, -24) * abs
+                    };
+                    assert!(
+                        (f64::from(*x) - f64::from(*y)).abs() <= tol,
+                        "{m}x{k}x{n} acc {accumulate} integers {integers} layouts {asd:?} \
+                         {bsd:?}: ({i}, {j}): {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -62,7 +62,16 @@ const MAX_KC: usize = 512;
 /// Packed B blocks up to this many elements (256 KiB) are swept a row of tiles at a time.
 const ACROSS_MAX_B: usize = 64 * 1024;
 /// The largest MR·NR of any kernel (stack buffer of an edge tile).
-const MAX_TILE: usize = 14 * 32;
+const MAX_TILE: usize = AMX_MR * AMX_NR;
+
+/// Tile (MR×NR) of the AMX-format kernels (`amx-bf16` and its twin `portable-amx`): 2×2 AMX
+/// tiles of 16×16 F32.
+const AMX_MR: usize = 32;
+const AMX_NR: usize = 32;
+const AMX_KC: usize = 512;
+const AMX_MC: usize = 256;
+const AMX_NC: usize = 2048;
+const _: () = assert!(AMX_KC <= MAX_KC && AMX_KC.is_multiple_of(32));
 
 /// Tile (MR×NR) and blocking (KC, MC, NC) of the wide F32-panel kernels (`avx512f` and its
 /// twin `portable-wide`); see `PortableF32Wide`.
@@ -101,16 +110,32 @@ pub enum Kernel {
     /// a row): any operand dtypes. Needs AVX-512 F, plus AVX2, FMA and F16C for the packing
     /// (every AVX-512 CPU has them).
     Avx512F32,
+    /// Plain Rust on the AMX panels (32×32 tiles: A rows of BF16 pairs, B panels as the
+    /// BF16-pair format), summing as the Intel SDM's pseudocode of `tdpbf16ps` does (per
+    /// pair, the even k index's product, then the odd one's): BF16×BF16 only. It exists so
+    /// the AMX packing is tested on CPUs without AMX. The hardware sums in an order (or with
+    /// internal precision) the SDM does not give: measured on a Sapphire-Rapids-class Xeon,
+    /// 60 % of the elements of random 16×32·32×16 products equal this sequential sum (and 62
+    /// % the correctly rounded one), the rest differ in the last bits. So the two agree to
+    /// the bit only where every partial sum is exact (`tests/gemm_kernels.rs`), and each is
+    /// checked against F64 with the F32 summation bound.
+    PortableAmx,
+    /// Intel AMX `tdpbf16ps` on the AMX panels: four 16×16 F32 accumulator tiles, two A and
+    /// two B tiles of 16 rows × 32 BF16 per 32 k indices. BF16×BF16 only. Needs AMX-TILE,
+    /// AMX-BF16 and the operating system's permission to use the tile data (`amx_usable`).
+    AmxBf16,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 6] = [
+    pub const ALL: [Kernel; 8] = [
         Kernel::PortableF32,
         Kernel::PortableBf16Pairs,
         Kernel::PortableF32Wide,
+        Kernel::PortableAmx,
         Kernel::Avx2Fma,
         Kernel::Avx512Bf16,
         Kernel::Avx512F32,
+        Kernel::AmxBf16,
     ];
 
     pub fn name(self) -> &'static str {
@@ -121,13 +146,18 @@ impl Kernel {
             Kernel::Avx512Bf16 => "avx512bf16",
             Kernel::PortableF32Wide => "portable-wide",
             Kernel::Avx512F32 => "avx512f",
+            Kernel::PortableAmx => "portable-amx",
+            Kernel::AmxBf16 => "amx-bf16",
         }
     }
 
     /// Whether this CPU can run the kernel.
     pub fn is_available(self) -> bool {
         match self {
-            Kernel::PortableF32 | Kernel::PortableBf16Pairs | Kernel::PortableF32Wide => true,
+            Kernel::PortableF32
+            | Kernel::PortableBf16Pairs
+            | Kernel::PortableF32Wide
+            | Kernel::PortableAmx => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2")
@@ -147,8 +177,10 @@ impl Kernel {
                     && std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::AmxBf16 => x86::amx_usable(),
             #[cfg(not(target_arch = "x86_64"))]
-            Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => false,
+            Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 | Kernel::AmxBf16 => false,
         }
     }
 
@@ -159,7 +191,10 @@ impl Kernel {
             Kernel::PortableF32 | Kernel::Avx2Fma | Kernel::PortableF32Wide | Kernel::Avx512F32 => {
                 half_or_f32(a) && half_or_f32(b)
             }
-            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => a == DType::BF16 && b == DType::BF16,
+            Kernel::PortableBf16Pairs
+            | Kernel::Avx512Bf16
+            | Kernel::PortableAmx
+            | Kernel::AmxBf16 => a == DType::BF16 && b == DType::BF16,
         }
     }
 
@@ -169,6 +204,7 @@ impl Kernel {
             Kernel::PortableF32 | Kernel::Avx2Fma => (6, 16),
             Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (14, 32),
             Kernel::PortableF32Wide | Kernel::Avx512F32 => (WIDE_MR, WIDE_NR),
+            Kernel::PortableAmx | Kernel::AmxBf16 => (AMX_MR, AMX_NR),
         }
     }
 }
@@ -210,7 +246,9 @@ pub fn select_kernel(a: DType, b: DType) -> Kernel {
             return k;
         }
     }
-    if a == DType::BF16 && b == DType::BF16 && Kernel::Avx512Bf16.is_available() {
+    if a == DType::BF16 && b == DType::BF16 && Kernel::AmxBf16.is_available() {
+        Kernel::AmxBf16
+    } else if a == DType::BF16 && b == DType::BF16 && Kernel::Avx512Bf16.is_available() {
         Kernel::Avx512Bf16
     } else if Kernel::Avx2Fma.is_available() {
         Kernel::Avx2Fma
@@ -414,11 +452,15 @@ fn run_task<A: WithDType, B: WithDType>(
         // SAFETY: `gemm_with` checked `Kernel::Avx512Bf16.is_available()`.
         Kernel::Avx512Bf16 => unsafe { x86::run_tile_avx512bf16::<A, B>(job, rows, cols, ws) },
         Kernel::PortableF32Wide => run_tile::<PortableF32Wide, A, B>(job, rows, cols, ws),
+        Kernel::PortableAmx => run_tile::<PortableAmx, A, B>(job, rows, cols, ws),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm_with` checked `Kernel::AmxBf16.is_available()` (AMX usable).
+        Kernel::AmxBf16 => unsafe { x86::run_tile_amx::<A, B>(job, rows, cols, ws) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx512F32.is_available()`.
         Kernel::Avx512F32 => unsafe { x86::run_tile_avx512f::<A, B>(job, rows, cols, ws) },
         #[cfg(not(target_arch = "x86_64"))]
-        Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 => {
+        Kernel::Avx2Fma | Kernel::Avx512Bf16 | Kernel::Avx512F32 | Kernel::AmxBf16 => {
             unreachable!("checked by is_available")
         }
     })
@@ -433,6 +475,9 @@ trait Micro {
     type P: Packed;
     /// k indices per packed step: 1 (F32 panels) or 2 (BF16 pairs).
     const KSTEP: usize;
+    /// The steps of a panel are padded (with zeros) to a multiple of this: 16 for AMX, whose
+    /// tiles take 16 pair steps at once.
+    const STEP_ALIGN: usize = 1;
     const MR: usize;
     const NR: usize;
     /// k indices per block (a multiple of 8). Each block is one more load and store of C per
@@ -444,7 +489,7 @@ trait Micro {
     /// Columns per B block (a multiple of NR): a KC×NC B block stays in L3.
     const NC: usize;
     /// Packs rows `i0..i0 + h`, k indices `p0..p0 + kc` of `a` into `ceil(h / MR)` panels of
-    /// `ceil(kc / KSTEP) * MR` elements each (see the format).
+    /// `steps(kc) * MR` elements each (see the format).
     fn pack_a<T: WithDType>(
         a: &MatRef<'_, T>,
         i0: usize,
@@ -490,8 +535,12 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
     let (mr, nr) = (M::MR, M::NR);
     let k = job.k;
     // Equal k blocks, so that no block is a sliver: k = 600 gives blocks of 304 and 296.
-    let kc_max = k.div_ceil(k.div_ceil(M::KC)).next_multiple_of(8).min(M::KC);
-    let steps_max = kc_max.div_ceil(M::KSTEP);
+    let kc_align = (M::KSTEP * M::STEP_ALIGN).max(8);
+    let kc_max = k
+        .div_ceil(k.div_ceil(M::KC))
+        .next_multiple_of(kc_align)
+        .min(M::KC);
+    let steps_max = packed_steps::<M>(kc_max);
     let mc_max = rows.len().min(M::MC).next_multiple_of(mr);
     let nc_max = cols.len().min(M::NC).next_multiple_of(nr);
     let (apack, bpack) = ws.buffers::<M::P>(mc_max * steps_max, nc_max * steps_max);
@@ -503,7 +552,7 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
         let n_panels = nc.div_ceil(nr);
         for pc in (0..k).step_by(kc_max) {
             let kc = (k - pc).min(kc_max);
-            let steps = kc.div_ceil(M::KSTEP);
+            let steps = packed_steps::<M>(kc);
             let (a_len, b_len) = (steps * mr, steps * nr);
             M::pack_b(&bt, jc, nc, pc, kc, &mut bpack[..n_panels * b_len]);
             // Tile order: down a column of tiles (the B micro-panel stays in L1 while the A
@@ -558,6 +607,12 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             }
         }
     }
+}
+
+/// Packed steps of a panel holding `kc` k indices.
+#[inline(always)]
+fn packed_steps<M: Micro>(kc: usize) -> usize {
+    kc.div_ceil(M::KSTEP).next_multiple_of(M::STEP_ALIGN)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -718,10 +773,12 @@ fn bf16_bits_to_f32(h: u16) -> f32 {
 
 /// BF16 pairs: panel t holds rows `i0 + t*W ..` of `x`; with i = i0 + t*W + r,
 /// `panel[q * W + r] = bits x(i, p0 + 2q) | bits x(i, p0 + 2q + 1) << 16` for q < ceil(kc / 2),
-/// the high half zero past kc, rows past `h` zero. This is the layout `vdpbf16ps` reads: lane
-/// j of a register holds the even k index in its low 16 bits.
+/// the high half zero past kc, rows past `h` zero, and the steps padded with zeros to a
+/// multiple of ALIGN. This is the layout `vdpbf16ps` reads: lane j of a register holds the
+/// even k index in its low 16 bits; and, with W = 32, two AMX B tiles side by side (16 rows
+/// of 16 columns × a pair, 128 bytes apart).
 #[inline(always)]
-fn pack_pairs<const W: usize, T: WithDType>(
+fn pack_pairs<const W: usize, const ALIGN: usize, T: WithDType>(
     x: &MatRef<'_, T>,
     i0: usize,
     h: usize,
@@ -732,18 +789,19 @@ fn pack_pairs<const W: usize, T: WithDType>(
     let Some(s) = same_slice::<T, bf16>(x.data) else {
         unreachable!("gemm_with checks that pair kernels get BF16 operands")
     };
-    let steps = kc.div_ceil(2);
+    let real = kc.div_ceil(2);
+    let steps = real.next_multiple_of(ALIGN);
     let (n_panels, plen) = (h.div_ceil(W), steps * W);
     let out = &mut out[..n_panels * plen];
     let bits = |o: isize| s[o as usize].to_bits() as u32;
     if x.rs == 1 && h > 1 {
         // The rows of one k index are contiguous: zip the runs of k indices 2q and 2q + 1,
         // PACK_STEPS k indices of every panel in turn (see PACK_STEPS).
-        for qs in (0..steps).step_by(PACK_STEPS / 2) {
+        for qs in (0..real).step_by(PACK_STEPS / 2) {
             for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
                 let w = (h - t * W).min(W);
                 let pair_steps = panel.chunks_exact_mut(W).enumerate().skip(qs);
-                for (q, step) in pair_steps.take(PACK_STEPS / 2) {
+                for (q, step) in pair_steps.take((PACK_STEPS / 2).min(real - qs)) {
                     let p = p0 + 2 * q;
                     let lo = &s[x.offset(i0 + t * W, p) as usize..][..w];
                     if 2 * q + 1 < kc {
@@ -773,7 +831,7 @@ fn pack_pairs<const W: usize, T: WithDType>(
                         step[r] = pair[0].to_bits() as u32 | hi << 16;
                     }
                 } else {
-                    for (q, step) in panel.chunks_exact_mut(W).enumerate() {
+                    for (q, step) in panel.chunks_exact_mut(W).enumerate().take(real) {
                         let lo = bits(at + 2 * q as isize * x.cs);
                         let hi = if 2 * q + 1 < kc {
                             bits(at + (2 * q + 1) as isize * x.cs)
@@ -785,12 +843,82 @@ fn pack_pairs<const W: usize, T: WithDType>(
                 }
             }
             if w < W {
-                for step in panel.chunks_exact_mut(W) {
+                for step in panel.chunks_exact_mut(W).take(real) {
                     step[w..].fill(0);
                 }
             }
         }
     }
+    if steps > real {
+        for panel in out.chunks_exact_mut(plen) {
+            panel[real * W..].fill(0);
+        }
+    }
+}
+
+/// AMX A panels: panel t holds rows `i0 + t*AMX_MR ..` of `x`, row-major: as 16-bit
+/// elements, `panel16[r * 2*steps + p] = bits x(i0 + t*AMX_MR + r, p0 + p)` for p < kc, with
+/// `steps = ceil(kc / 2)` padded to a multiple of 16, zeros past kc and in rows past `h`.
+/// A row of 16 pair steps is one row of an AMX A tile (16 × 32 BF16), rows `2*steps * 2`
+/// bytes apart. (Defined in 16-bit elements, so the portable twin reads it the same way
+/// whatever the byte order; on x86 the even k index is the low half of each u32.)
+#[inline(always)]
+fn pack_amx_a<T: WithDType>(
+    x: &MatRef<'_, T>,
+    i0: usize,
+    h: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut [u32],
+) {
+    let Some(s) = same_slice::<T, bf16>(x.data) else {
+        unreachable!("gemm_with checks that AMX kernels get BF16 operands")
+    };
+    let row_len = 2 * kc.div_ceil(2).next_multiple_of(16);
+    let (n_panels, plen) = (h.div_ceil(AMX_MR), AMX_MR * row_len);
+    let out = as_halves(&mut out[..n_panels * plen / 2]);
+    for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
+        let w = (h - t * AMX_MR).min(AMX_MR);
+        let r0 = i0 + t * AMX_MR;
+        if x.cs == 1 {
+            // Row-major A: each row is a copy of the block's run of k indices.
+            for (r, row) in panel.chunks_exact_mut(row_len).take(w).enumerate() {
+                let run = &s[x.offset(r0 + r, p0) as usize..][..kc];
+                for (o, v) in row.iter_mut().zip(run) {
+                    *o = v.to_bits();
+                }
+                row[kc..].fill(0);
+            }
+        } else if x.rs == 1 {
+            // Column-major A (a transposed operand): the rows of one k index are contiguous,
+            // so read them in order and scatter a column of the panel.
+            for p in 0..kc {
+                let run = &s[x.offset(r0, p0 + p) as usize..][..w];
+                for (r, v) in run.iter().enumerate() {
+                    panel[r * row_len + p] = v.to_bits();
+                }
+            }
+            for row in panel.chunks_exact_mut(row_len).take(w) {
+                row[kc..].fill(0);
+            }
+        } else {
+            for (r, row) in panel.chunks_exact_mut(row_len).take(w).enumerate() {
+                for (p, o) in row[..kc].iter_mut().enumerate() {
+                    *o = s[x.offset(r0 + r, p0 + p) as usize].to_bits();
+                }
+                row[kc..].fill(0);
+            }
+        }
+        panel[w * row_len..].fill(0);
+    }
+}
+
+/// A pack buffer of u32 seen as twice as many u16.
+#[inline(always)]
+fn as_halves(x: &mut [u32]) -> &mut [u16] {
+    // SAFETY: u16 has a smaller alignment than u32, every bit pattern is valid for both, and
+    // the new slice covers exactly the same bytes, borrowed mutably from `x`.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u16>(), x.len() * 2) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1015,7 +1143,7 @@ impl Micro for PortablePairs {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<14, T>(a, i0, h, p0, kc, out)
+        pack_pairs::<14, 1, T>(a, i0, h, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1027,7 +1155,7 @@ impl Micro for PortablePairs {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<32, T>(bt, j0, w, p0, kc, out)
+        pack_pairs::<32, 1, T>(bt, j0, w, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1070,6 +1198,82 @@ impl Micro for PortablePairs {
     }
 }
 
+/// Blocking of the AMX kernels, for Sapphire Rapids (48 KiB L1d, 2 MiB L2 per core): the B
+/// micro-panel is 256 pair steps × 32 × 4 B = 32 KiB, an A block 256 × 512 BF16 = 256 KiB.
+struct PortableAmx;
+
+impl Micro for PortableAmx {
+    type P = u32;
+    const KSTEP: usize = 2;
+    const STEP_ALIGN: usize = 16;
+    const MR: usize = AMX_MR;
+    const NR: usize = AMX_NR;
+    const KC: usize = AMX_KC;
+    const MC: usize = AMX_MC;
+    const NC: usize = AMX_NC;
+
+    #[inline(always)]
+    fn pack_a<T: WithDType>(
+        a: &MatRef<'_, T>,
+        i0: usize,
+        h: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [u32],
+    ) {
+        pack_amx_a(a, i0, h, p0, kc, out)
+    }
+
+    #[inline(always)]
+    fn pack_b<T: WithDType>(
+        bt: &MatRef<'_, T>,
+        j0: usize,
+        w: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut [u32],
+    ) {
+        pack_pairs::<AMX_NR, 16, T>(bt, j0, w, p0, kc, out)
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        ldc: usize,
+        load_c: bool,
+    ) {
+        // SAFETY: the caller guarantees `steps` steps of MR and NR elements; the A panel is
+        // read as the 16-bit elements it was written as.
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(a.cast::<u16>(), 2 * steps * AMX_MR),
+                std::slice::from_raw_parts(b, steps * AMX_NR),
+            )
+        };
+        let mut acc = [[0f32; AMX_NR]; AMX_MR];
+        for (acc_row, a_row) in acc.iter_mut().zip(a.chunks_exact(2 * steps)) {
+            for (pair, bp) in a_row.chunks_exact(2).zip(b.chunks_exact(AMX_NR)) {
+                let (x0, x1) = (bf16_bits_to_f32(pair[0]), bf16_bits_to_f32(pair[1]));
+                for (s, &y) in acc_row.iter_mut().zip(bp) {
+                    let (y0, y1) = (
+                        bf16_bits_to_f32(y as u16),
+                        bf16_bits_to_f32((y >> 16) as u16),
+                    );
+                    // As the Intel SDM's pseudocode of `tdpbf16ps`: products of BF16 values
+                    // are exact in F32; the even k index's is added first, then the odd one's.
+                    *s += x0 * y0;
+                    *s += x1 * y1;
+                }
+            }
+        }
+        // SAFETY: the caller guarantees C is MR rows of NR at stride ldc.
+        unsafe { store_tile(&acc, c, ldc, load_c) }
+    }
+}
+
 /// Stores an accumulator tile: `c = (load_c ? c : 0) + acc`.
 ///
 /// # Safety
@@ -1095,7 +1299,8 @@ unsafe fn store_tile<const R: usize, const N: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{pack_f32, pack_pairs, run_tile, Job, Micro, Workspace};
+    use super::{pack_amx_a, pack_f32, pack_pairs, run_tile, Job, Micro, Workspace};
+    use super::{AMX_KC, AMX_MC, AMX_MR, AMX_NC, AMX_NR};
     use super::{WIDE_KC, WIDE_MC, WIDE_MR, WIDE_NC, WIDE_NR};
     use crate::cpu::gemm::MatRef;
     use crate::dtype::WithDType;
@@ -1381,7 +1586,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<14, T>(a, i0, h, p0, kc, out)
+            pack_pairs::<14, 1, T>(a, i0, h, p0, kc, out)
         }
 
         #[inline(always)]
@@ -1393,7 +1598,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<32, T>(bt, j0, w, p0, kc, out)
+            pack_pairs::<32, 1, T>(bt, j0, w, p0, kc, out)
         }
 
         #[inline(always)]
@@ -1564,6 +1769,221 @@ mod x86 {
                         s
                     };
                     _mm512_storeu_ps(p, s);
+                }
+            }
+        }
+    }
+
+    /// Whether this process may run AMX BF16 code: the CPU has AMX-TILE and AMX-BF16
+    /// (CPUID leaf 7), the OS saves the tile state (XCR0 bits 17 and 18), and Linux granted
+    /// the tile data to the process (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
+    /// asked once; without it the first tile instruction faults). `HEMI_NO_AMX` set turns
+    /// it off (to measure the other kernels on an AMX CPU).
+    pub(super) fn amx_usable() -> bool {
+        static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *USABLE.get_or_init(|| {
+            std::env::var_os("HEMI_NO_AMX").is_none() && cpu_has_amx() && request_amx()
+        })
+    }
+
+    fn cpu_has_amx() -> bool {
+        // Leaf 7 exists when leaf 0 says so (and reads as zeros otherwise).
+        let (max_leaf, leaf7) = (__cpuid(0).eax, __cpuid_count(7, 0));
+        let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
+        if max_leaf < 7 || !amx_bf16 || !amx_tile {
+            return false;
+        }
+        // OSXSAVE (CPUID.1:ECX bit 27) makes XGETBV legal.
+        if __cpuid(1).ecx >> 27 & 1 == 0 {
+            return false;
+        }
+        let xcr0: u64;
+        // SAFETY: XGETBV with ECX = 0 reads XCR0; OSXSAVE was checked above.
+        unsafe {
+            let (lo, hi): (u32, u32);
+            std::arch::asm!("xgetbv", in("ecx") 0, out("eax") lo, out("edx") hi,
+                options(nomem, nostack, preserves_flags));
+            xcr0 = (hi as u64) << 32 | lo as u64;
+        }
+        xcr0 >> 17 & 3 == 3
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_amx() -> bool {
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        const SYS_ARCH_PRCTL: usize = 158;
+        let ret: isize;
+        // SAFETY: the arch_prctl system call with these arguments only changes which extended
+        // states this process may use; it reads and writes no user memory.
+        unsafe {
+            std::arch::asm!("syscall",
+                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        ret == 0
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_amx() -> bool {
+        false
+    }
+
+    /// The tile configuration (palette 1): tiles 0–7 of 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn all_16x64() -> TileConfig {
+            let mut c = [0u8; 64];
+            c[0] = 1; // palette
+            for t in 0..8 {
+                c[16 + 2 * t] = 64; // bytes per row (colsb), little-endian u16
+                c[48 + t] = 16; // rows
+            }
+            TileConfig(c)
+        }
+    }
+
+    /// Releases the tile state when dropped (also when a panic unwinds through the product).
+    struct TileRelease;
+
+    impl Drop for TileRelease {
+        fn drop(&mut self) {
+            // SAFETY: `run_tile_amx` configured the tiles before making this guard.
+            unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+        }
+    }
+
+    /// `run_tile` on the AMX kernel, with the tiles configured for it on this thread.
+    ///
+    /// # Safety
+    /// `amx_usable()` is true.
+    pub(super) unsafe fn run_tile_amx<A: WithDType, B: WithDType>(
+        job: &Job<'_, A, B>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        ws: &mut Workspace,
+    ) {
+        let config = TileConfig::all_16x64();
+        // SAFETY: the caller checked that AMX is usable; the configuration is valid for
+        // palette 1 (at most 16 rows, 64 bytes per row).
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(),
+                options(nostack, readonly))
+        };
+        let _release = TileRelease;
+        run_tile::<AmxBf16, A, B>(job, rows, cols, ws)
+    }
+
+    /// Panels and blocking as `PortableAmx`.
+    struct AmxBf16;
+
+    impl Micro for AmxBf16 {
+        type P = u32;
+        const KSTEP: usize = 2;
+        const STEP_ALIGN: usize = 16;
+        const MR: usize = AMX_MR;
+        const NR: usize = AMX_NR;
+        const KC: usize = AMX_KC;
+        const MC: usize = AMX_MC;
+        const NC: usize = AMX_NC;
+
+        #[inline(always)]
+        fn pack_a<T: WithDType>(
+            a: &MatRef<'_, T>,
+            i0: usize,
+            h: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [u32],
+        ) {
+            pack_amx_a(a, i0, h, p0, kc, out)
+        }
+
+        #[inline(always)]
+        fn pack_b<T: WithDType>(
+            bt: &MatRef<'_, T>,
+            j0: usize,
+            w: usize,
+            p0: usize,
+            kc: usize,
+            out: &mut [u32],
+        ) {
+            pack_pairs::<AMX_NR, 16, T>(bt, j0, w, p0, kc, out)
+        }
+
+        /// Per 16 pair steps: A rows 0–15 and 16–31 into tiles 4 and 5 (rows `steps` u32
+        /// apart), B columns 0–15 and 16–31 into tiles 6 and 7 (rows 128 bytes apart), four
+        /// `tdpbf16ps` into the accumulator tiles 0–3; then the tiles are stored to C, or to
+        /// a buffer added to C.
+        #[inline(always)]
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            ldc: usize,
+            load_c: bool,
+        ) {
+            debug_assert!(steps > 0 && steps.is_multiple_of(16));
+            #[repr(C, align(64))]
+            struct Buf([f32; AMX_MR * AMX_NR]);
+            let mut buf = Buf([0.0; AMX_MR * AMX_NR]);
+            let (dst, ld) = if load_c {
+                (buf.0.as_mut_ptr(), AMX_NR)
+            } else {
+                (c, ldc)
+            };
+            // SAFETY: the caller guarantees `steps` pair steps of 32 A rows (row-major, row
+            // stride `steps` u32) and 32 B columns (128 bytes a step), and 32 rows of 32
+            // writable F32 at stride `ld` in `dst` (C, or the buffer); `run_tile_amx`
+            // configured tiles 0-7 as 16 rows of 64 bytes. Only tile registers, the
+            // pointer copies and the flags are changed.
+            unsafe {
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "2:",
+                    "tileloadd tmm4, [{a} + {sa}]",
+                    "tileloadd tmm5, [{a2} + {sa}]",
+                    "tileloadd tmm6, [{b} + {sb}]",
+                    "tileloadd tmm7, [{b} + {sb} + 64]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "add {a}, 64",
+                    "add {a2}, 64",
+                    "add {b}, 2048",
+                    "dec {n}",
+                    "jnz 2b",
+                    "tilestored [{d} + {sd}], tmm0",
+                    "tilestored [{d} + {sd} + 64], tmm1",
+                    "tilestored [{d2} + {sd}], tmm2",
+                    "tilestored [{d2} + {sd} + 64], tmm3",
+                    a = inout(reg) a => _,
+                    a2 = inout(reg) a.add(16 * steps) => _,
+                    b = inout(reg) b => _,
+                    n = inout(reg) steps / 16 => _,
+                    sa = in(reg) steps * 4,
+                    sb = in(reg) AMX_NR * 4,
+                    d = in(reg) dst,
+                    d2 = in(reg) dst.add(16 * ld),
+                    sd = in(reg) ld * 4,
+                    options(nostack),
+                );
+            }
+            if load_c {
+                for (r, row) in buf.0.chunks_exact(AMX_NR).enumerate() {
+                    // SAFETY: row r of the C tile, 32 F32, per the caller's guarantee.
+                    let c_row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), AMX_NR) };
+                    for (d, &s) in c_row.iter_mut().zip(row) {
+                        *d += s;
+                    }
                 }
             }
         }
