@@ -367,6 +367,47 @@ fn sum_mean_forward(dtype: DType) {
 }
 dtype_tests!(sum_mean_match_f64, super::sum_mean_forward);
 
+/// Sums over leading dims (a bias gradient, the backward of a broadcast) read the input in
+/// place, column blocks of rows, instead of gathering its transpose: checked against F64
+/// with the F32 summation bound on odd sizes past the column block (256) and the row block
+/// (64), on the thread pool's path (≥ 2^15 elements), with a size-1 dim among the reduced
+/// ones, on a view whose kept dim is strided (not this path), and for mean.
+fn leading_dim_sums(dtype: DType) {
+    let mut rng = Generator::new(17);
+    for (shape, dims, strided) in [
+        (vec![131usize, 300], vec![0isize], false),
+        (vec![3, 1, 45, 261], vec![0, 1, 2], false),
+        (vec![7, 1030, 5], vec![0], false),
+        (vec![129, 77], vec![0], true),
+    ] {
+        let (t, v) = rand_tensor(&shape, dtype, strided, &mut rng);
+        let dims_u: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+        let outer: usize = shape[dims.len()..].iter().product();
+        let inner = v.len() / outer;
+        let (mut want, mut abs) = (vec![0.0; outer], vec![0.0; outer]);
+        for (i, x) in v.iter().enumerate() {
+            want[i % outer] += x;
+            abs[i % outer] += x.abs();
+        }
+        assert!(dims_u.iter().enumerate().all(|(i, &d)| i == d));
+        let s = t.sum(&dims, false).unwrap();
+        assert_eq!(s.shape(), &shape[dims.len()..]);
+        assert_sums_close("sum leading", &s.to_vec_f64(), &want, &abs, inner, dtype);
+        let m = t.mean(&dims, false).unwrap();
+        let mean: Vec<f64> = want.iter().map(|w| w / inner as f64).collect();
+        let mean_abs: Vec<f64> = abs.iter().map(|a| a / inner as f64).collect();
+        assert_sums_close(
+            "mean leading",
+            &m.to_vec_f64(),
+            &mean,
+            &mean_abs,
+            inner + 1,
+            dtype,
+        );
+    }
+}
+dtype_tests!(leading_dim_sums_match_f64, super::leading_dim_sums);
+
 #[test]
 fn long_f16_sum_accumulates_in_f32() {
     // 4096 copies of 1.0 + 2^-11: an F16 accumulator would stall at 2048.

@@ -244,7 +244,7 @@ impl UnaryOp {
             UnaryOp::Gelu => {
                 // Φ(x) + x φ(x)
                 let cdf = c(0.5) * (C::one() + (x * c(std::f64::consts::FRAC_1_SQRT_2)).erf());
-                let pdf = (-c(0.5) * x * x).exp() * c(0.398_942_280_401_432_7);
+                let pdf = (-c(0.5) * x * x).exp_fast() * c(0.398_942_280_401_432_7);
                 cdf + x * pdf
             }
             UnaryOp::GeluTanh => {

@@ -32,6 +32,93 @@ pub(crate) fn sum_slice<C: FloatDType>(x: &[C]) -> C {
     s
 }
 
+/// Where `layout` (the reduced dims last, as `ops::reduce` permutes them) addresses a
+/// contiguous block of memory in which the reduced dims come first, i.e. element (o, i) of
+/// the [outer, inner] view lies at `base + i*outer + o`: the offset `base`. This is a sum over
+/// leading dims (a bias gradient, `sum_to_shape` after a broadcast), which otherwise costs a
+/// transposing gather of the whole input.
+fn leading_reduction(layout: &Layout, outer: usize, inner: usize) -> Option<usize> {
+    let (shape, strides) = (layout.shape(), layout.strides());
+    if outer <= 1 || inner <= 1 {
+        return None;
+    }
+    let mut prefix = 1;
+    let q = (0..=shape.len()).find(|&q| {
+        let found = prefix == outer;
+        if q < shape.len() {
+            prefix *= shape[q];
+        }
+        found
+    })?;
+    // Contiguous strides of the kept dims (scale 1) and of the reduced ones (scale outer);
+    // dims of size 1 have no say.
+    let fits = |dims: std::ops::Range<usize>, scale: usize| {
+        let mut expect = scale;
+        for d in dims.rev() {
+            if shape[d] != 1 && strides[d] != expect {
+                return false;
+            }
+            expect *= shape[d];
+        }
+        true
+    };
+    (fits(0..q, 1) && fits(q..shape.len(), outer)).then_some(layout.offset())
+}
+
+/// `out[o] = Σ_i x[base + i*outer + o]` for o < outer, i < inner, in the compute type: rows
+/// converted a block of columns at a time and added in order, in partial sums of 64 rows
+/// added in order (error near that of a 64-way blocked sum). Each column is summed by one
+/// thread in the same order, whatever the thread count.
+fn column_sums<C: FloatDType>(x: &CpuStorage, base: usize, outer: usize, inner: usize) -> Vec<C> {
+    const COLS: usize = 256;
+    const ROWS: usize = 64;
+    let mut out = vec![C::zero(); outer];
+    let block = |(jb, o): (usize, &mut [C])| {
+        let (j0, w) = (jb * COLS, o.len());
+        let (mut part, mut buf) = ([C::zero(); COLS], [C::zero(); COLS]);
+        for rows in (0..inner).step_by(ROWS) {
+            part[..w].fill(C::zero());
+            for i in rows..inner.min(rows + ROWS) {
+                let at = base + i * outer + j0;
+                let buf = &mut buf[..w];
+                match x {
+                    CpuStorage::F32(v) => buf
+                        .iter_mut()
+                        .zip(&v[at..at + w])
+                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x))),
+                    CpuStorage::F16(v) => buf
+                        .iter_mut()
+                        .zip(&v[at..at + w])
+                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x.to_f32()))),
+                    CpuStorage::BF16(v) => buf
+                        .iter_mut()
+                        .zip(&v[at..at + w])
+                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x.to_f32()))),
+                    CpuStorage::F64(v) => buf
+                        .iter_mut()
+                        .zip(&v[at..at + w])
+                        .for_each(|(b, &x)| *b = C::from_f64(x)),
+                    CpuStorage::I64(v) => buf
+                        .iter_mut()
+                        .zip(&v[at..at + w])
+                        .for_each(|(b, &x)| *b = C::from_f64(x as f64)),
+                }
+                part[..w]
+                    .iter_mut()
+                    .zip(buf.iter())
+                    .for_each(|(p, &b)| *p += b);
+            }
+            o.iter_mut().zip(&part[..w]).for_each(|(o, &p)| *o += p);
+        }
+    };
+    if outer * inner < PAR_THRESHOLD {
+        out.chunks_mut(COLS).enumerate().for_each(block);
+    } else {
+        out.par_chunks_mut(COLS).enumerate().for_each(block);
+    }
+    out
+}
+
 /// `out[o] = f(values[o*inner .. (o+1)*inner])` in parallel over `o`.
 pub(crate) fn reduce_rows<C: FloatDType>(
     v: &[C],
@@ -240,6 +327,16 @@ impl ReduceOps for CpuStorage {
         out: DType,
     ) -> Result<Self> {
         Ok(crate::with_compute!(out, C => {
+            if let (ReduceOp::Sum | ReduceOp::Mean, Some(base)) =
+                (op, leading_reduction(layout, outer, inner))
+            {
+                let mut y = column_sums::<C>(self, base, outer, inner);
+                if op == ReduceOp::Mean {
+                    let scale = C::one() / C::from_f64(inner as f64);
+                    y.iter_mut().for_each(|v| *v *= scale);
+                }
+                return Ok(CpuStorage::store::<C>(y, out));
+            }
             let v = self.load::<C>(layout);
             let y = match op {
                 ReduceOp::Sum | ReduceOp::Mean => {

@@ -2,6 +2,7 @@
 //! that ties a Rust type to its `DType`. Bulk conversions live in `convert`.
 
 pub mod convert;
+pub mod fastmath;
 
 use half::{bf16, f16};
 
@@ -210,7 +211,11 @@ pub trait FloatDType:
     + std::ops::SubAssign
     + std::ops::MulAssign
 {
+    /// The error function (F32: `fastmath::erf_f32`, within 2.5 ulp and vectorisable).
     fn erf(self) -> Self;
+    /// e^x in loops that must vectorise (F32: `fastmath::exp_f32`, within 1.5 ulp; F64:
+    /// `exp`).
+    fn exp_fast(self) -> Self;
     /// `s` as F32 values when this type is `f32` (for kernels that take F32 beside F16/BF16).
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
         same_slice(s)
@@ -222,14 +227,22 @@ pub trait FloatDType:
 }
 
 impl FloatDType for f32 {
+    #[inline(always)]
     fn erf(self) -> Self {
-        libm::erff(self)
+        fastmath::erf_f32(self)
+    }
+    #[inline(always)]
+    fn exp_fast(self) -> Self {
+        fastmath::exp_f32(self)
     }
 }
 
 impl FloatDType for f64 {
     fn erf(self) -> Self {
         libm::erf(self)
+    }
+    fn exp_fast(self) -> Self {
+        self.exp()
     }
 }
 
