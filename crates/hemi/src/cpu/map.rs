@@ -166,6 +166,130 @@ macro_rules! specialize {
     };
 }
 
+/// `out[i] = op(a[i])` for an F32 chunk, on the widest vector unit this CPU has: the crate
+/// is built for baseline x86-64 (SSE2), and the polynomial ops (GELU's erf and exp) ran 4
+/// lanes wide. The same loop compiled with other features gives the same bits (IEEE +, ×,
+/// min, max and selects, no contraction into FMA).
+fn unary_chunk(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    match vector_level() {
+        // SAFETY: the CPU has the features (`vector_level`).
+        VectorLevel::Avx512 => return unsafe { x86_loops::unary_avx512(op, a, out) },
+        // SAFETY: as above.
+        VectorLevel::Avx2 => return unsafe { x86_loops::unary_avx2(op, a, out) },
+        VectorLevel::Baseline => {}
+    }
+    unary_loop(op, a, out)
+}
+
+/// `out[i] = g[i] · op'(s[i])` (s the saved input, or the output where `uses_out`) for F32
+/// chunks, as `unary_chunk`.
+fn unary_backward_chunk(op: UnaryOp, uses_out: bool, g: &[f32], s: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    match vector_level() {
+        // SAFETY: the CPU has the features (`vector_level`).
+        VectorLevel::Avx512 => {
+            return unsafe { x86_loops::unary_backward_avx512(op, uses_out, g, s, out) }
+        }
+        // SAFETY: as above.
+        VectorLevel::Avx2 => {
+            return unsafe { x86_loops::unary_backward_avx2(op, uses_out, g, s, out) }
+        }
+        VectorLevel::Baseline => {}
+    }
+    unary_backward_loop(op, uses_out, g, s, out)
+}
+
+#[inline(always)]
+fn unary_loop(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+    specialize!(op, o => for (y, &v) in out.iter_mut().zip(a) {
+        *y = o.f(v);
+    })
+}
+
+#[inline(always)]
+fn unary_backward_loop(op: UnaryOp, uses_out: bool, g: &[f32], s: &[f32], out: &mut [f32]) {
+    specialize!(op, o => if uses_out {
+        for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
+            *y = g * o.df(0.0, s);
+        }
+    } else {
+        for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
+            *y = g * o.df(s, 0.0);
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum VectorLevel {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+/// The widest vector unit of this CPU, detected once.
+#[cfg(target_arch = "x86_64")]
+fn vector_level() -> VectorLevel {
+    static LEVEL: std::sync::OnceLock<VectorLevel> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            VectorLevel::Avx512
+        } else if std::arch::is_x86_feature_detected!("avx2") {
+            VectorLevel::Avx2
+        } else {
+            VectorLevel::Baseline
+        }
+    })
+}
+
+/// The elementwise loops compiled for AVX2 and AVX-512 F (the `#[inline(always)]` loops
+/// above, inlined into functions with those features).
+#[cfg(target_arch = "x86_64")]
+mod x86_loops {
+    use super::{unary_backward_loop, unary_loop, UnaryOp};
+
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn unary_avx512(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+        unary_loop(op, a, out)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn unary_avx2(op: UnaryOp, a: &[f32], out: &mut [f32]) {
+        unary_loop(op, a, out)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn unary_backward_avx512(
+        op: UnaryOp,
+        uses_out: bool,
+        g: &[f32],
+        s: &[f32],
+        out: &mut [f32],
+    ) {
+        unary_backward_loop(op, uses_out, g, s, out)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn unary_backward_avx2(
+        op: UnaryOp,
+        uses_out: bool,
+        g: &[f32],
+        s: &[f32],
+        out: &mut [f32],
+    ) {
+        unary_backward_loop(op, uses_out, g, s, out)
+    }
+}
+
 impl UnaryOp {
     /// The function, in the compute type.
     #[inline(always)]
@@ -345,11 +469,7 @@ impl MapOps for CpuStorage {
         // compiled for a constant variant (a match outside the closure leaves `op` a
         // captured runtime value and the loop dispatches per element).
         if let Some(src) = Src::of(self, layout) {
-            if let Some(y) = map1(src, out, move |a, out| {
-                specialize!(op, o => for (y, &v) in out.iter_mut().zip(a) {
-                    *y = o.f(v);
-                })
-            }) {
+            if let Some(y) = map1(src, out, move |a, out| unary_chunk(op, a, out)) {
                 return Ok(y);
             }
         }
@@ -370,15 +490,7 @@ impl MapOps for CpuStorage {
         let uses_out = op.backward_uses_output();
         if let (Some(gv), Some(sv)) = (Src::of(self, lg), Src::of(saved, ls)) {
             let chunked = map2(gv, sv, out, move |g, s, out| {
-                specialize!(op, o => if uses_out {
-                    for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
-                        *y = g * o.df(0.0, s);
-                    }
-                } else {
-                    for ((y, &g), &s) in out.iter_mut().zip(g).zip(s) {
-                        *y = g * o.df(s, 0.0);
-                    }
-                })
+                unary_backward_chunk(op, uses_out, g, s, out)
             });
             if let Some(gi) = chunked {
                 return Ok(gi);
@@ -462,6 +574,74 @@ mod tests {
     //! primitives, against f64 references.
     use super::*;
     use half::bf16;
+
+    /// The loops compiled for AVX2 / AVX-512 give the baseline loop's bits for every unary
+    /// op and its backward, on values across the ranges the polynomials split (|x| < 1,
+    /// 1..4, beyond), odd lengths (vector tails), infinities, NaN and signed zeros.
+    #[test]
+    fn wide_elementwise_loops_equal_the_baseline_loop() {
+        let mut x: Vec<f32> = (0..1037).map(|i| (i as f32 - 518.0) * 0.0137).collect();
+        x.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1.0,
+            -1.0,
+            4.0,
+        ]);
+        x.extend([88.5, -88.5, 1e-30, -1e-30, 3.999, 1e30]);
+        let g: Vec<f32> = (0..x.len()).map(|i| 1.0 - (i % 7) as f32 * 0.25).collect();
+        let ops = [
+            UnaryOp::Neg,
+            UnaryOp::Exp,
+            UnaryOp::Log,
+            UnaryOp::Sqrt,
+            UnaryOp::Abs,
+            UnaryOp::Relu,
+            UnaryOp::Gelu,
+            UnaryOp::GeluTanh,
+            UnaryOp::Sigmoid,
+            UnaryOp::Tanh,
+            UnaryOp::AddScalar(0.5),
+            UnaryOp::MulScalar(-3.0),
+            UnaryOp::Clamp(-1.0, 2.0),
+            UnaryOp::PowScalar(3.0),
+        ];
+        let same = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+        };
+        for op in ops {
+            for n in [x.len(), 1, 15, 17] {
+                let (xs, gs) = (&x[x.len() - n..], &g[..n]);
+                let (mut plain, mut wide) = (vec![0f32; n], vec![0f32; n]);
+                unary_loop(op, xs, &mut plain);
+                unary_chunk(op, xs, &mut wide);
+                assert!(same(&plain, &wide), "{op:?} forward, n {n}");
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // The AVX2 loop too where the CPU would pick AVX-512.
+                    // SAFETY: the CPU has AVX2.
+                    unsafe { x86_loops::unary_avx2(op, xs, &mut wide) };
+                    assert!(same(&plain, &wide), "{op:?} forward (avx2), n {n}");
+                }
+                for uses_out in [false, true] {
+                    unary_backward_loop(op, uses_out, gs, xs, &mut plain);
+                    unary_backward_chunk(op, uses_out, gs, xs, &mut wide);
+                    assert!(same(&plain, &wide), "{op:?} backward, n {n}");
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: the CPU has AVX2.
+                        unsafe { x86_loops::unary_backward_avx2(op, uses_out, gs, xs, &mut wide) };
+                        assert!(same(&plain, &wide), "{op:?} backward (avx2), n {n}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn unary_on_a_strided_half_layout_matches_the_chunked_path() {

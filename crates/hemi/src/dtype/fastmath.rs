@@ -66,11 +66,15 @@ pub fn exp_f32(x: f32) -> f32 {
     // Adding 1.5·2^23 rounds to an integer (round to nearest even).
     const ROUND: f32 = 12_582_912.0;
     let xc = x.clamp(-87.0, 88.0);
-    let n = (xc * LOG2E + ROUND) - ROUND;
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
     let p = horner(&EXP_POLY, r);
-    // 2^n as F32 bits; n in [-126, 127] after the clamp.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n as F32 bits, n in [-126, 127] after the clamp. n is read from t's low mantissa
+    // bits (t = 1.5·2^23 + n exactly), not by a float-to-int cast: Rust's saturating `as`
+    // keeps the loop from vectorising.
+    let n_int = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     let y = p * scale;
     let y = if x < -87.0 { 0.0 } else { y };
     let y = if x > 88.0 { f32::INFINITY } else { y };
