@@ -868,9 +868,15 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             first_epoch,
             epochs,
             batches_per_epoch,
+            batches_done,
         } => {
             batches = *batches_per_epoch;
-            if *first_epoch > 1 {
+            if *batches_done > 0 {
+                println!(
+                    "resuming at epoch {first_epoch} of {epochs}, after batch {batches_done} of \
+                     {batches_per_epoch}"
+                );
+            } else if *first_epoch > 1 {
                 println!("resuming at epoch {first_epoch} of {epochs}");
             }
         }

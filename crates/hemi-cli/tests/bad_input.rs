@@ -631,7 +631,11 @@ fn ctrl_c_writes_a_mid_epoch_checkpoint_and_the_resume_is_bit_identical() {
         t.path(),
         &[&args[..], &[path_str(&cut), "--resume"]].concat(),
     );
-    assert!(succeeds(&resumed).contains("resuming at epoch 2"));
+    // The banner names the batch the run continues after (the checkpoint's name has it).
+    let after: usize = partial[0]["epoch-0002-batch-".len()..].parse().unwrap();
+    assert!(
+        succeeds(&resumed).contains(&format!("resuming at epoch 2 of 2, after batch {after} of"))
+    );
     for f in ["model.safetensors", "optimizer.safetensors"] {
         assert!(
             read(&whole.join("epoch-0002").join(f)) == read(&cut.join("epoch-0002").join(f)),

@@ -1930,9 +1930,11 @@ mod x86 {
             debug_assert!(steps > 0 && steps.is_multiple_of(16));
             #[repr(C, align(64))]
             struct Buf([f32; AMX_MR * AMX_NR]);
-            let mut buf = Buf([0.0; AMX_MR * AMX_NR]);
+            // Not zeroed (a 4 KiB memset per tile call was 1.3% of a BERT step): the four
+            // tile stores below write all of it before it is read.
+            let mut buf = std::mem::MaybeUninit::<Buf>::uninit();
             let (dst, ld) = if load_c {
-                (buf.0.as_mut_ptr(), AMX_NR)
+                (buf.as_mut_ptr().cast::<f32>(), AMX_NR)
             } else {
                 (c, ldc)
             };
@@ -1978,6 +1980,8 @@ mod x86 {
                 );
             }
             if load_c {
+                // SAFETY: the tile stores wrote the whole buffer (32 rows of 128 bytes).
+                let buf = unsafe { buf.assume_init_ref() };
                 for (r, row) in buf.0.chunks_exact(AMX_NR).enumerate() {
                     // SAFETY: row r of the C tile, 32 F32, per the caller's guarantee.
                     let c_row = unsafe { std::slice::from_raw_parts_mut(c.add(r * ldc), AMX_NR) };

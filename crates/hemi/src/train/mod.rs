@@ -289,6 +289,9 @@ pub enum Event {
         first_epoch: usize,
         epochs: usize,
         batches_per_epoch: usize,
+        /// Batches of `first_epoch` a resumed checkpoint already holds (0 when starting
+        /// at an epoch boundary).
+        batches_done: usize,
     },
     /// A batch finished.
     Batch {
@@ -708,6 +711,7 @@ pub fn train(
         first_epoch,
         epochs: cfg.epochs,
         batches_per_epoch: train.num_batches(),
+        batches_done: start_at.batches_done,
     });
     let names: Vec<String> = model
         .named_parameters()
