@@ -55,8 +55,8 @@ fn horner<const N: usize>(c: &[f32; N], x: f32) -> f32 {
     acc
 }
 
-/// e^x: 2^n · p(r) with x = n·ln2 + r; 0 below -87 (no subnormal results), +inf above 88.7,
-/// NaN stays NaN.
+/// e^x: 2^n · p(r) with x = n·ln2 + r; 0 below -87 (no subnormal results), +inf above 88
+/// (short of F32's limit, 88.72; GELU passes x ≤ 0), NaN stays NaN.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
