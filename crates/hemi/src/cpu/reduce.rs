@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::map::PAR_THRESHOLD;
 use super::storage::CpuStorage;
 use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
-use crate::dtype::{DType, FloatDType, WithDType as _};
+use crate::dtype::{convert, same_slice_mut, DType, FloatDType, WithDType as _};
 use crate::error::Result;
 use crate::tensor::Layout;
 
@@ -81,28 +81,7 @@ fn column_sums<C: FloatDType>(x: &CpuStorage, base: usize, outer: usize, inner: 
             for i in rows..inner.min(rows + ROWS) {
                 let at = base + i * outer + j0;
                 let buf = &mut buf[..w];
-                match x {
-                    CpuStorage::F32(v) => buf
-                        .iter_mut()
-                        .zip(&v[at..at + w])
-                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x))),
-                    CpuStorage::F16(v) => buf
-                        .iter_mut()
-                        .zip(&v[at..at + w])
-                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x.to_f32()))),
-                    CpuStorage::BF16(v) => buf
-                        .iter_mut()
-                        .zip(&v[at..at + w])
-                        .for_each(|(b, &x)| *b = C::from_f64(f64::from(x.to_f32()))),
-                    CpuStorage::F64(v) => buf
-                        .iter_mut()
-                        .zip(&v[at..at + w])
-                        .for_each(|(b, &x)| *b = C::from_f64(x)),
-                    CpuStorage::I64(v) => buf
-                        .iter_mut()
-                        .zip(&v[at..at + w])
-                        .for_each(|(b, &x)| *b = C::from_f64(x as f64)),
-                }
+                load_run(x, at, buf);
                 part[..w]
                     .iter_mut()
                     .zip(buf.iter())
@@ -117,6 +96,30 @@ fn column_sums<C: FloatDType>(x: &CpuStorage, base: usize, outer: usize, inner: 
         out.par_chunks_mut(COLS).enumerate().for_each(block);
     }
     out
+}
+
+/// `buf = x[at .. at + buf.len()]` in the compute type, through the bulk converters.
+fn load_run<C: FloatDType>(x: &CpuStorage, at: usize, buf: &mut [C]) {
+    let r = at..at + buf.len();
+    if let Some(b) = C::as_f32_mut(buf) {
+        match x {
+            CpuStorage::F32(v) => b.copy_from_slice(&v[r]),
+            CpuStorage::F16(v) => convert::f16_to_f32(&v[r], b),
+            CpuStorage::BF16(v) => convert::bf16_to_f32(&v[r], b),
+            CpuStorage::F64(v) => b.iter_mut().zip(&v[r]).for_each(|(o, &x)| *o = x as f32),
+            CpuStorage::I64(v) => b.iter_mut().zip(&v[r]).for_each(|(o, &x)| *o = x as f32),
+        }
+    } else if let Some(b) = same_slice_mut::<C, f64>(buf) {
+        match x {
+            CpuStorage::F64(v) => b.copy_from_slice(&v[r]),
+            CpuStorage::F16(v) => convert::f16_to_f64(&v[r], b),
+            CpuStorage::BF16(v) => convert::bf16_to_f64(&v[r], b),
+            CpuStorage::F32(v) => b.iter_mut().zip(&v[r]).for_each(|(o, &x)| *o = x.into()),
+            CpuStorage::I64(v) => b.iter_mut().zip(&v[r]).for_each(|(o, &x)| *o = x as f64),
+        }
+    } else {
+        unreachable!("compute types are f32 and f64")
+    }
 }
 
 /// `out[o] = f(values[o*inner .. (o+1)*inner])` in parallel over `o`.
