@@ -192,17 +192,44 @@ fn every_preset_trains_and_reports() {
             log_every: 4,
             precision: p,
             grad_stats: true,
+            tensors_every: 5,
             ..Default::default()
         };
         let mut m = model();
         let mut losses = Vec::new();
         let mut scales = Vec::new();
+        let mut epoch_stats = Vec::new();
+        let mut tensor_steps = Vec::new();
+        let mut global_steps = Vec::new();
         let s = train(&mut m, &tr, &te, &cfg, &info(), &mut |e| match e {
             Event::Epoch { train_loss, .. } => losses.push(*train_loss),
-            Event::Batch { scale, .. } => scales.push(*scale),
+            Event::Batch {
+                scale, global_step, ..
+            } => {
+                scales.push(*scale);
+                global_steps.push(*global_step);
+            }
+            Event::GradStats { stats, .. } => epoch_stats.push(stats.clone()),
+            Event::Tensors {
+                global_step,
+                tensors,
+            } => {
+                let names: Vec<&str> = tensors.iter().map(|(n, _, _)| n.as_str()).collect();
+                assert_eq!(names, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]);
+                // Unscaled gradients: a scale of 2^16 left in would make them huge.
+                for (n, prm, g) in tensors {
+                    let g = g.as_ref().expect("every parameter has a gradient");
+                    assert_eq!(g.numel(), prm.numel(), "{n}");
+                    let max = g.to_vec_f64().iter().fold(0f64, |a, x| a.max(x.abs()));
+                    assert!(max < 100.0, "{p}: {n} gradient max {max}: still scaled?");
+                }
+                tensor_steps.push(*global_step)
+            }
             _ => {}
         })
         .unwrap();
+        assert_eq!(global_steps, (1..=24).collect::<Vec<u64>>(), "{p}");
+        assert_eq!(tensor_steps, [5, 10, 15, 20], "{p}");
         assert!(losses[2] < losses[0], "{p}: loss falls {losses:?}");
         assert_eq!(m.parameters()[0].dtype(), p.weight_dtype(), "{p}");
         assert_eq!(s.precision, p);
@@ -217,6 +244,20 @@ fn every_preset_trains_and_reports() {
         let numel: u64 = m.parameters().iter().map(|t| t.numel() as u64).sum();
         let counted: u64 = s.grad_stats.iter().map(|g| g.values).sum();
         assert_eq!(counted, numel * s.steps, "{p}: grad-stats counts");
+        // The per-epoch histograms add up to the run's, and each counts every value once;
+        // the F16 underflow count is the histogram's mass below 2^-24.
+        assert_eq!(epoch_stats.len(), 3, "{p}");
+        for (i, g) in s.grad_stats.iter().enumerate() {
+            let mut sum = hemi::train::Log2Histogram::default();
+            for ep in &epoch_stats {
+                assert_eq!(ep[i].log2.total(), ep[i].values, "{p}: {}", g.name);
+                sum.merge(&ep[i].log2);
+            }
+            assert_eq!(sum, g.log2, "{p}: {}", g.name);
+            assert_eq!(g.log2.total(), g.values, "{p}: {}", g.name);
+            let below = g.log2.count_between(hemi::train::Log2Histogram::E_MIN, -25);
+            assert_eq!(below, g.underflow, "{p}: {}", g.name);
+        }
     }
 }
 

@@ -88,6 +88,85 @@ pub trait OptimOps: BackendStorage {
     ) -> Result<Self>;
 }
 
+/// `floor(log2 |x|)` of F32 values, counted: F32's whole range, from the smallest
+/// subnormal 2^-149 to the largest binade 2^127, one bin per binade, plus zeros and non-finite
+/// values. A dtype's limits are powers of two (F16: smallest subnormal 2^-24, smallest normal
+/// 2^-14, overflow from the binade 2^16; BF16: 2^-133, 2^-126, 2^128), so the share of values a
+/// dtype loses, before or after multiplying by a power-of-two loss scale, is a sum of bins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Log2Histogram {
+    /// `counts[i]` holds the values with `floor(log2 |x|) == Log2Histogram::E_MIN + i`.
+    pub counts: Vec<u64>,
+    /// Values equal to ±0.
+    pub zeros: u64,
+    /// NaN and ±inf.
+    pub nonfinite: u64,
+}
+
+impl Default for Log2Histogram {
+    fn default() -> Self {
+        Log2Histogram {
+            counts: vec![0; Self::BINS],
+            zeros: 0,
+            nonfinite: 0,
+        }
+    }
+}
+
+impl Log2Histogram {
+    /// The exponent of the first bin: F32's smallest subnormal is 2^-149.
+    pub const E_MIN: i32 = -149;
+    /// Bins: binades 2^-149 .. 2^127.
+    pub const BINS: usize = 277;
+
+    /// `floor(log2 |x|)` of a finite nonzero F32, exactly (subnormals included).
+    pub fn exponent(x: f32) -> i32 {
+        let bits = x.to_bits() & 0x7fff_ffff;
+        let biased = (bits >> 23) as i32;
+        if biased == 0 {
+            // Subnormal: x = m * 2^-149 with m < 2^23.
+            Self::E_MIN + (31 - bits.leading_zeros() as i32)
+        } else {
+            biased - 127
+        }
+    }
+
+    /// Counts one value.
+    pub fn add(&mut self, x: f32) {
+        if x == 0.0 {
+            self.zeros += 1;
+        } else if !x.is_finite() {
+            self.nonfinite += 1;
+        } else {
+            self.counts[(Self::exponent(x) - Self::E_MIN) as usize] += 1;
+        }
+    }
+
+    /// Adds another histogram's counts to this one.
+    pub fn merge(&mut self, other: &Log2Histogram) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.zeros += other.zeros;
+        self.nonfinite += other.nonfinite;
+    }
+
+    /// All values counted.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum::<u64>() + self.zeros + self.nonfinite
+    }
+
+    /// Finite nonzero values with `floor(log2 |x|)` in `lo..=hi`.
+    pub fn count_between(&self, lo: i32, hi: i32) -> u64 {
+        let lo = (lo.max(Self::E_MIN) - Self::E_MIN) as usize;
+        let hi = (hi - Self::E_MIN).min(Self::BINS as i32 - 1);
+        if hi < 0 || lo as i32 > hi {
+            return 0;
+        }
+        self.counts[lo..=hi as usize].iter().sum()
+    }
+}
+
 pub trait AmpOps: BackendStorage {
     /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
     /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32
@@ -107,6 +186,10 @@ pub trait AmpOps: BackendStorage {
     /// How many elements (read as F32) are nonzero with `|x| < tiny`, and how many have
     /// `|x| > max` or are NaN: a gradient's F16 underflow and overflow counts.
     fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)>;
+
+    /// The `floor(log2 |x|)` histogram of the elements `layout` addresses, read as F32
+    /// (`--grad-stats`: where a gradient's values sit against F16's and BF16's ranges).
+    fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram>;
 
     /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
     /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits
@@ -150,6 +233,11 @@ impl Storage {
     /// `AmpOps::range_counts` on this storage's backend (two counts read back).
     pub fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)> {
         crate::tensor::storage::dispatch!(self, s => s.range_counts(layout, tiny, max))
+    }
+
+    /// `AmpOps::log2_histogram` on this storage's backend (the counts read back).
+    pub fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram> {
+        crate::tensor::storage::dispatch!(self, s => s.log2_histogram(layout))
     }
 
     /// `AmpOps::round_into` on this storage's backend.

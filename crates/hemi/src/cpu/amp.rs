@@ -1,7 +1,7 @@
 //! The CPU's loss-scaler kernel: unscale a gradient and note inf/NaN in one pass.
 
 use super::storage::CpuStorage;
-use crate::backend::train::AmpOps;
+use crate::backend::train::{AmpOps, Log2Histogram};
 use crate::dtype::convert::{self, stochastic_round_bf16, stochastic_round_f16, Rounding};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -35,6 +35,21 @@ impl AmpOps for CpuStorage {
             }
         }
         Ok((under, over))
+    }
+
+    fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram> {
+        if self.dtype() == DType::I64 {
+            return Err(Error::dtype(
+                "log2_histogram",
+                DType::I64,
+                "histograms of float tensors only",
+            ));
+        }
+        let mut h = Log2Histogram::default();
+        for &x in self.to_f32(layout).iter() {
+            h.add(x);
+        }
+        Ok(h)
     }
 
     fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64> {

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+pub use crate::backend::train::Log2Histogram;
 pub use checkpoint::{
     latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, Checkpoint, Progress,
     RunInfo,
@@ -108,6 +109,9 @@ pub struct TrainConfig {
     /// Count, per parameter, the unscaled gradient values that F16 could not hold
     /// (|g| < 2^-24 underflows, |g| > 65504 overflows); reported in the summary.
     pub grad_stats: bool,
+    /// Every this many optimizer steps (0: never), hand the parameters and their unscaled
+    /// gradients to the caller (`Event::Tensors`) for histograms (TensorBoard).
+    pub tensors_every: usize,
     /// Seed of the stochastic-rounding stream (pure-bf16).
     pub seed: u64,
     /// What the run optimises (default: classification).
@@ -139,6 +143,7 @@ impl Default for TrainConfig {
             precision: Precision::AmpFp16,
             scaler: GradScalerConfig::default(),
             grad_stats: false,
+            tensors_every: 0,
             seed: 0,
             task: Arc::new(Classification),
         }
@@ -297,6 +302,11 @@ pub enum Event {
     Batch {
         epoch: usize,
         batch: usize,
+        /// Optimizer steps of the whole run so far, this one included (resumed runs count
+        /// the steps before the checkpoint too): TensorBoard's x axis.
+        global_step: u64,
+        /// The learning rate this step used.
+        lr: f64,
         loss: f64,
         images: usize,
         /// The loss scale after this step (1.0 where the preset does not scale).
@@ -308,11 +318,28 @@ pub enum Event {
     Log {
         epoch: usize,
         step: usize,
+        /// As in `Batch`.
+        global_step: u64,
         loss: f64,
         lr: f64,
         images_per_s: f64,
         scale: f64,
         skipped: u64,
+    },
+    /// With `grad_stats`, at the end of every epoch: this epoch's gradient statistics per
+    /// parameter (unscaled gradients, every step of the epoch) and the loss scale at its end.
+    GradStats {
+        epoch: usize,
+        global_step: u64,
+        scale: f64,
+        stats: Vec<GradStat>,
+    },
+    /// Every `tensors_every` steps: each parameter with its unscaled gradient of this step
+    /// (`None` for a parameter without one), in `named_parameters` order. The tensors share
+    /// the model's storage: read them, do not keep them.
+    Tensors {
+        global_step: u64,
+        tensors: Vec<(String, Tensor, Option<Tensor>)>,
     },
     /// An epoch finished and the test set was evaluated.
     Epoch {
@@ -356,15 +383,30 @@ pub struct GradStat {
     pub underflow: u64,
     /// Values with |g| > 65504, F16's largest finite value (inf and NaN included).
     pub overflow: u64,
+    /// Where the values sit: the `floor(log2 |g|)` histogram.
+    pub log2: Log2Histogram,
 }
 
 impl GradStat {
+    /// No values counted yet for the parameter `name`.
+    pub fn new(name: &str) -> Self {
+        GradStat {
+            name: name.to_string(),
+            values: 0,
+            underflow: 0,
+            overflow: 0,
+            log2: Log2Histogram::default(),
+        }
+    }
+
     fn count(&mut self, grad: &Tensor) -> Result<()> {
         const TINY: f64 = 5.960_464_477_539_063e-8; // 2^-24
         let (under, over) = grad.storage().range_counts(grad.layout(), TINY, 65504.0)?;
         self.values += grad.numel() as u64;
         self.underflow += under;
         self.overflow += over;
+        self.log2
+            .merge(&grad.storage().log2_histogram(grad.layout())?);
         Ok(())
     }
 }
@@ -718,15 +760,7 @@ pub fn train(
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let mut grad_stats: Vec<GradStat> = names
-        .iter()
-        .map(|n| GradStat {
-            name: n.clone(),
-            values: 0,
-            underflow: 0,
-            overflow: 0,
-        })
-        .collect();
+    let mut grad_stats: Vec<GradStat> = names.iter().map(|n| GradStat::new(n)).collect();
     let (skipped_before, mut steps) = (opt.skipped_steps(), 0u64);
     let mut summary = Summary {
         precision,
@@ -765,6 +799,8 @@ pub fn train(
             (0.0, 0, 0)
         };
         let mut trained_images = 0usize;
+        // This epoch's share of the gradient statistics (`Event::GradStats`).
+        let mut epoch_stats: Vec<GradStat> = names.iter().map(|n| GradStat::new(n)).collect();
         let (mut log_loss, mut log_batches, mut log_images, mut log_start) =
             (0.0, 0usize, 0usize, Instant::now());
         for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
@@ -817,17 +853,32 @@ pub fn train(
             }
             let skipped_before_step = opt.skipped_steps();
             opt.backward(&loss)?;
-            if cfg.grad_stats {
+            let lr = opt.optimizer().lr();
+            let tensors_due =
+                cfg.tensors_every > 0 && (t + 1).is_multiple_of(cfg.tensors_every as u64);
+            if cfg.grad_stats || tensors_due {
                 opt.unscale()?;
             }
             opt.step()?;
             steps += 1;
             if cfg.grad_stats {
-                for (st, t) in grad_stats.iter_mut().zip(opt.grad_tensors()) {
+                for (st, t) in epoch_stats.iter_mut().zip(opt.grad_tensors()) {
                     if let Some(g) = t.grad() {
                         st.count(&g)?;
                     }
                 }
+            }
+            if tensors_due {
+                let tensors = model
+                    .named_parameters()
+                    .into_iter()
+                    .zip(opt.grad_tensors())
+                    .map(|((n, p), m)| (n, p, m.grad()))
+                    .collect();
+                on_event(&Event::Tensors {
+                    global_step: t + 1,
+                    tensors,
+                });
             }
             let (scale, skipped) = (opt.scale(), opt.skipped_steps());
             if scaled {
@@ -855,6 +906,8 @@ pub fn train(
             on_event(&Event::Batch {
                 epoch,
                 batch: b + 1,
+                global_step: t + 1,
+                lr,
                 loss: lv,
                 images: n,
                 scale,
@@ -865,6 +918,7 @@ pub fn train(
                 on_event(&Event::Log {
                     epoch,
                     step: b + 1,
+                    global_step: t + 1,
                     loss: mean_or_nan(log_loss, log_batches),
                     lr: opt.optimizer().lr(),
                     images_per_s: log_images as f64 / secs.max(1e-9),
@@ -875,6 +929,20 @@ pub fn train(
             }
         }
         let train_secs = start.elapsed().as_secs_f64();
+        if cfg.grad_stats {
+            for (run, ep) in grad_stats.iter_mut().zip(&epoch_stats) {
+                run.values += ep.values;
+                run.underflow += ep.underflow;
+                run.overflow += ep.overflow;
+                run.log2.merge(&ep.log2);
+            }
+            on_event(&Event::GradStats {
+                epoch,
+                global_step: (epoch * train.num_batches()) as u64,
+                scale: opt.scale(),
+                stats: epoch_stats,
+            });
+        }
         let eval = evaluate_task(model, test, precision, task)?;
         let acc = eval.accuracy;
         let seconds = start.elapsed().as_secs_f64();
