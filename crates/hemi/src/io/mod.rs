@@ -7,6 +7,8 @@ use std::fs;
 use std::io::Write;
 use std::path::Path;
 
+pub mod tensorboard;
+
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
