@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use hemi::models::registry::InputKind;
 
 mod bench;
+mod plot;
 mod text;
 mod train;
 
@@ -38,6 +39,9 @@ enum Command {
     },
     /// Micro-benchmarks of hemi's kernels.
     Bench(bench::BenchArgs),
+    /// PNG charts of runs from their --metrics files: loss and accuracy per epoch (runs
+    /// overlaid), loss scale and skipped steps, gradient magnitudes against F16's range.
+    Plot(plot::PlotArgs),
     /// Sentence embeddings of a text file's lines (JSON lines), as sentence-transformers
     /// computes them: mean of the final hidden states, L2-normalised.
     Embed(text::EmbedArgs),
@@ -90,6 +94,7 @@ fn main() {
         },
         Command::Bench(args) => bench::run(args),
         Command::Embed(args) => text::run_embed(args),
+        Command::Plot(args) => plot::run(args),
         Command::Models { classes } => list_models(classes),
     };
     match result {

@@ -17,11 +17,12 @@ use hemi::data::{
     Cifar10, Column, DataLoader, Dataset, ImageFolder, LoaderConfig, MlmConfig, MnistKind, Split,
     Synthetic, TextColumns,
 };
+use hemi::io::tensorboard::SummaryWriter;
 use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::Module;
 use hemi::train::{
     class_difference, evaluate_with, load_checkpoint, recipe, train, DivergenceConfig, Event,
-    OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
+    GradStat, Log2Histogram, OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
 };
 use hemi::{Error, Result};
 
@@ -161,6 +162,16 @@ pub struct TrainArgs {
     /// (|g| < 2^-24 or > 65504); printed at the end.
     #[arg(long)]
     grad_stats: bool,
+    /// Write TensorBoard event files into this directory (`tensorboard --logdir DIR`):
+    /// loss, lr, loss scale, skipped steps, images/s per step; test accuracy and loss per
+    /// epoch; histograms of parameters and gradients every --histogram-every steps; with
+    /// --grad-stats, the share of gradient values F16 loses per epoch.
+    #[arg(long)]
+    tensorboard: Option<PathBuf>,
+    /// With --tensorboard: histograms of every parameter and its (unscaled) gradient every
+    /// this many steps (0: none).
+    #[arg(long, default_value_t = 100)]
+    histogram_every: usize,
     /// Text models: a Hugging Face model directory (config.json, model.safetensors,
     /// tokenizer.json) to start from, e.g. ../shared/models/all-MiniLM-L6-v2.
     #[arg(long)]
@@ -732,6 +743,14 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     if !args.r#override.is_empty() && !args.resume {
         return Err(Error::arg("train", "--override only applies with --resume"));
     }
+    if let Some(p) = &args.tensorboard {
+        if p.exists() && !p.is_dir() {
+            return Err(Error::Msg(format!(
+                "--tensorboard {}: exists and is not a directory",
+                p.display()
+            )));
+        }
+    }
     if let Some(p) = &args.metrics {
         if p.is_dir() {
             return Err(Error::Msg(format!(
@@ -801,6 +820,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         stop_after: args.stop_after,
         precision: args.precision,
         grad_stats: args.grad_stats,
+        tensors_every: if args.tensorboard.is_some() {
+            args.histogram_every
+        } else {
+            0
+        },
         seed: args.seed,
         task,
         ..Default::default()
@@ -863,6 +887,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let mut running = 0.0;
     let mut batches = 0usize;
     let mut write_err: Option<Error> = None;
+    let mut tb: Option<SummaryWriter> = None;
     let mut on_event = |ev: &Event| match ev {
         Event::Start {
             first_epoch,
@@ -871,6 +896,15 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             batches_done,
         } => {
             batches = *batches_per_epoch;
+            // Created here, after the run's checks: a run that fails them writes nothing.
+            if let Some(dir) = &args.tensorboard {
+                match SummaryWriter::create(dir) {
+                    Ok(w) => tb = Some(w),
+                    Err(e) => {
+                        write_err.get_or_insert(e);
+                    }
+                }
+            }
             if *batches_done > 0 {
                 println!(
                     "resuming at epoch {first_epoch} of {epochs}, after batch {batches_done} of \
@@ -883,11 +917,28 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         Event::Batch {
             epoch,
             batch,
+            global_step,
+            lr,
             loss,
             images,
             scale,
             skipped,
         } => {
+            if let Some(w) = tb.as_mut() {
+                let mut points = vec![("train/lr", *lr)];
+                if loss.is_finite() {
+                    points.push(("train/loss", *loss));
+                }
+                if show_scale {
+                    points.push(("train/loss_scale", *scale));
+                    points.push(("train/skipped_steps", *skipped as f64));
+                }
+                for (tag, v) in points {
+                    if let Err(e) = w.add_scalar(tag, v, *global_step) {
+                        write_err.get_or_insert(e);
+                    }
+                }
+            }
             if !use_bar {
                 return;
             }
@@ -924,6 +975,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         Event::Log {
             epoch,
             step,
+            global_step,
             loss,
             lr,
             images_per_s,
@@ -940,10 +992,71 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             }
             if let Some(m) = metrics.as_mut() {
                 // JSON has no NaN: a non-finite loss is written as null.
-                let j = json!({"kind": "step", "epoch": epoch, "step": step, "loss": loss, "lr": lr,
+                let j = json!({"kind": "step", "epoch": epoch, "step": step,
+                               "global_step": global_step, "loss": loss, "lr": lr,
                                "images_per_s": images_per_s, "scale": scale, "skipped": skipped});
                 if let Err(e) = m.write(&j, false) {
                     write_err.get_or_insert(e);
+                }
+            }
+            if let Some(w) = tb.as_mut() {
+                if let Err(e) = w.add_scalar("train/images_per_s", *images_per_s, *global_step) {
+                    write_err.get_or_insert(e);
+                }
+            }
+        }
+        Event::GradStats {
+            epoch,
+            global_step,
+            scale,
+            stats,
+        } => {
+            if let Some(m) = metrics.as_mut() {
+                let j = grad_stats_json(*epoch, *global_step, *scale, stats);
+                if let Err(e) = m.write(&j, true) {
+                    write_err.get_or_insert(e);
+                }
+            }
+            if let Some(w) = tb.as_mut() {
+                let mut all = Log2Histogram::default();
+                stats.iter().for_each(|s| all.merge(&s.log2));
+                let n = all.total();
+                // F16 keeps binades -24..=15 (2^-24 .. 65504) and zeros; a power-of-two
+                // scale shifts the binades.
+                let shift = scale.log2().round() as i32;
+                let lost = |k: i32| {
+                    let kept = all.count_between(-24 - k, 15 - k) + all.zeros;
+                    (n - kept) as f64 / n.max(1) as f64
+                };
+                for (tag, v) in [
+                    ("grad_stats/f16_lost_unscaled", lost(0)),
+                    ("grad_stats/f16_lost_scaled", lost(shift)),
+                ] {
+                    if let Err(e) = w.add_scalar(tag, v, *global_step) {
+                        write_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        Event::Tensors {
+            global_step,
+            tensors,
+        } => {
+            if let Some(w) = tb.as_mut() {
+                for (name, p, g) in tensors {
+                    let r = w
+                        .add_histogram(&format!("params/{name}"), &p.to_vec_f32(), *global_step)
+                        .and_then(|()| match g {
+                            Some(g) => w.add_histogram(
+                                &format!("grads/{name}"),
+                                &g.to_vec_f32(),
+                                *global_step,
+                            ),
+                            None => Ok(()),
+                        });
+                    if let Err(e) = r {
+                        write_err.get_or_insert(e);
+                    }
                 }
             }
         }
@@ -972,6 +1085,22 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
                     "epoch {epoch}: train loss {train_loss:.3}, test accuracy {:.2} %, {seconds:.1} s, {images_per_s:.0} {unit}/s",
                     100.0 * test_accuracy
                 );
+            }
+            if let Some(w) = tb.as_mut() {
+                let step = (*epoch * batches) as u64;
+                let r = [
+                    ("epoch/train_loss", *train_loss),
+                    ("epoch/test_accuracy", *test_accuracy),
+                    ("epoch/test_loss", *test_loss),
+                    ("epoch/images_per_s", *images_per_s),
+                ]
+                .into_iter()
+                .filter(|(_, v)| v.is_finite())
+                .try_for_each(|(tag, v)| w.add_scalar(tag, v, step))
+                .and_then(|()| w.flush());
+                if let Err(e) = r {
+                    write_err.get_or_insert(e);
+                }
             }
             if let Some(m) = metrics.as_mut() {
                 let j = json!({"kind": "epoch", "epoch": epoch, "train_loss": train_loss,
@@ -1014,6 +1143,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     if let Some(m) = metrics.as_mut().and_then(|m| m.file.as_mut()) {
         let _ = m.flush();
     }
+    if let Some(w) = tb.as_mut() {
+        if let Err(e) = w.flush() {
+            write_err.get_or_insert(e);
+        }
+    }
     let summary = result?;
     if let Some(e) = write_err {
         return Err(e);
@@ -1045,6 +1179,35 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     }
     print_precision_summary(&summary);
     Ok(())
+}
+
+/// One epoch's `--grad-stats` as a metrics line (`"kind": "grad_stats"`): per parameter the
+/// counts of `floor(log2 |g|)` over the unscaled gradients of every step of the epoch, as
+/// `counts[i]` for exponent `e_lo + i` (only the span holding values), with the zeros and
+/// non-finite values apart; `scale` is the loss scale at the epoch's end. `hemi plot` draws it.
+fn grad_stats_json(
+    epoch: usize,
+    global_step: u64,
+    scale: f64,
+    stats: &[GradStat],
+) -> serde_json::Value {
+    let layers: Vec<serde_json::Value> = stats
+        .iter()
+        .map(|s| {
+            let h = &s.log2;
+            let first = h.counts.iter().position(|&c| c > 0);
+            let last = h.counts.iter().rposition(|&c| c > 0);
+            let (e_lo, counts) = match (first, last) {
+                (Some(a), Some(b)) => (Log2Histogram::E_MIN + a as i32, h.counts[a..=b].to_vec()),
+                _ => (0, Vec::new()),
+            };
+            json!({"name": s.name, "values": s.values, "underflow": s.underflow,
+                   "overflow": s.overflow, "zeros": h.zeros, "nonfinite": h.nonfinite,
+                   "e_lo": e_lo, "counts": counts})
+        })
+        .collect();
+    json!({"kind": "grad_stats", "epoch": epoch, "global_step": global_step, "scale": scale,
+           "layers": layers})
 }
 
 /// The end-of-run numerics: skipped steps, final scale, and with --grad-stats the F16
