@@ -10,16 +10,20 @@ use crate::error::{Error, Result};
 /// A device: the host CPU, or CUDA GPU number `n` (`cuda:n`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub enum Device {
+    /// The host CPU (the default).
     #[default]
     Cpu,
+    /// CUDA GPU number `n` (`cuda:n`); needs the `cuda` feature.
     Cuda(usize),
 }
 
 impl Device {
+    /// True for the host CPU.
     pub fn is_cpu(self) -> bool {
         self == Device::Cpu
     }
 
+    /// True for a CUDA GPU.
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
     }

@@ -13,12 +13,15 @@ pub struct Generator {
 }
 
 impl Generator {
+    /// A generator seeded with `seed`; the same seed gives the same stream on every
+    /// machine.
     pub fn new(seed: u64) -> Self {
         Generator {
             inner: Xoshiro256PlusPlus::seed_from_u64(seed),
         }
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.inner.next_u64()
     }

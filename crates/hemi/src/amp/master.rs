@@ -47,6 +47,8 @@ pub enum LossScaling {
 /// Configuration of `Fp16Optimizer`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MasterConfig {
+    /// How the loss is scaled before backward: none, a fixed factor or PyTorch's dynamic
+    /// scale.
     pub loss_scaling: LossScaling,
     /// How masters are written back into the half parameters.
     pub rounding: Rounding,

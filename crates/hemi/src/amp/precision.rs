@@ -26,15 +26,28 @@ use crate::tensor::Tensor;
 /// A precision preset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Precision {
+    /// `fp32`: F32 weights and compute, no loss scaling (apex O0; Keras `float32`).
     Fp32,
+    /// `amp-fp16`, Keras' `mixed_float16`: F32 weights, forward under autocast F16, dynamic
+    /// loss scaling (`torch.autocast` + `GradScaler`, apex O1). The default and the
+    /// documents' mode.
     AmpFp16,
+    /// `amp-bf16`, Keras' `mixed_bfloat16`: F32 weights, forward under autocast BF16, no
+    /// loss scaling (`torch.autocast(dtype=torch.bfloat16)`).
     AmpBf16,
+    /// `fp16-master`: F16 weights (norm layers F32) trained through F32 master copies with
+    /// dynamic loss scaling (apex `FP16_Optimizer`, O2).
     Fp16Master,
+    /// `pure-fp16` (Keras `float16`): F16 weights and compute, no loss scaling (apex O3); a
+    /// speed baseline that may diverge.
     PureFp16,
+    /// `pure-bf16` (Keras `bfloat16`): BF16 weights and compute, F32 optimizer maths
+    /// written back with stochastic rounding.
     PureBf16,
 }
 
 impl Precision {
+    /// Every preset, in the order of DESIGN.md's table (for listings and tests).
     pub const ALL: [Precision; 6] = [
         Precision::Fp32,
         Precision::AmpFp16,
@@ -259,6 +272,7 @@ impl AmpOptimizer {
         Ok(AmpOptimizer { precision, engine })
     }
 
+    /// The preset this optimizer runs.
     pub fn precision(&self) -> Precision {
         self.precision
     }
@@ -280,6 +294,8 @@ impl AmpOptimizer {
         }
     }
 
+    /// Clears the gradients before the next backward (`optimizer.zero_grad()`), of the
+    /// model's parameters and, under the master presets, of the masters.
     pub fn zero_grad(&self) {
         self.optimizer().zero_grad();
     }

@@ -216,6 +216,7 @@ impl LossScale {
         self.dynamic
     }
 
+    /// The configuration the scale was built with.
     pub fn config(&self) -> &GradScalerConfig {
         &self.cfg
     }
@@ -421,6 +422,7 @@ impl LossScale {
 /// `hysteresis`, `min_scale` / `max_scale` (absent when `None`), `enabled`, `dynamic`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ScalerState {
+    /// The state's values by name (see the type's documentation for the names).
     pub scalars: Vec<(String, f64)>,
 }
 
@@ -745,6 +747,9 @@ impl GradScaler {
         self.loss.scale()
     }
 
+    /// False for a scaler built with `enabled: false` (PyTorch's
+    /// `GradScaler(enabled=False)`): then `scale` returns the loss unchanged and `step`
+    /// simply steps.
     pub fn is_enabled(&self) -> bool {
         self.loss.config().enabled
     }

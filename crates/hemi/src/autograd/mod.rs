@@ -18,8 +18,11 @@ pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sy
 
 /// One recorded op.
 pub struct Node {
+    /// The op's name (`"matmul"`), for errors and graph dumps.
     pub op: &'static str,
+    /// The op's inputs, kept alive until the backward has run.
     pub inputs: Vec<Tensor>,
+    /// The op's gradient rule: output gradient → one optional gradient per input.
     pub backward: Box<BackwardFn>,
 }
 

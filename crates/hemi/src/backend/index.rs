@@ -10,11 +10,17 @@ use crate::tensor::{Layout, Storage};
 /// A tensor seen as `[outer, size, inner]` around the indexed dim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AlongDim {
+    /// Product of the dims before the indexed one.
     pub outer: usize,
+    /// Size of the indexed dim (ids must lie in `0..size`).
     pub size: usize,
+    /// Product of the dims after the indexed one: the length of each copied row.
     pub inner: usize,
 }
 
+/// The indexing primitives a backend implements: row gathers along a dim (`index_select`,
+/// embedding lookups), their scatter-add backward and concatenation. `Storage` has a
+/// dispatching method of the same name for each.
 pub trait IndexOps: BackendStorage {
     /// `out[o, j, :] = self[o, ids[j], :]` (self read through `l` as `[outer, size, inner]`,
     /// `ids` an I64 buffer read through `lids`, every id in `0..size` — the caller checked),

@@ -29,6 +29,7 @@ pub struct ClassLoss {
     pub op: &'static str,
     /// Logits (cross-entropy: log-softmax first) or log-probabilities (NLL).
     pub from_logits: bool,
+    /// How the per-target losses are combined (PyTorch's `reduction=`).
     pub reduction: Reduction,
     /// Targets equal to this add nothing to the loss nor to the mean's count.
     pub ignore_index: Option<i64>,
@@ -49,6 +50,9 @@ pub struct ClassLossForward<S> {
     pub counted: usize,
 }
 
+/// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
+/// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
+/// whatever the input dtype. `Storage` has a dispatching method of the same name for each.
 pub trait LossOps: BackendStorage {
     /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
     /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):

@@ -11,15 +11,23 @@ use crate::tensor::{Layout, Storage};
 /// The binary maps. `Maximum`/`Minimum` propagate NaN, as `torch.maximum`/`minimum`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BinaryOp {
+    /// `a + b`.
     Add,
+    /// `a - b`.
     Sub,
+    /// `a * b`.
     Mul,
+    /// `a / b` (IEEE: division by zero gives ±inf or NaN).
     Div,
+    /// Elementwise maximum (`torch.maximum`).
     Maximum,
+    /// Elementwise minimum (`torch.minimum`).
     Minimum,
 }
 
 impl BinaryOp {
+    /// The op's name as PyTorch spells it (`"add"`, `"maximum"`, ...), used in errors and
+    /// by the autocast table.
     pub fn name(self) -> &'static str {
         match self {
             BinaryOp::Add => "add",
@@ -36,10 +44,15 @@ impl BinaryOp {
 /// the function and its derivative in the compute type (F32, F64 for F64).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryOp {
+    /// `-x`.
     Neg,
+    /// `e^x`.
     Exp,
+    /// Natural logarithm (`-inf` at 0, NaN below).
     Log,
+    /// Square root (NaN below 0).
     Sqrt,
+    /// `|x|`.
     Abs,
     /// `max(x, 0)`; NaN stays NaN.
     Relu,
@@ -47,7 +60,9 @@ pub enum UnaryOp {
     Gelu,
     /// GELU, tanh approximation: 0.5x(1 + tanh(√(2/π)(x + 0.044715x³))).
     GeluTanh,
+    /// Logistic sigmoid `1 / (1 + e^-x)`.
     Sigmoid,
+    /// Hyperbolic tangent.
     Tanh,
     /// x + c
     AddScalar(f64),
@@ -60,6 +75,8 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
+    /// The op's name as PyTorch spells it (`"exp"`, `"gelu_tanh"`, `"clamp"`, ...), used in
+    /// errors and by the autocast table.
     pub fn name(self) -> &'static str {
         match self {
             UnaryOp::Neg => "neg",
@@ -89,6 +106,9 @@ impl UnaryOp {
     }
 }
 
+/// The elementwise primitives a backend implements: binary maps with broadcasting through
+/// the layouts, unary maps and activations with their backward, `where`, and the random
+/// fills. `Storage` has a dispatching method of the same name for each.
 pub trait MapOps: BackendStorage {
     /// `out[i] = op(a[i], b[i])` for the elements the two layouts address (both of the
     /// output's shape; broadcasting is a layout with zero strides), computed in the compute

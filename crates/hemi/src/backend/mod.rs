@@ -55,10 +55,13 @@ impl<T> Backend for T where
 
 /// A backend's buffer of elements of one dtype.
 pub trait BackendStorage: Sized + Clone + Send + Sync + std::fmt::Debug + 'static {
+    /// The device this buffer lives on.
     fn device(&self) -> Device;
+    /// The dtype of every element in the buffer.
     fn dtype(&self) -> DType;
     /// Elements in the buffer.
     fn len(&self) -> usize;
+    /// True when the buffer holds no elements.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -36,18 +36,32 @@ pub fn conv_out_size(
 /// `[c_out, c_in/groups, kh, kw]`, output `[n, c_out, h_out, w_out]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conv2dGeom {
+    /// Batch size (images).
     pub n: usize,
+    /// Input channels.
     pub c_in: usize,
+    /// Input height in pixels.
     pub h: usize,
+    /// Input width in pixels.
     pub w: usize,
+    /// Output channels (filters).
     pub c_out: usize,
+    /// Kernel height.
     pub kh: usize,
+    /// Kernel width.
     pub kw: usize,
+    /// Stride (vertical, horizontal), each >= 1.
     pub stride: (usize, usize),
+    /// Zero padding added to each side (top/bottom, left/right).
     pub padding: (usize, usize),
+    /// Spacing between kernel taps (vertical, horizontal), each >= 1; 1 is a dense kernel.
     pub dilation: (usize, usize),
+    /// Number of channel groups; divides `c_in` and `c_out` (1: an ordinary convolution;
+    /// `c_in`: depthwise).
     pub groups: usize,
+    /// Output height, from `conv_out_size`.
     pub h_out: usize,
+    /// Output width, from `conv_out_size`.
     pub w_out: usize,
 }
 
@@ -64,24 +78,31 @@ impl Conv2dGeom {
     pub fn c_out_g(&self) -> usize {
         self.c_out / self.groups
     }
+    /// Elements of one input image: `c_in * h * w`.
     pub fn in_image(&self) -> usize {
         self.c_in * self.h * self.w
     }
+    /// Elements of one output image: `c_out * h_out * w_out`.
     pub fn out_image(&self) -> usize {
         self.c_out * self.l()
     }
+    /// Elements of one image's column (im2col) matrix: `c_in * kh * kw * h_out * w_out`.
     pub fn col_len(&self) -> usize {
         self.c_in * self.kh * self.kw * self.l()
     }
+    /// Elements of the weight: `c_out * (c_in / groups) * kh * kw`.
     pub fn weight_len(&self) -> usize {
         self.c_out * self.k()
     }
+    /// The output shape `[n, c_out, h_out, w_out]`.
     pub fn out_shape(&self) -> [usize; 4] {
         [self.n, self.c_out, self.h_out, self.w_out]
     }
+    /// The input shape `[n, c_in, h, w]`.
     pub fn in_shape(&self) -> [usize; 4] {
         [self.n, self.c_in, self.h, self.w]
     }
+    /// The weight shape `[c_out, c_in / groups, kh, kw]` (PyTorch's layout).
     pub fn weight_shape(&self) -> [usize; 4] {
         [self.c_out, self.c_in / self.groups, self.kh, self.kw]
     }
@@ -124,20 +145,30 @@ pub fn merged_row_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
 /// positive, padding at most half the kernel, the kernel fits in the padded input).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pool2dGeom {
+    /// Number of planes pooled independently (batch × channels).
     pub planes: usize,
+    /// Input plane height.
     pub h: usize,
+    /// Input plane width.
     pub w: usize,
+    /// Window size (height, width).
     pub kernel: (usize, usize),
+    /// Window step (vertical, horizontal).
     pub stride: (usize, usize),
+    /// Implicit padding on each side (-inf for max pooling, zeros for average pooling).
     pub padding: (usize, usize),
+    /// Output plane height.
     pub h_out: usize,
+    /// Output plane width.
     pub w_out: usize,
 }
 
 impl Pool2dGeom {
+    /// Elements of one input plane: `h * w`.
     pub fn in_plane(&self) -> usize {
         self.h * self.w
     }
+    /// Elements of one output plane: `h_out * w_out`.
     pub fn out_plane(&self) -> usize {
         self.h_out * self.w_out
     }
@@ -147,18 +178,26 @@ impl Pool2dGeom {
 /// positive, checked by the caller).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdaptivePool2dGeom {
+    /// Number of planes pooled independently (batch × channels).
     pub planes: usize,
+    /// Input plane height.
     pub h: usize,
+    /// Input plane width.
     pub w: usize,
+    /// Output plane height.
     pub h_out: usize,
+    /// Output plane width.
     pub w_out: usize,
 }
 
 /// A batch-norm input seen as `[n, c, s]`, `s` the product of the spatial dims.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchNormGeom {
+    /// Batch size (the first dim).
     pub n: usize,
+    /// Channels (the second dim): one mean and variance each.
     pub c: usize,
+    /// Spatial positions per channel and image (1 for `[n, c]` input).
     pub s: usize,
 }
 
@@ -176,12 +215,20 @@ impl BatchNormGeom {
 /// the same mask in the forward and the backward, on any number of threads).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionGeom {
+    /// Number of independent heads: the product of the leading dims of `q`, `k` and `v`.
     pub batch: usize,
+    /// Query length (rows of each head's scores).
     pub lq: usize,
+    /// Key/value length (columns of each head's scores).
     pub lk: usize,
+    /// Query and key feature size per head.
     pub d: usize,
+    /// Value feature size per head (the output's last dim).
     pub dv: usize,
+    /// Factor applied to `q·kᵀ` before the softmax, usually `1/sqrt(d)`.
     pub scale: f64,
+    /// Dropout on the attention probabilities: `(probability, seed)`, or `None` for no
+    /// dropout.
     pub dropout: Option<(f64, u64)>,
 }
 
@@ -192,6 +239,7 @@ pub struct AttentionGeom {
 pub struct Indices(Arc<dyn Any + Send + Sync>);
 
 impl Indices {
+    /// Wraps a backend's value for a backward to read back with `get`.
     pub fn new<T: Any + Send + Sync>(v: T) -> Indices {
         Indices(Arc::new(v))
     }
@@ -211,8 +259,12 @@ impl std::fmt::Debug for Indices {
 /// the flat index `h*W + w` of each maximum within its plane as an I64 buffer.
 #[derive(Clone, Debug)]
 pub struct MaxPool2d<S> {
+    /// The pooled maxima, in the input's dtype.
     pub out: S,
+    /// Where each maximum came from, for `max_pool2d_backward` (backend-private).
     pub argmax: Indices,
+    /// The flat index `h*W + w` of each maximum within its plane (I64), when asked for
+    /// (PyTorch's `return_indices=True`).
     pub indices: Option<S>,
 }
 
@@ -221,17 +273,25 @@ pub struct MaxPool2d<S> {
 /// running statistics their updated values (each in its own dtype).
 #[derive(Clone, Debug)]
 pub struct BatchNorm<S> {
+    /// The normalised, scaled and shifted output, in the input's dtype.
     pub out: S,
+    /// Per-channel batch mean (or the running mean in eval), in the compute type.
     pub mean: S,
+    /// Per-channel `1/sqrt(var + eps)`, in the compute type.
     pub invstd: S,
+    /// The updated running (mean, var) in training with running statistics, each in its own
+    /// dtype; `None` otherwise.
     pub running: Option<(S, S)>,
 }
 
 /// Result of `layer_norm`: the output and per-row mean and 1/sqrt(var + eps) (compute type).
 #[derive(Clone, Debug)]
 pub struct LayerNorm<S> {
+    /// The normalised, scaled and shifted output, in the input's dtype.
     pub out: S,
+    /// Per-row mean, in the compute type.
     pub mean: S,
+    /// Per-row `1/sqrt(var + eps)`, in the compute type.
     pub rstd: S,
 }
 
@@ -239,8 +299,11 @@ pub struct LayerNorm<S> {
 /// and the bias's (when asked for, by giving their dtypes).
 #[derive(Clone, Debug)]
 pub struct Grads<S> {
+    /// Gradient of the input, when asked for.
     pub dx: Option<S>,
+    /// Gradient of the weight (scale), when asked for.
     pub dweight: Option<S>,
+    /// Gradient of the bias (shift), when asked for.
     pub dbias: Option<S>,
 }
 
@@ -263,9 +326,13 @@ pub type Running<'a, S> = Option<((&'a S, &'a Layout), (&'a S, &'a Layout))>;
 /// The dtypes of a norm's gradients (input, weight, bias); `None`: not wanted.
 pub type GradDTypes = (Option<DType>, Option<DType>, Option<DType>);
 
+/// The network primitives a backend implements: matmul, convolutions (and the fused conv +
+/// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
+/// backward. `Storage` has a method of the same name for each that dispatches to the right
+/// backend; `ops/` calls those, never this trait directly.
 pub trait NnOps: BackendStorage {
     /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
-    /// batch dims that broadcast (checked by the caller), `bias` [n] added to every row
+    /// batch dims that broadcast (checked by the caller), `bias` `[n]` added to every row
     /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
     /// float inputs; sums in F32 (F64 for F64). Transposed, broadcast and sliced views cost
     /// no copy; F16/BF16 operands are multiplied as stored.
@@ -469,7 +536,7 @@ pub trait NnOps: BackendStorage {
     ) -> Result<(Grads<Self>, Option<Self>)>;
 
     /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
-    /// statistics in its compute type, then `* weight + bias` (each [d]).
+    /// statistics in its compute type, then `* weight + bias` (each `[d]`).
     fn layer_norm(
         &self,
         l: &Layout,

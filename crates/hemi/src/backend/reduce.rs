@@ -19,8 +19,11 @@ use crate::tensor::{Layout, Storage};
 /// the dim. Ops along one dim work row by row in this view without permuting the tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rows {
+    /// Product of the dims before the one operated along.
     pub outer: usize,
+    /// Size of the dim operated along: the length of each row.
     pub len: usize,
+    /// Product of the dims after it: the distance between consecutive elements of a row.
     pub inner: usize,
 }
 
@@ -74,10 +77,15 @@ pub enum ReduceOp {
     /// The smallest value; NaN if any is NaN.
     Min,
     /// `Σ(x - mean)² / max(0, n - correction)` by a shifted, corrected two-pass algorithm.
-    Var { correction: usize },
+    Var {
+        /// Subtracted from the count in the divisor: 0 for the population (biased)
+        /// variance, 1 for Bessel's unbiased one (PyTorch's `correction=`).
+        correction: usize,
+    },
 }
 
 impl ReduceOp {
+    /// The op's name (`"sum"`, `"mean"`, `"max"`, `"min"`, `"var"`), used in errors.
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -89,6 +97,9 @@ impl ReduceOp {
     }
 }
 
+/// The reduction primitives a backend implements: sums, means, extrema and their indices,
+/// variances and softmax rows, each accumulated in at least F32. `Storage` has a
+/// dispatching method of the same name for each.
 pub trait ReduceOps: BackendStorage {
     /// `out[o] = op(x[o*inner .. (o+1)*inner])` for `o < outer`, where `x` is the row-major
     /// order of the elements `layout` addresses (the reduced dims last). Computed in the

@@ -12,8 +12,11 @@ use crate::tensor::{Layout, Storage};
 /// ATen as double Scalars, which the F32 kernel casts to float).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdScalars {
+    /// `-lr`, the factor applied to the update direction.
     pub neg_lr: f32,
+    /// The L2 weight-decay coefficient added as `wd * p` to the gradient.
     pub weight_decay: f32,
+    /// The momentum factor (PyTorch's `momentum`).
     pub momentum: f32,
     /// `1 - dampening`.
     pub keep: f32,
@@ -22,16 +25,20 @@ pub struct SgdScalars {
 /// Which parts of the SGD rule run this step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SgdFlags {
+    /// Add `weight_decay * p` to the gradient first.
     pub weight_decay: bool,
+    /// Keep a momentum buffer (`momentum != 0`).
     pub momentum: bool,
     /// The momentum buffer's first step: it becomes the (decayed) gradient itself.
     pub first: bool,
+    /// Nesterov momentum: step along `g + momentum * buf` instead of `buf`.
     pub nesterov: bool,
 }
 
 /// Where weight decay enters an Adam step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AdamDecay {
+    /// No weight decay.
     None,
     /// Adam: `g = g + wd * p`.
     L2,
@@ -48,14 +55,26 @@ pub struct AdamScalars {
     /// ATen's lerp: `start + w * (end - start)` when |w| < 0.5, else
     /// `end + (w - 1) * (end - start)`; `lerp_coeff` is `w` or `w - 1` accordingly.
     pub lerp_small: bool,
+    /// The lerp weight for the first moment `m`: `1 - beta1` when `lerp_small`, else `(1 -
+    /// beta1) - 1`.
     pub lerp_coeff: f32,
+    /// `beta2`, the decay of the running mean of squared gradients.
     pub beta2: f32,
+    /// `1 - beta2`, rounded to F32 on its own as ATen does.
     pub one_minus_beta2: f32,
+    /// `sqrt(1 - beta2^t)`, the second moment's bias correction (computed with `pow(_,
+    /// 0.5)` as CPython does).
     pub bias_correction2_sqrt: f32,
+    /// Added to the denominator for stability (`eps`).
     pub eps: f32,
+    /// `-lr / (1 - beta1^t)`: the step along `m / denom`, with the first moment's bias
+    /// correction folded in.
     pub neg_step_size: f32,
 }
 
+/// The optimizer-update primitives a backend implements: SGD (momentum, Nesterov, weight
+/// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
+/// buffers updated in place.
 pub trait OptimOps: BackendStorage {
     /// One SGD step of the parameter `self` (read through `lp`, F32/F16/BF16) with gradient
     /// `grad` (any float dtype, read through `lg`, same element count) and, with momentum,
@@ -167,6 +186,8 @@ impl Log2Histogram {
     }
 }
 
+/// The loss scaler's primitive a backend implements: the fused unscale-and-check-finite of
+/// PyTorch's `_amp_foreach_non_finite_check_and_unscale_`.
 pub trait AmpOps: BackendStorage {
     /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
     /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32

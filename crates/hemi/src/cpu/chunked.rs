@@ -67,8 +67,11 @@ pub fn sum<T: WithDType>(v: &[T]) -> f32 {
 /// `read` instead).
 #[derive(Clone, Copy)]
 pub enum Src<'a> {
+    /// An F32 buffer slice.
     F32(&'a [f32]),
+    /// An F16 buffer slice.
     F16(&'a [f16]),
+    /// A BF16 buffer slice.
     BF16(&'a [bf16]),
 }
 
@@ -85,6 +88,7 @@ impl<'a> Src<'a> {
         })
     }
 
+    /// The dtype of the viewed elements.
     pub fn dtype(&self) -> DType {
         match self {
             Src::F32(_) => DType::F32,
@@ -93,6 +97,7 @@ impl<'a> Src<'a> {
         }
     }
 
+    /// Number of viewed elements.
     pub fn len(&self) -> usize {
         match self {
             Src::F32(v) => v.len(),
@@ -101,6 +106,7 @@ impl<'a> Src<'a> {
         }
     }
 
+    /// True when the view holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

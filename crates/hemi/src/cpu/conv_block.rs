@@ -373,8 +373,11 @@ fn group_columns<T: Copy + Default>(
 /// Gradients of the block: the input gradient in the tensors' dtype (when wanted), and the
 /// weight and bias gradients in F32.
 pub struct Grads {
+    /// The input gradient in the tensors' dtype, when asked for.
     pub dx: Option<CpuStorage>,
+    /// The weight gradient `[c_out, c_in/groups, kh, kw]`, row-major, in F32.
     pub dw: Vec<f32>,
+    /// The bias gradient `[c_out]`, in F32.
     pub db: Vec<f32>,
 }
 

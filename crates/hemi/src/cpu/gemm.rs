@@ -11,10 +11,15 @@ use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 /// the convolutions.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a, T> {
+    /// The elements; the view reads only those its shape and strides address.
     pub data: &'a [T],
+    /// Number of rows.
     pub rows: usize,
+    /// Number of columns.
     pub cols: usize,
+    /// Row stride, in elements (may be negative or 0).
     pub rs: isize,
+    /// Column stride, in elements (may be negative or 0).
     pub cs: isize,
 }
 

@@ -137,6 +137,8 @@ pub enum Kernel {
 }
 
 impl Kernel {
+    /// Every microkernel, portable ones first (for tests and `hemi bench matmul` to iterate
+    /// over).
     pub const ALL: [Kernel; 8] = [
         Kernel::PortableF32,
         Kernel::PortableBf16Pairs,
@@ -148,6 +150,8 @@ impl Kernel {
         Kernel::AmxBf16,
     ];
 
+    /// The kernel's name as `hemi bench matmul` prints it (`"avx512bf16"`,
+    /// `"portable"`...).
     pub fn name(self) -> &'static str {
         match self {
             Kernel::PortableF32 => "portable",

@@ -24,7 +24,9 @@ pub const MAX_RUNS: usize = 16;
 /// runs. A function of the arguments only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Runs {
+    /// Items per run (the last run may be shorter).
     pub len: usize,
+    /// Number of runs.
     pub count: usize,
 }
 

@@ -14,10 +14,15 @@ use crate::tensor::Layout;
 /// A flat buffer of elements on the CPU.
 #[derive(Clone, Debug)]
 pub enum CpuStorage {
+    /// Half precision (IEEE binary16) elements.
     F16(Vec<f16>),
+    /// bfloat16 elements.
     BF16(Vec<bf16>),
+    /// Single precision elements.
     F32(Vec<f32>),
+    /// Double precision elements (references and tests).
     F64(Vec<f64>),
+    /// 64-bit integers (labels, token ids, indices).
     I64(Vec<i64>),
 }
 
@@ -90,6 +95,7 @@ impl CpuStorage {
         any.downcast::<Vec<T>>().ok().map(|b| *b)
     }
 
+    /// The dtype of the elements.
     pub fn dtype(&self) -> DType {
         match self {
             CpuStorage::F16(_) => DType::F16,
@@ -100,6 +106,7 @@ impl CpuStorage {
         }
     }
 
+    /// Number of elements in the buffer.
     pub fn len(&self) -> usize {
         match self {
             CpuStorage::F16(v) => v.len(),
@@ -110,10 +117,12 @@ impl CpuStorage {
         }
     }
 
+    /// True when the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The buffer's size in bytes.
     pub fn size_in_bytes(&self) -> usize {
         self.len() * self.dtype().size_in_bytes()
     }

@@ -51,7 +51,9 @@ pub struct MemoryStats {
     pub allocated: usize,
     /// Bytes in segments obtained from the raw allocator.
     pub reserved: usize,
+    /// The largest `allocated` since creation or the last `reset_peak_stats`.
     pub peak_allocated: usize,
+    /// The largest `reserved` since creation or the last `reset_peak_stats`.
     pub peak_reserved: usize,
     /// Calls to `raw_alloc` that succeeded.
     pub raw_mallocs: u64,
@@ -87,8 +89,11 @@ impl fmt::Display for MemoryStats {
 /// A live allocation: the device address and the (rounded) size that is usable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockHandle {
+    /// The device address of the block's first byte.
     pub ptr: u64,
+    /// Usable bytes: the request rounded up to the allocator's granularity.
     pub size: usize,
+    /// The stream whose pool the block belongs to (it is reused only on that stream).
     pub stream: StreamId,
 }
 
@@ -143,6 +148,7 @@ pub fn segment_size(rounded: usize) -> Option<usize> {
 }
 
 impl<R: RawAllocator> CachingAllocator<R> {
+    /// An empty allocator over `raw`: no segments, zeroed statistics.
     pub fn new(raw: R) -> Self {
         CachingAllocator {
             raw,
@@ -155,6 +161,7 @@ impl<R: RawAllocator> CachingAllocator<R> {
         }
     }
 
+    /// The counters so far (`torch.cuda.memory_stats`).
     pub fn stats(&self) -> MemoryStats {
         self.stats
     }
@@ -165,6 +172,7 @@ impl<R: RawAllocator> CachingAllocator<R> {
         self.stats.peak_reserved = self.stats.reserved;
     }
 
+    /// The raw allocator underneath (the driver, or a fake in tests).
     pub fn raw(&self) -> &R {
         &self.raw
     }

@@ -93,18 +93,23 @@ pub struct CudaStorage {
 }
 
 impl CudaStorage {
+    /// The dtype of every element.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// True when the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The ordinal `n` of the GPU (`cuda:n`) holding the buffer.
     pub fn ordinal(&self) -> usize {
         self.device.ordinal
     }
+    /// The device (context, stream, allocator) that owns the buffer.
     pub fn device(&self) -> &Arc<CudaDevice> {
         &self.device
     }
@@ -112,6 +117,7 @@ impl CudaStorage {
     pub fn device_ptr(&self) -> u64 {
         self.block.ptr
     }
+    /// The buffer's size in bytes (elements × the dtype's size).
     pub fn num_bytes(&self) -> usize {
         self.len * self.dtype.size_in_bytes()
     }
@@ -244,6 +250,7 @@ impl CudaDevice {
         }))
     }
 
+    /// The GPU's ordinal `n` (`cuda:n`).
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
@@ -270,6 +277,7 @@ impl CudaDevice {
             .map_err(drv_err("cuda synchronize"))
     }
 
+    /// The caching allocator's counters for this device (`torch.cuda.memory_stats`).
     pub fn memory_stats(&self) -> MemoryStats {
         self.alloc.lock().map(|a| a.stats()).unwrap_or_default()
     }

@@ -16,10 +16,15 @@ use crate::error::{Error, Result};
 /// (row, column, batch). A batch stride of 0 broadcasts one matrix to every batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatView {
+    /// Number of rows of the logical (row-major) matrix.
     pub rows: usize,
+    /// Number of columns of the logical matrix.
     pub cols: usize,
+    /// Elements between consecutive rows.
     pub row_stride: i64,
+    /// Elements between consecutive columns (1 when rows are contiguous).
     pub col_stride: i64,
+    /// Elements between consecutive matrices of a batch (0: one matrix broadcast to all).
     pub batch_stride: i64,
 }
 
@@ -65,7 +70,9 @@ impl MatView {
 /// cuBLAS's `cublasOperation_t`, the subset used.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
+    /// Not transposed (`CUBLAS_OP_N`).
     N,
+    /// Transposed (`CUBLAS_OP_T`).
     T,
 }
 
@@ -81,6 +88,8 @@ pub enum GemmType {
 }
 
 impl GemmType {
+    /// The cuBLAS type of an F16, BF16 or F32 operand; other dtypes are an [`Error::DType`]
+    /// for `op`.
     pub fn of(op: &'static str, dtype: DType) -> Result<Self> {
         match dtype {
             DType::F16 => Ok(GemmType::F16),
@@ -98,20 +107,35 @@ pub struct GemmArgs {
     /// cuBLAS's A slot holds hemi's B (and its B slot hemi's A) when true: the row-major
     /// output case, `Cᵀ = Bᵀ·Aᵀ`.
     pub swap_operands: bool,
+    /// cuBLAS's `transa`: how its A slot is read (column-major).
     pub transa: Op,
+    /// cuBLAS's `transb`: how its B slot is read (column-major).
     pub transb: Op,
+    /// Rows of cuBLAS's (column-major) output.
     pub m: i32,
+    /// Columns of cuBLAS's (column-major) output.
     pub n: i32,
+    /// The reduction length.
     pub k: i32,
+    /// Leading dimension of the A slot, in elements.
     pub lda: i32,
+    /// Leading dimension of the B slot, in elements.
     pub ldb: i32,
+    /// Leading dimension of the output, in elements.
     pub ldc: i32,
+    /// Elements between consecutive A-slot matrices of the batch (0: broadcast).
     pub stride_a: i64,
+    /// Elements between consecutive B-slot matrices of the batch (0: broadcast).
     pub stride_b: i64,
+    /// Elements between consecutive output matrices.
     pub stride_c: i64,
+    /// Number of products in the batch.
     pub batch: i32,
+    /// Storage type of the A slot.
     pub a_type: GemmType,
+    /// Storage type of the B slot.
     pub b_type: GemmType,
+    /// Storage type of the output.
     pub c_type: GemmType,
 }
 

@@ -37,22 +37,36 @@ pub fn cuda_type(dtype: DType) -> Result<(&'static str, &'static str)> {
 /// Elementwise functions of one tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UnaryOp {
+    /// `-x`.
     Neg,
+    /// `|x|`.
     Abs,
+    /// `e^x`.
     Exp,
+    /// Natural logarithm.
     Log,
+    /// Square root.
     Sqrt,
+    /// `1 / sqrt(x)`.
     Rsqrt,
+    /// `1 / x`.
     Recip,
+    /// `x * x`.
     Square,
+    /// `max(x, 0)`.
     Relu,
+    /// Logistic sigmoid `1 / (1 + e^-x)`.
     Sigmoid,
+    /// Hyperbolic tangent.
     Tanh,
+    /// `x * sigmoid(x)` (SiLU, swish).
     Silu,
+    /// GELU, exact form `x * Φ(x)`.
     Gelu,
 }
 
 impl UnaryOp {
+    /// Every unary op, for generating the module and for tests.
     pub const ALL: [UnaryOp; 13] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
@@ -69,6 +83,7 @@ impl UnaryOp {
         UnaryOp::Gelu,
     ];
 
+    /// The op's name, the infix of its kernel's entry point (`unary_exp_f16`).
     pub fn name(self) -> &'static str {
         match self {
             UnaryOp::Neg => "neg",
@@ -136,15 +151,22 @@ impl UnaryOp {
 /// Elementwise functions of two broadcast tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
+    /// `a + b`.
     Add,
+    /// `a - b`.
     Sub,
+    /// `a * b`.
     Mul,
+    /// `a / b`.
     Div,
+    /// Elementwise maximum; NaN wins (`torch.maximum`).
     Maximum,
+    /// Elementwise minimum; NaN wins (`torch.minimum`).
     Minimum,
 }
 
 impl BinaryOp {
+    /// Every binary op, for generating the module and for tests.
     pub const ALL: [BinaryOp; 6] = [
         BinaryOp::Add,
         BinaryOp::Sub,
@@ -154,6 +176,7 @@ impl BinaryOp {
         BinaryOp::Minimum,
     ];
 
+    /// The op's name, the infix of its kernel's entry point (`binary_add_f16`).
     pub fn name(self) -> &'static str {
         match self {
             BinaryOp::Add => "add",
@@ -176,6 +199,7 @@ impl BinaryOp {
         }
     }
 
+    /// The f64 reference the GPU tests compare with.
     pub fn reference(self, a: f64, b: f64) -> f64 {
         match self {
             BinaryOp::Add => a + b,
@@ -203,11 +227,14 @@ impl BinaryOp {
 /// Row reductions (over the last, contiguous dim), F32 accumulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
+    /// The sum of the row (F32 accumulation).
     Sum,
+    /// The largest value of the row (-inf for an empty row).
     Max,
 }
 
 impl ReduceOp {
+    /// The op's name, the infix of its kernel's entry points (`sum_rows_warp_f16`).
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -285,10 +312,15 @@ impl Kernel {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexParams {
+    /// Number of dims used (at most `MAX_RANK`).
     pub rank: i64,
+    /// Number of output elements (the product of `shape[..rank]`).
     pub numel: i64,
+    /// The output's shape; entries past `rank` are unused.
     pub shape: [i64; MAX_RANK],
+    /// Operand a's element strides per output dim (0: broadcast).
     pub stride_a: [i64; MAX_RANK],
+    /// Operand b's element strides per output dim (0: broadcast).
     pub stride_b: [i64; MAX_RANK],
 }
 

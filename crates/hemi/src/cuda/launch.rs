@@ -22,8 +22,11 @@ pub const WARP_ROW_MAX_COLS: u64 = 1024;
 /// A launch: grid and block shapes (x, y, z), and dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchDims {
+    /// Blocks per grid (x, y, z).
     pub grid: (u32, u32, u32),
+    /// Threads per block (x, y, z).
     pub block: (u32, u32, u32),
+    /// Bytes of dynamic shared memory per block.
     pub shared_mem_bytes: u32,
 }
 
@@ -72,7 +75,9 @@ impl RowStrategy {
 /// A row-wise launch over a `rows x cols` row-major matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowLaunch {
+    /// Whether a warp or a block reduces each row.
     pub strategy: RowStrategy,
+    /// Grid and block shapes for the launch.
     pub dims: LaunchDims,
 }
 

@@ -14,11 +14,14 @@ use crate::error::{Error, Result};
 /// Which half of a data set: the training images or the held-out test images.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Split {
+    /// The training images.
     Train,
+    /// The held-out test images.
     Test,
 }
 
 impl Split {
+    /// `"train"` or `"test"`, as in file and directory names and messages.
     pub fn name(self) -> &'static str {
         match self {
             Split::Train => "train",
@@ -106,12 +109,15 @@ impl Image {
         out
     }
 
+    /// Number of channels (3 for RGB, 1 for grey).
     pub fn channels(&self) -> usize {
         self.channels
     }
+    /// Height in pixels.
     pub fn height(&self) -> usize {
         self.height
     }
+    /// Width in pixels.
     pub fn width(&self) -> usize {
         self.width
     }
@@ -123,6 +129,7 @@ impl Image {
     pub fn data(&self) -> &[u8] {
         &self.data
     }
+    /// The planar CHW bytes, by value.
     pub fn into_data(self) -> Vec<u8> {
         self.data
     }
@@ -141,7 +148,9 @@ impl Image {
 /// One labelled example: an image and its class index in `0..num_classes`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sample {
+    /// The image, `u8` pixels in CHW order.
     pub image: Image,
+    /// Its class index, in `0..num_classes`.
     pub label: usize,
 }
 
@@ -154,6 +163,7 @@ pub trait Dataset: Send + Sync {
     /// Number of samples.
     fn len(&self) -> usize;
 
+    /// True when the set holds no samples.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -164,6 +174,7 @@ pub trait Dataset: Send + Sync {
     /// The class names; label `k` is `class_names()[k]`.
     fn class_names(&self) -> &[String];
 
+    /// Number of classes (the length of `class_names`).
     fn num_classes(&self) -> usize {
         self.class_names().len()
     }

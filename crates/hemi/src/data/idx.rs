@@ -20,9 +20,13 @@ pub const IDX_LABELS_MAGIC: u32 = 0x0000_0801;
 /// The images of an IDX image file: `count` single-channel `rows x cols` images back to back.
 #[derive(Clone, Debug)]
 pub struct IdxImages {
+    /// Number of images.
     pub count: usize,
+    /// Height of every image in pixels (28 for MNIST).
     pub rows: usize,
+    /// Width of every image in pixels (28 for MNIST).
     pub cols: usize,
+    /// The pixels, `count * rows * cols` bytes, image after image, row-major.
     pub pixels: Vec<u8>,
 }
 
@@ -36,6 +40,7 @@ pub enum MnistKind {
 }
 
 impl MnistKind {
+    /// The data set's usual name (`"MNIST"`, `"Fashion-MNIST"`), for messages.
     pub fn name(self) -> &'static str {
         match self {
             MnistKind::Mnist => "MNIST",

@@ -211,6 +211,7 @@ impl ImageFolder {
         })
     }
 
+    /// The directory the set was read from (holding one sub-directory per class).
     pub fn root(&self) -> &Path {
         &self.root
     }

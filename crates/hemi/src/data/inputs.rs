@@ -22,6 +22,7 @@ pub struct TextInputs {
 pub enum Inputs {
     /// `[B, C, H, W]` F32.
     Images(Tensor),
+    /// Token ids, attention mask and token types of a text batch, each `[B, L]` I64.
     Text(TextInputs),
 }
 

@@ -79,7 +79,10 @@ impl Default for LoaderConfig {
 /// which samples they are.
 #[derive(Clone, Debug)]
 pub struct Batch {
+    /// The model's inputs.
     pub inputs: Inputs,
+    /// The targets: class indices `[B]` I64, or `[B, L]` token ids for masked-LM (-100: no
+    /// target).
     pub labels: Tensor,
     /// The data set indices of the batch's samples, in batch order.
     pub indices: Vec<usize>,
@@ -90,9 +93,11 @@ impl Batch {
     pub fn images(&self) -> Result<&Tensor> {
         self.inputs.images()
     }
+    /// Samples in the batch.
     pub fn len(&self) -> usize {
         self.indices.len()
     }
+    /// True when the batch holds no samples.
     pub fn is_empty(&self) -> bool {
         self.indices.is_empty()
     }
@@ -224,6 +229,7 @@ impl DataLoader {
         }
     }
 
+    /// True for a loader over a text data set (batches of `Inputs::Text`).
     pub fn is_text(&self) -> bool {
         matches!(self.source, Source::Text(_))
     }
@@ -233,6 +239,7 @@ impl DataLoader {
         matches!(&self.source, Source::Text(t) if t.config.mlm.is_some())
     }
 
+    /// The loader's settings (batch size, shuffling, seed, workers, transform).
     pub fn config(&self) -> &LoaderConfig {
         &self.config
     }
@@ -245,6 +252,7 @@ impl DataLoader {
         }
     }
 
+    /// True when the data set holds no samples (the loader then yields no batches).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

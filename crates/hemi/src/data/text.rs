@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 /// One sample of a text data set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TextSample<'a> {
+    /// The text (the first sentence of a pair).
     pub text: &'a str,
     /// The second text of a sentence-pair task (`None` for single sentences).
     pub text_pair: Option<&'a str>,
@@ -31,6 +32,7 @@ pub struct TextSample<'a> {
 pub trait TextDataset: Send + Sync {
     /// Number of samples.
     fn len(&self) -> usize;
+    /// True when the set holds no samples.
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -38,6 +40,7 @@ pub trait TextDataset: Send + Sync {
     fn get(&self, index: usize) -> Result<TextSample<'_>>;
     /// Class names, index = label; empty for unlabelled text.
     fn class_names(&self) -> &[String];
+    /// Number of classes (the length of `class_names`; 0 for unlabelled text).
     fn num_classes(&self) -> usize {
         self.class_names().len()
     }
@@ -46,7 +49,9 @@ pub trait TextDataset: Send + Sync {
 /// Which column of a CSV/TSV file: by header name or 0-based position.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Column {
+    /// A column named by the header line.
     Name(String),
+    /// A column by 0-based position.
     Index(usize),
 }
 
@@ -74,9 +79,11 @@ impl std::fmt::Display for Column {
 /// Where a `TextClassificationDataset` finds its fields.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TextColumns {
+    /// The column holding the text.
     pub text: Column,
     /// The second sentence of a pair task (MNLI, QQP...).
     pub text_pair: Option<Column>,
+    /// The column holding the label (class names or 0-based indices).
     pub label: Column,
     /// The first line names the columns.
     pub header: bool,
@@ -407,6 +414,8 @@ pub struct TextCorpus {
 }
 
 impl TextCorpus {
+    /// Reads a UTF-8 text file, one example per non-blank line; an unreadable file is an
+    /// `Error::Io`, invalid UTF-8 an `Error::Data` naming the line.
     pub fn open(path: impl AsRef<Path>) -> Result<TextCorpus> {
         let path = path.as_ref();
         let bytes = read_file(path, "a text file with one example per line")?;
@@ -440,6 +449,7 @@ impl TextCorpus {
         }
     }
 
+    /// The file the corpus was read from (`<memory>` for `from_lines`).
     pub fn path(&self) -> &Path {
         &self.path
     }

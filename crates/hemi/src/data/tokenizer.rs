@@ -38,9 +38,11 @@ pub struct Encoding {
 }
 
 impl Encoding {
+    /// Number of tokens, special tokens included.
     pub fn len(&self) -> usize {
         self.ids.len()
     }
+    /// True when the encoding holds no tokens.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -230,10 +232,12 @@ impl Tokenizer {
         self.vocab_size
     }
 
+    /// The id of `token` in the vocabulary, if it has one.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
+    /// The token of `id`, if `id` is in the vocabulary.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }

@@ -18,9 +18,17 @@ use crate::rng::Generator;
 pub enum Augment {
     /// Pad every side with `padding` zero pixels, then crop a `size x size` window at a
     /// uniformly drawn position (torchvision's `RandomCrop(size, padding)`).
-    RandomCrop { size: usize, padding: usize },
+    RandomCrop {
+        /// Side of the square crop, in pixels (32 for CIFAR).
+        size: usize,
+        /// Zero pixels added on every side before cropping (4 for CIFAR).
+        padding: usize,
+    },
     /// Mirror left-right with probability `p`.
-    RandomHorizontalFlip { p: f64 },
+    RandomHorizontalFlip {
+        /// Probability of the flip, in `[0, 1]` (0.5 usually).
+        p: f64,
+    },
 }
 
 /// Augmentations, then the conversion to float with an optional Normalize.
@@ -69,6 +77,7 @@ impl Transform {
             .normalize(&[0.5], &[0.5])
     }
 
+    /// The augmentations, in the order they are applied.
     pub fn augments(&self) -> &[Augment] {
         &self.augments
     }

@@ -13,10 +13,15 @@ use half::{bf16, f16};
 /// indices; it is never differentiated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    /// IEEE 754 half precision (binary16): max 65504, ε 2^-10 (`torch.float16`).
     F16,
+    /// bfloat16: F32's exponent range with 7 mantissa bits, ε 2^-7 (`torch.bfloat16`).
     BF16,
+    /// IEEE 754 single precision (`torch.float32`).
     F32,
+    /// IEEE 754 double precision, for reference computations (`torch.float64`).
     F64,
+    /// 64-bit signed integers: labels, token ids, indices (`torch.int64`).
     I64,
 }
 
@@ -38,6 +43,7 @@ pub struct FInfo {
 }
 
 impl DType {
+    /// Every dtype, half types first.
     pub const ALL: [DType; 5] = [DType::F16, DType::BF16, DType::F32, DType::F64, DType::I64];
     /// The float dtypes hemi trains in.
     pub const TRAINING_FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -56,6 +62,7 @@ impl DType {
         matches!(self, DType::F16 | DType::BF16)
     }
 
+    /// True for F16, BF16, F32 and F64; false for I64.
     pub fn is_float(self) -> bool {
         !matches!(self, DType::I64)
     }
@@ -163,6 +170,7 @@ impl std::fmt::Display for DType {
 /// `to_vec` and the kernels' generic code are all written over it (candle's `WithDType`
 /// is the model); `FloatDType` narrows it to the types kernels compute in.
 pub trait WithDType: Copy + Send + Sync + Default + PartialOrd + std::fmt::Debug + 'static {
+    /// The dtype of tensors storing this type.
     const DTYPE: DType;
     /// `v` rounded to this type (nearest-even; floats to I64 truncate toward zero).
     fn from_f64(v: f64) -> Self;

@@ -85,19 +85,33 @@ impl HiddenAct {
 /// transformers' defaults).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BertConfig {
+    /// Rows of the word-embedding matrix: the tokenizer's vocabulary size.
     pub vocab_size: usize,
+    /// Width of every hidden state (H), divisible by `num_attention_heads`.
     pub hidden_size: usize,
+    /// Number of encoder layers.
     pub num_hidden_layers: usize,
+    /// Attention heads per layer; each has `hidden_size / num_attention_heads` features.
     pub num_attention_heads: usize,
+    /// Width of the feed-forward block's inner layer (usually 4 × H).
     pub intermediate_size: usize,
+    /// The feed-forward block's activation (`hidden_act`, e.g. `"gelu"`).
     pub hidden_act: HiddenAct,
+    /// Dropout probability after the embeddings, the attention output and the feed-forward
+    /// output.
     pub hidden_dropout_prob: f64,
+    /// Dropout probability on the attention probabilities.
     pub attention_probs_dropout_prob: f64,
+    /// Longest sequence the position embeddings cover.
     pub max_position_embeddings: usize,
+    /// Rows of the token-type (segment) embedding, usually 2.
     pub type_vocab_size: usize,
+    /// The LayerNorms' ε (transformers' default 1e-12).
     pub layer_norm_eps: f64,
     /// The padding token's id (its word-embedding row starts at zero).
     pub pad_token_id: Option<usize>,
+    /// Standard deviation of the normal initialisation of weights and embeddings (default
+    /// 0.02).
     pub initializer_range: f64,
     /// Dropout before the classifier; `None`: `hidden_dropout_prob` (transformers' rule).
     pub classifier_dropout: Option<f64>,
@@ -489,9 +503,13 @@ fn attention(
 
 /// `embeddings.*`: word + position + token-type embeddings, LayerNorm, dropout.
 pub struct BertEmbeddings {
+    /// `word_embeddings`: `[vocab_size, H]`, one row per token id.
     pub word_embeddings: Embedding,
+    /// `position_embeddings`: `[max_position_embeddings, H]`, one row per position.
     pub position_embeddings: Embedding,
+    /// `token_type_embeddings`: `[type_vocab_size, H]`, one row per segment id.
     pub token_type_embeddings: Embedding,
+    /// `LayerNorm` over the summed embeddings.
     pub layer_norm: LayerNorm,
     dropout: Dropout,
 }
@@ -561,8 +579,11 @@ impl BertEmbeddings {
 /// `encoder.layer.N.*`: self-attention with its output projection and LayerNorm, then the
 /// feed-forward block with its LayerNorm.
 pub struct BertLayer {
+    /// `attention.self.query`: H → H.
     pub query: Linear,
+    /// `attention.self.key`: H → H.
     pub key: Linear,
+    /// `attention.self.value`: H → H.
     pub value: Linear,
     /// `attention.output.dense`.
     pub attention_output: Linear,
@@ -680,7 +701,9 @@ impl BertLayer {
 
 /// transformers' `BertModel`: embeddings, encoder and (optionally) the pooler.
 pub struct BertModel {
+    /// The model's configuration (written back by `save_pretrained`).
     pub config: BertConfig,
+    /// `embeddings.*`: word, position and token-type embeddings with their LayerNorm.
     pub embeddings: BertEmbeddings,
     /// `encoder.layer.N`.
     pub layers: Vec<BertLayer>,
@@ -854,12 +877,16 @@ impl Module for BertModel {
 /// transformers' `BertForSequenceClassification`: `bert.` (with pooler), dropout,
 /// `classifier` -> logits `[B, num_labels]`.
 pub struct BertForSequenceClassification {
+    /// The encoder and its pooler, under the `bert.` prefix.
     pub bert: BertModel,
+    /// `classifier`: H → `num_labels`, applied to the pooled `[CLS]` state.
     pub classifier: Linear,
     dropout: Dropout,
 }
 
 impl BertForSequenceClassification {
+    /// A freshly initialised classifier (transformers' initialisation); `config.id2label`
+    /// must name at least one class, else [`Error::Arg`].
     pub fn new(config: &BertConfig, rng: &mut Generator) -> Result<Self> {
         if config.num_labels() == 0 {
             return Err(Error::arg(
@@ -911,6 +938,8 @@ impl BertForSequenceClassification {
         self.classifier.forward(&self.dropout.forward(&pooled)?)
     }
 
+    /// Writes `dir/config.json` and `dir/model.safetensors` for transformers'
+    /// `BertForSequenceClassification.from_pretrained(dir)` (see [`save_pretrained`]).
     pub fn save_pretrained(&self, dir: &Path) -> Result<()> {
         save_pretrained(
             self,
@@ -953,6 +982,8 @@ impl Module for BertForSequenceClassification {
 /// activation, LayerNorm, then the decoder tied to the word embeddings plus
 /// `cls.predictions.bias` -> logits `[B, L, vocab]`.
 pub struct BertForMaskedLM {
+    /// The encoder without pooler, under the `bert.` prefix; its word embeddings double as
+    /// the decoder weight.
     pub bert: BertModel,
     /// `cls.predictions.transform.dense`.
     pub transform: Linear,
@@ -963,6 +994,8 @@ pub struct BertForMaskedLM {
 }
 
 impl BertForMaskedLM {
+    /// A freshly initialised masked-LM model (transformers' initialisation), without
+    /// pooler, its decoder tied to the word embeddings.
     pub fn new(config: &BertConfig, rng: &mut Generator) -> Result<Self> {
         let bert = BertModel::new(config, false, rng)?;
         let transform = linear(config, config.hidden_size, config.hidden_size, rng)?;
@@ -1006,6 +1039,8 @@ impl BertForMaskedLM {
         )
     }
 
+    /// Writes `dir/config.json` and `dir/model.safetensors` for transformers'
+    /// `BertForMaskedLM.from_pretrained(dir)` (see [`save_pretrained`]).
     pub fn save_pretrained(&self, dir: &Path) -> Result<()> {
         save_pretrained(self, &self.bert.config, "BertForMaskedLM", dir)
     }

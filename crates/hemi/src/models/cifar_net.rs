@@ -16,9 +16,13 @@ use crate::tensor::Tensor;
 /// size for 5×5 kernels) and fails in PyTorch with "mat1 and mat2 shapes cannot be
 /// multiplied".
 pub struct CifarNet {
+    /// `conv1`: 3×3 convolution, `channels` → 64, no padding.
     pub conv1: Conv2d,
+    /// `conv2`: 3×3 convolution, 64 → 128, no padding.
     pub conv2: Conv2d,
+    /// `fc1`: 128·h·w (4608 for 32×32 inputs) → 256.
     pub fc1: Linear,
+    /// `fc2`: 256 → `classes` (the logits).
     pub fc2: Linear,
 }
 

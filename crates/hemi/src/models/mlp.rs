@@ -7,11 +7,15 @@ use crate::tensor::Tensor;
 
 /// flatten → fc1 (in→hidden) → ReLU → fc2 (hidden→classes).
 pub struct Mlp {
+    /// `fc1`: the flattened input (`in_features`) → `hidden`.
     pub fc1: Linear,
+    /// `fc2`: `hidden` → `classes` (the logits).
     pub fc2: Linear,
 }
 
 impl Mlp {
+    /// An MLP for inputs of `in_features` values (an image's C·H·W), `hidden` ReLU units
+    /// and `classes` outputs, initialised as PyTorch's `nn.Linear` would from `rng`.
     pub fn new(
         in_features: usize,
         hidden: usize,

@@ -42,7 +42,9 @@ pub enum InputKind {
 pub struct ModelSpec {
     /// The name `--model` takes.
     pub name: &'static str,
+    /// One line saying what the model is, for `hemi models`.
     pub description: &'static str,
+    /// What the model's `forward` takes: images or text.
     pub input: InputKind,
     /// The input it was designed for, [C, H, W] (others may work: see `build`); [0, 0, 0]
     /// for text models.

@@ -69,18 +69,27 @@ pub enum Shortcut {
     /// before and the rest after (the placement of the widely used PyTorch CIFAR ResNet,
     /// `F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, p, p))`, so its weights carry over).
     Pad {
+        /// The spatial subsampling step (2 where the stage halves the size).
         stride: usize,
+        /// Zero channels appended in total: output channels minus input channels.
         extra_channels: usize,
     },
     /// torchvision's `downsample`: a 1×1 strided conv without bias, then BN.
-    Projection { conv: Conv2d, bn: BatchNorm2d },
+    Projection {
+        /// `downsample.0`: 1×1 convolution with the block's stride, no bias.
+        conv: Conv2d,
+        /// `downsample.1`: the BatchNorm after it.
+        bn: BatchNorm2d,
+    },
 }
 
 /// A residual block: `relu(bn_k(conv_k(…relu(bn1(conv1(x)))…)) + shortcut(x))`.
 pub struct Block {
+    /// Basic (two 3×3 convs) or Bottleneck (1×1, 3×3, 1×1).
     pub kind: BlockKind,
     /// (`conv{i+1}`, `bn{i+1}`) in order: two for Basic, three for Bottleneck.
     pub layers: Vec<(Conv2d, BatchNorm2d)>,
+    /// How the block's input reaches its output.
     pub shortcut: Shortcut,
 }
 
@@ -268,24 +277,32 @@ impl Module for Block {
 
 /// A residual network; `layers[i]` is torchvision's `layer{i+1}`.
 pub struct ResNet {
+    /// The stem's convolution: 7×7/2 → 64 channels (ImageNet) or 3×3 → 16 (CIFAR), no bias.
     pub conv1: Conv2d,
+    /// The stem's BatchNorm.
     pub bn1: BatchNorm2d,
     /// The ImageNet stem's 3×3/2 max-pool (padding 1); none in the CIFAR networks.
     pub maxpool: Option<MaxPool2d>,
+    /// The stages: `layers[i][j]` is `layer{i+1}.{j}` in torchvision's names.
     pub layers: Vec<Vec<Block>>,
+    /// The classifier: pooled features → `num_classes` logits.
     pub fc: Linear,
 }
 
 /// A configuration by architecture name (one of [`RESNET_ARCHS`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ResNetConfig {
+    /// The architecture, one of [`RESNET_ARCHS`] (`"resnet20"`, `"resnet50"`...).
     pub arch: String,
+    /// Number of output classes (the width of `fc`).
     pub num_classes: usize,
     /// Start the last BN of each block at weight 0 (torchvision's `zero_init_residual`).
     pub zero_init_residual: bool,
 }
 
 impl ResNetConfig {
+    /// The configuration of `arch` with `num_classes` outputs and torchvision's defaults
+    /// (`zero_init_residual` off).
     pub fn new(arch: &str, num_classes: usize) -> Self {
         ResNetConfig {
             arch: arch.to_string(),

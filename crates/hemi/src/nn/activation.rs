@@ -16,6 +16,8 @@ pub struct Relu;
 /// GELU, exact (erf) form, or the tanh approximation.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Gelu {
+    /// Use the tanh approximation (PyTorch's `approximate='tanh'`) instead of the exact erf
+    /// form.
     pub tanh_approximation: bool,
 }
 
@@ -33,12 +35,17 @@ stateless!(Flatten, |_s, x| x.flatten(1, -1));
 
 /// Inverted dropout with probability `p`, drawing masks from its own seeded generator.
 pub struct Dropout {
+    /// Probability of zeroing an element in training, in `[0, 1]`; kept elements are scaled
+    /// by `1/(1-p)`.
     pub p: f64,
     rng: Mutex<Generator>,
     training: AtomicBool,
 }
 
 impl Dropout {
+    /// A dropout layer with probability `p` (in `[0, 1]`, else [`Error::Arg`]) whose masks
+    /// come from a generator seeded with `seed`; starts in training mode, and is the
+    /// identity in eval mode.
     pub fn new(p: f64, seed: u64) -> Result<Self> {
         if !(0.0..=1.0).contains(&p) {
             return Err(Error::arg(

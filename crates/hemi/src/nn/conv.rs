@@ -6,14 +6,21 @@ use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
-/// PyTorch's `nn.Conv2d`: weight [out, in/groups, kh, kw], bias [out].
+/// PyTorch's `nn.Conv2d`: weight `[out, in/groups, kh, kw]`, bias `[out]`.
 pub struct Conv2d {
+    /// `[out_channels, in_channels / groups, kh, kw]`, F32 at creation.
     pub weight: Tensor,
+    /// `[out_channels]`, when the layer has a bias.
     pub bias: Option<Tensor>,
+    /// Stride, padding, dilation and groups.
     pub opts: Conv2dOptions,
 }
 
 impl Conv2d {
+    /// A convolution from `in_channels` to `out_channels` with a `kernel` of (height,
+    /// width), initialised as PyTorch's `nn.Conv2d` (Kaiming-uniform weight with a = √5,
+    /// bias uniform in ±1/√fan_in) from `rng`. Groups that do not divide both channel
+    /// counts are an [`Error::Arg`].
     pub fn new(
         in_channels: usize,
         out_channels: usize,

@@ -6,13 +6,17 @@ use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
-/// `y = x Wᵀ + b` with `weight` [out, in] and `bias` [out], PyTorch's `nn.Linear`.
+/// `y = x Wᵀ + b` with `weight` `[out, in]` and `bias` `[out]`, PyTorch's `nn.Linear`.
 pub struct Linear {
+    /// `[out_features, in_features]`, F32 at creation.
     pub weight: Tensor,
+    /// `[out_features]`, when the layer has a bias.
     pub bias: Option<Tensor>,
 }
 
 impl Linear {
+    /// A layer from `in_features` to `out_features`, initialised as PyTorch's `nn.Linear`
+    /// (Kaiming-uniform weight with a = √5, bias uniform in ±1/√in_features) from `rng`.
     pub fn new(
         in_features: usize,
         out_features: usize,
@@ -48,10 +52,13 @@ impl Module for Linear {
 /// A lookup table of `num_embeddings` vectors of size `dim`, initialised N(0, 1) as
 /// PyTorch's `nn.Embedding`.
 pub struct Embedding {
+    /// `[num_embeddings, dim]`: row `i` is the vector of id `i`.
     pub weight: Tensor,
 }
 
 impl Embedding {
+    /// A table of `num_embeddings` vectors of `dim` values drawn N(0, 1) from `rng`; zero
+    /// sizes are an [`Error::Arg`].
     pub fn new(num_embeddings: usize, dim: usize, rng: &mut Generator) -> Result<Self> {
         if num_embeddings == 0 || dim == 0 {
             return Err(Error::arg("Embedding", "sizes must be > 0"));

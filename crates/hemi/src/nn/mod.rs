@@ -40,8 +40,11 @@ pub enum Kind {
 
 /// A named tensor of a module, mutable (for casts and loading).
 pub struct Slot<'a> {
+    /// The tensor's `state_dict` name relative to the module (`"fc1.weight"`).
     pub name: String,
+    /// The tensor itself, to be cast or loaded into.
     pub tensor: &'a mut Tensor,
+    /// Whether it is a trained parameter or a saved buffer.
     pub kind: Kind,
     /// Belongs to a normalisation layer (kept in F32 by mixed-precision presets).
     pub is_norm: bool,

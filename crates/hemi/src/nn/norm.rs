@@ -12,17 +12,26 @@ use crate::tensor::Tensor;
 /// track_running_stats=True)`; state_dict: weight, bias, running_mean, running_var,
 /// num_batches_tracked.
 pub struct BatchNorm2d {
+    /// Per-channel scale γ `[num_features]`, initialised to 1.
     pub weight: Tensor,
+    /// Per-channel shift β `[num_features]`, initialised to 0.
     pub bias: Tensor,
+    /// Running mean `[num_features]` used in eval mode, updated in training.
     pub running_mean: Tensor,
+    /// Running (unbiased) variance `[num_features]` used in eval mode, updated in training.
     pub running_var: Tensor,
+    /// Training batches seen (an I64 scalar, as PyTorch's buffer).
     pub num_batches_tracked: Tensor,
+    /// Added to the variance before the square root (default 1e-5).
     pub eps: f64,
+    /// Weight of the new batch's statistics in the running ones (default 0.1).
     pub momentum: f64,
     training: AtomicBool,
 }
 
 impl BatchNorm2d {
+    /// A batch norm over `num_features` channels of `[N, C, H, W]` (or `[N, C]`) inputs,
+    /// with PyTorch's defaults; starts in training mode.
     pub fn new(num_features: usize) -> Result<Self> {
         Ok(BatchNorm2d {
             weight: param(Tensor::ones(&[num_features], DType::F32)?)?,
@@ -105,13 +114,18 @@ impl Module for BatchNorm2d {
 
 /// PyTorch's `nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True)`.
 pub struct LayerNorm {
+    /// Elementwise scale `normalized_shape`, initialised to 1.
     pub weight: Tensor,
+    /// Elementwise shift `normalized_shape`, initialised to 0.
     pub bias: Tensor,
+    /// The trailing dims normalised over.
     pub normalized_shape: Vec<usize>,
+    /// Added to the variance before the square root (default 1e-5; BERT uses 1e-12).
     pub eps: f64,
 }
 
 impl LayerNorm {
+    /// A layer norm over the trailing dims `normalized_shape`, with PyTorch's defaults.
     pub fn new(normalized_shape: &[usize]) -> Result<Self> {
         Ok(LayerNorm {
             weight: param(Tensor::ones(normalized_shape, DType::F32)?)?,

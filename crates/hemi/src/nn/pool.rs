@@ -7,8 +7,11 @@ use crate::tensor::Tensor;
 /// PyTorch's `nn.MaxPool2d(kernel, stride=kernel, padding=0)`.
 #[derive(Clone, Copy, Debug)]
 pub struct MaxPool2d {
+    /// Window (height, width).
     pub kernel: (usize, usize),
+    /// Step between windows (vertical, horizontal).
     pub stride: (usize, usize),
+    /// Implicit -inf padding on each side, at most half the kernel.
     pub padding: (usize, usize),
 }
 
@@ -26,13 +29,18 @@ impl MaxPool2d {
 /// PyTorch's `nn.AvgPool2d(kernel, stride=kernel, padding=0, count_include_pad=True)`.
 #[derive(Clone, Copy, Debug)]
 pub struct AvgPool2d {
+    /// Window (height, width).
     pub kernel: (usize, usize),
+    /// Step between windows (vertical, horizontal).
     pub stride: (usize, usize),
+    /// Implicit zero padding on each side, at most half the kernel.
     pub padding: (usize, usize),
+    /// Count padded zeros in each window's divisor (PyTorch's default `true`).
     pub count_include_pad: bool,
 }
 
 impl AvgPool2d {
+    /// Square kernel `k` with stride `k`, as `nn.AvgPool2d(k)`.
     pub fn new(k: usize) -> Self {
         AvgPool2d {
             kernel: (k, k),
@@ -46,6 +54,7 @@ impl AvgPool2d {
 /// PyTorch's `nn.AdaptiveAvgPool2d(output_size)`.
 #[derive(Clone, Copy, Debug)]
 pub struct AdaptiveAvgPool2d {
+    /// The output's (height, width); each window spans PyTorch's adaptive bounds.
     pub output_size: (usize, usize),
 }
 

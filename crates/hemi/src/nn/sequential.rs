@@ -4,12 +4,15 @@ use super::{prefixed, prefixed_mut, Kind, Module, Slot};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// Layers applied in order, PyTorch's `nn.Sequential`; their tensors are named
+/// `"0.weight"`, `"1.bias"`... by position.
 #[derive(Default)]
 pub struct Sequential {
     layers: Vec<Box<dyn Module>>,
 }
 
 impl Sequential {
+    /// An empty sequence (the identity until layers are added).
     pub fn new() -> Self {
         Sequential::default()
     }
@@ -19,9 +22,11 @@ impl Sequential {
         self.layers.push(Box::new(layer));
         self
     }
+    /// Number of layers.
     pub fn len(&self) -> usize {
         self.layers.len()
     }
+    /// True when no layer has been added.
     pub fn is_empty(&self) -> bool {
         self.layers.is_empty()
     }

@@ -20,6 +20,7 @@ pub struct StateDictMismatch {
 }
 
 impl StateDictMismatch {
+    /// True when the dict matches the model exactly (strict loading would succeed).
     pub fn is_empty(&self) -> bool {
         self.missing.is_empty()
             && self.unexpected.is_empty()

@@ -20,9 +20,13 @@ const OP: &str = "conv2d";
 /// The default is stride 1, no padding, dilation 1, one group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conv2dOptions {
+    /// Step of the kernel (vertical, horizontal), each >= 1.
     pub stride: (usize, usize),
+    /// Zero padding added to each side (top/bottom, left/right).
     pub padding: (usize, usize),
+    /// Spacing between kernel taps (vertical, horizontal), each >= 1.
     pub dilation: (usize, usize),
+    /// Channel groups; divides both channel counts (1: a dense convolution).
     pub groups: usize,
 }
 
@@ -59,6 +63,7 @@ impl Conv2dOptions {
             ..self
         }
     }
+    /// The same options with `groups` channel groups.
     pub fn groups(self, groups: usize) -> Self {
         Conv2dOptions { groups, ..self }
     }

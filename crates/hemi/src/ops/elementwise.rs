@@ -140,21 +140,29 @@ impl Tensor {
         binary(self, other, Binary::Minimum)
     }
 
+    /// `-x`, elementwise, in the input's dtype.
     pub fn neg(&self) -> Result<Tensor> {
         unary(self, Unary::Neg)
     }
+    /// `e^x`, elementwise; under autocast computed in F32 (the FP32 list).
     pub fn exp(&self) -> Result<Tensor> {
         unary(self, Unary::Exp)
     }
+    /// Natural logarithm, elementwise (`-inf` at 0, NaN below); under autocast computed in
+    /// F32.
     pub fn log(&self) -> Result<Tensor> {
         unary(self, Unary::Log)
     }
+    /// Square root, elementwise (NaN below 0).
     pub fn sqrt(&self) -> Result<Tensor> {
         unary(self, Unary::Sqrt)
     }
+    /// `|x|`, elementwise.
     pub fn abs(&self) -> Result<Tensor> {
         unary(self, Unary::Abs)
     }
+    /// `max(x, 0)`, elementwise (NaN stays NaN); passes through autocast in its input's
+    /// dtype.
     pub fn relu(&self) -> Result<Tensor> {
         unary(self, Unary::Relu)
     }
@@ -166,9 +174,11 @@ impl Tensor {
     pub fn gelu_tanh(&self) -> Result<Tensor> {
         unary(self, Unary::GeluTanh)
     }
+    /// Logistic sigmoid `1 / (1 + e^-x)`, elementwise.
     pub fn sigmoid(&self) -> Result<Tensor> {
         unary(self, Unary::Sigmoid)
     }
+    /// Hyperbolic tangent, elementwise.
     pub fn tanh(&self) -> Result<Tensor> {
         unary(self, Unary::Tanh)
     }

@@ -26,6 +26,7 @@ pub use crate::backend::loss::Reduction;
 /// Options of `cross_entropy`, with PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CrossEntropyOptions {
+    /// How the per-target losses are combined (default: the mean over non-ignored targets).
     pub reduction: Reduction,
     /// Targets equal to this value add nothing to the loss nor to the mean's count
     /// (`None`: every target must be a class index). Default `Some(-100)`.

@@ -150,7 +150,7 @@ impl Tensor {
     }
 
     /// `self · weightᵀ + bias` (`torch.nn.functional.linear`): input [.., in], weight
-    /// [out, in], bias [out]; the result is [.., out]. Wᵀ is a strided view, never
+    /// `[out, in]`, bias `[out]`; the result is `[.., out]`. Wᵀ is a strided view, never
     /// materialised; the bias is added before the single rounding of the result. The
     /// output dtype is the promoted dtype of all operands.
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {

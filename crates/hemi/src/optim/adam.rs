@@ -15,11 +15,16 @@ use crate::tensor::Tensor;
 /// weight_decay 0, amsgrad off).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamConfig {
+    /// Learning rate (default 1e-3).
     pub lr: f64,
+    /// Decay rates (β1, β2) of the running means of the gradient and its square (default
+    /// (0.9, 0.999)), each in `[0, 1)`.
     pub betas: (f64, f64),
+    /// Added to the denominator `sqrt(v̂) + eps` for stability (default 1e-8).
     pub eps: f64,
     /// L2 penalty: `weight_decay * p` is added to the gradient.
     pub weight_decay: f64,
+    /// Use the maximum of past second moments (Reddi et al.'s AMSGrad).
     pub amsgrad: bool,
 }
 
@@ -38,11 +43,16 @@ impl Default for AdamConfig {
 /// Hyper-parameters of `AdamW` (PyTorch's defaults: as Adam's but weight_decay 1e-2).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWConfig {
+    /// Learning rate (default 1e-3).
     pub lr: f64,
+    /// Decay rates (β1, β2) of the running means of the gradient and its square (default
+    /// (0.9, 0.999)), each in `[0, 1)`.
     pub betas: (f64, f64),
+    /// Added to the denominator `sqrt(v̂) + eps` for stability (default 1e-8).
     pub eps: f64,
     /// Decoupled decay: each step first scales `p` by `1 - lr * weight_decay`.
     pub weight_decay: f64,
+    /// Use the maximum of past second moments (Reddi et al.'s AMSGrad).
     pub amsgrad: bool,
 }
 
@@ -324,6 +334,7 @@ impl Adam {
         AdamCore::new("adam", "Adam::new", false, params, config).map(Adam)
     }
 
+    /// The hyper-parameters in use (the lr as last set, e.g. by a schedule).
     pub fn config(&self) -> AdamConfig {
         self.0.config
     }
@@ -339,6 +350,7 @@ impl AdamW {
         AdamCore::new("adamw", "AdamW::new", true, params, config.into()).map(AdamW)
     }
 
+    /// The hyper-parameters in use (the lr as last set, e.g. by a schedule).
     pub fn config(&self) -> AdamWConfig {
         self.0.config.into()
     }

@@ -87,8 +87,11 @@ pub(crate) fn check_decay_mask(op: &'static str, decay: &[bool], params: usize) 
 /// row-major with the parameter's shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StateBuffer {
+    /// The buffer's name, `"{param index}.{key}"`.
     pub name: String,
+    /// The parameter's shape.
     pub shape: Vec<usize>,
+    /// The values, row-major, in F32.
     pub data: Vec<f32>,
 }
 
@@ -103,7 +106,9 @@ pub struct StateBuffer {
 pub struct OptimizerState {
     /// `"sgd"`, `"adam"` or `"adamw"`: loading into another kind is an error.
     pub optimizer: String,
+    /// Hyper-parameters and per-parameter counters by name (`"lr"`, `"0.step"`), in f64.
     pub scalars: Vec<(String, f64)>,
+    /// The F32 state buffers (momentum, moments) by name.
     pub buffers: Vec<StateBuffer>,
 }
 

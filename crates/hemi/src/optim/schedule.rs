@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 /// A learning-rate schedule: the lr after `t` scheduler steps for a run that starts at
 /// `base_lr`.
 pub trait LrScheduler: Send + Sync {
+    /// The learning rate after `t` scheduler steps of a run whose initial lr is `base_lr`.
     fn lr_at(&self, base_lr: f64, t: u64) -> f64;
 
     /// Checks the schedule's parameters (called by `Scheduler::new`).
@@ -34,7 +35,9 @@ impl LrScheduler for Box<dyn LrScheduler> {
 /// `base_lr * gamma^floor(t / step_size)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepLR {
+    /// Steps between two decays, > 0.
     pub step_size: u64,
+    /// The factor applied at each decay (0.1 typically).
     pub gamma: f64,
 }
 
@@ -61,6 +64,7 @@ impl LrScheduler for StepLR {
 pub struct MultiStepLR {
     /// Steps at which the lr drops, increasing.
     pub milestones: Vec<u64>,
+    /// The factor applied at each milestone (0.1 typically).
     pub gamma: f64,
 }
 
@@ -88,7 +92,9 @@ impl LrScheduler for MultiStepLR {
 /// Past `t_max` the cosine climbs back up, as PyTorch's closed form does.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CosineAnnealingLR {
+    /// Steps of one half cosine period, > 0 (the step at which the lr reaches `eta_min`).
     pub t_max: u64,
+    /// The lowest lr, reached at `t_max`.
     pub eta_min: f64,
 }
 
@@ -114,6 +120,7 @@ impl LrScheduler for CosineAnnealingLR {
 /// `get_linear_schedule_with_warmup`): `base_lr * max(0, 1 - t / total_steps)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearDecay {
+    /// Steps until the lr reaches 0, > 0.
     pub total_steps: u64,
 }
 
@@ -140,8 +147,12 @@ impl LrScheduler for LinearDecay {
 /// `t >= warmup_steps` the lr is `after.lr_at(base_lr, t - warmup_steps)` (warm-up then
 /// cosine: `after = CosineAnnealingLR { t_max: total - warmup, .. }`).
 pub struct LinearWarmup {
+    /// Steps of the warm-up (0: none).
     pub warmup_steps: u64,
+    /// The fraction of `base_lr` at step 0, in (0, 1].
     pub start_factor: f64,
+    /// The schedule after the warm-up, counted from its own step 0; `None`: a constant
+    /// `base_lr`.
     pub after: Option<Box<dyn LrScheduler>>,
 }
 
@@ -191,6 +202,7 @@ impl LrScheduler for LinearWarmup {
 /// The saved form of a `Scheduler`: everything it needs to continue a run exactly.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SchedulerState {
+    /// The optimizer's lr when the scheduler was created: the lr the schedule scales.
     pub base_lr: f64,
     /// Scheduler steps taken so far.
     pub step: u64,
@@ -206,6 +218,8 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// Starts `schedule` on `opt`: records its current lr as `base_lr`, sets the lr of step
+    /// 0 and checks the schedule's parameters ([`Error::Arg`] when invalid).
     pub fn new(schedule: impl LrScheduler + 'static, opt: &mut dyn Optimizer) -> Result<Self> {
         schedule.validate()?;
         let s = Scheduler {
@@ -228,6 +242,7 @@ impl Scheduler {
         self.schedule.lr_at(self.base_lr, self.step)
     }
 
+    /// The lr the schedule starts from (the optimizer's lr when `new` ran).
     pub fn base_lr(&self) -> f64 {
         self.base_lr
     }
@@ -237,6 +252,7 @@ impl Scheduler {
         self.step
     }
 
+    /// The position to save with a checkpoint (restore it with `load_state`).
     pub fn state(&self) -> SchedulerState {
         SchedulerState {
             base_lr: self.base_lr,

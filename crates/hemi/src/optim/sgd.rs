@@ -13,10 +13,16 @@ use crate::tensor::Tensor;
 /// takes the documents' 0.001).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SgdConfig {
+    /// Learning rate (hemi's default 0.001, the documents').
     pub lr: f64,
+    /// Momentum factor (default 0: plain SGD; the documents use 0.9).
     pub momentum: f64,
+    /// Dampening of the momentum buffer's update, `buf = momentum * buf + (1 - dampening) *
+    /// g` (default 0).
     pub dampening: f64,
+    /// L2 penalty: `weight_decay * p` is added to the gradient (default 0).
     pub weight_decay: f64,
+    /// Nesterov momentum (needs `momentum > 0` and no dampening, as in PyTorch).
     pub nesterov: bool,
 }
 
@@ -95,6 +101,7 @@ impl Sgd {
         })
     }
 
+    /// The hyper-parameters in use (the lr as last set, e.g. by a schedule).
     pub fn config(&self) -> &SgdConfig {
         &self.config
     }

@@ -64,18 +64,22 @@ impl Tensor {
         Ok(Tensor::from_contiguous(storage, shape))
     }
 
+    /// A tensor of `shape` filled with 0 (`torch.zeros`); a leaf without gradient.
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 0.0, dtype)
     }
 
+    /// A tensor of `shape` filled with 1 (`torch.ones`); a leaf without gradient.
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)
     }
 
+    /// Zeros of this tensor's shape and dtype (`torch.zeros_like`).
     pub fn zeros_like(&self) -> Result<Tensor> {
         Tensor::zeros(self.shape(), self.dtype())
     }
 
+    /// Ones of this tensor's shape and dtype (`torch.ones_like`).
     pub fn ones_like(&self) -> Result<Tensor> {
         Tensor::ones(self.shape(), self.dtype())
     }

@@ -23,6 +23,7 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// The row-major layout of `shape`: strides are suffix products, offset 0.
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout {
             shape: shape.to_vec(),
@@ -31,6 +32,8 @@ impl Layout {
         }
     }
 
+    /// A layout from its parts (`shape` and `strides` of the same length, in elements); the
+    /// caller guarantees that every addressed element lies inside the buffer.
     pub fn new(shape: Vec<usize>, strides: Vec<usize>, offset: usize) -> Self {
         debug_assert_eq!(shape.len(), strides.len());
         Layout {
@@ -40,18 +43,23 @@ impl Layout {
         }
     }
 
+    /// The size of each dim.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
+    /// Elements to skip in the buffer per step along each dim (0 for a broadcast dim).
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
+    /// Position of element `[0, 0, ...]` in the buffer, in elements.
     pub fn offset(&self) -> usize {
         self.offset
     }
+    /// Number of dims.
     pub fn rank(&self) -> usize {
         self.shape.len()
     }
+    /// Number of elements addressed (the product of the shape; 1 for a scalar).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }

@@ -139,33 +139,44 @@ impl Tensor {
 
     // ----- accessors ---------------------------------------------------------------------
 
+    /// A process-unique id of this tensor (clones of the handle share it; views and
+    /// detached copies get new ones), used by autograd and by the autocast cast cache.
     pub fn id(&self) -> TensorId {
         self.0.id
     }
+    /// The size of each dim (`tensor.shape` in PyTorch).
     pub fn shape(&self) -> &[usize] {
         self.0.layout.shape()
     }
+    /// The same as [`Tensor::shape`] (candle's name).
     pub fn dims(&self) -> &[usize] {
         self.shape()
     }
+    /// Number of dims (`tensor.dim()` in PyTorch).
     pub fn rank(&self) -> usize {
         self.0.layout.rank()
     }
+    /// Number of elements (`tensor.numel()`).
     pub fn numel(&self) -> usize {
         self.0.layout.numel()
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.0.dtype
     }
+    /// Where the storage lives.
     pub fn device(&self) -> Device {
         self.0.device
     }
+    /// Shape, strides and offset of this view into its storage.
     pub fn layout(&self) -> &Layout {
         &self.0.layout
     }
+    /// Per-dim steps in elements through the storage (`tensor.stride()`).
     pub fn strides(&self) -> &[usize] {
         self.0.layout.strides()
     }
+    /// True when the view is row-major without gaps (`tensor.is_contiguous()`).
     pub fn is_contiguous(&self) -> bool {
         self.0.layout.is_contiguous()
     }
@@ -188,6 +199,9 @@ impl Tensor {
 
     // ----- autograd state ----------------------------------------------------------------
 
+    /// Whether gradients are recorded for this tensor (`tensor.requires_grad`): a leaf
+    /// marked with `set_requires_grad`, or a result of an op on such a tensor outside
+    /// `no_grad`.
     pub fn requires_grad(&self) -> bool {
         self.0.requires_grad.load(Ordering::Relaxed)
     }
@@ -219,6 +233,8 @@ impl Tensor {
         self
     }
 
+    /// True when the tensor was not produced by a recorded op (a leaf of the graph: inputs,
+    /// parameters, detached tensors).
     pub fn is_leaf(&self) -> bool {
         self.0.grad_fn.is_none()
     }

@@ -17,6 +17,7 @@ use crate::tensor::Layout;
 /// A tensor's buffer on one device.
 #[derive(Clone, Debug)]
 pub enum Storage {
+    /// A buffer in host memory.
     Cpu(CpuStorage),
 }
 
@@ -68,10 +69,12 @@ macro_rules! wrap {
 pub(crate) use wrap;
 
 impl Storage {
+    /// The device the buffer lives on.
     pub fn device(&self) -> Device {
         dispatch!(self, s => BackendStorage::device(s))
     }
 
+    /// The dtype of the buffer's elements.
     pub fn dtype(&self) -> DType {
         dispatch!(self, s => BackendStorage::dtype(s))
     }
@@ -81,10 +84,12 @@ impl Storage {
         dispatch!(self, s => BackendStorage::len(s))
     }
 
+    /// True when the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The buffer's size in bytes (elements × the dtype's size).
     pub fn size_in_bytes(&self) -> usize {
         self.len() * self.dtype().size_in_bytes()
     }

@@ -58,12 +58,15 @@ pub struct RunInfo {
     pub data_dir: Option<PathBuf>,
     /// Input shape [C, H, W] and number of classes.
     pub input_shape: [usize; 3],
+    /// Number of classes the model predicts (the width of its output).
     pub classes: usize,
     /// The class names in label order (empty where the data set has none).
     pub class_names: Vec<String>,
     /// Samples in the training and test sets.
     pub train_len: usize,
+    /// Samples in the test set.
     pub test_len: usize,
+    /// The run's seed (initialisation, data order and augmentation derive from it).
     pub seed: u64,
     /// The precision preset's name (`amp-fp16`...); `train` fills it in from its config.
     pub precision: String,
@@ -195,7 +198,9 @@ pub struct Progress {
     /// Sum of the finite losses, their count and the images of that partial epoch, so the
     /// resumed epoch reports the same train loss as an uninterrupted one.
     pub partial_loss_sum: f64,
+    /// Number of finite losses in `partial_loss_sum`.
     pub partial_batches: usize,
+    /// Samples trained in the partial epoch.
     pub partial_images: usize,
 }
 
@@ -240,15 +245,20 @@ impl Progress {
 pub struct Checkpoint {
     /// The directory it was read from.
     pub dir: PathBuf,
+    /// The model's weights under their `state_dict` names, as saved (dtypes kept).
     pub model: Vec<(String, Tensor)>,
+    /// The optimizer's state (F32 buffers and scalars) under PyTorch's state_dict names.
     pub optimizer: OptimizerState,
     /// The loss scaler's state (amp-fp16 runs).
     pub scaler: Option<ScalerState>,
+    /// Where the run had got: whole epochs and batches of a partial one.
     pub progress: Progress,
     /// Whole epochs finished (`progress.epochs_done`).
     pub epochs_done: usize,
     /// Test accuracy after the last whole epoch, if it was measured.
     pub test_accuracy: Option<f64>,
+    /// What the run was: model, data, seed, precision and settings, for `eval` and
+    /// `resume`.
     pub info: RunInfo,
 }
 
@@ -443,8 +453,11 @@ fn state_json(
 /// A manifest entry: a file of the checkpoint with its size and SHA-256 (hex).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ManifestEntry {
+    /// The file's name within the checkpoint directory (`model.safetensors`).
     pub name: String,
+    /// The file's size in bytes.
     pub size: u64,
+    /// The file's SHA-256 as 64 lowercase hex digits.
     pub sha256: String,
 }
 
@@ -629,11 +642,17 @@ pub fn load_checkpoint(path: &Path) -> Result<Checkpoint> {
 
 /// `state.json` without the tensors.
 pub struct SavedState {
+    /// Where the run had got.
     pub progress: Progress,
+    /// Test accuracy after the last whole epoch, if measured.
     pub test_accuracy: Option<f64>,
+    /// The optimizer's kind (`"sgd"`, `"adam"`, `"adamw"`).
     pub optimizer: String,
+    /// The optimizer's scalars (hyper-parameters and step counts) by name.
     pub scalars: Vec<(String, f64)>,
+    /// The names of the optimizer buffers `optimizer.safetensors` must hold.
     pub buffer_names: Vec<String>,
+    /// The loss scaler's state, for runs that scale the loss.
     pub scaler: Option<ScalerState>,
 }
 

@@ -35,12 +35,17 @@ use crate::tensor::Tensor;
 /// Which optimizer to build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OptimizerKind {
+    /// Stochastic gradient descent with momentum ([`Sgd`]), the documents' optimizer
+    /// (`torch.optim.SGD`).
     Sgd,
+    /// Adam with L2 weight decay ([`Adam`], `torch.optim.Adam`).
     Adam,
+    /// Adam with decoupled weight decay ([`AdamW`], `torch.optim.AdamW`).
     AdamW,
 }
 
 impl OptimizerKind {
+    /// The name the CLI and checkpoints use: `"sgd"`, `"adam"` or `"adamw"`.
     pub fn name(self) -> &'static str {
         match self {
             OptimizerKind::Sgd => "sgd",
@@ -48,6 +53,8 @@ impl OptimizerKind {
             OptimizerKind::AdamW => "adamw",
         }
     }
+    /// Parses a name as written by [`OptimizerKind::name`]; anything else is an
+    /// [`Error::Arg`] listing the accepted names.
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "sgd" => Ok(OptimizerKind::Sgd),
@@ -65,9 +72,13 @@ impl OptimizerKind {
 /// 10 epochs, the loss logged every 200 batches.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
+    /// Number of passes over the training set (default 10).
     pub epochs: usize,
+    /// The optimizer to build (default SGD).
     pub optimizer: OptimizerKind,
+    /// The base learning rate (default 0.001), before warm-up and schedule.
     pub lr: f64,
+    /// SGD momentum (default 0.9); ignored by Adam and AdamW.
     pub momentum: f64,
     /// `None`: the optimizer's default (0 for SGD and Adam, 0.01 for AdamW).
     pub weight_decay: Option<f64>,
@@ -81,6 +92,8 @@ pub struct TrainConfig {
     pub warmup_epochs: f64,
     /// Label smoothing of the training loss (ε of `CrossEntropyOptions`).
     pub label_smoothing: f64,
+    /// Log the mean loss every this many batches ([`Event::Log`]; default 200, the
+    /// documents' interval).
     pub log_every: usize,
     /// The checkpoint root: a checkpoint directory (`epoch-0003/`...) is written into it after
     /// every epoch, and when the run is stopped through `stop`.
@@ -162,7 +175,10 @@ impl Default for TrainConfig {
 pub struct DivergenceConfig {
     /// 1.0 never stops on skipped steps.
     pub max_skipped_fraction: f64,
+    /// The number of most recent steps the skipped-step fraction is taken over (default
+    /// 100).
     pub window: usize,
+    /// The fewest recent steps the non-finite-loss fraction is judged on (default 16).
     pub min_steps: usize,
     /// A loss scale below this has collapsed: the gradients overflow even unscaled.
     pub min_scale: f64,
@@ -291,8 +307,11 @@ pub fn build_optimizer(cfg: &TrainConfig, params: Vec<Tensor>) -> Result<Box<dyn
 pub enum Event {
     /// The run starts (or resumes) at `first_epoch` (1-based) of `epochs`.
     Start {
+        /// The first epoch this run trains, 1-based (after a resumed checkpoint's epochs).
         first_epoch: usize,
+        /// The run's total number of epochs.
         epochs: usize,
+        /// Batches in one epoch of the training loader.
         batches_per_epoch: usize,
         /// Batches of `first_epoch` a resumed checkpoint already holds (0 when starting
         /// at an epoch boundary).
@@ -300,14 +319,19 @@ pub enum Event {
     },
     /// A batch finished.
     Batch {
+        /// The epoch, 1-based.
         epoch: usize,
+        /// The batch within the epoch, 1-based.
         batch: usize,
         /// Optimizer steps of the whole run so far, this one included (resumed runs count
         /// the steps before the checkpoint too): TensorBoard's x axis.
         global_step: u64,
         /// The learning rate this step used.
         lr: f64,
+        /// This batch's loss, unscaled (may be inf or NaN under loss scaling; such a step
+        /// is skipped).
         loss: f64,
+        /// Samples in this batch.
         images: usize,
         /// The loss scale after this step (1.0 where the preset does not scale).
         scale: f64,
@@ -316,39 +340,59 @@ pub enum Event {
     },
     /// Every `log_every` batches: the mean loss since the last log line.
     Log {
+        /// The epoch, 1-based.
         epoch: usize,
+        /// The batch within the epoch that triggered the line, 1-based (a multiple of
+        /// `log_every`).
         step: usize,
         /// As in `Batch`.
         global_step: u64,
+        /// Mean of the finite losses since the previous log line (NaN when none was
+        /// finite).
         loss: f64,
+        /// The learning rate of the last step.
         lr: f64,
+        /// Training throughput since the previous log line, in samples per second.
         images_per_s: f64,
+        /// The loss scale after the last step (1.0 where the preset does not scale).
         scale: f64,
+        /// Steps skipped so far (inf/NaN gradients).
         skipped: u64,
     },
     /// With `grad_stats`, at the end of every epoch: this epoch's gradient statistics per
     /// parameter (unscaled gradients, every step of the epoch) and the loss scale at its end.
     GradStats {
+        /// The epoch, 1-based.
         epoch: usize,
+        /// Optimizer steps of the run at the epoch's end.
         global_step: u64,
+        /// The loss scale at the epoch's end (1.0 where the preset does not scale).
         scale: f64,
+        /// One entry per parameter, in `named_parameters` order, counting this epoch only.
         stats: Vec<GradStat>,
     },
     /// Every `tensors_every` steps: each parameter with its unscaled gradient of this step
     /// (`None` for a parameter without one), in `named_parameters` order. The tensors share
     /// the model's storage: read them, do not keep them.
     Tensors {
+        /// The step just taken (as in `Batch`).
         global_step: u64,
+        /// (name, parameter, unscaled gradient) per parameter.
         tensors: Vec<(String, Tensor, Option<Tensor>)>,
     },
     /// An epoch finished and the test set was evaluated.
     Epoch {
+        /// The epoch, 1-based.
         epoch: usize,
+        /// Mean of the epoch's finite batch losses (NaN when none was finite).
         train_loss: f64,
+        /// Fraction of the test targets predicted correctly, in `[0, 1]`.
         test_accuracy: f64,
         /// Mean test loss per target (its exp is the perplexity of a language model).
         test_loss: f64,
+        /// Wall time of the epoch, evaluation included.
         seconds: f64,
+        /// Training throughput over the epoch (evaluation excluded), in samples per second.
         images_per_s: f64,
     },
 }
@@ -356,18 +400,25 @@ pub enum Event {
 /// What a run achieved.
 #[derive(Clone, Debug)]
 pub struct Summary {
+    /// The precision preset the run used.
     pub precision: Precision,
     /// Optimizer steps taken in this run (including skipped ones) and how many were skipped.
     pub steps: u64,
+    /// Of those steps, how many were skipped because a gradient was inf or NaN.
     pub skipped_steps: u64,
     /// The loss scale at the end (1.0 where the preset does not scale).
     pub final_scale: f64,
     /// Per-parameter F16 range counts (with `grad_stats`).
     pub grad_stats: Vec<GradStat>,
+    /// Epochs trained in this call (not counting those a resumed checkpoint held).
     pub epochs_run: usize,
+    /// The last epoch trained, 1-based (the checkpoint's when none ran).
     pub last_epoch: usize,
+    /// Test accuracy after the last epoch, in `[0, 1]` (NaN when no epoch ran).
     pub test_accuracy: f64,
+    /// Training samples processed in this call.
     pub train_images: usize,
+    /// Seconds spent training in this call (evaluation excluded).
     pub train_seconds: f64,
 }
 
@@ -376,6 +427,7 @@ pub struct Summary {
 /// flush to zero).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GradStat {
+    /// The parameter's `state_dict` name (`conv1.weight`).
     pub name: String,
     /// Gradient values seen (numel × steps).
     pub values: u64,
@@ -421,6 +473,7 @@ impl Summary {
         }
     }
 
+    /// Training throughput of the whole run, in samples per second (0 when nothing ran).
     pub fn images_per_s(&self) -> f64 {
         if self.train_seconds > 0.0 {
             self.train_images as f64 / self.train_seconds

@@ -24,7 +24,13 @@ pub enum Schedule {
     Cosine,
     /// Multiply by `gamma` at the start of each milestone epoch (PyTorch's `MultiStepLR`
     /// stepped per epoch; He et al. 2016: milestones 82 and 123 of 164, gamma 0.1).
-    Step { milestones: Vec<usize>, gamma: f64 },
+    Step {
+        /// Epoch counts after which the lr is multiplied by `gamma` (PyTorch's
+        /// `milestones`), increasing.
+        milestones: Vec<usize>,
+        /// The factor applied at each milestone (0.1 in He et al.).
+        gamma: f64,
+    },
     /// Linear decay from the base lr to 0 at the last step of the run, per step (after a
     /// warm-up: Hugging Face's `get_linear_schedule_with_warmup`, the BERT fine-tuning
     /// schedule).
@@ -32,6 +38,8 @@ pub enum Schedule {
 }
 
 impl Schedule {
+    /// The schedule's name as `--schedule` takes it: `"constant"`, `"cosine"`, `"step"` or
+    /// `"linear"`.
     pub fn name(&self) -> &'static str {
         match self {
             Schedule::Constant => "constant",
@@ -141,20 +149,31 @@ pub fn lr_schedule(
 /// A named training recipe.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Recipe {
+    /// The name `--recipe` takes (`"documents"`, `"resnet-cifar"`...).
     pub name: &'static str,
+    /// One line saying what the recipe is and where it comes from, for `hemi models`.
     pub description: &'static str,
+    /// Number of epochs.
     pub epochs: usize,
+    /// Samples per batch.
     pub batch_size: usize,
+    /// The optimizer.
     pub optimizer: OptimizerKind,
+    /// The base learning rate.
     pub lr: f64,
+    /// SGD momentum (ignored by Adam and AdamW).
     pub momentum: f64,
     /// `None`: the optimizer's default.
     pub weight_decay: Option<f64>,
+    /// Nesterov momentum (SGD).
     pub nesterov: bool,
     /// No weight decay on biases and normalisation weights (parameters of rank < 2).
     pub no_decay_norm_bias: bool,
+    /// The lr schedule after the warm-up.
     pub schedule: Schedule,
+    /// Linear warm-up length in epochs (fractions allowed; 0: none).
     pub warmup_epochs: f64,
+    /// Label smoothing ε of the training loss (0: none).
     pub label_smoothing: f64,
     /// Random crop with padding (an eighth of the side) and horizontal flip on training
     /// images.
@@ -166,6 +185,8 @@ pub struct Recipe {
 
 /// CIFAR-10's per-channel mean and standard deviation of the training images (in [0, 1]).
 pub const CIFAR10_MEAN: [f32; 3] = [0.4914, 0.4822, 0.4465];
+/// CIFAR-10's per-channel standard deviation of the training images (in [0, 1]), paired
+/// with [`CIFAR10_MEAN`].
 pub const CIFAR10_STD: [f32; 3] = [0.2470, 0.2435, 0.2616];
 
 impl Recipe {
