@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks `hemi export --format onnx` against onnxruntime.
 
-For each model (CifarNet, ResNet-20, ResNet-18 on 32x32 inputs, a tiny BERT classifier
+For each model (CifarNet, ResNet-20 (also trained with fp16-master, F16 weights in the
+checkpoint), ResNet-56, ResNet-18 and ResNet-50 on 32x32 inputs, a tiny BERT classifier
 trained by hemi, the tiny BERT fixture with large weights, and all-MiniLM-L6-v2 with a
 seeded classifier head) and each weight dtype (f32, f16) it exports the model with
 `--sample N` (N seeded random inputs and hemi's own eval-mode logits), validates the file
@@ -43,8 +44,8 @@ def run(hemi, args, cwd):
     return r.stdout
 
 
-def train_image(hemi, work, model, extra=()):
-    ck = os.path.join(work, f"ck-{model}")
+def train_image(hemi, work, model, extra=(), tag=""):
+    ck = os.path.join(work, f"ck-{model}{tag}")
     if not os.path.isdir(ck):
         run(hemi, ["train", "--model", model, "--dataset", "synthetic", "--synthetic-size",
                    "512", "--batch-size", "64", "--epochs", "1", "--quiet",
@@ -123,7 +124,11 @@ def main():
     cases = [
         ("cifar-net", train_image(hemi, a.work, "cifar-net"), 0),
         ("resnet20", train_image(hemi, a.work, "resnet20"), 0),
+        ("resnet20-fp16master",
+         train_image(hemi, a.work, "resnet20", ["--precision", "fp16-master"], "-fp16m"), 0),
+        ("resnet56", train_image(hemi, a.work, "resnet56"), 0),
         ("resnet18@32", train_image(hemi, a.work, "resnet18"), 0),
+        ("resnet50@32", train_image(hemi, a.work, "resnet50"), 0),
         ("bert-tiny-trained", train_bert(hemi, a.work), 32),
         ("bert-tiny-fixture", ["--pretrained", FIXTURE], 24),
     ]
