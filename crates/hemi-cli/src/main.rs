@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 use hemi::models::registry::InputKind;
 
 mod bench;
+mod export;
 mod plot;
 mod text;
 mod train;
@@ -45,6 +46,8 @@ enum Command {
     /// Sentence embeddings of a text file's lines (JSON lines), as sentence-transformers
     /// computes them: mean of the final hidden states, L2-normalised.
     Embed(text::EmbedArgs),
+    /// A trained model as an ONNX file (`--format onnx`), eval mode.
+    Export(export::ExportArgs),
 }
 
 #[derive(Subcommand)]
@@ -95,6 +98,7 @@ fn main() {
         Command::Bench(args) => bench::run(args),
         Command::Embed(args) => text::run_embed(args),
         Command::Plot(args) => plot::run(args),
+        Command::Export(args) => export::run_export(args),
         Command::Models { classes } => list_models(classes),
     };
     match result {

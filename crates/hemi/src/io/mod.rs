@@ -2,6 +2,8 @@
 //! `safetensors.torch.load_file` + `load_state_dict` read hemi checkpoints), written
 //! atomically (temporary file, fsync, rename) so a crash never leaves a broken file.
 
+pub mod onnx;
+
 use std::collections::HashMap;
 use std::fs;
 use std::io::Write;

@@ -3,6 +3,7 @@
 mod bert;
 mod cifar_net;
 mod mlp;
+pub mod onnx;
 pub mod registry;
 mod resnet;
 

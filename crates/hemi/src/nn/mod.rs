@@ -50,8 +50,9 @@ pub struct Slot<'a> {
     pub is_norm: bool,
 }
 
-/// A layer or a network of layers.
-pub trait Module: Send {
+/// A layer or a network of layers. `Any` lets code that knows the concrete types (the ONNX
+/// exporters of `models::onnx`) recognise a `dyn Module`.
+pub trait Module: Send + std::any::Any {
     /// Applies the module.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 
