@@ -3,24 +3,8 @@
 //! unknown name is an error naming it and the known ones (inputs a model cannot take are
 //! covered by the registry's unit test).
 
-use std::process::{Command, Output};
-
-fn hemi(dir: &std::path::Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hemi"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run hemi")
-}
-
-fn ok(o: &Output) -> String {
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    );
-    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
-    out
-}
+mod common;
+use common::{hemi, ok};
 
 #[test]
 fn models_lists_every_registered_model_with_torchvision_counts() {

@@ -3,27 +3,12 @@
 //! histograms, and `hemi plot` draws PNGs from metrics files; bad inputs are named errors.
 
 use std::path::Path;
-use std::process::{Command, Output};
+mod common;
+use common::{hemi, ok};
+use std::process::Output;
 
 use hemi::io::tensorboard::read_events;
 use serde_json::Value;
-
-fn hemi(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hemi"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run hemi")
-}
-
-fn ok(o: &Output) -> String {
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    );
-    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
-    out
-}
 
 fn fails(o: &Output, needle: &str) {
     let err = String::from_utf8_lossy(&o.stderr);

@@ -6,24 +6,9 @@
 //! The tokenizer, the pretrained model and SST-2 come from `../shared` beside the checkout.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn hemi(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hemi"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("run hemi")
-}
-
-fn ok(o: &Output) -> String {
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    );
-    assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
-    out
-}
+mod common;
+use common::{hemi, ok};
+use std::process::Output;
 
 fn err(o: &Output) -> String {
     assert!(!o.status.success(), "expected a failure");
