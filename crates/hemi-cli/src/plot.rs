@@ -16,6 +16,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde_json::Value;
 
+use hemi::train::Log2Histogram;
 use hemi::{Error, Result};
 
 #[derive(Args)]
@@ -58,16 +59,7 @@ struct StepPoint {
 #[derive(Clone, Debug)]
 struct LayerHist {
     name: String,
-    /// floor(log2 |g|) -> count.
-    bins: BTreeMap<i32, u64>,
-    zeros: u64,
-    nonfinite: u64,
-}
-
-impl LayerHist {
-    fn total(&self) -> u64 {
-        self.bins.values().sum::<u64>() + self.zeros + self.nonfinite
-    }
+    hist: Log2Histogram,
 }
 
 #[derive(Clone, Debug)]
@@ -149,23 +141,27 @@ fn read_run(path: &Path) -> Result<Run> {
                     .ok_or_else(|| bad_line(path, n, "grad_stats without \"layers\""))?
                     .iter()
                     .map(|l| {
-                        let e_lo = l.get("e_lo").and_then(Value::as_i64).unwrap_or(0) as i32;
+                        let mut hist = Log2Histogram::default();
+                        let e_lo = l.get("e_lo").and_then(Value::as_i64).unwrap_or(0);
                         let counts = l.get("counts").and_then(Value::as_array);
-                        let bins = counts
-                            .into_iter()
-                            .flatten()
-                            .enumerate()
-                            .filter_map(|(k, c)| Some((e_lo + k as i32, c.as_u64()?)))
-                            .filter(|&(_, c)| c > 0)
-                            .collect();
-                        LayerHist {
-                            name: l.get("name").and_then(Value::as_str).unwrap_or("?").into(),
-                            bins,
-                            zeros: l.get("zeros").and_then(Value::as_u64).unwrap_or(0),
-                            nonfinite: l.get("nonfinite").and_then(Value::as_u64).unwrap_or(0),
+                        for (k, c) in counts.into_iter().flatten().enumerate() {
+                            let bin =
+                                usize::try_from(e_lo + k as i64 - i64::from(Log2Histogram::E_MIN))
+                                    .ok()
+                                    .filter(|&b| b < Log2Histogram::BINS)
+                                    .ok_or_else(|| {
+                                        bad_line(path, n, "a binade outside F32's range")
+                                    })?;
+                            hist.counts[bin] = c.as_u64().unwrap_or(0);
                         }
+                        hist.zeros = l.get("zeros").and_then(Value::as_u64).unwrap_or(0);
+                        hist.nonfinite = l.get("nonfinite").and_then(Value::as_u64).unwrap_or(0);
+                        Ok(LayerHist {
+                            name: l.get("name").and_then(Value::as_str).unwrap_or("?").into(),
+                            hist,
+                        })
                     })
-                    .collect();
+                    .collect::<Result<Vec<_>>>()?;
                 let e = epoch()?;
                 run.grads.insert(
                     e,
@@ -465,47 +461,25 @@ fn plot_scale(runs: &[Run], path: &Path) -> Result<()> {
 
 /// F16's limits as binades of `floor(log2 |x|)`: values from 2^-24 (smallest subnormal) are
 /// kept, normals start at 2^-14, and from 2^16 (above 65504) they overflow.
-const F16_SUB: i32 = -24;
+const F16_SUB: i32 = Log2Histogram::F16_SUBNORMAL;
 const F16_NORMAL: i32 = -14;
-const F16_OVER: i32 = 16;
+const F16_OVER: i32 = Log2Histogram::F16_OVERFLOW;
 /// BF16's: subnormals from 2^-133, normals from 2^-126, overflow from 2^128.
 const BF16_SUB: i32 = -133;
 const BF16_NORMAL: i32 = -126;
 const BF16_OVER: i32 = 128;
 
-/// The share of `h`'s values F16 cannot hold once multiplied by 2^`shift`: nonzero values
-/// below its smallest subnormal, values from 2^16 up, and non-finite ones.
-fn f16_lost(h: &LayerHist, shift: i32) -> f64 {
-    let lost: u64 = h
-        .bins
-        .iter()
-        .filter(|(&e, _)| e + shift < F16_SUB || e + shift >= F16_OVER)
-        .map(|(_, c)| c)
-        .sum::<u64>()
-        + h.nonfinite;
-    lost as f64 / h.total().max(1) as f64
-}
-
 fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
     let err = draw_err(path);
-    let mut all = LayerHist {
-        name: "all parameters".into(),
-        bins: BTreeMap::new(),
-        zeros: 0,
-        nonfinite: 0,
-    };
+    let mut all = Log2Histogram::default();
     for l in &rec.layers {
-        for (&e, &c) in &l.bins {
-            *all.bins.entry(e).or_default() += c;
-        }
-        all.zeros += l.zeros;
-        all.nonfinite += l.nonfinite;
+        all.merge(&l.hist);
     }
     let total = all.total().max(1) as f64;
     let shift = rec.scale.max(f64::MIN_POSITIVE).log2().round() as i32;
     let (d0, d1) = (
-        all.bins.keys().next().copied().unwrap_or(F16_SUB),
-        all.bins.keys().last().copied().unwrap_or(0),
+        all.nonzero_bins().next().map_or(F16_SUB, |b| b.0),
+        all.nonzero_bins().last().map_or(0, |b| b.0),
     );
     // Show the data and both F16 windows (unscaled and scaled), a binade of margin.
     let lo = d0.min(F16_SUB - shift).min(F16_SUB) - 2;
@@ -521,9 +495,8 @@ fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
     // Shares in %, on a log axis: the values F16 loses are a small share, invisible on a
     // linear one.
     let share: Vec<(i32, f64)> = all
-        .bins
-        .iter()
-        .map(|(&e, &c)| (e, 100.0 * c as f64 / total))
+        .nonzero_bins()
+        .map(|(e, c)| (e, 100.0 * c as f64 / total))
         .collect();
     let smax = share.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9);
     let smin = share.iter().map(|p| p.1).fold(smax, f64::min);
@@ -532,8 +505,8 @@ fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
         "{label}, epoch {}: log2|g| of the unscaled gradients; F16 loses {:.3} % without \
          scaling, {:.3} % at scale 2^{shift}",
         rec.epoch,
-        100.0 * f16_lost(&all, 0),
-        100.0 * f16_lost(&all, shift)
+        100.0 * all.f16_lost_share(0),
+        100.0 * all.f16_lost_share(shift)
     );
     let mut chart = ChartBuilder::on(&top)
         .caption(caption, ("sans-serif", 20))
@@ -668,8 +641,8 @@ fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
     for (i, l) in rec.layers.iter().enumerate() {
         // The first parameter on top.
         let y = (layers - 1 - i) as f64;
-        let peak = (l.bins.values().copied().max().unwrap_or(1) as f64).ln_1p();
-        grid.draw_series(l.bins.iter().map(|(&e, &c)| {
+        let peak = (l.hist.counts.iter().copied().max().unwrap_or(1) as f64).ln_1p();
+        grid.draw_series(l.hist.nonzero_bins().map(|(e, c)| {
             let s = (c as f64).ln_1p() / peak;
             let lerp = |a: u8, b: u8| (f64::from(a) + (f64::from(b) - f64::from(a)) * s) as u8;
             let col = if lost(&e) {
@@ -686,8 +659,8 @@ fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
         let name = format!(
             "{}  {:.2}% / {:.2}%",
             l.name,
-            100.0 * f16_lost(l, 0),
-            100.0 * f16_lost(l, shift)
+            100.0 * l.hist.f16_lost_share(0),
+            100.0 * l.hist.f16_lost_share(shift)
         );
         let (_, py) = grid.backend_coord(&(f64::from(lo), y + 0.5));
         root.draw(&Text::new(

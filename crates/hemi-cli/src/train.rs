@@ -1020,17 +1020,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             if let Some(w) = tb.as_mut() {
                 let mut all = Log2Histogram::default();
                 stats.iter().for_each(|s| all.merge(&s.log2));
-                let n = all.total();
-                // F16 keeps binades -24..=15 (2^-24 .. 65504) and zeros; a power-of-two
-                // scale shifts the binades.
+                // A power-of-two scale shifts the binades F16 holds.
                 let shift = scale.log2().round() as i32;
-                let lost = |k: i32| {
-                    let kept = all.count_between(-24 - k, 15 - k) + all.zeros;
-                    (n - kept) as f64 / n.max(1) as f64
-                };
                 for (tag, v) in [
-                    ("grad_stats/f16_lost_unscaled", lost(0)),
-                    ("grad_stats/f16_lost_scaled", lost(shift)),
+                    ("grad_stats/f16_lost_unscaled", all.f16_lost_share(0)),
+                    ("grad_stats/f16_lost_scaled", all.f16_lost_share(shift)),
                 ] {
                     if let Err(e) = w.add_scalar(tag, v, *global_step) {
                         write_err.get_or_insert(e);

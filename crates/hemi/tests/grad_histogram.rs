@@ -94,3 +94,23 @@ fn count_between_clamps_to_the_range() {
     assert_eq!(h.count_between(200, 300), 0);
     assert_eq!(h.count_between(5, -5), 0);
 }
+
+#[test]
+fn f16_lost_share_counts_what_leaves_the_window_after_the_shift() {
+    let mut h = Log2Histogram::default();
+    // 2^-30 (lost unscaled, kept at 2^16), 1.0 (kept), 2^20 (overflows), a zero (kept), a NaN.
+    for x in [2f32.powi(-30), 1.0, 2f32.powi(20), 0.0, f32::NAN] {
+        h.add(x);
+    }
+    assert_eq!(h.f16_lost_share(0), 3.0 / 5.0);
+    // x 2^16: 2^-14 kept, but 1.0 becomes 2^16, F16's first overflowing binade.
+    assert_eq!(h.f16_lost_share(16), 3.0 / 5.0);
+    // x 2^10: 2^-20 and 2^10 kept, 2^30 lost.
+    assert_eq!(h.f16_lost_share(10), 2.0 / 5.0);
+    // / 2^4: 2^-34 lost, 2^-4 kept, 2^16 lost; / 2^5: 2^15 kept.
+    assert_eq!(h.f16_lost_share(-4), 3.0 / 5.0);
+    assert_eq!(h.f16_lost_share(-5), 2.0 / 5.0);
+    assert_eq!(Log2Histogram::default().f16_lost_share(0), 0.0);
+    let bins: Vec<(i32, u64)> = h.nonzero_bins().collect();
+    assert_eq!(bins, [(-30, 1), (0, 1), (20, 1)]);
+}

@@ -137,6 +137,10 @@ impl Log2Histogram {
     pub const E_MIN: i32 = -149;
     /// Bins: binades 2^-149 .. 2^127.
     pub const BINS: usize = 277;
+    /// The binade of F16's smallest subnormal, 2^-24: nonzero values below it are lost.
+    pub const F16_SUBNORMAL: i32 = -24;
+    /// The first binade F16 cannot hold: from 2^16 (above 65504) values overflow.
+    pub const F16_OVERFLOW: i32 = 16;
 
     /// `floor(log2 |x|)` of a finite nonzero F32, exactly (subnormals included).
     pub fn exponent(x: f32) -> i32 {
@@ -173,6 +177,23 @@ impl Log2Histogram {
     /// All values counted.
     pub fn total(&self) -> u64 {
         self.counts.iter().sum::<u64>() + self.zeros + self.nonfinite
+    }
+
+    /// The share of the counted values F16 cannot hold once multiplied by the loss scale
+    /// 2^`shift`: nonzero values below its smallest subnormal, values from 2^16 up, and
+    /// non-finite ones (exact zeros are kept). 0 when nothing was counted.
+    pub fn f16_lost_share(&self, shift: i32) -> f64 {
+        let kept = self.zeros
+            + self.count_between(Self::F16_SUBNORMAL - shift, Self::F16_OVERFLOW - 1 - shift);
+        let total = self.total();
+        (total - kept) as f64 / total.max(1) as f64
+    }
+
+    /// The `(exponent, count)` of every nonempty binade, in increasing exponent.
+    pub fn nonzero_bins(&self) -> impl Iterator<Item = (i32, u64)> + '_ {
+        (Self::E_MIN..)
+            .zip(self.counts.iter().copied())
+            .filter(|&(_, c)| c > 0)
     }
 
     /// Finite nonzero values with `floor(log2 |x|)` in `lo..=hi`.

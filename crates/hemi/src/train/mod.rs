@@ -440,6 +440,14 @@ pub struct GradStat {
 }
 
 impl GradStat {
+    /// Adds another count of the same parameter (an epoch's to the run's).
+    pub fn merge(&mut self, other: &GradStat) {
+        self.values += other.values;
+        self.underflow += other.underflow;
+        self.overflow += other.overflow;
+        self.log2.merge(&other.log2);
+    }
+
     /// No values counted yet for the parameter `name`.
     pub fn new(name: &str) -> Self {
         GradStat {
@@ -984,10 +992,7 @@ pub fn train(
         let train_secs = start.elapsed().as_secs_f64();
         if cfg.grad_stats {
             for (run, ep) in grad_stats.iter_mut().zip(&epoch_stats) {
-                run.values += ep.values;
-                run.underflow += ep.underflow;
-                run.overflow += ep.overflow;
-                run.log2.merge(&ep.log2);
+                run.merge(ep);
             }
             on_event(&Event::GradStats {
                 epoch,
