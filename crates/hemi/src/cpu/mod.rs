@@ -16,6 +16,7 @@ pub mod nn;
 pub mod norm;
 pub mod optim;
 pub mod pool;
+pub mod qgemm;
 pub mod reduce;
 pub mod runs;
 pub mod storage;
