@@ -17,6 +17,7 @@ pub mod norm;
 pub mod optim;
 pub mod pool;
 pub mod qgemm;
+pub mod quant;
 pub mod reduce;
 pub mod runs;
 pub mod storage;

@@ -1,0 +1,183 @@
+//! INT8 element loops on host buffers: affine quantisation and dequantisation (PyTorch's
+//! `quantize_per_tensor` arithmetic), the qparams of a range, and the u8 im2col of the
+//! quantised convolution. `quant` calls these; the INT8 GEMM is `cpu::qgemm`.
+
+/// `q = clamp(zero_point + round_ties_even(x · (1 / scale)), qmin, qmax)`, PyTorch's
+/// CPU quantisation (`inv_scale = 1.0f / scale`, `nearbyint`); ±inf saturate, NaN becomes
+/// the zero point (PyTorch's result for NaN is unspecified).
+#[inline(always)]
+pub fn quantize_one(x: f32, inv_scale: f32, zero_point: i32, qmin: i32, qmax: i32) -> i32 {
+    let t = (x * inv_scale).round_ties_even();
+    if t.is_nan() {
+        return zero_point.clamp(qmin, qmax);
+    }
+    // Saturate in f32 first: values beyond i32 would wrap in the cast.
+    let t = t.clamp(-2.0e9, 2.0e9) as i64 + zero_point as i64;
+    t.clamp(qmin as i64, qmax as i64) as i32
+}
+
+/// Quantises `x` to u8 with one scale and zero point.
+pub fn quantize_u8(x: &[f32], scale: f32, zero_point: i32, out: &mut [u8]) {
+    let inv = 1.0 / scale;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = quantize_one(v, inv, zero_point, 0, 255) as u8;
+    }
+}
+
+/// Quantises `x` to i8 with one scale and zero point.
+pub fn quantize_i8(x: &[f32], scale: f32, zero_point: i32, out: &mut [i8]) {
+    let inv = 1.0 / scale;
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = quantize_one(v, inv, zero_point, -128, 127) as i8;
+    }
+}
+
+/// `(q - zero_point) · scale` for u8 values.
+pub fn dequantize_u8(q: &[u8], scale: f32, zero_point: i32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(q) {
+        *o = (v as i32 - zero_point) as f32 * scale;
+    }
+}
+
+/// `(q - zero_point) · scale` for i8 values.
+pub fn dequantize_i8(q: &[i8], scale: f32, zero_point: i32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(q) {
+        *o = (v as i32 - zero_point) as f32 * scale;
+    }
+}
+
+/// Smallest and largest finite... values of `x` (NaN skipped); `(0, 0)` when none.
+pub fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &v in x {
+        if v < lo {
+            lo = v;
+        }
+        if v > hi {
+            hi = v;
+        }
+    }
+    if lo > hi {
+        (0.0, 0.0)
+    } else {
+        (lo, hi)
+    }
+}
+
+/// Affine (scale, zero point) covering `[lo, hi]` (widened to hold 0) in `qmin..=qmax`,
+/// PyTorch's `_ObserverBase._calculate_qparams` for `per_tensor_affine`: `scale = (hi - lo)
+/// / (qmax - qmin)` at least `f32::EPSILON`, `zero_point = qmin - round(lo / scale)`
+/// clamped to the range.
+pub fn affine_qparams(lo: f32, hi: f32, qmin: i32, qmax: i32) -> (f32, i32) {
+    let lo = lo.min(0.0);
+    let hi = hi.max(0.0);
+    let scale = ((hi - lo) / (qmax - qmin) as f32).max(f32::EPSILON);
+    let zp = qmin as f32 - (lo / scale).round_ties_even();
+    let zp = if zp.is_finite() {
+        zp as i64
+    } else {
+        qmin as i64
+    };
+    (scale, zp.clamp(qmin as i64, qmax as i64) as i32)
+}
+
+/// Symmetric scale for `[lo, hi]` in `qmin..=qmax` with zero point 0 (signed) — PyTorch's
+/// `per_channel_symmetric` / `per_tensor_symmetric` for qint8: `max(-lo, hi) / ((qmax -
+/// qmin) / 2)`, at least `f32::EPSILON`.
+pub fn symmetric_scale(lo: f32, hi: f32, qmin: i32, qmax: i32) -> f32 {
+    let m = (-lo.min(0.0)).max(hi.max(0.0));
+    (m / ((qmax - qmin) as f32 / 2.0)).max(f32::EPSILON)
+}
+
+/// The shape of a u8 im2col: the input `[n, c, h, w]`, a `kh×kw` kernel, stride, padding
+/// and dilation (each (rows, cols)).
+#[derive(Clone, Copy, Debug)]
+pub struct Im2col {
+    /// Batch, channels, height, width of the input.
+    pub input: [usize; 4],
+    /// Kernel height and width.
+    pub kernel: (usize, usize),
+    /// Stride.
+    pub stride: (usize, usize),
+    /// Zero padding (filled with the zero point).
+    pub padding: (usize, usize),
+    /// Dilation.
+    pub dilation: (usize, usize),
+}
+
+impl Im2col {
+    /// Output height and width (`None` when the kernel does not fit).
+    pub fn out_hw(&self) -> Option<(usize, usize)> {
+        let [_, _, h, w] = self.input;
+        let eff_h = self.dilation.0 * (self.kernel.0 - 1) + 1;
+        let eff_w = self.dilation.1 * (self.kernel.1 - 1) + 1;
+        let oh = (h + 2 * self.padding.0).checked_sub(eff_h)? / self.stride.0 + 1;
+        let ow = (w + 2 * self.padding.1).checked_sub(eff_w)? / self.stride.1 + 1;
+        Some((oh, ow))
+    }
+
+    /// Row length: `c · kh · kw`, in the weight's `[c][kh][kw]` order.
+    pub fn row_len(&self) -> usize {
+        self.input[1] * self.kernel.0 * self.kernel.1
+    }
+
+    /// Writes one row per output pixel (`n · oh · ow` rows of `row_len`, pixel order
+    /// n, oh, ow) of the contiguous u8 input `x`; taps outside the input take `pad`.
+    pub fn run(&self, x: &[u8], pad: u8, out: &mut [u8]) {
+        let [n, c, h, w] = self.input;
+        let Some((oh, ow)) = self.out_hw() else {
+            return;
+        };
+        let (kh, kw) = self.kernel;
+        let row = self.row_len();
+        let mut r = 0;
+        for b in 0..n {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let dst = &mut out[r * row..(r + 1) * row];
+                    let mut t = 0;
+                    for ch in 0..c {
+                        let plane = &x[(b * c + ch) * h * w..(b * c + ch + 1) * h * w];
+                        for ky in 0..kh {
+                            let iy = (oy * self.stride.0 + ky * self.dilation.0) as isize
+                                - self.padding.0 as isize;
+                            for kx in 0..kw {
+                                let ix = (ox * self.stride.1 + kx * self.dilation.1) as isize
+                                    - self.padding.1 as isize;
+                                dst[t] =
+                                    if iy >= 0 && (iy as usize) < h && ix >= 0 && (ix as usize) < w
+                                    {
+                                        plane[iy as usize * w + ix as usize]
+                                    } else {
+                                        pad
+                                    };
+                                t += 1;
+                            }
+                        }
+                    }
+                    r += 1;
+                }
+            }
+        }
+    }
+}
+
+/// `[n·p, oc]` (pixel-major GEMM output) to `[n, oc, p]` (NCHW).
+pub fn pixels_to_nchw(y: &[f32], n: usize, p: usize, oc: usize, out: &mut [f32]) {
+    for b in 0..n {
+        for px in 0..p {
+            let src = &y[(b * p + px) * oc..(b * p + px + 1) * oc];
+            for (ch, &v) in src.iter().enumerate() {
+                out[(b * oc + ch) * p + px] = v;
+            }
+        }
+    }
+}
+
+/// Fake quantisation (quantise then dequantise) of `x` per tensor, in place.
+pub fn fake_quantize(x: &mut [f32], scale: f32, zero_point: i32, qmin: i32, qmax: i32) {
+    let inv = 1.0 / scale;
+    for v in x.iter_mut() {
+        *v = (quantize_one(*v, inv, zero_point, qmin, qmax) - zero_point) as f32 * scale;
+    }
+}
