@@ -31,8 +31,8 @@ use crate::data::Inputs;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{
-    param, prefixed, prefixed_mut, Dropout, Embedding, Kind, LayerNorm, Linear, Module, Slot,
-    StateDictMismatch,
+    param, prefixed, prefixed_layers, prefixed_mut, Dropout, Embedding, Kind, LayerMut, LayerNorm,
+    Linear, Module, Slot, StateDictMismatch,
 };
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -405,6 +405,7 @@ fn linear(cfg: &BertConfig, i: usize, o: usize, rng: &mut Generator) -> Result<L
             rng,
         )?)?,
         bias: Some(param(Tensor::zeros(&[o], DType::F32)?)?),
+        hook: None,
     })
 }
 
@@ -692,6 +693,25 @@ impl BertLayer {
         ])
     }
 
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = prefixed_layers("attention.self.query", self.query.layers_mut());
+        v.extend(prefixed_layers("attention.self.key", self.key.layers_mut()));
+        v.extend(prefixed_layers(
+            "attention.self.value",
+            self.value.layers_mut(),
+        ));
+        v.extend(prefixed_layers(
+            "attention.output.dense",
+            self.attention_output.layers_mut(),
+        ));
+        v.extend(prefixed_layers(
+            "intermediate.dense",
+            self.intermediate.layers_mut(),
+        ));
+        v.extend(prefixed_layers("output.dense", self.output.layers_mut()));
+        v
+    }
+
     fn set_training(&mut self, training: bool) {
         self.training = training;
         self.attention_output_dropout.set_training(training);
@@ -866,6 +886,19 @@ impl Module for BertModel {
         }
         v
     }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            v.extend(prefixed_layers(
+                &format!("encoder.layer.{i}"),
+                l.layers_mut(),
+            ));
+        }
+        if let Some(p) = &mut self.pooler {
+            v.extend(prefixed_layers("pooler.dense", p.layers_mut()));
+        }
+        v
+    }
     fn set_training(&mut self, training: bool) {
         self.embeddings.set_training(training);
         for l in &mut self.layers {
@@ -972,6 +1005,11 @@ impl Module for BertForSequenceClassification {
             ("classifier", self.classifier.tensors_mut()),
         ])
     }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = prefixed_layers("bert", self.bert.layers_mut());
+        v.extend(prefixed_layers("classifier", self.classifier.layers_mut()));
+        v
+    }
     fn set_training(&mut self, training: bool) {
         self.bert.set_training(training);
         self.dropout.set_training(training);
@@ -1073,6 +1111,16 @@ impl Module for BertForMaskedLM {
                 self.transform_norm.tensors(),
             ),
         ]));
+        v
+    }
+    /// The encoder's layers and the head's transform; the tied decoder stays F32 (it is
+    /// the word-embedding table).
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = prefixed_layers("bert", self.bert.layers_mut());
+        v.extend(prefixed_layers(
+            "cls.predictions.transform.dense",
+            self.transform.layers_mut(),
+        ));
         v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {

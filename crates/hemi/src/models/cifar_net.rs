@@ -1,7 +1,9 @@
 //! The CNN of the user's documents, for 32×32 RGB images in 10 classes.
 
 use crate::error::{Error, Result};
-use crate::nn::{prefixed, prefixed_mut, Conv2d, Kind, Linear, Module, Slot};
+use crate::nn::{
+    prefixed, prefixed_layers, prefixed_mut, Conv2d, Kind, LayerMut, Linear, Module, Slot,
+};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -70,7 +72,7 @@ impl Module for CifarNet {
         let x = self.conv1.forward_relu_max_pool2(x)?;
         let x = self.conv2.forward_relu_max_pool2(&x)?;
         let x = x.flatten(1, -1)?;
-        let x = self.fc1.forward(&x)?.relu()?;
+        let x = self.fc1.forward_relu(&x)?;
         self.fc2.forward(&x)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
@@ -78,6 +80,13 @@ impl Module for CifarNet {
         v.extend(prefixed("conv2", self.conv2.tensors()));
         v.extend(prefixed("fc1", self.fc1.tensors()));
         v.extend(prefixed("fc2", self.fc2.tensors()));
+        v
+    }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = prefixed_layers("conv1", self.conv1.layers_mut());
+        v.extend(prefixed_layers("conv2", self.conv2.layers_mut()));
+        v.extend(prefixed_layers("fc1", self.fc1.layers_mut()));
+        v.extend(prefixed_layers("fc2", self.fc2.layers_mut()));
         v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {

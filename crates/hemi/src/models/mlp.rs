@@ -1,7 +1,7 @@
 //! A small multi-layer perceptron on flattened images.
 
 use crate::error::Result;
-use crate::nn::{prefixed, prefixed_mut, Kind, Linear, Module, Slot};
+use crate::nn::{prefixed, prefixed_layers, prefixed_mut, Kind, LayerMut, Linear, Module, Slot};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
@@ -36,11 +36,16 @@ impl Module for Mlp {
         } else {
             x.clone()
         };
-        self.fc2.forward(&self.fc1.forward(&x)?.relu()?)
+        self.fc2.forward(&self.fc1.forward_relu(&x)?)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         let mut v = prefixed("fc1", self.fc1.tensors());
         v.extend(prefixed("fc2", self.fc2.tensors()));
+        v
+    }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        let mut v = prefixed_layers("fc1", self.fc1.layers_mut());
+        v.extend(prefixed_layers("fc2", self.fc2.layers_mut()));
         v
     }
     fn tensors_mut(&mut self) -> Vec<Slot<'_>> {

@@ -107,6 +107,7 @@ fn conv(
         weight,
         bias: None,
         opts: Conv2dOptions::default().stride(stride).padding(padding),
+        hook: None,
     })
 }
 

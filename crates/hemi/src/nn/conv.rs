@@ -1,10 +1,13 @@
 //! The Conv2d layer.
 
-use super::{init, param, weight_bias, weight_bias_mut, Kind, Module, Slot};
+use super::{
+    init, param, weight_bias, weight_bias_mut, ForwardHook, Kind, LayerMut, LayerRef, Module, Slot,
+};
 use crate::error::{Error, Result};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
+use std::sync::Arc;
 
 /// PyTorch's `nn.Conv2d`: weight `[out, in/groups, kh, kw]`, bias `[out]`.
 pub struct Conv2d {
@@ -14,6 +17,8 @@ pub struct Conv2d {
     pub bias: Option<Tensor>,
     /// Stride, padding, dilation and groups.
     pub opts: Conv2dOptions,
+    /// A replacement of the float forward (INT8, calibration, fake-quant), set by `quant`.
+    pub hook: Option<Arc<dyn ForwardHook>>,
 }
 
 impl Conv2d {
@@ -49,20 +54,46 @@ impl Conv2d {
         } else {
             None
         };
-        Ok(Conv2d { weight, bias, opts })
+        Ok(Conv2d {
+            weight,
+            bias,
+            opts,
+            hook: None,
+        })
     }
 
     /// `pool(relu(self(x)))` with a 2×2 stride-2 max-pool, as one fused op
     /// (`Tensor::conv2d_relu_max_pool2`): what `MaxPool2d::new(2).forward(&conv.forward(x)?.relu()?)`
     /// computes, without storing the full-resolution activation.
     pub fn forward_relu_max_pool2(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv2d_relu_max_pool2(&self.weight, self.bias.as_ref(), self.opts)
+        match &self.hook {
+            Some(h) => {
+                h.forward(LayerRef::Conv2d(self), x, true)?
+                    .max_pool2d((2, 2), (2, 2), (0, 0))
+            }
+            None => x.conv2d_relu_max_pool2(&self.weight, self.bias.as_ref(), self.opts),
+        }
+    }
+
+    /// `relu(self(x))`: one call, so that a quantised layer fuses the ReLU into its
+    /// requantisation (PyTorch's `ConvReLU2d` after `fuse_modules`).
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.hook {
+            Some(h) => h.forward(LayerRef::Conv2d(self), x, true),
+            None => self.forward(x)?.relu(),
+        }
     }
 }
 
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.conv2d(&self.weight, self.bias.as_ref(), self.opts)
+        match &self.hook {
+            Some(h) => h.forward(LayerRef::Conv2d(self), x, false),
+            None => x.conv2d(&self.weight, self.bias.as_ref(), self.opts),
+        }
+    }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        vec![(String::new(), LayerMut::Conv2d(self))]
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         weight_bias(&self.weight, self.bias.as_ref(), false)

@@ -1,10 +1,13 @@
 //! Linear (fully connected) and Embedding layers.
 
-use super::{init, param, weight_bias, weight_bias_mut, Kind, Module, Slot};
+use super::{
+    init, param, weight_bias, weight_bias_mut, ForwardHook, Kind, LayerMut, LayerRef, Module, Slot,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
+use std::sync::Arc;
 
 /// `y = x Wᵀ + b` with `weight` `[out, in]` and `bias` `[out]`, PyTorch's `nn.Linear`.
 pub struct Linear {
@@ -12,6 +15,8 @@ pub struct Linear {
     pub weight: Tensor,
     /// `[out_features]`, when the layer has a bias.
     pub bias: Option<Tensor>,
+    /// A replacement of the float forward (INT8, calibration, fake-quant), set by `quant`.
+    pub hook: Option<Arc<dyn ForwardHook>>,
 }
 
 impl Linear {
@@ -33,13 +38,34 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            hook: None,
+        })
+    }
+}
+
+impl Linear {
+    /// `relu(self(x))`: one call, so that a quantised layer fuses the ReLU into its
+    /// requantisation (PyTorch's `LinearReLU` after `fuse_modules`).
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.hook {
+            Some(h) => h.forward(LayerRef::Linear(self), x, true),
+            None => self.forward(x)?.relu(),
+        }
     }
 }
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.linear(&self.weight, self.bias.as_ref())
+        match &self.hook {
+            Some(h) => h.forward(LayerRef::Linear(self), x, false),
+            None => x.linear(&self.weight, self.bias.as_ref()),
+        }
+    }
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        vec![(String::new(), LayerMut::Linear(self))]
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         weight_bias(&self.weight, self.bias.as_ref(), false)

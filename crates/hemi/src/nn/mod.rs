@@ -50,6 +50,70 @@ pub struct Slot<'a> {
     pub is_norm: bool,
 }
 
+/// A layer whose forward `quant` can take over: `Linear` or `Conv2d`.
+#[derive(Clone, Copy)]
+pub enum LayerRef<'a> {
+    /// A fully connected layer.
+    Linear(&'a Linear),
+    /// A 2-D convolution.
+    Conv2d(&'a Conv2d),
+}
+
+/// A mutable `Linear` or `Conv2d` of a model, listed by [`Module::layers_mut`] so that
+/// `quant` can set its [`ForwardHook`] (PyTorch swaps modules; hemi's layers keep their
+/// type and carry the replacement).
+pub enum LayerMut<'a> {
+    /// A fully connected layer.
+    Linear(&'a mut Linear),
+    /// A 2-D convolution.
+    Conv2d(&'a mut Conv2d),
+}
+
+impl LayerMut<'_> {
+    /// The layer's hook slot.
+    pub fn hook_mut(&mut self) -> &mut Option<std::sync::Arc<dyn ForwardHook>> {
+        match self {
+            LayerMut::Linear(l) => &mut l.hook,
+            LayerMut::Conv2d(c) => &mut c.hook,
+        }
+    }
+    /// The layer, read-only.
+    pub fn as_ref(&self) -> LayerRef<'_> {
+        match self {
+            LayerMut::Linear(l) => LayerRef::Linear(l),
+            LayerMut::Conv2d(c) => LayerRef::Conv2d(c),
+        }
+    }
+}
+
+/// A replacement of a `Linear`'s or `Conv2d`'s float forward: the INT8 layers, calibration
+/// observers and fake-quant training of `quant` implement it. The layer is passed in, so a
+/// hook sees the current (trained) weights.
+pub trait ForwardHook: Send + Sync + std::any::Any {
+    /// The layer's output for `x`, with ReLU applied when `relu` (fused by the caller's
+    /// `forward_relu`).
+    fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor>;
+    /// For code that knows the concrete hook type (reading calibrated ranges back).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Prefixes the names of child layers with `prefix.` (for `layers_mut` of composite models).
+pub fn prefixed_layers<'a>(
+    prefix: &str,
+    v: Vec<(String, LayerMut<'a>)>,
+) -> Vec<(String, LayerMut<'a>)> {
+    v.into_iter()
+        .map(|(n, l)| {
+            let name = if n.is_empty() {
+                prefix.to_string()
+            } else {
+                format!("{prefix}.{n}")
+            };
+            (name, l)
+        })
+        .collect()
+}
+
 /// A layer or a network of layers. `Any` lets code that knows the concrete types (the ONNX
 /// exporters of `models::onnx`) recognise a `dyn Module`.
 pub trait Module: Send + std::any::Any {
@@ -68,6 +132,13 @@ pub trait Module: Send + std::any::Any {
 
     /// The same tensors, mutable.
     fn tensors_mut(&mut self) -> Vec<Slot<'_>>;
+
+    /// The model's `Linear` and `Conv2d` layers under their `state_dict` prefixes
+    /// (`"fc1"`, `"encoder.layer.0.attention.self.query"`), for quantisation. Default: none
+    /// (the model cannot be quantised).
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        Vec::new()
+    }
 
     /// Switches train/eval behaviour (dropout, batch-norm statistics). Default: no-op.
     fn set_training(&mut self, _training: bool) {}
