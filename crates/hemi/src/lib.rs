@@ -154,6 +154,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod quant;
 pub mod rng;
 pub mod tensor;
 pub mod train;

@@ -17,8 +17,8 @@ use std::time::Instant;
 
 pub use crate::backend::train::Log2Histogram;
 pub use checkpoint::{
-    latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, Checkpoint, Progress,
-    RunInfo,
+    latest_checkpoint, list_checkpoints, load_checkpoint, parse_state, save_checkpoint, Checkpoint,
+    Progress, RunInfo,
 };
 pub use recipe::{Recipe, Schedule};
 pub use task::{find_task, Classification, MaskedLm, Task, TaskOutput};

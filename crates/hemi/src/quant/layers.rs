@@ -1,0 +1,457 @@
+//! The forward hooks `quant` installs on `Linear` and `Conv2d`: INT8 inference (dynamic
+//! and static), calibration observers, and fake quantisation for QAT.
+
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use super::observer::{Observer, ObserverKind};
+use super::qtensor::QTensor;
+use crate::cpu::qgemm::{qgemm, Epilogue, PackedB};
+use crate::cpu::quant as k;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::nn::{ForwardHook, LayerRef};
+use crate::ops::conv::Conv2dOptions;
+use crate::tensor::Tensor;
+
+/// The geometry of a quantised layer.
+#[derive(Clone, Debug)]
+pub enum Geometry {
+    /// `Linear`: `[.., in] -> [.., out]`.
+    Linear,
+    /// `Conv2d` (groups 1): weight `[out, in, kh, kw]`.
+    Conv {
+        /// Stride, padding, dilation.
+        opts: Conv2dOptions,
+        /// Kernel height and width.
+        kernel: (usize, usize),
+    },
+}
+
+/// The INT8 weights of a layer: the quantised tensor (what is saved) and its packed form.
+#[derive(Clone, Debug)]
+pub struct QWeights {
+    /// `[out, in(, kh, kw)]` s8, per output channel symmetric.
+    pub weight: QTensor,
+    /// F32 bias.
+    pub bias: Option<Vec<f32>>,
+    packed: PackedB,
+    scales: Vec<f32>,
+    geometry: Geometry,
+}
+
+impl QWeights {
+    /// Quantises a layer's current float weights.
+    pub fn from_layer(layer: LayerRef<'_>) -> Result<QWeights> {
+        let (w, b, geometry) = match layer {
+            LayerRef::Linear(l) => (&l.weight, l.bias.as_ref(), Geometry::Linear),
+            LayerRef::Conv2d(c) => {
+                if c.opts.groups != 1 {
+                    return Err(Error::arg(
+                        "quantize",
+                        format!(
+                            "grouped convolutions (groups {}) are not quantised",
+                            c.opts.groups
+                        ),
+                    ));
+                }
+                let s = c.weight.shape();
+                (
+                    &c.weight,
+                    c.bias.as_ref(),
+                    Geometry::Conv {
+                        opts: c.opts,
+                        kernel: (s[2], s[3]),
+                    },
+                )
+            }
+        };
+        let weight = QTensor::quantize_weight(w)?;
+        let bias = b.map(|b| b.to_vec_f32());
+        QWeights::new(weight, bias, geometry)
+    }
+
+    /// From saved parts.
+    pub fn new(weight: QTensor, bias: Option<Vec<f32>>, geometry: Geometry) -> Result<QWeights> {
+        let n = weight.shape()[0];
+        let kk = weight.numel() / n.max(1);
+        let q = weight
+            .as_i8()
+            .ok_or_else(|| Error::arg("quantize", "weights must be signed 8-bit"))?;
+        if bias.as_ref().is_some_and(|b| b.len() != n) {
+            return Err(Error::shape(
+                "quantize",
+                "bias length differs from the output channels",
+            ));
+        }
+        let scales = weight.scales();
+        if scales.len() != n {
+            return Err(Error::arg(
+                "quantize",
+                "weights must be quantised per output channel",
+            ));
+        }
+        if let Geometry::Conv { .. } = geometry {
+            if weight.shape().len() != 4 {
+                return Err(Error::shape(
+                    "quantize",
+                    "a conv weight must be [out, in, kh, kw]",
+                ));
+            }
+        }
+        let packed = PackedB::new(q, n, kk)?;
+        Ok(QWeights {
+            weight,
+            bias,
+            packed,
+            scales,
+            geometry,
+        })
+    }
+
+    /// The layer's geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// Rows of u8 activations for the GEMM and the output's shape: `[.., in]` rows for
+    /// Linear, im2col rows for Conv.
+    fn rows(&self, x: &Tensor) -> Result<(RowsPlan, Vec<usize>)> {
+        let n = self.packed.n();
+        let kk = self.packed.k();
+        match &self.geometry {
+            Geometry::Linear => {
+                let s = x.shape();
+                if s.is_empty() || s[s.len() - 1] != kk {
+                    return Err(Error::shape(
+                        "quantized linear",
+                        format!("input {s:?}, expected [.., {kk}]"),
+                    ));
+                }
+                let mut out = s.to_vec();
+                *out.last_mut().expect("rank >= 1") = n;
+                Ok((RowsPlan::Linear { m: x.numel() / kk }, out))
+            }
+            Geometry::Conv { opts, kernel } => {
+                let s = x.shape();
+                let cin = self.weight.shape()[1];
+                if s.len() != 4 || s[1] != cin {
+                    return Err(Error::shape(
+                        "quantized conv2d",
+                        format!("input {s:?}, expected [N, {cin}, H, W]"),
+                    ));
+                }
+                let im = k::Im2col {
+                    input: [s[0], s[1], s[2], s[3]],
+                    kernel: *kernel,
+                    stride: opts.stride,
+                    padding: opts.padding,
+                    dilation: opts.dilation,
+                };
+                let (oh, ow) = im.out_hw().ok_or_else(|| {
+                    Error::shape(
+                        "quantized conv2d",
+                        format!("input {s:?} smaller than the kernel"),
+                    )
+                })?;
+                Ok((RowsPlan::Conv { im, p: oh * ow }, vec![s[0], n, oh, ow]))
+            }
+        }
+    }
+
+    /// The INT8 product: `x` quantised with `input` (per tensor, static) or per row
+    /// (dynamic, `None`), then requantised to `output` (static) or kept F32.
+    fn run(
+        &self,
+        x: &Tensor,
+        input: Option<(f32, i32)>,
+        output: Option<(f32, i32)>,
+        relu: bool,
+    ) -> Result<Tensor> {
+        let v = host_values(x, "quantized layer")?;
+        let (plan, out_shape) = self.rows(x)?;
+        let kk = self.packed.k();
+        let n = self.packed.n();
+        // Quantise the activations: per row (dynamic) or per tensor (static).
+        let (a, m, a_scale, a_zero) = match plan {
+            RowsPlan::Linear { m } => {
+                let mut q = vec![0u8; m * kk];
+                let mut sc = vec![0f32; m];
+                let mut zp = vec![0i32; m];
+                let rows = q
+                    .par_chunks_mut(kk.max(1))
+                    .zip(v.par_chunks(kk.max(1)))
+                    .zip(sc.par_iter_mut().zip(zp.par_iter_mut()))
+                    .with_min_len(64);
+                rows.for_each(|((q, x), (s, z))| {
+                    let (sv, zv) = input.unwrap_or_else(|| {
+                        let (lo, hi) = k::min_max(x);
+                        k::affine_qparams(lo, hi, 0, 255)
+                    });
+                    k::quantize_u8(x, sv, zv, q);
+                    *s = sv;
+                    *z = zv;
+                });
+                (q, m, sc, zp)
+            }
+            RowsPlan::Conv { im, p } => {
+                let (sv, zv) = match input {
+                    Some(q) => q,
+                    None => {
+                        let (lo, hi) = k::min_max(&v);
+                        k::affine_qparams(lo, hi, 0, 255)
+                    }
+                };
+                let mut qx = vec![0u8; v.len()];
+                k::quantize_u8(&v, sv, zv, &mut qx);
+                let m = im.input[0] * p;
+                let mut cols = vec![0u8; m * kk];
+                im.run(&qx, zv as u8, &mut cols);
+                (cols, m, vec![sv; m], vec![zv; m])
+            }
+        };
+        let mut y = vec![0f32; m * n];
+        match output {
+            None => qgemm(
+                &a,
+                m,
+                kk,
+                &self.packed,
+                Epilogue::F32 {
+                    a_scale: &a_scale,
+                    a_zero: &a_zero,
+                    w_scale: &self.scales,
+                    bias: self.bias.as_deref(),
+                    relu,
+                    out: &mut y,
+                },
+            )?,
+            Some((os, oz)) => {
+                let mut q = vec![0u8; m * n];
+                qgemm(
+                    &a,
+                    m,
+                    kk,
+                    &self.packed,
+                    Epilogue::U8 {
+                        a_scale: &a_scale,
+                        a_zero: &a_zero,
+                        w_scale: &self.scales,
+                        bias: self.bias.as_deref(),
+                        relu,
+                        out_scale: os,
+                        out_zero: oz,
+                        out: &mut q,
+                    },
+                )?;
+                k::dequantize_u8(&q, os, oz, &mut y);
+            }
+        }
+        if let RowsPlan::Conv { im, p } = plan {
+            let mut nchw = vec![0f32; y.len()];
+            k::pixels_to_nchw(&y, im.input[0], p, n, &mut nchw);
+            y = nchw;
+        }
+        Tensor::from_vec(y, &out_shape)
+    }
+}
+
+#[derive(Clone, Copy)]
+enum RowsPlan {
+    Linear { m: usize },
+    Conv { im: k::Im2col, p: usize },
+}
+
+fn host_values(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
+    if x.device() != Device::Cpu {
+        return Err(Error::device(
+            op,
+            format!("INT8 layers run on the CPU; input on {}", x.device()),
+        ));
+    }
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "takes float inputs"));
+    }
+    Ok(x.to_vec_f32())
+}
+
+/// Dynamic quantisation (`torch.ao.quantization.quantize_dynamic`): INT8 weights, the
+/// activations quantised per row at run time from their own range, F32 outputs.
+pub struct DynamicHook {
+    /// The INT8 weights.
+    pub weights: QWeights,
+}
+
+impl ForwardHook for DynamicHook {
+    fn forward(&self, _layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
+        self.weights.run(x, None, None, relu)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Static quantisation: input and output scales fixed by calibration; the layer computes
+/// u8 → INT8 GEMM → bias, ReLU and requantisation to u8 in one epilogue. Between layers
+/// the u8 outputs travel dequantised (exactly representable F32), so pooling and reshapes
+/// need no integer twins; the values are those of an all-integer pipeline.
+pub struct StaticHook {
+    /// The INT8 weights.
+    pub weights: QWeights,
+    /// Input (scale, zero point).
+    pub input: (f32, i32),
+    /// Output (scale, zero point).
+    pub output: (f32, i32),
+}
+
+impl ForwardHook for StaticHook {
+    fn forward(&self, _layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
+        self.weights
+            .run(x, Some(self.input), Some(self.output), relu)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn float_forward(layer: LayerRef<'_>, x: &Tensor, w: &Tensor, relu: bool) -> Result<Tensor> {
+    let y = match layer {
+        LayerRef::Linear(l) => x.linear(w, l.bias.as_ref())?,
+        LayerRef::Conv2d(c) => x.conv2d(w, c.bias.as_ref(), c.opts)?,
+    };
+    if relu {
+        y.relu()
+    } else {
+        Ok(y)
+    }
+}
+
+/// Calibration: the float forward, with observers on the layer's input and output.
+pub struct CalibrationHook {
+    /// Sees the inputs.
+    pub input: Mutex<Observer>,
+    /// Sees the outputs (after ReLU where fused).
+    pub output: Mutex<Observer>,
+}
+
+impl CalibrationHook {
+    /// Observers of `kind` on both sides.
+    pub fn new(kind: ObserverKind) -> CalibrationHook {
+        CalibrationHook {
+            input: Mutex::new(Observer::new(kind)),
+            output: Mutex::new(Observer::new(kind)),
+        }
+    }
+}
+
+fn lock(m: &Mutex<Observer>) -> Result<std::sync::MutexGuard<'_, Observer>> {
+    m.lock()
+        .map_err(|_| Error::Msg("quant: observer lock poisoned".into()))
+}
+
+impl ForwardHook for CalibrationHook {
+    fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
+        let w = match layer {
+            LayerRef::Linear(l) => &l.weight,
+            LayerRef::Conv2d(c) => &c.weight,
+        };
+        let y = float_forward(layer, x, w, relu)?;
+        lock(&self.input)?.observe(&host_values(x, "calibration")?);
+        lock(&self.output)?.observe(&host_values(&y, "calibration")?);
+        Ok(y)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// `x` fake-quantised to u8 with (scale, zp), with the straight-through estimator: the
+/// gradient passes where `x` lies inside the representable range and is 0 outside
+/// (PyTorch's `fake_quantize_per_tensor_affine` backward). Computed as `clamp(x) +
+/// detach(fq(x) - clamp(x))`, which equals `fq(x)` up to one F32 rounding.
+pub fn fake_quant_ste(x: &Tensor, scale: f32, zp: i32) -> Result<Tensor> {
+    let lo = ((0 - zp) as f32 * scale) as f64;
+    let hi = ((255 - zp) as f32 * scale) as f64;
+    let xc = x.clamp(lo, hi)?;
+    let mut v = host_values(x, "fake_quantize")?;
+    k::fake_quantize(&mut v, scale, zp, 0, 255);
+    let fq = Tensor::from_vec(v, x.shape())?.to_dtype(x.dtype())?;
+    let delta = fq.sub(&xc.detach())?.detach();
+    xc.add(&delta)
+}
+
+/// A weight fake-quantised per output channel (symmetric s8, its current range), with a
+/// straight-through gradient.
+pub fn fake_quant_weight(w: &Tensor) -> Result<Tensor> {
+    let fq = QTensor::quantize_weight(w)?
+        .dequantize()?
+        .to_dtype(w.dtype())?;
+    let delta = fq.sub(&w.detach())?.detach();
+    w.add(&delta)
+}
+
+/// Quantisation-aware training (`prepare_qat`): weights fake-quantised per channel from
+/// their current range, inputs and outputs fake-quantised per tensor with moving-average
+/// observers (updated while gradients are recorded, i.e. in training steps, not in
+/// evaluation under `no_grad`).
+pub struct FakeQuantHook {
+    /// Sees the inputs.
+    pub input: Mutex<Observer>,
+    /// Sees the outputs (after ReLU where fused).
+    pub output: Mutex<Observer>,
+}
+
+impl FakeQuantHook {
+    /// Moving-average observers with PyTorch's averaging constant 0.01.
+    pub fn new() -> FakeQuantHook {
+        FakeQuantHook {
+            input: Mutex::new(Observer::new(ObserverKind::MovingAverage(0.01))),
+            output: Mutex::new(Observer::new(ObserverKind::MovingAverage(0.01))),
+        }
+    }
+    /// Starts from calibrated observers.
+    pub fn from_observers(input: Observer, output: Observer) -> FakeQuantHook {
+        FakeQuantHook {
+            input: Mutex::new(input),
+            output: Mutex::new(output),
+        }
+    }
+}
+
+impl Default for FakeQuantHook {
+    fn default() -> Self {
+        FakeQuantHook::new()
+    }
+}
+
+impl ForwardHook for FakeQuantHook {
+    fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
+        let observing = crate::autograd::is_grad_enabled();
+        let (si, zi) = {
+            let mut o = lock(&self.input)?;
+            if observing || o.batches() == 0 {
+                o.observe(&host_values(x, "fake_quantize")?);
+            }
+            o.qparams_u8()
+        };
+        let xq = fake_quant_ste(x, si, zi)?;
+        let w = match layer {
+            LayerRef::Linear(l) => &l.weight,
+            LayerRef::Conv2d(c) => &c.weight,
+        };
+        let wq = fake_quant_weight(w)?;
+        let y = float_forward(layer, &xq, &wq, relu)?;
+        let (so, zo) = {
+            let mut o = lock(&self.output)?;
+            if observing || o.batches() == 0 {
+                o.observe(&host_values(&y, "fake_quantize")?);
+            }
+            o.qparams_u8()
+        };
+        fake_quant_ste(&y, so, zo)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
