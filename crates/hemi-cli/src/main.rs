@@ -6,6 +6,7 @@ use hemi::models::registry::InputKind;
 mod bench;
 mod export;
 mod plot;
+mod quant;
 mod text;
 mod train;
 
@@ -48,6 +49,9 @@ enum Command {
     Embed(text::EmbedArgs),
     /// A trained model as an ONNX file (`--format onnx`), eval mode.
     Export(export::ExportArgs),
+    /// INT8 post-training quantisation of a checkpoint (dynamic or static with
+    /// calibration): writes I8 weights with their scales, reports float and INT8 accuracy.
+    Quantize(quant::QuantizeArgs),
 }
 
 #[derive(Subcommand)]
@@ -86,6 +90,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => train::run_train(*args),
         Command::Eval(args) => train::run_eval(args),
+        Command::Quantize(args) => quant::run_quantize(args),
         Command::Data {
             command: DataCommand::Fetch { name, data_dir },
         } => match name.as_str() {

@@ -21,8 +21,8 @@ use hemi::io::tensorboard::SummaryWriter;
 use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::Module;
 use hemi::train::{
-    class_difference, evaluate_with, load_checkpoint, recipe, train, DivergenceConfig, Event,
-    GradStat, Log2Histogram, OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
+    class_difference, load_checkpoint, recipe, train, DivergenceConfig, Event, GradStat,
+    Log2Histogram, OptimizerKind, Recipe, RunInfo, Schedule, Summary, TrainConfig,
 };
 use hemi::{Error, Result};
 
@@ -205,6 +205,13 @@ pub struct TrainArgs {
     /// model.safetensors, tokenizer.json) to this directory, so `transformers` loads it.
     #[arg(long)]
     save_pretrained: Option<PathBuf>,
+    /// Quantisation-aware training from this float checkpoint (a run root or one
+    /// checkpoint directory of the same model): its weights are loaded, then every Conv2d
+    /// and Linear trains with fake-quantised weights (per channel) and activations (moving
+    /// averages of their ranges), straight-through gradients. `hemi quantize --mode static`
+    /// turns the result into INT8.
+    #[arg(long, value_name = "CHECKPOINT")]
+    qat: Option<PathBuf>,
 }
 
 pub(crate) fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
@@ -789,6 +796,32 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         save,
         info: partial,
     } = prepared;
+    if let Some(from) = &args.qat {
+        let ck = load_checkpoint(from)?;
+        if ck.info.model != args.model {
+            return Err(Error::arg(
+                "train",
+                format!(
+                    "--qat {}: a {} checkpoint, not {}",
+                    from.display(),
+                    ck.info.model,
+                    args.model
+                ),
+            ));
+        }
+        // A resumed QAT run takes its weights from its own checkpoint instead.
+        if !args.resume {
+            model.load_state_dict(&ck.model)?;
+        }
+        let layers = hemi::quant::prepare_qat(model.as_mut())?;
+        println!(
+            "QAT: fake quantisation on {} layers ({}), float weights from {}",
+            layers.len(),
+            layers.join(", "),
+            ck.dir.display()
+        );
+        settings.insert("qat".into(), ck.dir.display().to_string());
+    }
     let optimizer = match args.optimizer {
         None => recipe.optimizer,
         Some(OptimizerArg::Sgd) => OptimizerKind::Sgd,
@@ -1237,14 +1270,92 @@ fn print_precision_summary(s: &Summary) {
     }
 }
 
+/// What evaluating (or calibrating) a checkpoint needs: its float model with the saved
+/// weights, the train and test loaders its settings name, the task.
+pub(crate) struct EvalSetup {
+    pub model: Box<dyn Module>,
+    pub train: DataLoader,
+    pub test: DataLoader,
+    pub precision: Precision,
+    pub task: Arc<dyn hemi::train::Task>,
+    pub description: String,
+    pub test_len: usize,
+    /// "images" or "texts".
+    pub unit: &'static str,
+    pub masked_lm: bool,
+}
+
 pub fn run_eval(args: EvalArgs) -> Result<()> {
+    if args.checkpoint.join(crate::quant::QUANT_FILE).exists() {
+        return crate::quant::eval_quantized(
+            &args.checkpoint,
+            args.data_dir.clone(),
+            args.batch_size,
+        );
+    }
     let ck = load_checkpoint(&args.checkpoint)?;
+    let mut setup = eval_setup(&ck, args.data_dir.clone(), args.batch_size, true)?;
+    let when = if ck.progress.batches_done == 0 {
+        format!("after epoch {}", ck.epochs_done)
+    } else {
+        format!(
+            "stopped in epoch {} after batch {}",
+            ck.epochs_done + 1,
+            ck.progress.batches_done
+        )
+    };
+    println!(
+        "checkpoint {} ({when}, precision {}), data: {}",
+        ck.dir.display(),
+        setup.precision,
+        setup.description
+    );
+    report_eval(&mut setup)?;
+    Ok(())
+}
+
+/// Evaluates `setup.model` on its test set and prints the result line; returns it.
+pub(crate) fn report_eval(setup: &mut EvalSetup) -> Result<hemi::train::Evaluation> {
+    let e = hemi::train::evaluate_task(
+        setup.model.as_mut(),
+        &setup.test,
+        setup.precision,
+        setup.task.as_ref(),
+    )?;
+    if setup.masked_lm {
+        println!(
+            "Held-out masked-LM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.2} % \
+             ({} texts)",
+            e.loss,
+            e.perplexity(),
+            100.0 * e.accuracy,
+            setup.test_len
+        );
+    } else {
+        println!(
+            "Accuracy of the network on the {} test {}: {:.2} % (loss {:.4})",
+            setup.test_len,
+            setup.unit,
+            100.0 * e.accuracy,
+            e.loss
+        );
+    }
+    Ok(e)
+}
+
+/// The model, data and task to evaluate checkpoint `ck` (its weights loaded unless
+/// `load_weights` is false: a quantised file brings its own).
+pub(crate) fn eval_setup(
+    ck: &hemi::train::Checkpoint,
+    data_dir: Option<PathBuf>,
+    batch_size: usize,
+    load_weights: bool,
+) -> Result<EvalSetup> {
     let spec = hemi::models::registry::find(&ck.info.model)?;
     if spec.input == InputKind::Text {
-        return eval_text(&args, &spec, &ck);
+        return eval_setup_text(ck, data_dir, batch_size, &spec, load_weights);
     }
-    let dir = args
-        .data_dir
+    let dir = data_dir
         .or(ck.info.data_dir.clone())
         .unwrap_or_else(|| PathBuf::from("data"));
     let kind = match ck.info.dataset.as_str() {
@@ -1287,7 +1398,9 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let precision = Precision::parse(&ck.info.precision)?;
     let mut model = build_model(&ck.info.model, ck.info.input_shape, ck.info.classes, 0)?;
     precision.prepare_model(model.as_mut())?;
-    model.load_state_dict(&ck.model)?;
+    if load_weights {
+        model.load_state_dict(&ck.model)?;
+    }
     let setting = |k: &str| ck.info.settings.get(k);
     let norm = match (setting("normalize.mean"), setting("normalize.std")) {
         (Some(m), Some(s)) => Normalize {
@@ -1296,33 +1409,29 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         },
         _ => Normalize::half(),
     };
-    let (_, test) = loaders(&data, args.batch_size, ck.info.seed, 2, false, &norm)?;
-    let (acc, loss) = evaluate_with(model.as_mut(), &test, precision)?;
-    let when = if ck.progress.batches_done == 0 {
-        format!("after epoch {}", ck.epochs_done)
-    } else {
-        format!(
-            "stopped in epoch {} after batch {}",
-            ck.epochs_done + 1,
-            ck.progress.batches_done
-        )
-    };
-    println!(
-        "checkpoint {} ({when}, precision {precision}), data: {}",
-        ck.dir.display(),
-        data.description
-    );
-    println!(
-        "Accuracy of the network on the {} test images: {:.2} % (loss {loss:.4})",
-        data.test.len(),
-        100.0 * acc
-    );
-    Ok(())
+    let (train, test) = loaders(&data, batch_size, ck.info.seed, 2, false, &norm)?;
+    Ok(EvalSetup {
+        model,
+        train,
+        test,
+        precision,
+        task: hemi::train::find_task(spec.task)?,
+        description: data.description,
+        test_len: data.test.len(),
+        unit: "images",
+        masked_lm: false,
+    })
 }
 
-/// `hemi eval` of a text model's checkpoint: the model, tokenizer and held-out texts its
+/// `eval_setup` of a text model's checkpoint: the model, tokenizer and held-out texts its
 /// settings name.
-fn eval_text(args: &EvalArgs, spec: &ModelSpec, ck: &hemi::train::Checkpoint) -> Result<()> {
+fn eval_setup_text(
+    ck: &hemi::train::Checkpoint,
+    data_dir: Option<PathBuf>,
+    batch_size: usize,
+    spec: &ModelSpec,
+    load_weights: bool,
+) -> Result<EvalSetup> {
     let setting = |k: &str| -> Result<&String> {
         ck.info.settings.get(k).ok_or_else(|| {
             Error::Msg(format!(
@@ -1346,9 +1455,7 @@ fn eval_text(args: &EvalArgs, spec: &ModelSpec, ck: &hemi::train::Checkpoint) ->
         Some(Path::new(setting("tokenizer")?)),
     )?;
     let tokenizer = sources.tokenizer()?;
-    let dir = args
-        .data_dir
-        .clone()
+    let dir = data_dir
         .or(ck.info.data_dir.clone())
         .ok_or_else(|| Error::Msg("the checkpoint names no data; give --data-dir".into()))?;
     let mlm = spec.task == "masked-lm";
@@ -1390,11 +1497,11 @@ fn eval_text(args: &EvalArgs, spec: &ModelSpec, ck: &hemi::train::Checkpoint) ->
     } else {
         None
     };
-    let (_, test) = text_loaders(
+    let (train, test) = text_loaders(
         &data,
         &tokenizer,
         &TextLoading {
-            batch_size: args.batch_size,
+            batch_size,
             max_length: number("max_length")?,
             bucket: false,
             mlm: mlm_config,
@@ -1405,30 +1512,18 @@ fn eval_text(args: &EvalArgs, spec: &ModelSpec, ck: &hemi::train::Checkpoint) ->
     let precision = Precision::parse(&ck.info.precision)?;
     let mut model = spec.build_text(&sources.config, ck.info.classes, 0)?;
     precision.prepare_model(model.as_mut())?;
-    model.load_state_dict(&ck.model)?;
-    let task = hemi::train::find_task(spec.task)?;
-    let e = hemi::train::evaluate_task(model.as_mut(), &test, precision, task.as_ref())?;
-    println!(
-        "checkpoint {} (precision {precision}), data: {}",
-        ck.dir.display(),
-        data.description
-    );
-    if mlm {
-        println!(
-            "Held-out masked-LM loss {:.4}, perplexity {:.2}, masked-token accuracy {:.2} % \
-             ({} texts)",
-            e.loss,
-            e.perplexity(),
-            100.0 * e.accuracy,
-            data.test.len()
-        );
-    } else {
-        println!(
-            "Accuracy of the network on the {} test texts: {:.2} % (loss {:.4})",
-            data.test.len(),
-            100.0 * e.accuracy,
-            e.loss
-        );
+    if load_weights {
+        model.load_state_dict(&ck.model)?;
     }
-    Ok(())
+    Ok(EvalSetup {
+        model,
+        train,
+        test,
+        precision,
+        task: hemi::train::find_task(spec.task)?,
+        description: data.description,
+        test_len: data.test.len(),
+        unit: "texts",
+        masked_lm: mlm,
+    })
 }
