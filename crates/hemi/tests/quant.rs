@@ -611,7 +611,19 @@ fn fake_quant_passes_gradients_straight_through_inside_the_range() {
             xs[i],
             yv[i]
         );
-        let pass = xs[i] >= lo && xs[i] <= hi;
+        // PyTorch's mask: the rounded code lies in 0..=255 (half a step beyond the range).
+        let code = (xs[i] * (1.0 / scale)).round_ties_even() + zp as f32;
+        let pass = (0.0..=255.0).contains(&code);
+        let half = scale * 0.5001;
+        if xs[i] >= lo && xs[i] <= hi {
+            assert!(pass, "x {} inside the range is blocked", xs[i]);
+        } else if pass {
+            assert!(
+                xs[i] >= lo - half && xs[i] <= hi + half,
+                "x {} passes",
+                xs[i]
+            );
+        }
         inside += pass as usize;
         assert_eq!(g[i], if pass { w[i] } else { 0.0 }, "x {}", xs[i]);
     }

@@ -366,19 +366,28 @@ impl ForwardHook for CalibrationHook {
     }
 }
 
-/// `x` fake-quantised to u8 with (scale, zp), with the straight-through estimator: the
-/// gradient passes where `x` lies inside the representable range and is 0 outside
-/// (PyTorch's `fake_quantize_per_tensor_affine` backward). Computed as `clamp(x) +
-/// detach(fq(x) - clamp(x))`, which equals `fq(x)` up to one F32 rounding.
+/// `x` fake-quantised to u8 with (scale, zp), with the straight-through estimator of
+/// PyTorch's `fake_quantize_per_tensor_affine`: the gradient passes where the rounded code
+/// `round(x / scale) + zp` lies in 0..=255 (so up to half a step beyond the range) and is
+/// 0 elsewhere. Computed as `x·m + detach(fq(x) - x·m)` with the 0/1 mask `m`, which
+/// equals `fq(x)` up to one F32 rounding.
 pub fn fake_quant_ste(x: &Tensor, scale: f32, zp: i32) -> Result<Tensor> {
-    let lo = ((0 - zp) as f32 * scale) as f64;
-    let hi = ((255 - zp) as f32 * scale) as f64;
-    let xc = x.clamp(lo, hi)?;
-    let mut v = host_values(x, "fake_quantize")?;
-    k::fake_quantize(&mut v, scale, zp, 0, 255);
-    let fq = Tensor::from_vec(v, x.shape())?.to_dtype(x.dtype())?;
-    let delta = fq.sub(&xc.detach())?.detach();
-    xc.add(&delta)
+    let v = host_values(x, "fake_quantize")?;
+    let inv = 1.0 / scale;
+    let mask: Vec<f32> = v
+        .iter()
+        .map(|&x| {
+            let code = (x * inv).round_ties_even() + zp as f32;
+            ((0.0..=255.0).contains(&code)) as u8 as f32
+        })
+        .collect();
+    let mut fq = v;
+    k::fake_quantize(&mut fq, scale, zp, 0, 255);
+    let mask = Tensor::from_vec(mask, x.shape())?.to_dtype(x.dtype())?;
+    let fq = Tensor::from_vec(fq, x.shape())?.to_dtype(x.dtype())?;
+    let xm = x.mul(&mask)?;
+    let delta = fq.sub(&xm.detach())?.detach();
+    xm.add(&delta)
 }
 
 /// A weight fake-quantised per output channel (symmetric s8, its current range), with a
