@@ -1370,7 +1370,17 @@ pub(crate) fn eval_setup(
             )))
         }
     };
-    let data = load_data(kind, &dir, ck.info.seed, 1)?;
+    // The synthetic training split as the run had it (quantize calibrates on it).
+    let synthetic_size = match ck.info.settings.get("synthetic_size") {
+        Some(s) => s.parse().map_err(|_| {
+            Error::Msg(format!(
+                "checkpoint {}: synthetic_size {s:?} is not a number",
+                ck.dir.display()
+            ))
+        })?,
+        None => 1,
+    };
+    let data = load_data(kind, &dir, ck.info.seed, synthetic_size)?;
     let names = data.test.class_names();
     if data.test.num_classes() != ck.info.classes
         || (!ck.info.class_names.is_empty() && names != ck.info.class_names.as_slice())
