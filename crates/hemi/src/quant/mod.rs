@@ -480,7 +480,7 @@ pub fn load_quantized(
                 scalar_i(format!("{name}.output_zero_point"))?,
             );
             for (what_, (s, z)) in [("input", input), ("output", output)] {
-                if !(s.is_finite() && s > 0.0) || !(0..=255).contains(&z) {
+                if !(s.is_finite() && s > 0.0 && (0..=255).contains(&z)) {
                     return Err(bad(format!(
                         "{name}.{what_}: scale {s} / zero point {z} invalid"
                     )));
