@@ -20,6 +20,9 @@
 //! - `hemi bench pool [--batch-size 128]`: median ms and Gelem/s of 2×2 max pooling
 //!   (forward and backward) on CifarNet's two pooled activations, in F32, F16 and BF16.
 //!
+//! - `hemi bench infer [--model bert-classifier] [--batch 1,64] [--quant dynamic]`:
+//!   forward-pass latency, float or INT8 (see `bench_infer`).
+//!
 //! `--json` prints one JSON object per measurement and line instead of a table.
 
 use std::hint::black_box;
@@ -36,6 +39,9 @@ use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
 use hemi::optim::{AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
 use hemi::{DType, Error, Generator, Result, Tensor};
+
+#[path = "bench_infer.rs"]
+mod bench_infer;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -118,6 +124,9 @@ enum Which {
         #[arg(long, default_value_t = 128)]
         batch_size: usize,
     },
+    /// Forward-pass latency of a model, float or INT8 (`bench_infer`): median ms, items/s
+    /// and peak memory per batch size.
+    Infer(bench_infer::InferArgs),
 }
 
 /// A convolution layer `hemi bench conv` times.
@@ -235,6 +244,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             )?
         }
         Which::Pool { batch_size } => check_batch(*batch_size)?,
+        Which::Infer(_) => {}
         Which::Conv { batch_size, .. } => {
             if let Some(b) = batch_size {
                 check_batch(*b)?
@@ -276,6 +286,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         Which::Conv { layers, batch_size } => bench_conv(&args, &pool, layers, *batch_size),
         Which::Pool { batch_size } => bench_pool(&args, &pool, *batch_size),
+        Which::Infer(a) => bench_infer::run(&args, &pool, a),
     }
 }
 
