@@ -6,6 +6,7 @@ PyTorch, as the README's layout says, and checks it:
 - each `L.weight` is int8 with `L.weight_scale` (float32 [out]) and `L.weight_zero_point`
   (int32 [out], zeros); it becomes a per-channel `torch.qint8` tensor through
   `torch._make_per_channel_quantized_tensor`;
+- embedding tables listed in `weight_only` are int8 per row with `_scale`;
 - static layers carry scalar `input_scale/input_zero_point/output_scale/output_zero_point`
   with zero points in 0..=255;
 - with `--float CKPT_DIR/model.safetensors` (default: the `source` recorded in the file), the
@@ -55,8 +56,18 @@ def main():
             err = ((deq - fw).abs() / s.reshape(shape)).max().item()
             assert err <= 0.5 + 1e-3, f"{name}: dequantised weight {err} steps from the float one"
             report["worst_step_fraction"] = max(report["worst_step_fraction"], err)
+    weight_only = [n for n in meta.get("weight_only", "").split(",") if n]
+    for name in weight_only:
+        w, s = t[name], t[f"{name}_scale"]
+        assert w.dtype == torch.int8 and s.shape == (w.shape[0],), name
+        deq = w.float() * s[:, None]
+        if ref is not None:
+            err = ((deq - ref[name].float()).abs() / s[:, None]).max().item()
+            assert err <= 0.5 + 1e-3, f"{name}: {err} steps from the float table"
+            report["worst_step_fraction"] = max(report["worst_step_fraction"], err)
+    report["weight_only"] = len(weight_only)
     if ref is not None:
-        quantised = {f"{n}.weight" for n in layers}
+        quantised = {f"{n}.weight" for n in layers} | set(weight_only)
         for k, v in ref.items():
             if k in quantised:
                 continue

@@ -166,6 +166,9 @@ pub fn run_quantize(args: QuantizeArgs) -> Result<()> {
         fbytes as f64 / 1048576.0,
         qbytes as f64 / fbytes as f64
     );
+    // Evaluate what the file holds (embedding tables are INT8 only there): load it back.
+    let written = std::fs::read(&qpath).map_err(|e| io_err(&qpath, e))?;
+    quant::load_quantized(setup.model.as_mut(), &qpath.display().to_string(), &written)?;
     let int8 = if args.no_eval {
         None
     } else {

@@ -788,3 +788,73 @@ fn corrupt_or_mismatched_files_are_errors() {
     }
     assert!(quant::quantize_dynamic(&mut Empty).is_err());
 }
+
+#[test]
+fn a_dynamic_bert_saves_its_embeddings_weight_only_and_round_trips() {
+    use hemi::models::{BertConfig, BertForSequenceClassification};
+    let cfg = BertConfig {
+        vocab_size: 1000,
+        hidden_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        intermediate_size: 512,
+        max_position_embeddings: 16,
+        ..BertConfig::default()
+    }
+    .with_num_labels(2);
+    let mut m = BertForSequenceClassification::new(&cfg, &mut Generator::new(1)).unwrap();
+    m.set_training(false);
+    let _g = hemi::no_grad();
+    let ids = Tensor::from_vec(vec![1i64, 40, 7, 2, 999, 9, 3, 0], &[2, 4]).unwrap();
+    let yf = m.forward(&ids).unwrap().to_vec_f32();
+    let w_float = m
+        .tensors()
+        .into_iter()
+        .find(|(n, ..)| n == "bert.embeddings.word_embeddings.weight")
+        .unwrap()
+        .1
+        .to_vec_f32();
+    let float_bytes: usize = m.tensors().iter().map(|(_, t, _, _)| t.numel() * 4).sum();
+    let names = quant::quantize_dynamic(&mut m).unwrap();
+    // 2 layers × (q, k, v, attention output, intermediate, output) + pooler + classifier.
+    assert_eq!(names.len(), 14, "{names:?}");
+    let yq = m.forward(&ids).unwrap().to_vec_f32();
+    for (a, b) in yf.iter().zip(&yq) {
+        assert!((a - b).abs() < 0.05, "float {a} vs INT8 {b}");
+    }
+    let bytes = quant::quantized_bytes(&mut m, &HashMap::new()).unwrap();
+    let meta = quant::quantized_metadata("mem", &bytes).unwrap();
+    assert_eq!(
+        meta["weight_only"],
+        "bert.embeddings.word_embeddings.weight,bert.embeddings.position_embeddings.weight,\
+         bert.embeddings.token_type_embeddings.weight"
+    );
+    let ratio = bytes.len() as f64 / float_bytes as f64;
+    assert!(ratio <= 0.3, "{ratio:.3}");
+    let mut fresh = BertForSequenceClassification::new(&cfg, &mut Generator::new(2)).unwrap();
+    fresh.set_training(false);
+    quant::load_quantized(&mut fresh, "mem", &bytes).unwrap();
+    // In memory the embeddings stayed float; the file's are INT8: close, and the file
+    // loads to the same model wherever it is loaded.
+    let yl = fresh.forward(&ids).unwrap().to_vec_f32();
+    for (a, b) in yq.iter().zip(&yl) {
+        assert!((a - b).abs() < 0.02, "in memory {a} vs loaded {b}");
+    }
+    quant::load_quantized(&mut m, "mem", &bytes).unwrap();
+    assert_eq!(m.forward(&ids).unwrap().to_vec_f32(), yl);
+    // The loaded embedding table is the dequantised one: within half a row step of the float.
+    let w = &w_float;
+    let got = fresh
+        .tensors()
+        .into_iter()
+        .find(|(n, ..)| n == "bert.embeddings.word_embeddings.weight")
+        .unwrap()
+        .1
+        .to_vec_f32();
+    for (row, (a, b)) in w.chunks(128).zip(got.chunks(128)).enumerate() {
+        let step = a.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.5;
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= step * 0.5001, "row {row}: {x} vs {y}");
+        }
+    }
+}

@@ -231,6 +231,7 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
         .collect();
     // (name, dtype, shape, bytes)
     let mut entries: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut weight_only = Vec::new();
     for (name, t) in model.state_dict() {
         if let Some(&i) = qweight_names.get(&name) {
             let w = &qlayers[i].1.weight;
@@ -255,6 +256,32 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
                 vec![n],
                 i32_bytes(&vec![0; n]),
             ));
+            continue;
+        }
+        if is_embedding_table(&name, t.shape(), t.dtype()) {
+            let q = QTensor::quantize_weight(&t)?;
+            let codes = q.as_i8().expect("weights are I8");
+            let scales = q.scales();
+            let n = scales.len();
+            entries.push((
+                name.clone(),
+                StDtype::I8,
+                q.shape().to_vec(),
+                codes.iter().map(|&x| x as u8).collect(),
+            ));
+            entries.push((
+                format!("{name}_scale"),
+                StDtype::F32,
+                vec![n],
+                f32_bytes(&scales),
+            ));
+            entries.push((
+                format!("{name}_zero_point"),
+                StDtype::I32,
+                vec![n],
+                i32_bytes(&vec![0; n]),
+            ));
+            weight_only.push(name);
             continue;
         }
         let (dt, bytes) = match t.dtype() {
@@ -314,7 +341,16 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
             .collect::<Vec<_>>()
             .join(","),
     );
+    meta.insert("weight_only".into(), weight_only.join(","));
     safetensors::serialize(views, Some(meta)).map_err(|e| Error::Msg(format!("safetensors: {e}")))
+}
+
+/// Embedding tables (`*embeddings.weight`, F32 `[rows, dim]`) are stored weight-only: I8
+/// per row with F32 row scales (PyTorch quantises `nn.Embedding` per row the same way,
+/// `float_qparams_weight_only_qconfig`), and dequantised when loaded; lookups stay float.
+/// In a BERT they are half of the parameters.
+fn is_embedding_table(name: &str, shape: &[usize], dtype: crate::DType) -> bool {
+    name.ends_with("embeddings.weight") && shape.len() == 2 && dtype.is_float()
 }
 
 /// Writes [`quantized_bytes`] to `path` atomically; returns the file's size.
@@ -430,9 +466,35 @@ pub fn load_quantized(
         }
         qweights.insert(name.clone(), q);
     }
+    let weight_only: std::collections::HashSet<&str> = meta
+        .get("weight_only")
+        .map(|s| s.split(',').filter(|x| !x.is_empty()).collect())
+        .unwrap_or_default();
     // The float state dict: every model tensor by name.
     let mut state = Vec::new();
     for (name, t) in model.state_dict() {
+        if weight_only.contains(name.as_str()) {
+            let (shape, b) = get(&name, StDtype::I8)?;
+            let (_, sb) = get(&format!("{name}_scale"), StDtype::F32)?;
+            let (_, zb) = get(&format!("{name}_zero_point"), StDtype::I32)?;
+            let q = QTensor::from_parts(
+                shape,
+                QData::I8(b.iter().map(|&x| x as i8).collect()),
+                QScheme::PerChannel {
+                    axis: 0,
+                    scales: f32s(&sb),
+                    zero_points: i32s(&zb),
+                },
+            )
+            .map_err(|e| bad(format!("{name}: {e}")))?;
+            if q.scales().iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+                return Err(bad(format!(
+                    "{name}_scale holds a scale that is not finite and > 0"
+                )));
+            }
+            state.push((name.clone(), q.dequantize()?));
+            continue;
+        }
         if let Some(layer) = name
             .strip_suffix(".weight")
             .filter(|l| qweights.contains_key(*l))
