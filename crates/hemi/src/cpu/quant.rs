@@ -5,54 +5,123 @@
 /// `q = clamp(zero_point + round_ties_even(x · (1 / scale)), qmin, qmax)`, PyTorch's
 /// CPU quantisation (`inv_scale = 1.0f / scale`, `nearbyint`); ±inf saturate, NaN becomes
 /// the zero point (PyTorch's result for NaN is unspecified).
+///
+/// Branch-free so that the loops below vectorise: the product is clamped to one step
+/// beyond the representable codes first (which changes no result: anything past the
+/// range saturates either way), so that |t| ≤ 512 and `(t + 1.5·2²³) - 1.5·2²³` is
+/// `round_ties_even(t)` (in [2²³, 2²⁴) the F32 spacing is 1, and the addition rounds to
+/// nearest even). No libm call, no SSE4.1 `roundps` needed.
 #[inline(always)]
 pub fn quantize_one(x: f32, inv_scale: f32, zero_point: i32, qmin: i32, qmax: i32) -> i32 {
-    let t = (x * inv_scale).round_ties_even();
-    if t.is_nan() {
-        return zero_point.clamp(qmin, qmax);
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³
+    let lo = (qmin - zero_point) as f32 - 1.0;
+    let hi = (qmax - zero_point) as f32 + 1.0;
+    let t = x * inv_scale;
+    // NaN fails both comparisons and lands on 0 (the zero point).
+    let t = if t >= lo { t } else if t < lo { lo } else { 0.0 };
+    let t = if t <= hi { t } else { hi };
+    let r = (t + MAGIC) - MAGIC;
+    (r as i32 + zero_point).clamp(qmin, qmax)
+}
+
+/// Runs `$body` (a loop) compiled for AVX-512 or AVX2 when the CPU has them: the same IEEE
+/// operations in wider registers, so the results are the plain loop's bit for bit.
+macro_rules! multiversion {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw")]
+                unsafe fn wide512($($arg: $ty),*) $body
+                #[target_feature(enable = "avx2")]
+                unsafe fn wide256($($arg: $ty),*) $body
+                if std::arch::is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: the features were detected just above.
+                    return unsafe { wide512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: as above.
+                    return unsafe { wide256($($arg),*) };
+                }
+            }
+            $body
+        }
+    };
+}
+
+multiversion! {
+    fn quantize_u8_into(x: &[f32], inv: f32, zero_point: i32, out: &mut [u8]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = quantize_one(v, inv, zero_point, 0, 255) as u8;
+        }
     }
-    // Saturate in f32 first: values beyond i32 would wrap in the cast.
-    let t = t.clamp(-2.0e9, 2.0e9) as i64 + zero_point as i64;
-    t.clamp(qmin as i64, qmax as i64) as i32
+}
+
+multiversion! {
+    fn quantize_i8_into(x: &[f32], inv: f32, zero_point: i32, out: &mut [i8]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = quantize_one(v, inv, zero_point, -128, 127) as i8;
+        }
+    }
 }
 
 /// Quantises `x` to u8 with one scale and zero point.
 pub fn quantize_u8(x: &[f32], scale: f32, zero_point: i32, out: &mut [u8]) {
-    let inv = 1.0 / scale;
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = quantize_one(v, inv, zero_point, 0, 255) as u8;
-    }
+    quantize_u8_into(x, 1.0 / scale, zero_point, out)
 }
 
 /// Quantises `x` to i8 with one scale and zero point.
 pub fn quantize_i8(x: &[f32], scale: f32, zero_point: i32, out: &mut [i8]) {
-    let inv = 1.0 / scale;
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = quantize_one(v, inv, zero_point, -128, 127) as i8;
+    quantize_i8_into(x, 1.0 / scale, zero_point, out)
+}
+
+multiversion! {
+    /// `(q - zero_point) · scale` for u8 values.
+    pub fn dequantize_u8(q: &[u8], scale: f32, zero_point: i32, out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(q) {
+            *o = (v as i32 - zero_point) as f32 * scale;
+        }
     }
 }
 
-/// `(q - zero_point) · scale` for u8 values.
-pub fn dequantize_u8(q: &[u8], scale: f32, zero_point: i32, out: &mut [f32]) {
-    for (o, &v) in out.iter_mut().zip(q) {
-        *o = (v as i32 - zero_point) as f32 * scale;
+multiversion! {
+    /// `(q - zero_point) · scale` for i8 values.
+    pub fn dequantize_i8(q: &[i8], scale: f32, zero_point: i32, out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(q) {
+            *o = (v as i32 - zero_point) as f32 * scale;
+        }
     }
 }
 
-/// `(q - zero_point) · scale` for i8 values.
-pub fn dequantize_i8(q: &[i8], scale: f32, zero_point: i32, out: &mut [f32]) {
-    for (o, &v) in out.iter_mut().zip(q) {
-        *o = (v as i32 - zero_point) as f32 * scale;
+/// Lanes of the min/max accumulators: independent, so the loop vectorises.
+const LANES: usize = 16;
+
+multiversion! {
+    fn min_max_lanes(x: &[f32], acc: &mut [[f32; LANES]; 2]) {
+        let [lo, hi] = acc;
+        for c in x.chunks_exact(LANES) {
+            for i in 0..LANES {
+                // NaN fails both comparisons: skipped.
+                lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+                hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+            }
+        }
     }
 }
 
-/// Smallest and largest finite... values of `x` (NaN skipped); `(0, 0)` when none.
+/// Smallest and largest values of `x` (NaN skipped); `(0, 0)` when there are none.
 pub fn min_max(x: &[f32]) -> (f32, f32) {
+    let mut acc = [[f32::INFINITY; LANES], [f32::NEG_INFINITY; LANES]];
+    min_max_lanes(x, &mut acc);
     let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-    for &v in x {
+    let tail = &x[x.len() / LANES * LANES..];
+    for &v in acc[0].iter().chain(tail) {
         if v < lo {
             lo = v;
         }
+    }
+    for &v in acc[1].iter().chain(tail) {
         if v > hi {
             hi = v;
         }
