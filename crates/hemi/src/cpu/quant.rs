@@ -21,7 +21,11 @@ pub fn quantize_one(x: f32, inv_scale: f32, zero_point: i32, qmin: i32, qmax: i3
     let t = if t >= lo { t } else if t < lo { lo } else { 0.0 };
     let t = if t <= hi { t } else { hi };
     let r = (t + MAGIC) - MAGIC;
-    (r as i32 + zero_point).clamp(qmin, qmax)
+    // SAFETY: `t` was clamped to [lo, hi] ⊂ [-512, 512] with NaN mapped to 0, so `r` is a
+    // finite integer in i32's range. (`as i32` would add a per-lane NaN/overflow check
+    // that stops the loop from vectorising.)
+    let r: i32 = unsafe { r.to_int_unchecked() };
+    (r + zero_point).clamp(qmin, qmax)
 }
 
 /// Runs `$body` (a loop) compiled for AVX-512 or AVX2 when the CPU has them: the same IEEE
