@@ -27,15 +27,15 @@ impl Rng {
     }
 }
 
-/// Every kernel this CPU runs; the four portable ones always are.
+/// Every kernel this CPU runs; the five portable ones always are.
 fn kernels() -> Vec<QKernel> {
     let ks: Vec<QKernel> = QKernel::ALL
         .into_iter()
         .filter(|k| k.is_available())
         .collect();
     assert!(
-        ks.iter().filter(|k| k.is_portable()).count() >= 4,
-        "the portable kernel and its three twins must always run"
+        ks.iter().filter(|k| k.is_portable()).count() >= 5,
+        "the portable kernel and its four twins must always run"
     );
     ks
 }
@@ -101,6 +101,21 @@ fn sums_are_exact_on_odd_sizes() {
                     check_exact(kernel, &a, m, k, &w, n, k);
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn sums_are_exact_for_every_row_count() {
+    // Every tail of the 6-, 8- and 32-row tiles, and the switch from AMX tiles to
+    // `vpdpbusd` ones for products of few rows.
+    let mut rng = Rng(5);
+    let (n, k) = (33, 67);
+    let w = rng.i8s(n * k);
+    for m in 1..=66 {
+        let a = strided(&mut rng, m, k, k + 2);
+        for kernel in kernels() {
+            check_exact(kernel, &a, m, k + 2, &w, n, k);
         }
     }
 }
@@ -340,7 +355,12 @@ fn packing_keeps_shape_and_sums() {
 fn best_is_the_fastest_available() {
     let best = QKernel::best();
     assert!(best.is_available());
-    let order = [QKernel::Avx512Vnni, QKernel::AvxVnni, QKernel::Avx2I16];
+    let order = [
+        QKernel::AmxInt8,
+        QKernel::Avx512Vnni,
+        QKernel::AvxVnni,
+        QKernel::Avx2I16,
+    ];
     let expect = order
         .into_iter()
         .find(|k| k.is_available())

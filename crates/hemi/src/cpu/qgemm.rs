@@ -12,6 +12,11 @@
 //! on any CPU:
 //! - `portable-i8`: plain Rust over the unpacked rows, any CPU; the reference the others
 //!   are tested against.
+//! - `amx-i8` / `portable-amx-i8`: Intel AMX `tdpbusd`, 32×32 tiles (2×2 accumulator
+//!   tiles), k in steps of 64 and chunks of 512. Products of at most `AMX_MIN_M` rows run
+//!   `avx512-vnni` on the same panels. Not in the brief this file was written to, which
+//!   stopped at VNNI: on a 2-core Xeon with AMX, hemi's BF16 matmul runs on `amx-bf16`, and
+//!   no `vpdpbusd` kernel comes near 1.3× of that (`avx512-vnni` is at its port limit).
 //! - `avx512-vnni` / `portable-vnni512`: 8×32 tiles of `vpdpbusd` on zmm (16 accumulators;
 //!   per step of 4 k: two B loads, eight A broadcasts, sixteen `vpdpbusd`).
 //! - `avx-vnni` / `portable-vnni256`: 6×16 tiles of the VEX `vpdpbusd` on ymm (AVX-VNNI,
@@ -20,26 +25,28 @@
 //!   u8 and s8 widened to i16 and multiplied in pairs by `vpmaddwd` (see `QKernel::Avx2I16`
 //!   for why not `vpmaddubsw`).
 //!
-//! Layouts: W is packed in panels of NR columns × k rounded up to KG (4 for the VNNI
-//! kernels, 2 for the i16 pairs); within a panel, the KG consecutive k values of a column
-//! are adjacent and the NR columns of one k group follow each other, which is what one
-//! `vpdpbusd` / `vpmaddwd` lane takes. A is packed per block of rows into the same groups,
-//! one u32 per row and group (4 u8, or 2 u8 widened to u16), MR rows of a tile side by side,
-//! so a kernel broadcasts it with one load. Both are zero-padded past k, m and n: padding
-//! adds nothing to a sum, and no kernel reads outside its packed buffers. A tile's sums land
-//! in a stack buffer; the epilogue then writes the tile's valid part, with the same
-//! `dequant_one` / `requant_one` as the portable kernel, so every kernel gives the same bits.
+//! Layouts (`Layout`): W is packed in panels of NR columns × k rounded up (to KG = 4 for
+//! the VNNI kernels, 2 for the i16 pairs, 64 for AMX); within a panel, the KG consecutive k
+//! values of a column are adjacent and the NR columns of one k group follow each other,
+//! which is what one `vpdpbusd` / `vpmaddwd` lane takes (and, 16 groups at a time, an AMX
+//! B tile). A is packed per block of rows into the same groups, one u32 per row and group
+//! (4 u8, or 2 u8 widened to u16): for the SIMD kernels the MR rows of a tile side by side,
+//! so a kernel broadcasts one with one load; for AMX 32 rows of 64 bytes per k step (two A
+//! tiles). Both are zero-padded past k, m and n: padding adds nothing to a sum, and no
+//! kernel reads outside its packed buffers. A tile's sums land in a buffer; the epilogue
+//! then writes the tile's valid part, with the same `dequant_one` / `requant_one` as the
+//! portable kernel, so every kernel gives the same bits.
 //!
 //! Threads: products of at least 64³ multiply-adds are split over rayon's current pool
-//! (hemi's thread setting) in rectangles of whole tiles; smaller ones (batch-1 inference)
-//! stay on the calling thread.
+//! (hemi's thread setting) in rectangles of whole tiles, rows first (`split`); smaller ones
+//! (batch-1 inference) stay on the calling thread.
 //!
 //! Integer sums are exact: `|a·w| ≤ 255 · 128`, so k up to 65 793 (2³¹ / 32 640) cannot
 //! overflow; `PackedB::new` rejects larger k.
 
 use crate::error::{Error, Result};
 use rayon::prelude::*;
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::marker::PhantomData;
 use std::ops::Range;
 
@@ -48,20 +55,12 @@ pub const MAX_K: usize = (i32::MAX as usize) / (255 * 128);
 
 /// Products with fewer multiply-adds than this stay on the calling thread.
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
-/// Bytes of packed A per block of rows (the block is reused for every column panel of a
-/// task, so it should stay in L2 beside one B panel).
-const A_BLOCK_BYTES: usize = 256 * 1024;
-/// At most this many rows per block of packed A.
-const MAX_MC: usize = 256;
-/// The largest MR·NR of any kernel (stack buffer of one tile's sums).
-const MAX_TILE: usize = 8 * 32;
-
-/// Tile and packing of the `avx512-vnni` layout: MR rows × NR columns, KG k values a lane.
-const VNNI512: (usize, usize, usize) = (8, 32, 4);
-/// Tile and packing of the `avx-vnni` layout.
-const VNNI256: (usize, usize, usize) = (6, 16, 4);
-/// Tile and packing of the `avx2-i16` layout.
-const I16_PAIRS: (usize, usize, usize) = (6, 16, 2);
+/// The largest NR of any kernel.
+const MAX_NR: usize = 32;
+/// Products of at most this many rows on AMX-packed weights run `avx512-vnni` on the same
+/// panels instead (`portable-vnni512` for `portable-amx-i8`): an AMX tile has 32 rows however
+/// few are used, a `vpdpbusd` tile as many as there are.
+const AMX_MIN_M: usize = 4;
 
 /// An INT8 microkernel with its packed weight format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,29 +75,37 @@ pub enum QKernel {
     /// Plain Rust on the `avx2-i16` layout (6×16 tiles, pairs of k), summing as `vpmaddwd`
     /// does: any CPU.
     PortableI16Pairs,
+    /// Plain Rust on the `amx-i8` layout (32×32 tiles, k padded to 64): any CPU.
+    PortableAmx,
     /// AVX2 for CPUs without VNNI: u8 activations widened to u16 pairs when A is packed, s8
     /// weights to i16 by `vpmovsxbw` as they are loaded, then `vpmaddwd` (two i16 × i16
-    /// products summed into an i32, exact here) and `vpaddd`. Not `vpmaddubsw`: it sums two u8 × s8 products into
-    /// a *saturating* i16, and 255·127·2 = 64 770 (or 255·(-128)·2) does not fit, so
-    /// activations near 255 with weights of one sign would silently clip.
+    /// products summed into an i32, exact here) and `vpaddd`. Not `vpmaddubsw`: it sums two
+    /// u8 × s8 products into a *saturating* i16, and 255·127·2 = 64 770 (or 255·(-128)·2)
+    /// does not fit, so activations near 255 with weights of one sign would silently clip.
     Avx2I16,
     /// AVX-VNNI: the VEX-encoded 256-bit `vpdpbusd` (`_mm256_dpbusd_avx_epi32`, no AVX-512
     /// needed), 12 ymm accumulators.
     AvxVnni,
     /// AVX-512 VNNI: `vpdpbusd` on zmm (`_mm512_dpbusd_epi32`), 16 zmm accumulators.
     Avx512Vnni,
+    /// Intel AMX-INT8 (`tdpbusd`, Sapphire Rapids and later): 32×32 tiles as 2×2 AMX
+    /// accumulator tiles, k in steps of 64. Needs AVX-512 VNNI too (products of at most
+    /// `AMX_MIN_M` rows run on it) and Linux's permission for the tile data (`amx_usable`).
+    AmxInt8,
 }
 
 impl QKernel {
     /// Every kernel, portable first, then the portable twins, then the SIMD kernels.
-    pub const ALL: [QKernel; 7] = [
+    pub const ALL: [QKernel; 9] = [
         QKernel::Portable,
         QKernel::PortableVnni512,
         QKernel::PortableVnni256,
         QKernel::PortableI16Pairs,
+        QKernel::PortableAmx,
         QKernel::Avx2I16,
         QKernel::AvxVnni,
         QKernel::Avx512Vnni,
+        QKernel::AmxInt8,
     ];
 
     /// The kernel's name as `hemi bench matmul` prints it.
@@ -108,9 +115,11 @@ impl QKernel {
             QKernel::PortableVnni512 => "portable-vnni512",
             QKernel::PortableVnni256 => "portable-vnni256",
             QKernel::PortableI16Pairs => "portable-i16-pairs",
+            QKernel::PortableAmx => "portable-amx-i8",
             QKernel::Avx2I16 => "avx2-i16",
             QKernel::AvxVnni => "avx-vnni",
             QKernel::Avx512Vnni => "avx512-vnni",
+            QKernel::AmxInt8 => "amx-i8",
         }
     }
 
@@ -120,7 +129,8 @@ impl QKernel {
             QKernel::Portable
             | QKernel::PortableVnni512
             | QKernel::PortableVnni256
-            | QKernel::PortableI16Pairs => true,
+            | QKernel::PortableI16Pairs
+            | QKernel::PortableAmx => true,
             #[cfg(target_arch = "x86_64")]
             QKernel::Avx2I16 => is_x86_feature_detected!("avx2"),
             #[cfg(target_arch = "x86_64")]
@@ -133,8 +143,10 @@ impl QKernel {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            QKernel::AmxInt8 => QKernel::Avx512Vnni.is_available() && x86::amx_usable(),
             #[cfg(not(target_arch = "x86_64"))]
-            QKernel::Avx2I16 | QKernel::AvxVnni | QKernel::Avx512Vnni => false,
+            QKernel::Avx2I16 | QKernel::AvxVnni | QKernel::Avx512Vnni | QKernel::AmxInt8 => false,
         }
     }
 
@@ -146,26 +158,157 @@ impl QKernel {
                 | QKernel::PortableVnni512
                 | QKernel::PortableVnni256
                 | QKernel::PortableI16Pairs
+                | QKernel::PortableAmx
         )
     }
 
-    /// The fastest kernel this CPU runs: `avx512-vnni`, else `avx-vnni`, else `avx2-i16`,
-    /// else `portable-i8`.
+    /// The fastest kernel this CPU runs: `amx-i8`, else `avx512-vnni`, else `avx-vnni`, else
+    /// `avx2-i16`, else `portable-i8`.
     pub fn best() -> QKernel {
-        [QKernel::Avx512Vnni, QKernel::AvxVnni, QKernel::Avx2I16]
-            .into_iter()
-            .find(|k| k.is_available())
-            .unwrap_or(QKernel::Portable)
+        [
+            QKernel::AmxInt8,
+            QKernel::Avx512Vnni,
+            QKernel::AvxVnni,
+            QKernel::Avx2I16,
+        ]
+        .into_iter()
+        .find(|k| k.is_available())
+        .unwrap_or(QKernel::Portable)
     }
 
-    /// (MR, NR, KG) of the packed layout: tile rows, tile columns (= columns of a B panel)
-    /// and k values per group. None for `portable-i8`, which reads W unpacked.
-    fn layout(self) -> Option<(usize, usize, usize)> {
+    /// The packed layout as `Shape`; None for `portable-i8`, which reads W unpacked.
+    fn shape(self) -> Option<Shape> {
         match self {
             QKernel::Portable => None,
-            QKernel::PortableVnni512 | QKernel::Avx512Vnni => Some(VNNI512),
-            QKernel::PortableVnni256 | QKernel::AvxVnni => Some(VNNI256),
-            QKernel::PortableI16Pairs | QKernel::Avx2I16 => Some(I16_PAIRS),
+            QKernel::PortableVnni512 | QKernel::Avx512Vnni => Some(Shape::of::<Vnni512>()),
+            QKernel::PortableVnni256 | QKernel::AvxVnni => Some(Shape::of::<Vnni256>()),
+            QKernel::PortableI16Pairs | QKernel::Avx2I16 => Some(Shape::of::<I16Pairs>()),
+            QKernel::PortableAmx | QKernel::AmxInt8 => Some(Shape::of::<AmxTiles>()),
+        }
+    }
+
+    /// The kernel that runs an m-row product on weights packed for `self`.
+    fn for_rows(self, m: usize) -> QKernel {
+        match self {
+            QKernel::AmxInt8 if m <= AMX_MIN_M => QKernel::Avx512Vnni,
+            QKernel::PortableAmx if m <= AMX_MIN_M => QKernel::PortableVnni512,
+            k => k,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed layouts
+
+/// A packed layout, shared by a SIMD kernel and its portable twin.
+trait Layout {
+    /// Rows of a tile.
+    const MR: usize;
+    /// Columns of a tile and of a B panel.
+    const NR: usize;
+    /// k values one lane of the dot-product instruction sums (one u32 of packed A).
+    const KG: usize;
+    /// The packed k is rounded up to this multiple of KG.
+    const KALIGN: usize;
+    /// k values per chunk of the reduction (a multiple of KALIGN), after which the tiles'
+    /// sums go to memory while the next chunk of B is brought to L1.
+    const KC: usize = 8192;
+    /// Bytes of packed A per block of rows: the block is reused for every B panel of a task,
+    /// so it should stay in L2 (beside a panel, or a chunk of one).
+    const A_BLOCK: usize = 256 * 1024;
+    /// At most this many rows per block of packed A.
+    const MAX_MC: usize = 256;
+    /// Index of group g of row r in a tile of packed A (MR rows of `groups` groups).
+    fn a_at(r: usize, g: usize, groups: usize) -> usize;
+    /// Groups of a row that `a_at` puts side by side (from a multiple of RUN on), so that
+    /// packing copies them as a run of bytes.
+    const RUN: usize = 1;
+}
+
+/// `avx512-vnni`: 8×32 tiles (16 zmm accumulators), groups of 4 k, A group-major (the 8
+/// rows of a group side by side, one broadcast each).
+struct Vnni512;
+/// `avx-vnni`: 6×16 tiles (12 ymm accumulators), groups of 4 k, A group-major.
+struct Vnni256;
+/// `avx2-i16`: 6×16 tiles (12 ymm accumulators), pairs of k, A group-major.
+struct I16Pairs;
+/// `amx-i8`: 32×32 tiles, groups of 4 k, k padded to steps of 64 (one AMX A tile row), A
+/// step-major: per step, 32 rows of 64 bytes (two A tiles of 16 rows, rows 64 bytes apart).
+/// The B panels are `Vnni512`'s (a k step of 16 groups is an AMX B tile of 16 rows for 16
+/// columns, rows 128 bytes apart), zero-padded further, so `avx512-vnni` can run on them.
+struct AmxTiles;
+
+impl Layout for Vnni512 {
+    const MR: usize = 8;
+    const NR: usize = 32;
+    const KG: usize = 4;
+    const KALIGN: usize = 4;
+    #[inline(always)]
+    fn a_at(r: usize, g: usize, _: usize) -> usize {
+        g * Self::MR + r
+    }
+}
+
+impl Layout for Vnni256 {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    const KG: usize = 4;
+    const KALIGN: usize = 4;
+    #[inline(always)]
+    fn a_at(r: usize, g: usize, _: usize) -> usize {
+        g * Self::MR + r
+    }
+}
+
+impl Layout for I16Pairs {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    const KG: usize = 2;
+    const KALIGN: usize = 2;
+    #[inline(always)]
+    fn a_at(r: usize, g: usize, _: usize) -> usize {
+        g * Self::MR + r
+    }
+}
+
+impl Layout for AmxTiles {
+    const MR: usize = 32;
+    const NR: usize = 32;
+    const KG: usize = 4;
+    const KALIGN: usize = 64;
+    // A 16 KiB chunk of a B panel stays in L1 while the A tiles of the block stream past it;
+    // without chunks, k = 1024 ran at 0.6 of k = 512's rate.
+    const KC: usize = 512;
+    const RUN: usize = 16;
+    // AMX CPUs have 2 MiB of L2 a core: blocks of 512 KiB (256 rows at k = 2048) ran
+    // k = 2048 about 10% faster than 256 KiB; 1 MiB and 512 rows were slower again.
+    const A_BLOCK: usize = 512 * 1024;
+    #[inline(always)]
+    fn a_at(r: usize, g: usize, _: usize) -> usize {
+        (g / 16) * (Self::MR * 16) + r * 16 + g % 16
+    }
+}
+
+const _: () = assert!(AmxTiles::NR == Vnni512::NR && AmxTiles::KG == Vnni512::KG);
+const _: () = assert!((AmxTiles::KALIGN / AmxTiles::KG).is_multiple_of(AmxTiles::RUN));
+const _: () = assert!(AmxTiles::NR <= MAX_NR && AmxTiles::KC.is_multiple_of(AmxTiles::KALIGN));
+
+/// A layout's constants as values.
+#[derive(Clone, Copy)]
+struct Shape {
+    mr: usize,
+    nr: usize,
+    kg: usize,
+    kalign: usize,
+}
+
+impl Shape {
+    fn of<L: Layout>() -> Shape {
+        Shape {
+            mr: L::MR,
+            nr: L::NR,
+            kg: L::KG,
+            kalign: L::KALIGN,
         }
     }
 }
@@ -176,6 +319,8 @@ pub struct PackedB {
     n: usize,
     k: usize,
     kernel: QKernel,
+    /// k of the packed panels (k rounded up to the layout's `KALIGN`).
+    kp: usize,
     data: Vec<i8>,
     col_sums: Vec<i32>,
 }
@@ -212,14 +357,18 @@ impl PackedB {
             .map(|r| r.iter().map(|&v| v as i32).sum())
             .collect::<Vec<i32>>();
         let col_sums = if k == 0 { vec![0; n] } else { col_sums };
-        let data = match kernel.layout() {
-            None => w.to_vec(),
-            Some((_, nr, kg)) => pack_panels(w, n, k, nr, kg),
+        let (kp, data) = match kernel.shape() {
+            None => (k, w.to_vec()),
+            Some(s) => {
+                let kp = k.next_multiple_of(s.kalign);
+                (kp, pack_panels(w, n, k, kp, s.nr, s.kg))
+            }
         };
         Ok(PackedB {
             n,
             k,
             kernel,
+            kp,
             data,
             col_sums,
         })
@@ -247,10 +396,9 @@ impl PackedB {
     }
 }
 
-/// `w` (`[n, k]`) as panels of `nr` columns × `kp = k` rounded up to `kg`: element
+/// `w` (`[n, k]`) as panels of `nr` columns × `kp ≥ k` (a multiple of `kg`): element
 /// `(j, x)` at `panel · nr·kp + (x / kg) · nr·kg + (j % nr) · kg + x % kg`, zeros elsewhere.
-fn pack_panels(w: &[i8], n: usize, k: usize, nr: usize, kg: usize) -> Vec<i8> {
-    let kp = k.next_multiple_of(kg);
+fn pack_panels(w: &[i8], n: usize, k: usize, kp: usize, nr: usize, kg: usize) -> Vec<i8> {
     let mut out = vec![0i8; n.div_ceil(nr) * nr * kp];
     if k == 0 {
         return out;
@@ -416,7 +564,8 @@ pub fn qgemm(a: &[u8], m: usize, lda: usize, b: &PackedB, epi: Epilogue<'_>) -> 
         portable(a, m, lda, b, epi);
         return Ok(());
     }
-    let (mr, nr, _) = b.kernel.layout().expect("packed kernels have a layout");
+    let kernel = b.kernel.for_rows(m);
+    let shape = kernel.shape().expect("packed kernels have a layout");
     let job = Job {
         a,
         lda,
@@ -429,13 +578,13 @@ pub fn qgemm(a: &[u8], m: usize, lda: usize, b: &PackedB, epi: Epilogue<'_>) -> 
     } else {
         1
     };
-    let tasks = split(m, n, mr, nr, threads);
+    let tasks = split(m, n, shape.mr, shape.nr, threads);
     if tasks.len() == 1 {
-        run_task(b.kernel, &job, 0..m, 0..n);
+        run_task(kernel, &job, 0..m, 0..n);
     } else {
         tasks
             .into_par_iter()
-            .for_each(|(rows, cols)| run_task(b.kernel, &job, rows, cols));
+            .for_each(|(rows, cols)| run_task(kernel, &job, rows, cols));
     }
     Ok(())
 }
@@ -501,9 +650,11 @@ fn store(epi: &mut Epilogue<'_>, i: usize, j: usize, n: usize, acc: i32, col_sum
 // ---------------------------------------------------------------------------------------------
 // Packed kernels: tasks, blocks of A, tiles, and the epilogue of a tile
 
-/// Rectangles of the output (whole MR×NR tiles, but for the edges) for `threads` threads.
-/// Columns are split first: a task packs its rows of A once and streams only its own B
-/// panels. About four tasks per thread, so that rayon evens out a busy, shared machine.
+/// Rectangles of the output (whole MR×NR tiles, but for the edges) for `threads` threads,
+/// about four per thread, so that rayon evens out a busy, shared machine. Rows are split
+/// first: each task packs its own rows of A, and a split of the columns would pack the same
+/// rows again in every task (with AMX, packing 512 rows for each of 8 column tasks took
+/// longer than their products); columns only where there are too few rows.
 fn split(
     m: usize,
     n: usize,
@@ -516,8 +667,8 @@ fn split(
     }
     let want = 4 * threads;
     let (tiles_m, panels) = (m.div_ceil(mr), n.div_ceil(nr));
-    let gn = panels.min(want);
-    let gm = tiles_m.min(want.div_ceil(gn));
+    let gm = tiles_m.min(want);
+    let gn = panels.min(want.div_ceil(gm));
     let (tm, tn) = (tiles_m.div_ceil(gm) * mr, panels.div_ceil(gn) * nr);
     (0..m)
         .step_by(tm)
@@ -639,7 +790,7 @@ impl<'a> Sink<'a> {
     unsafe fn write(&self, i0: usize, j0: usize, h: usize, w: usize, acc: &[i32], ld: usize) {
         let cols = j0..j0 + w;
         let cs = &self.col_sums[cols.clone()];
-        let mut row_f32 = [0f32; MAX_TILE];
+        let mut row_f32 = [0f32; MAX_NR];
         for r in 0..h {
             let i = i0 + r;
             let acc = &acc[r * ld..][..w];
@@ -699,32 +850,32 @@ fn dequant_row<const RELU: bool>(
     }
 }
 
-/// A microkernel on a packed layout: one MR×NR tile of sums over all of k.
+/// A microkernel on a packed layout: one tile of sums over all of k.
 trait Micro {
-    const MR: usize;
-    const NR: usize;
-    const KG: usize;
+    type L: Layout;
 
-    /// `acc[r · NR + c] = Σ_g Σ_q A(g, r)[q] · b[(g · NR + c) · KG + q]` for every row r < MR
-    /// and column c < NR, over the `a.len() / MR` groups g of packed A (`a[g · MR + r]`).
+    /// For rows r < `rows` (≤ MR) and columns c < NR of the tile:
+    /// `acc[r · NR + c] (+)= Σ_g Σ_q A(r, g)[q] · b[(g · NR + c) · KG + q]` over the groups g
+    /// of packed A (`a[L::a_at(r, g, groups)]`, `a.len() = MR · groups`), added to what
+    /// `acc` holds with `accumulate`; A(r, g)[q] is byte q of the u32 (KG = 4) or its 16-bit
+    /// half q (KG = 2). Other entries of `acc` (MR · NR) may change.
     ///
     /// # Safety
     /// The CPU has the kernel's features; `b` holds at least as many groups as `a`.
-    unsafe fn tile(a: &[u32], b: &[i8], acc: &mut [i32; MAX_TILE]);
+    unsafe fn tile(a: &[u32], rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool);
 }
 
 /// The kernel's tasks: a match to each microkernel's instance of `run_task_with`, inside a
 /// function with its target features for the SIMD ones.
 fn run_task(kernel: QKernel, job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
-    type Vnni512 = PortableTile<{ VNNI512.0 }, { VNNI512.1 }, { VNNI512.2 }>;
-    type Vnni256 = PortableTile<{ VNNI256.0 }, { VNNI256.1 }, { VNNI256.2 }>;
-    type I16Pairs = PortableTile<{ I16_PAIRS.0 }, { I16_PAIRS.1 }, { I16_PAIRS.2 }>;
     match kernel {
         QKernel::Portable => unreachable!("portable-i8 has no packed layout"),
-        QKernel::PortableVnni512 => run_task_with::<Vnni512>(job, rows, cols),
-        QKernel::PortableVnni256 => run_task_with::<Vnni256>(job, rows, cols),
-        QKernel::PortableI16Pairs => run_task_with::<I16Pairs>(job, rows, cols),
-        // SAFETY: the weights were packed for this kernel, so `is_available` was true.
+        QKernel::PortableVnni512 => run_task_with::<Twin<Vnni512>>(job, rows, cols),
+        QKernel::PortableVnni256 => run_task_with::<Twin<Vnni256>>(job, rows, cols),
+        QKernel::PortableI16Pairs => run_task_with::<Twin<I16Pairs>>(job, rows, cols),
+        QKernel::PortableAmx => run_task_with::<Twin<AmxTiles>>(job, rows, cols),
+        // SAFETY: the weights were packed for this kernel, so `is_available` was true (and
+        // `amx-i8` implies `avx512-vnni`).
         #[cfg(target_arch = "x86_64")]
         QKernel::Avx512Vnni => unsafe { x86::run_task_avx512_vnni(job, rows, cols) },
         // SAFETY: as above.
@@ -733,108 +884,164 @@ fn run_task(kernel: QKernel, job: &Job<'_>, rows: Range<usize>, cols: Range<usiz
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         QKernel::Avx2I16 => unsafe { x86::run_task_avx2_i16(job, rows, cols) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        QKernel::AmxInt8 => unsafe { x86::run_task_amx_int8(job, rows, cols) },
         #[cfg(not(target_arch = "x86_64"))]
-        QKernel::Avx512Vnni | QKernel::AvxVnni | QKernel::Avx2I16 => {
+        QKernel::Avx512Vnni | QKernel::AvxVnni | QKernel::Avx2I16 | QKernel::AmxInt8 => {
             unreachable!("x86 kernels are never available here")
         }
     }
 }
 
+/// A task's buffers: packed A of a block of rows, and the sums of its tiles.
+#[derive(Default)]
+struct Workspace {
+    a: Vec<u32>,
+    acc: Vec<i32>,
+}
+
 thread_local! {
-    /// Packed A of the block of rows this thread works on, kept between calls.
-    static A_PACK: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// The buffers of the last task on this thread, kept between calls.
+    static WORKSPACE: Cell<Workspace> = const {
+        Cell::new(Workspace {
+            a: Vec::new(),
+            acc: Vec::new(),
+        })
+    };
 }
 
 /// Rows `rows` × columns `cols` of the output (`cols.start` a multiple of NR): per block of
-/// rows, pack A once, then for each B panel run the block's tiles down it, so that the panel
-/// is reused from cache while the block's packed A stays in L2.
+/// rows, pack A once; then per B panel, per chunk of `L::KC` k values, run the block's tiles
+/// down the panel, so that the panel's chunk is reused from L1 while the block's packed A
+/// stays in L2 (the tiles' sums wait in `acc` between chunks); after the last chunk, the
+/// epilogue writes the tiles.
 #[inline(always)]
 fn run_task_with<M: Micro>(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
-    A_PACK.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => blocks::<M>(job, rows, cols, &mut buf),
-        Err(_) => blocks::<M>(job, rows, cols, &mut Vec::new()),
-    })
-}
-
-#[inline(always)]
-fn blocks<M: Micro>(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>, buf: &mut Vec<u32>) {
-    let k = job.b.k;
-    let kp = k.next_multiple_of(M::KG);
-    let groups = kp / M::KG;
-    let mc = (A_BLOCK_BYTES / (4 * groups).max(1)).clamp(M::MR, MAX_MC) / M::MR * M::MR;
-    debug_assert!(rows.end <= job.m && cols.start.is_multiple_of(M::NR));
+    let (mr, nr, kg) = (M::L::MR, M::L::NR, M::L::KG);
+    // The buffers are taken, not borrowed, so that this stays inlined in the caller (and
+    // compiled with its target features); a nested call finds them empty and allocates.
+    let Workspace {
+        a: mut buf,
+        mut acc,
+    } = WORKSPACE.take();
+    let kp = job.b.kp;
+    debug_assert!(kp.is_multiple_of(kg) && job.b.data.len() == job.b.n.div_ceil(nr) * nr * kp);
+    debug_assert!(rows.end <= job.m && cols.start.is_multiple_of(nr));
+    let groups = kp / kg;
+    let mc = (M::L::A_BLOCK / (4 * groups).max(1)).clamp(mr, M::L::MAX_MC) / mr * mr;
+    let chunk = M::L::KC / kg;
     for ic in rows.clone().step_by(mc) {
         let ih = mc.min(rows.end - ic);
-        let tiles = ih.div_ceil(M::MR);
-        buf.resize(tiles * M::MR * groups, 0);
-        pack_a::<M>(job, ic, ih, groups, buf);
-        for j0 in cols.clone().step_by(M::NR) {
-            let w = M::NR.min(cols.end - j0);
-            let panel = &job.b.data[(j0 / M::NR) * M::NR * kp..][..M::NR * kp];
-            for t in 0..tiles {
-                let h = M::MR.min(ih - t * M::MR);
-                let mut acc = [0i32; MAX_TILE];
-                let a = &buf[t * M::MR * groups..][..M::MR * groups];
-                // SAFETY: `run_task` checked the CPU; the panel has `groups` groups, as `a`.
-                unsafe { M::tile(a, panel, &mut acc) };
-                // SAFETY: this task owns rows `rows` × columns `cols` of the output.
-                unsafe { job.sink.write(ic + t * M::MR, j0, h, w, &acc, M::NR) };
+        let tiles = ih.div_ceil(mr);
+        buf.resize(tiles * mr * groups, 0);
+        acc.resize(tiles * mr * nr, 0);
+        pack_a::<M::L>(job, ic, ih, groups, &mut buf);
+        for j0 in cols.clone().step_by(nr) {
+            let w = nr.min(cols.end - j0);
+            let panel = &job.b.data[(j0 / nr) * nr * kp..][..nr * kp];
+            let mut g0 = 0;
+            loop {
+                let gs = chunk.min(groups - g0);
+                let last = g0 + gs == groups;
+                let b = &panel[g0 * nr * kg..][..gs * nr * kg];
+                for t in 0..tiles {
+                    let h = mr.min(ih - t * mr);
+                    let a = &buf[(t * groups + g0) * mr..][..gs * mr];
+                    let acc = &mut acc[t * mr * nr..][..mr * nr];
+                    // SAFETY: `run_task` checked the CPU; `b` has `gs` groups, as `a`.
+                    unsafe { M::tile(a, h, b, acc, g0 > 0) };
+                    if last {
+                        // SAFETY: this task owns rows `rows` × columns `cols` of the output.
+                        unsafe { job.sink.write(ic + t * mr, j0, h, w, acc, nr) };
+                    }
+                }
+                if last {
+                    break;
+                }
+                g0 += gs;
             }
         }
     }
+    WORKSPACE.set(Workspace { a: buf, acc });
 }
 
-/// Rows `i0..i0 + h` of A into `buf`, tile after tile: `buf[(t · groups + g) · MR + r]`
-/// holds group g of row `t · MR + r` (KG = 4: four u8, the first in the low byte; KG = 2:
-/// two u8 zero-extended to u16). Rows past `h` and k values past k are zeros.
+/// Rows `i0..i0 + h` of A into `buf`, tile after tile of MR rows, each at `L::a_at`: four u8
+/// in a u32, the first in the low byte (KG = 4), or two u8 zero-extended to u16 (KG = 2).
+/// Rows past `h` and k values past k are zeros.
 #[inline(always)]
-fn pack_a<M: Micro>(job: &Job<'_>, i0: usize, h: usize, groups: usize, buf: &mut [u32]) {
+fn pack_a<L: Layout>(job: &Job<'_>, i0: usize, h: usize, groups: usize, buf: &mut [u32]) {
     let k = job.b.k;
+    if groups == 0 {
+        return;
+    }
+    let encode_full = |v: &[u8]| -> u32 {
+        if L::KG == 4 {
+            u32::from_le_bytes([v[0], v[1], v[2], v[3]])
+        } else {
+            v[0] as u32 | (v[1] as u32) << 16
+        }
+    };
     let encode = |v: &[u8]| -> u32 {
         let mut x = [0u8; 4];
         x[..v.len()].copy_from_slice(v);
-        if M::KG == 4 {
+        if L::KG == 4 {
             u32::from_le_bytes(x)
         } else {
             x[0] as u32 | (x[1] as u32) << 16
         }
     };
-    if groups == 0 {
-        return;
-    }
-    for (t, tile) in buf.chunks_exact_mut(M::MR * groups).enumerate() {
-        for r in 0..M::MR {
-            let i = t * M::MR + r;
-            if i >= h {
-                for g in 0..groups {
-                    tile[g * M::MR + r] = 0;
+    for (t, tile) in buf.chunks_exact_mut(L::MR * groups).enumerate() {
+        for r in 0..L::MR {
+            let i = t * L::MR + r;
+            let row: &[u8] = if i < h {
+                &job.a[(i0 + i) * job.lda..][..k]
+            } else {
+                &[]
+            };
+            for g0 in (0..groups).step_by(L::RUN) {
+                let dst = &mut tile[L::a_at(r, g0, groups)..][..L::RUN];
+                let src = row.get(g0 * L::KG..).unwrap_or(&[]);
+                if src.len() >= L::RUN * L::KG {
+                    for (d, v) in dst.iter_mut().zip(src.chunks_exact(L::KG)) {
+                        *d = encode_full(v);
+                    }
+                } else {
+                    let mut vs = src.chunks(L::KG);
+                    for d in dst.iter_mut() {
+                        *d = vs.next().map_or(0, encode);
+                    }
                 }
-                continue;
-            }
-            let row = &job.a[(i0 + i) * job.lda..][..k];
-            for (g, v) in row.chunks(M::KG).enumerate() {
-                tile[g * M::MR + r] = encode(v);
             }
         }
     }
 }
 
-/// Plain Rust on a packed layout: each lane sums its KG products in an i32 and adds them to
-/// the accumulator (wrapping, as `vpdpbusd` and `vpaddd` do; the sums are exact anyway).
-struct PortableTile<const MR: usize, const NR: usize, const KG: usize>;
+/// Plain Rust on a SIMD kernel's layout: each lane sums its KG products in an i32 and adds
+/// them to the accumulator (wrapping, as `vpdpbusd`, `vpaddd` and `tdpbusd` do; the sums are
+/// exact anyway).
+struct Twin<L>(PhantomData<L>);
 
-impl<const MR: usize, const NR: usize, const KG: usize> Micro for PortableTile<MR, NR, KG> {
-    const MR: usize = MR;
-    const NR: usize = NR;
-    const KG: usize = KG;
+impl<L: Layout> Micro for Twin<L> {
+    type L = L;
 
-    unsafe fn tile(a: &[u32], b: &[i8], acc: &mut [i32; MAX_TILE]) {
-        let (acc, bits) = (&mut acc[..MR * NR], 32 / KG);
-        for (ag, bg) in a.chunks_exact(MR).zip(b.chunks_exact(NR * KG)) {
-            for (&x, acc) in ag.iter().zip(acc.chunks_exact_mut(NR)) {
-                let x: [i32; KG] =
-                    std::array::from_fn(|q| ((x >> (bits * q)) & ((1 << bits) - 1)) as i32);
-                for (s, w) in acc.iter_mut().zip(bg.chunks_exact(KG)) {
+    unsafe fn tile(a: &[u32], rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool) {
+        let (mr, nr, kg) = (L::MR, L::NR, L::KG);
+        let groups = a.len() / mr;
+        let bits = 32 / kg;
+        let acc = &mut acc[..rows * nr];
+        if !accumulate {
+            acc.fill(0);
+        }
+        for (g, bg) in b.chunks_exact(nr * kg).take(groups).enumerate() {
+            for (r, acc) in acc.chunks_exact_mut(nr).enumerate() {
+                let x = a[L::a_at(r, g, groups)];
+                let mut lanes = [0i32; 4];
+                for (q, v) in lanes[..kg].iter_mut().enumerate() {
+                    *v = ((x >> (bits * q)) & ((1 << bits) - 1)) as i32;
+                }
+                let x = &lanes[..kg];
+                for (s, w) in acc.iter_mut().zip(bg.chunks_exact(kg)) {
                     let lane = x.iter().zip(w).map(|(&x, &w)| x * w as i32).sum::<i32>();
                     *s = s.wrapping_add(lane);
                 }
@@ -845,13 +1052,9 @@ impl<const MR: usize, const NR: usize, const KG: usize> Micro for PortableTile<M
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{run_task_with, Job, Micro, I16_PAIRS, MAX_TILE, VNNI256, VNNI512};
+    use super::{run_task_with, AmxTiles, I16Pairs, Job, Layout, Micro, Vnni256, Vnni512};
     use std::arch::x86_64::*;
     use std::ops::Range;
-
-    struct Avx512Vnni;
-    struct AvxVnni;
-    struct Avx2I16;
 
     /// `run_task_with` for `avx512-vnni`, compiled with its features (the epilogue too).
     ///
@@ -884,57 +1087,99 @@ mod x86 {
         run_task_with::<Avx2I16>(job, rows, cols)
     }
 
+    /// `run_task_with` for `amx-i8`, with the tiles configured on this thread meanwhile.
+    ///
+    /// # Safety
+    /// `QKernel::AmxInt8.is_available()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn run_task_amx_int8(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
+        let config = TileConfig::all_16x64();
+        // SAFETY: the caller checked that AMX is usable; the configuration is valid for
+        // palette 1 (at most 16 rows, 64 bytes per row).
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(),
+                options(nostack, readonly))
+        };
+        let _release = TileRelease;
+        run_task_with::<AmxInt8>(job, rows, cols)
+    }
+
+    struct Avx512Vnni;
+    struct AvxVnni;
+    struct Avx2I16;
+    struct AmxInt8;
+
+    /// `$f::<R, ...>(args)` for R = `rows`, one instance per possible row count, so that the
+    /// last tile of a block (and products of fewer rows than a tile) computes only its rows.
+    macro_rules! by_rows {
+        ($rows:expr, [$($r:literal)*], $f:ident::<_, $nv:tt, $s:tt>$args:tt) => {
+            match $rows {
+                $($r => $f::<$r, $nv, $s>$args,)*
+                _ => unreachable!("a tile has 1..=MR rows"),
+            }
+        };
+    }
+
     impl Micro for Avx512Vnni {
-        const MR: usize = VNNI512.0;
-        const NR: usize = VNNI512.1;
-        const KG: usize = VNNI512.2;
+        type L = Vnni512;
 
         #[inline(always)]
-        unsafe fn tile(a: &[u32], b: &[i8], acc: &mut [i32; MAX_TILE]) {
+        unsafe fn tile(a: &[u32], rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool) {
+            const S: usize = Vnni512::MR;
             // SAFETY: forwarded from the caller.
-            unsafe { tile_zmm::<{ VNNI512.0 }, { VNNI512.1 / 16 }>(a, b, acc) }
+            unsafe { by_rows!(rows, [1 2 3 4 5 6 7 8], tile_zmm::<_, 2, S>(a, b, acc, accumulate)) }
         }
     }
 
     impl Micro for AvxVnni {
-        const MR: usize = VNNI256.0;
-        const NR: usize = VNNI256.1;
-        const KG: usize = VNNI256.2;
+        type L = Vnni256;
 
         #[inline(always)]
-        unsafe fn tile(a: &[u32], b: &[i8], acc: &mut [i32; MAX_TILE]) {
+        unsafe fn tile(a: &[u32], rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool) {
+            const S: usize = Vnni256::MR;
             // SAFETY: forwarded from the caller.
-            unsafe { tile_ymm_vnni::<{ VNNI256.0 }, { VNNI256.1 / 8 }>(a, b, acc) }
+            unsafe {
+                by_rows!(rows, [1 2 3 4 5 6], tile_ymm_vnni::<_, 2, S>(a, b, acc, accumulate))
+            }
         }
     }
 
     impl Micro for Avx2I16 {
-        const MR: usize = I16_PAIRS.0;
-        const NR: usize = I16_PAIRS.1;
-        const KG: usize = I16_PAIRS.2;
+        type L = I16Pairs;
 
         #[inline(always)]
-        unsafe fn tile(a: &[u32], b: &[i8], acc: &mut [i32; MAX_TILE]) {
+        unsafe fn tile(a: &[u32], rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool) {
+            const S: usize = I16Pairs::MR;
             // SAFETY: forwarded from the caller.
-            unsafe { tile_ymm_i16::<{ I16_PAIRS.0 }, { I16_PAIRS.1 / 8 }>(a, b, acc) }
+            unsafe { by_rows!(rows, [1 2 3 4 5 6], tile_ymm_i16::<_, 2, S>(a, b, acc, accumulate)) }
         }
     }
 
-    /// MR×(16·NV) tile: per group of 4 k, NV B loads (16 columns × 4 s8 each), MR broadcasts
-    /// of a row's 4 u8, MR·NV `vpdpbusd` into MR·NV zmm accumulators.
+    /// R×(16·NV) tile (R ≤ S, the rows of packed A per group): per group of 4 k, NV B loads
+    /// (16 columns × 4 s8 each), R broadcasts of a row's 4 u8, R·NV `vpdpbusd` into R·NV zmm
+    /// accumulators.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vnni")]
-    unsafe fn tile_zmm<const MR: usize, const NV: usize>(
+    unsafe fn tile_zmm<const R: usize, const NV: usize, const S: usize>(
         a: &[u32],
         b: &[i8],
-        acc: &mut [i32; MAX_TILE],
+        acc: &mut [i32],
+        accumulate: bool,
     ) {
-        let groups = a.len() / MR;
-        assert!(b.len() >= groups * 64 * NV && MR * 16 * NV <= MAX_TILE);
+        let groups = a.len() / S;
+        assert!(R <= S && b.len() >= groups * 64 * NV && R * 16 * NV <= acc.len());
         let (mut pa, mut pb) = (a.as_ptr(), b.as_ptr());
-        let mut c = [[_mm512_setzero_si512(); NV]; MR];
+        let mut c = [[_mm512_setzero_si512(); NV]; R];
+        if accumulate {
+            for (r, row) in c.iter_mut().enumerate() {
+                for (v, s) in row.iter_mut().enumerate() {
+                    // SAFETY: R·16·NV ≤ acc.len(), asserted above.
+                    *s = unsafe { _mm512_loadu_si512(acc.as_ptr().add(16 * (r * NV + v)).cast()) };
+                }
+            }
+        }
         for _ in 0..groups {
-            // SAFETY: `groups` groups of MR u32 (a) and 64·NV bytes (b), asserted above.
+            // SAFETY: `groups` groups of S u32 (a) and 64·NV bytes (b), asserted above.
             unsafe {
                 let mut bv = [_mm512_setzero_si512(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
@@ -946,32 +1191,41 @@ mod x86 {
                         *s = _mm512_dpbusd_epi32(*s, x, y);
                     }
                 }
-                pa = pa.add(MR);
+                pa = pa.add(S);
                 pb = pb.add(64 * NV);
             }
         }
         for (r, row) in c.iter().enumerate() {
             for (v, &s) in row.iter().enumerate() {
-                // SAFETY: MR·16·NV ≤ MAX_TILE, asserted above.
+                // SAFETY: R·16·NV ≤ acc.len(), asserted above.
                 unsafe { _mm512_storeu_si512(acc.as_mut_ptr().add(16 * (r * NV + v)).cast(), s) };
             }
         }
     }
 
-    /// MR×(8·NV) tile of the VEX `vpdpbusd` (AVX-VNNI) on ymm, as `tile_zmm`.
+    /// R×(8·NV) tile of the VEX `vpdpbusd` (AVX-VNNI) on ymm, as `tile_zmm`.
     #[inline]
     #[target_feature(enable = "avx2,avxvnni")]
-    unsafe fn tile_ymm_vnni<const MR: usize, const NV: usize>(
+    unsafe fn tile_ymm_vnni<const R: usize, const NV: usize, const S: usize>(
         a: &[u32],
         b: &[i8],
-        acc: &mut [i32; MAX_TILE],
+        acc: &mut [i32],
+        accumulate: bool,
     ) {
-        let groups = a.len() / MR;
-        assert!(b.len() >= groups * 32 * NV && MR * 8 * NV <= MAX_TILE);
+        let groups = a.len() / S;
+        assert!(R <= S && b.len() >= groups * 32 * NV && R * 8 * NV <= acc.len());
         let (mut pa, mut pb) = (a.as_ptr(), b.as_ptr());
-        let mut c = [[_mm256_setzero_si256(); NV]; MR];
+        let mut c = [[_mm256_setzero_si256(); NV]; R];
+        if accumulate {
+            for (r, row) in c.iter_mut().enumerate() {
+                for (v, s) in row.iter_mut().enumerate() {
+                    // SAFETY: R·8·NV ≤ acc.len(), asserted above.
+                    *s = unsafe { _mm256_loadu_si256(acc.as_ptr().add(8 * (r * NV + v)).cast()) };
+                }
+            }
+        }
         for _ in 0..groups {
-            // SAFETY: `groups` groups of MR u32 (a) and 32·NV bytes (b), asserted above.
+            // SAFETY: `groups` groups of S u32 (a) and 32·NV bytes (b), asserted above.
             unsafe {
                 let mut bv = [_mm256_setzero_si256(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
@@ -983,34 +1237,43 @@ mod x86 {
                         *s = _mm256_dpbusd_avx_epi32(*s, x, y);
                     }
                 }
-                pa = pa.add(MR);
+                pa = pa.add(S);
                 pb = pb.add(32 * NV);
             }
         }
         for (r, row) in c.iter().enumerate() {
             for (v, &s) in row.iter().enumerate() {
-                // SAFETY: MR·8·NV ≤ MAX_TILE, asserted above.
+                // SAFETY: R·8·NV ≤ acc.len(), asserted above.
                 unsafe { _mm256_storeu_si256(acc.as_mut_ptr().add(8 * (r * NV + v)).cast(), s) };
             }
         }
     }
 
-    /// MR×(8·NV) tile on pairs of k: per pair, NV loads of 8 columns × 2 s8 sign-extended to
-    /// i16 (`vpmovsxbw`), MR broadcasts of a row's two u8 as u16, and per accumulator a
+    /// R×(8·NV) tile on pairs of k: per pair, NV loads of 8 columns × 2 s8 sign-extended to
+    /// i16 (`vpmovsxbw`), R broadcasts of a row's two u8 as u16, and per accumulator a
     /// `vpmaddwd` (both i16 products summed into an i32, exact) and a `vpaddd`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn tile_ymm_i16<const MR: usize, const NV: usize>(
+    unsafe fn tile_ymm_i16<const R: usize, const NV: usize, const S: usize>(
         a: &[u32],
         b: &[i8],
-        acc: &mut [i32; MAX_TILE],
+        acc: &mut [i32],
+        accumulate: bool,
     ) {
-        let groups = a.len() / MR;
-        assert!(b.len() >= groups * 16 * NV && MR * 8 * NV <= MAX_TILE);
+        let groups = a.len() / S;
+        assert!(R <= S && b.len() >= groups * 16 * NV && R * 8 * NV <= acc.len());
         let (mut pa, mut pb) = (a.as_ptr(), b.as_ptr());
-        let mut c = [[_mm256_setzero_si256(); NV]; MR];
+        let mut c = [[_mm256_setzero_si256(); NV]; R];
+        if accumulate {
+            for (r, row) in c.iter_mut().enumerate() {
+                for (v, s) in row.iter_mut().enumerate() {
+                    // SAFETY: R·8·NV ≤ acc.len(), asserted above.
+                    *s = unsafe { _mm256_loadu_si256(acc.as_ptr().add(8 * (r * NV + v)).cast()) };
+                }
+            }
+        }
         for _ in 0..groups {
-            // SAFETY: `groups` groups of MR u32 (a) and 16·NV bytes (b), asserted above.
+            // SAFETY: `groups` groups of S u32 (a) and 16·NV bytes (b), asserted above.
             unsafe {
                 let mut bv = [_mm256_setzero_si256(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
@@ -1022,15 +1285,165 @@ mod x86 {
                         *s = _mm256_add_epi32(*s, _mm256_madd_epi16(x, y));
                     }
                 }
-                pa = pa.add(MR);
+                pa = pa.add(S);
                 pb = pb.add(16 * NV);
             }
         }
         for (r, row) in c.iter().enumerate() {
             for (v, &s) in row.iter().enumerate() {
-                // SAFETY: MR·8·NV ≤ MAX_TILE, asserted above.
+                // SAFETY: R·8·NV ≤ acc.len(), asserted above.
                 unsafe { _mm256_storeu_si256(acc.as_mut_ptr().add(8 * (r * NV + v)).cast(), s) };
             }
+        }
+    }
+
+    impl Micro for AmxInt8 {
+        type L = AmxTiles;
+
+        /// Per k step of 64: A rows 0–15 and 16–31 into tiles 4 and 5 (rows 64 bytes apart),
+        /// B columns 0–15 and 16–31 into tiles 6 and 7 (rows 128 bytes apart), four
+        /// `tdpbusd` into the accumulator tiles 0–3 (zeroed, or loaded from `acc` with
+        /// `accumulate`), stored to `acc` (32 rows of 32 i32).
+        /// All 32 rows are computed (padding rows of A are zeros).
+        #[inline(always)]
+        unsafe fn tile(a: &[u32], _rows: usize, b: &[i8], acc: &mut [i32], accumulate: bool) {
+            const STEP_A: usize = AmxTiles::MR * 16; // u32 of packed A per k step
+            const STEP_B: usize = AmxTiles::NR * 64; // bytes of a B panel per k step
+            let steps = a.len() / STEP_A;
+            assert!(a.len() == steps * STEP_A && b.len() >= steps * STEP_B);
+            assert!(acc.len() >= AmxTiles::MR * AmxTiles::NR);
+            let d = acc.as_mut_ptr();
+            // SAFETY: `steps` steps of packed A (2 KiB each) and of the B panel (2 KiB each),
+            // and 32 rows of 32 i32 (128 bytes a row) in `acc`, asserted above. The caller
+            // configured tiles 0–7 as 16 rows of 64 bytes. Only tile registers, the pointer
+            // copies, the counter and the flags are changed.
+            unsafe {
+                std::arch::asm!(
+                    "test {acc_in}, {acc_in}",
+                    "jz 4f",
+                    "tileloadd tmm0, [{d} + {s128}]",
+                    "tileloadd tmm1, [{d} + {s128} + 64]",
+                    "tileloadd tmm2, [{d} + {s128} + 2048]",
+                    "tileloadd tmm3, [{d} + {s128} + 2112]",
+                    "jmp 5f",
+                    "4:",
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "5:",
+                    "test {n}, {n}",
+                    "jz 3f",
+                    "2:",
+                    "tileloadd tmm4, [{a} + {s64}]",
+                    "tileloadd tmm6, [{b} + {s128}]",
+                    "tdpbusd tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{b} + {s128} + 64]",
+                    "tdpbusd tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a} + {s64} + 1024]",
+                    "tdpbusd tmm2, tmm5, tmm6",
+                    "tdpbusd tmm3, tmm5, tmm7",
+                    "add {a}, 2048",
+                    "add {b}, 2048",
+                    "dec {n}",
+                    "jnz 2b",
+                    "3:",
+                    "tilestored [{d} + {s128}], tmm0",
+                    "tilestored [{d} + {s128} + 64], tmm1",
+                    "tilestored [{d} + {s128} + 2048], tmm2",
+                    "tilestored [{d} + {s128} + 2112], tmm3",
+                    a = inout(reg) a.as_ptr() => _,
+                    b = inout(reg) b.as_ptr() => _,
+                    n = inout(reg) steps => _,
+                    acc_in = in(reg) accumulate as usize,
+                    s64 = in(reg) 64usize,
+                    s128 = in(reg) 128usize,
+                    d = in(reg) d,
+                    options(nostack),
+                );
+            }
+        }
+    }
+
+    /// Whether this process may run AMX-INT8 code: the CPU has AMX-TILE and AMX-INT8
+    /// (CPUID leaf 7), the OS saves the tile state (XCR0 bits 17 and 18), and Linux granted
+    /// the tile data to the process (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
+    /// asked once; without it the first tile instruction faults). `HEMI_NO_AMX` set turns it
+    /// off, as for `gemm_half`'s `amx-bf16`.
+    pub(super) fn amx_usable() -> bool {
+        static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *USABLE.get_or_init(|| {
+            std::env::var_os("HEMI_NO_AMX").is_none() && cpu_has_amx_int8() && request_amx()
+        })
+    }
+
+    fn cpu_has_amx_int8() -> bool {
+        // Leaf 7 exists when leaf 0 says so (and reads as zeros otherwise).
+        let (max_leaf, leaf7) = (__cpuid(0).eax, __cpuid_count(7, 0));
+        let (amx_tile, amx_int8) = (leaf7.edx >> 24 & 1 == 1, leaf7.edx >> 25 & 1 == 1);
+        if max_leaf < 7 || !amx_tile || !amx_int8 {
+            return false;
+        }
+        // OSXSAVE (CPUID.1:ECX bit 27) makes XGETBV legal.
+        if __cpuid(1).ecx >> 27 & 1 == 0 {
+            return false;
+        }
+        let xcr0: u64;
+        // SAFETY: XGETBV with ECX = 0 reads XCR0; OSXSAVE was checked above.
+        unsafe {
+            let (lo, hi): (u32, u32);
+            std::arch::asm!("xgetbv", in("ecx") 0, out("eax") lo, out("edx") hi,
+                options(nomem, nostack, preserves_flags));
+            xcr0 = (hi as u64) << 32 | lo as u64;
+        }
+        xcr0 >> 17 & 3 == 3
+    }
+
+    #[cfg(target_os = "linux")]
+    fn request_amx() -> bool {
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        const SYS_ARCH_PRCTL: usize = 158;
+        let ret: isize;
+        // SAFETY: the arch_prctl system call with these arguments only changes which extended
+        // states this process may use; it reads and writes no user memory.
+        unsafe {
+            std::arch::asm!("syscall",
+                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _, lateout("r11") _, options(nostack));
+        }
+        ret == 0
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_amx() -> bool {
+        false
+    }
+
+    /// The tile configuration (palette 1): tiles 0–7 of 16 rows × 64 bytes.
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    impl TileConfig {
+        fn all_16x64() -> TileConfig {
+            let mut c = [0u8; 64];
+            c[0] = 1; // palette
+            for t in 0..8 {
+                c[16 + 2 * t] = 64; // bytes per row (colsb), little-endian u16
+                c[48 + t] = 16; // rows
+            }
+            TileConfig(c)
+        }
+    }
+
+    /// Releases the tile state when dropped (also when a panic unwinds through the product).
+    struct TileRelease;
+
+    impl Drop for TileRelease {
+        fn drop(&mut self) {
+            // SAFETY: `run_task_amx_int8` configured the tiles before making this guard.
+            unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
         }
     }
 }
