@@ -4,7 +4,11 @@
 //! - `hemi bench matmul [--sizes 256,512,1024]`: GFLOP/s (2·n³ / median seconds) of hemi's
 //!   n×n matmul in F32, F16 and BF16, and of the `gemm` crate called directly on f32
 //!   buffers (the baseline hemi's F32 path should stay within 10% of, or beat where it runs
-//!   on hemi's own GEMM), and the GEMM kernel each hemi product ran on.
+//!   on hemi's own GEMM), and the GEMM kernel each hemi product ran on. With `--int8`, a
+//!   second table: GOP/s of the INT8 GEMM (`hemi::cpu::qgemm`, u8 × s8 with the F32
+//!   dequantising epilogue, weights packed beforehand as a quantised layer holds them) on
+//!   each SIMD kernel this CPU runs, timed interleaved with hemi's F32 and BF16 matmul, and
+//!   its ratios to them.
 //! - `hemi bench convert [--n 16777216]`: Gelem/s of hemi's bulk conversions
 //!   (`hemi::dtype::convert`) and of a scalar `half` loop, for F32↔F16 and F32↔BF16.
 //!
@@ -65,6 +69,9 @@ enum Which {
         /// Matrix sizes n, comma-separated.
         #[arg(long, value_delimiter = ',', default_values_t = [256, 512, 1024])]
         sizes: Vec<usize>,
+        /// Also time the INT8 GEMM against hemi's F32 and BF16 matmul.
+        #[arg(long)]
+        int8: bool,
     },
     /// Bulk F32<->F16/BF16 conversions: hemi's and a scalar `half` loop.
     Convert {
@@ -211,7 +218,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         ));
     }
     match &args.which {
-        Which::Matmul { sizes } => {
+        Which::Matmul { sizes, .. } => {
             for &n in sizes {
                 // a, b, the product and the baseline's copies: about 40 bytes per element.
                 fits(
@@ -256,7 +263,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .build()
         .map_err(|e| Error::Msg(format!("bench: cannot build a thread pool: {e}")))?;
     match &args.which {
-        Which::Matmul { sizes } => bench_matmul(&args, &pool, sizes),
+        Which::Matmul { sizes, int8 } => {
+            bench_matmul(&args, &pool, sizes)?;
+            if *int8 {
+                bench_int8(&args, &pool, sizes)?;
+            }
+            Ok(())
+        }
         Which::Convert { n } => bench_convert(&args, &pool, *n),
         Which::Train {
             model,
@@ -888,6 +901,129 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
                 kernels[1],
                 kernels[2]
             );
+        }
+    }
+    Ok(())
+}
+
+/// INT8 GEMM (`C = A · Wᵀ`, A u8, W s8, F32 epilogue) on each SIMD kernel of this CPU, with
+/// hemi's F32 and BF16 matmul timed in the same rounds, so that the ratios compare runs under
+/// the same load. GOP/s counts a multiply-add as two operations, as GFLOP/s does.
+fn bench_int8(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> Result<()> {
+    use hemi::cpu::qgemm::{dequant_one, qgemm, Epilogue, PackedB, QKernel};
+    let kernels: Vec<QKernel> = QKernel::ALL
+        .into_iter()
+        .filter(|k| k.is_available() && !k.is_portable())
+        .collect();
+    if kernels.is_empty() {
+        return Err(Error::Msg(
+            "bench matmul --int8: this CPU runs no SIMD INT8 kernel".into(),
+        ));
+    }
+    let mut rng = Generator::new(0x18);
+    if !args.json {
+        println!(
+            "int8 GEMM n×n (u8 × s8, F32 epilogue): GOP/s = 2n³ / median of {} reps, {} threads",
+            args.reps, args.threads
+        );
+        println!(
+            "{:>6} {:>10} {:>10}  {:<12} {:>10} {:>10} {:>10}",
+            "n", "hemi f32", "hemi bf16", "int8 kernel", "int8", "int8/f32", "int8/bf16"
+        );
+    }
+    for &n in sizes {
+        let a = Tensor::rand(&[n, n], -1.0, 1.0, DType::F32, &mut rng)?;
+        let b = Tensor::rand(&[n, n], -1.0, 1.0, DType::F32, &mut rng)?;
+        let (ab16, bb16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+        // Quantised operands: any bytes do, the time does not depend on the values.
+        let qa: Vec<u8> = a
+            .to_vec::<f32>()?
+            .iter()
+            .map(|&x| (x * 127.0 + 128.0) as u8)
+            .collect();
+        let qw: Vec<i8> = b
+            .to_vec::<f32>()?
+            .iter()
+            .map(|&x| (x * 127.0) as i8)
+            .collect();
+        let packed = kernels
+            .iter()
+            .map(|&k| PackedB::with_kernel(&qw, n, n, k))
+            .collect::<Result<Vec<_>>>()?;
+        let (a_scale, a_zero, w_scale) = (vec![1e-2f32; n], vec![128i32; n], vec![1e-2f32; n]);
+        let mut outs = vec![vec![0f32; n * n]; kernels.len()];
+        let secs = {
+            let mut jobs: Vec<Job<'_>> = vec![product_job(&a, &b), product_job(&ab16, &bb16)];
+            for (p, out) in packed.iter().zip(outs.iter_mut()) {
+                let (qa, a_scale, a_zero, w_scale) = (&qa, &a_scale, &a_zero, &w_scale);
+                jobs.push(Box::new(move || {
+                    let epi = Epilogue::F32 {
+                        a_scale,
+                        a_zero,
+                        w_scale,
+                        bias: None,
+                        relu: false,
+                        out: &mut out[..],
+                    };
+                    qgemm(qa, n, n, p, epi)?;
+                    black_box(&out);
+                    Ok(())
+                }));
+            }
+            pool.install(|| interleaved_medians(args.reps, &mut jobs))?
+        };
+        // Every kernel must have computed the same product (they agree to the bit), and
+        // that product must be A · Wᵀ: a few elements recomputed here.
+        for (kernel, out) in kernels.iter().zip(&outs) {
+            let bad = (0..n * n).step_by((n * n / 97).max(1)).find(|&e| {
+                let (i, j) = (e / n, e % n);
+                let acc: i64 = (0..n)
+                    .map(|x| qa[i * n + x] as i64 * qw[j * n + x] as i64)
+                    .sum();
+                let col: i32 = qw[j * n..(j + 1) * n].iter().map(|&w| w as i32).sum();
+                let want = dequant_one(acc as i32, 128, col, 1e-2, 1e-2, 0.0, false);
+                out[e].to_bits() != want.to_bits() || out[e].to_bits() != outs[0][e].to_bits()
+            });
+            if let Some(e) = bad {
+                return Err(Error::Msg(format!(
+                    "bench matmul --int8: {} is wrong at element {e} for n = {n}",
+                    kernel.name()
+                )));
+            }
+        }
+        let rate = |secs: f64| 2.0 * (n as f64).powi(3) / secs / 1e9;
+        let (f32_rate, bf16_rate) = (rate(secs[0]), rate(secs[1]));
+        for (i, (kernel, &s)) in kernels.iter().zip(&secs[2..]).enumerate() {
+            let r = rate(s);
+            if args.json {
+                println!(
+                    "{{\"bench\":\"matmul-int8\",\"n\":{n},\"kernel\":\"{}\",\"threads\":{},\
+                     \"reps\":{},\"median_s\":{s:.6e},\"gops\":{r:.3},\"f32_gflops\":{f32_rate:.3},\
+                     \"bf16_gflops\":{bf16_rate:.3},\"vs_f32\":{:.3},\"vs_bf16\":{:.3}}}",
+                    kernel.name(),
+                    args.threads,
+                    args.reps,
+                    r / f32_rate,
+                    r / bf16_rate
+                );
+            } else if i == 0 {
+                println!(
+                    "{n:>6} {f32_rate:>10.1} {bf16_rate:>10.1}  {:<12} {r:>10.1} {:>9.2}× {:>9.2}×",
+                    kernel.name(),
+                    r / f32_rate,
+                    r / bf16_rate
+                );
+            } else {
+                println!(
+                    "{:>6} {:>10} {:>10}  {:<12} {r:>10.1} {:>9.2}× {:>9.2}×",
+                    "",
+                    "",
+                    "",
+                    kernel.name(),
+                    r / f32_rate,
+                    r / bf16_rate
+                );
+            }
         }
     }
     Ok(())
