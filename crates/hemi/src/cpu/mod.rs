@@ -2,6 +2,8 @@
 //! autograd here.
 
 pub mod amp;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
 pub mod attention;
 pub mod chunked;
 pub mod conv;

@@ -1053,6 +1053,7 @@ impl<L: Layout> Micro for Twin<L> {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{run_task_with, AmxTiles, I16Pairs, Job, Layout, Micro, Vnni256, Vnni512};
+    use crate::cpu::amx::TileConfig;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -1093,14 +1094,8 @@ mod x86 {
     /// `QKernel::AmxInt8.is_available()`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn run_task_amx_int8(job: &Job<'_>, rows: Range<usize>, cols: Range<usize>) {
-        let config = TileConfig::all_16x64();
-        // SAFETY: the caller checked that AMX is usable; the configuration is valid for
-        // palette 1 (at most 16 rows, 64 bytes per row).
-        unsafe {
-            std::arch::asm!("ldtilecfg [{}]", in(reg) config.0.as_ptr(),
-                options(nostack, readonly))
-        };
-        let _release = TileRelease;
+        // SAFETY: the caller checked that AMX-INT8 is usable.
+        let _release = unsafe { TileConfig::all_16x64().load() };
         run_task_with::<AmxInt8>(job, rows, cols)
     }
 
@@ -1365,85 +1360,8 @@ mod x86 {
         }
     }
 
-    /// Whether this process may run AMX-INT8 code: the CPU has AMX-TILE and AMX-INT8
-    /// (CPUID leaf 7), the OS saves the tile state (XCR0 bits 17 and 18), and Linux granted
-    /// the tile data to the process (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`,
-    /// asked once; without it the first tile instruction faults). `HEMI_NO_AMX` set turns it
-    /// off, as for `gemm_half`'s `amx-bf16`.
+    /// Whether this process may run AMX-INT8 code (`cpu::amx::usable`).
     pub(super) fn amx_usable() -> bool {
-        static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *USABLE.get_or_init(|| {
-            std::env::var_os("HEMI_NO_AMX").is_none() && cpu_has_amx_int8() && request_amx()
-        })
-    }
-
-    fn cpu_has_amx_int8() -> bool {
-        // Leaf 7 exists when leaf 0 says so (and reads as zeros otherwise).
-        let (max_leaf, leaf7) = (__cpuid(0).eax, __cpuid_count(7, 0));
-        let (amx_tile, amx_int8) = (leaf7.edx >> 24 & 1 == 1, leaf7.edx >> 25 & 1 == 1);
-        if max_leaf < 7 || !amx_tile || !amx_int8 {
-            return false;
-        }
-        // OSXSAVE (CPUID.1:ECX bit 27) makes XGETBV legal.
-        if __cpuid(1).ecx >> 27 & 1 == 0 {
-            return false;
-        }
-        let xcr0: u64;
-        // SAFETY: XGETBV with ECX = 0 reads XCR0; OSXSAVE was checked above.
-        unsafe {
-            let (lo, hi): (u32, u32);
-            std::arch::asm!("xgetbv", in("ecx") 0, out("eax") lo, out("edx") hi,
-                options(nomem, nostack, preserves_flags));
-            xcr0 = (hi as u64) << 32 | lo as u64;
-        }
-        xcr0 >> 17 & 3 == 3
-    }
-
-    #[cfg(target_os = "linux")]
-    fn request_amx() -> bool {
-        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-        const XFEATURE_XTILEDATA: usize = 18;
-        const SYS_ARCH_PRCTL: usize = 158;
-        let ret: isize;
-        // SAFETY: the arch_prctl system call with these arguments only changes which extended
-        // states this process may use; it reads and writes no user memory.
-        unsafe {
-            std::arch::asm!("syscall",
-                inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
-                in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
-                lateout("rcx") _, lateout("r11") _, options(nostack));
-        }
-        ret == 0
-    }
-
-    #[cfg(not(target_os = "linux"))]
-    fn request_amx() -> bool {
-        false
-    }
-
-    /// The tile configuration (palette 1): tiles 0–7 of 16 rows × 64 bytes.
-    #[repr(C, align(64))]
-    struct TileConfig([u8; 64]);
-
-    impl TileConfig {
-        fn all_16x64() -> TileConfig {
-            let mut c = [0u8; 64];
-            c[0] = 1; // palette
-            for t in 0..8 {
-                c[16 + 2 * t] = 64; // bytes per row (colsb), little-endian u16
-                c[48 + t] = 16; // rows
-            }
-            TileConfig(c)
-        }
-    }
-
-    /// Releases the tile state when dropped (also when a panic unwinds through the product).
-    struct TileRelease;
-
-    impl Drop for TileRelease {
-        fn drop(&mut self) {
-            // SAFETY: `run_task_amx_int8` configured the tiles before making this guard.
-            unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
-        }
+        crate::cpu::amx::usable(crate::cpu::amx::AmxType::Int8)
     }
 }
