@@ -443,12 +443,11 @@ pub fn load_quantized(
             .copied()
             .ok_or_else(|| bad(format!("tensor {name} is empty")))
     };
-    // Quantised weights.
-    let mut qweights: HashMap<String, QTensor> = HashMap::new();
-    for name in &qnames {
-        let (shape, b) = get(&format!("{name}.weight"), StDtype::I8)?;
-        let (_, sb) = get(&format!("{name}.weight_scale"), StDtype::F32)?;
-        let (_, zb) = get(&format!("{name}.weight_zero_point"), StDtype::I32)?;
+    // An I8 tensor `w` quantised per row, with `{w}_scale` and `{w}_zero_point`.
+    let per_row_i8 = |w: &str| -> Result<QTensor> {
+        let (shape, b) = get(w, StDtype::I8)?;
+        let (_, sb) = get(&format!("{w}_scale"), StDtype::F32)?;
+        let (_, zb) = get(&format!("{w}_zero_point"), StDtype::I32)?;
         let q = QTensor::from_parts(
             shape,
             QData::I8(b.iter().map(|&x| x as i8).collect()),
@@ -458,13 +457,18 @@ pub fn load_quantized(
                 zero_points: i32s(&zb),
             },
         )
-        .map_err(|e| bad(format!("{name}.weight: {e}")))?;
+        .map_err(|e| bad(format!("{w}: {e}")))?;
         if q.scales().iter().any(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(bad(format!(
-                "{name}.weight_scale holds a scale that is not finite and > 0"
+                "{w}_scale holds a scale that is not finite and > 0"
             )));
         }
-        qweights.insert(name.clone(), q);
+        Ok(q)
+    };
+    // Quantised weights.
+    let mut qweights: HashMap<String, QTensor> = HashMap::new();
+    for name in &qnames {
+        qweights.insert(name.clone(), per_row_i8(&format!("{name}.weight"))?);
     }
     let weight_only: std::collections::HashSet<&str> = meta
         .get("weight_only")
@@ -474,24 +478,7 @@ pub fn load_quantized(
     let mut state = Vec::new();
     for (name, t) in model.state_dict() {
         if weight_only.contains(name.as_str()) {
-            let (shape, b) = get(&name, StDtype::I8)?;
-            let (_, sb) = get(&format!("{name}_scale"), StDtype::F32)?;
-            let (_, zb) = get(&format!("{name}_zero_point"), StDtype::I32)?;
-            let q = QTensor::from_parts(
-                shape,
-                QData::I8(b.iter().map(|&x| x as i8).collect()),
-                QScheme::PerChannel {
-                    axis: 0,
-                    scales: f32s(&sb),
-                    zero_points: i32s(&zb),
-                },
-            )
-            .map_err(|e| bad(format!("{name}: {e}")))?;
-            if q.scales().iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-                return Err(bad(format!(
-                    "{name}_scale holds a scale that is not finite and > 0"
-                )));
-            }
+            let q = per_row_i8(&name)?;
             state.push((name.clone(), q.dequantize()?));
             continue;
         }
