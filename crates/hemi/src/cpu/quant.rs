@@ -18,7 +18,13 @@ pub fn quantize_one(x: f32, inv_scale: f32, zero_point: i32, qmin: i32, qmax: i3
     let hi = (qmax - zero_point) as f32 + 1.0;
     let t = x * inv_scale;
     // NaN fails both comparisons and lands on 0 (the zero point).
-    let t = if t >= lo { t } else if t < lo { lo } else { 0.0 };
+    let t = if t >= lo {
+        t
+    } else if t < lo {
+        lo
+    } else {
+        0.0
+    };
     let t = if t <= hi { t } else { hi };
     let r = (t + MAGIC) - MAGIC;
     // SAFETY: `t` was clamped to [lo, hi] ⊂ [-512, 512] with NaN mapped to 0, so `r` is a
