@@ -3,12 +3,16 @@
 use clap::{Parser, Subcommand};
 use hemi::models::registry::InputKind;
 
+mod alloc;
 mod bench;
 mod export;
 mod plot;
 mod quant;
 mod text;
 mod train;
+
+#[global_allocator]
+static ALLOC: alloc::HugePageAlloc = alloc::HugePageAlloc;
 
 #[derive(Parser)]
 #[command(
