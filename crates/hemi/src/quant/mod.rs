@@ -229,58 +229,15 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
         .enumerate()
         .map(|(i, (n, _, _))| (format!("{n}.weight"), i))
         .collect();
-    // (name, dtype, shape, bytes)
-    let mut entries: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
     let mut weight_only = Vec::new();
     for (name, t) in model.state_dict() {
         if let Some(&i) = qweight_names.get(&name) {
-            let w = &qlayers[i].1.weight;
-            let q = w.as_i8().expect("weights are I8");
-            entries.push((
-                name.clone(),
-                StDtype::I8,
-                w.shape().to_vec(),
-                q.iter().map(|&x| x as u8).collect(),
-            ));
-            let scales = w.scales();
-            let n = scales.len();
-            entries.push((
-                format!("{name}_scale"),
-                StDtype::F32,
-                vec![n],
-                f32_bytes(&scales),
-            ));
-            entries.push((
-                format!("{name}_zero_point"),
-                StDtype::I32,
-                vec![n],
-                i32_bytes(&vec![0; n]),
-            ));
+            push_per_row(&mut entries, &name, &qlayers[i].1.weight);
             continue;
         }
         if is_embedding_table(&name, t.shape(), t.dtype()) {
-            let q = QTensor::quantize_weight(&t)?;
-            let codes = q.as_i8().expect("weights are I8");
-            let scales = q.scales();
-            let n = scales.len();
-            entries.push((
-                name.clone(),
-                StDtype::I8,
-                q.shape().to_vec(),
-                codes.iter().map(|&x| x as u8).collect(),
-            ));
-            entries.push((
-                format!("{name}_scale"),
-                StDtype::F32,
-                vec![n],
-                f32_bytes(&scales),
-            ));
-            entries.push((
-                format!("{name}_zero_point"),
-                StDtype::I32,
-                vec![n],
-                i32_bytes(&vec![0; n]),
-            ));
+            push_per_row(&mut entries, &name, &QTensor::quantize_weight(&t)?);
             weight_only.push(name);
             continue;
         }
@@ -343,6 +300,35 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
     );
     meta.insert("weight_only".into(), weight_only.join(","));
     safetensors::serialize(views, Some(meta)).map_err(|e| Error::Msg(format!("safetensors: {e}")))
+}
+
+/// A tensor of the file: name, dtype, shape, little-endian bytes.
+type Entry = (String, StDtype, Vec<usize>, Vec<u8>);
+
+/// `name` as I8 codes quantised per row, beside `{name}_scale` (F32) and
+/// `{name}_zero_point` (I32, zeros).
+fn push_per_row(entries: &mut Vec<Entry>, name: &str, q: &QTensor) {
+    let codes = q.as_i8().expect("per-row weights are I8");
+    let scales = q.scales();
+    let n = scales.len();
+    entries.push((
+        name.to_string(),
+        StDtype::I8,
+        q.shape().to_vec(),
+        codes.iter().map(|&x| x as u8).collect(),
+    ));
+    entries.push((
+        format!("{name}_scale"),
+        StDtype::F32,
+        vec![n],
+        f32_bytes(&scales),
+    ));
+    entries.push((
+        format!("{name}_zero_point"),
+        StDtype::I32,
+        vec![n],
+        i32_bytes(&vec![0; n]),
+    ));
 }
 
 /// Embedding tables (`*embeddings.weight`, F32 `[rows, dim]`) are stored weight-only: I8
