@@ -59,6 +59,30 @@ pub enum LayerRef<'a> {
     Conv2d(&'a Conv2d),
 }
 
+impl<'a> LayerRef<'a> {
+    /// The layer's weight.
+    pub fn weight(self) -> &'a Tensor {
+        match self {
+            LayerRef::Linear(l) => &l.weight,
+            LayerRef::Conv2d(c) => &c.weight,
+        }
+    }
+    /// The layer's bias, if it has one.
+    pub fn bias(self) -> Option<&'a Tensor> {
+        match self {
+            LayerRef::Linear(l) => l.bias.as_ref(),
+            LayerRef::Conv2d(c) => c.bias.as_ref(),
+        }
+    }
+    /// The hook that replaces its float forward, if one is set.
+    pub fn hook(self) -> Option<&'a std::sync::Arc<dyn ForwardHook>> {
+        match self {
+            LayerRef::Linear(l) => l.hook.as_ref(),
+            LayerRef::Conv2d(c) => c.hook.as_ref(),
+        }
+    }
+}
+
 /// A mutable `Linear` or `Conv2d` of a model, listed by [`Module::layers_mut`] so that
 /// `quant` can set its [`ForwardHook`] (PyTorch swaps modules; hemi's layers keep their
 /// type and carry the replacement).

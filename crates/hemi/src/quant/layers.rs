@@ -29,6 +29,29 @@ pub enum Geometry {
     },
 }
 
+impl Geometry {
+    /// A layer's geometry; grouped convolutions are an error (not quantised).
+    pub fn of(layer: LayerRef<'_>) -> Result<Geometry> {
+        match layer {
+            LayerRef::Linear(_) => Ok(Geometry::Linear),
+            LayerRef::Conv2d(c) if c.opts.groups != 1 => Err(Error::arg(
+                "quantize",
+                format!(
+                    "grouped convolutions (groups {}) are not quantised",
+                    c.opts.groups
+                ),
+            )),
+            LayerRef::Conv2d(c) => {
+                let s = c.weight.shape();
+                Ok(Geometry::Conv {
+                    opts: c.opts,
+                    kernel: (s[2], s[3]),
+                })
+            }
+        }
+    }
+}
+
 /// The INT8 weights of a layer: the quantised tensor (what is saved) and its packed form.
 #[derive(Clone, Debug)]
 pub struct QWeights {
@@ -44,31 +67,9 @@ pub struct QWeights {
 impl QWeights {
     /// Quantises a layer's current float weights.
     pub fn from_layer(layer: LayerRef<'_>) -> Result<QWeights> {
-        let (w, b, geometry) = match layer {
-            LayerRef::Linear(l) => (&l.weight, l.bias.as_ref(), Geometry::Linear),
-            LayerRef::Conv2d(c) => {
-                if c.opts.groups != 1 {
-                    return Err(Error::arg(
-                        "quantize",
-                        format!(
-                            "grouped convolutions (groups {}) are not quantised",
-                            c.opts.groups
-                        ),
-                    ));
-                }
-                let s = c.weight.shape();
-                (
-                    &c.weight,
-                    c.bias.as_ref(),
-                    Geometry::Conv {
-                        opts: c.opts,
-                        kernel: (s[2], s[3]),
-                    },
-                )
-            }
-        };
-        let weight = QTensor::quantize_weight(w)?;
-        let bias = b.map(|b| b.to_vec_f32());
+        let geometry = Geometry::of(layer)?;
+        let weight = QTensor::quantize_weight(layer.weight())?;
+        let bias = layer.bias().map(|b| b.to_vec_f32());
         QWeights::new(weight, bias, geometry)
     }
 
@@ -352,11 +353,7 @@ fn lock(m: &Mutex<Observer>) -> Result<std::sync::MutexGuard<'_, Observer>> {
 
 impl ForwardHook for CalibrationHook {
     fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
-        let w = match layer {
-            LayerRef::Linear(l) => &l.weight,
-            LayerRef::Conv2d(c) => &c.weight,
-        };
-        let y = float_forward(layer, x, w, relu)?;
+        let y = float_forward(layer, x, layer.weight(), relu)?;
         lock(&self.input)?.observe(&host_values(x, "calibration")?);
         lock(&self.output)?.observe(&host_values(&y, "calibration")?);
         Ok(y)
@@ -445,11 +442,7 @@ impl ForwardHook for FakeQuantHook {
             o.qparams_u8()
         };
         let xq = fake_quant_ste(x, si, zi)?;
-        let w = match layer {
-            LayerRef::Linear(l) => &l.weight,
-            LayerRef::Conv2d(c) => &c.weight,
-        };
-        let wq = fake_quant_weight(w)?;
+        let wq = fake_quant_weight(layer.weight())?;
         let y = float_forward(layer, &xq, &wq, relu)?;
         let (so, zo) = {
             let mut o = lock(&self.output)?;

@@ -140,10 +140,7 @@ fn observed(hook: &Arc<dyn ForwardHook>) -> Option<(Observer, Observer)> {
 pub fn convert_static(model: &mut dyn Module) -> Result<Vec<String>> {
     let mut plans = Vec::new();
     for (name, layer) in layers_or_error(model)? {
-        let hook = match &layer {
-            LayerMut::Linear(l) => l.hook.clone(),
-            LayerMut::Conv2d(c) => c.hook.clone(),
-        };
+        let hook = layer.as_ref().hook().cloned();
         let (inp, out) = hook.as_ref().and_then(observed).ok_or_else(|| {
             Error::arg(
                 "convert_static",
@@ -194,10 +191,7 @@ pub fn quantized_bytes(model: &mut dyn Module, extra: &HashMap<String, String>) 
     let mut qlayers: Vec<Layer> = Vec::new();
     let mut mode = None;
     for (name, layer) in model.layers_mut() {
-        let hook = match &layer {
-            LayerMut::Linear(l) => l.hook.clone(),
-            LayerMut::Conv2d(c) => c.hook.clone(),
-        };
+        let hook = layer.as_ref().hook().cloned();
         let Some(hook) = hook else { continue };
         let any = hook.as_any();
         let (m, entry) = if let Some(d) = any.downcast_ref::<DynamicHook>() {
@@ -462,7 +456,7 @@ pub fn load_quantized(
         .unwrap_or_default();
     // The float state dict: every model tensor by name.
     let mut state = Vec::new();
-    for (name, t) in model.state_dict() {
+    for (name, _) in model.state_dict() {
         if weight_only.contains(name.as_str()) {
             let q = per_row_i8(&name)?;
             state.push((name.clone(), q.dequantize()?));
@@ -496,7 +490,6 @@ pub fn load_quantized(
                 )))
             }
         };
-        let _ = t;
         state.push((name, tensor));
     }
     model
@@ -529,20 +522,12 @@ pub fn load_quantized(
         let Some(q) = qweights.remove(&name) else {
             continue;
         };
-        let (geometry, bias) = match &layer {
-            LayerMut::Linear(l) => (Geometry::Linear, l.bias.as_ref().map(|b| b.to_vec_f32())),
-            LayerMut::Conv2d(c) => {
-                let s = c.weight.shape();
-                (
-                    Geometry::Conv {
-                        opts: c.opts,
-                        kernel: (s[2], s[3]),
-                    },
-                    c.bias.as_ref().map(|b| b.to_vec_f32()),
-                )
-            }
-        };
-        let weights = QWeights::new(q, bias, geometry).map_err(|e| bad(format!("{name}: {e}")))?;
+        let weights = Geometry::of(layer.as_ref())
+            .and_then(|geometry| {
+                let bias = layer.as_ref().bias().map(|b| b.to_vec_f32());
+                QWeights::new(q, bias, geometry)
+            })
+            .map_err(|e| bad(format!("{name}: {e}")))?;
         let hook: Arc<dyn ForwardHook> = match mode {
             Mode::Dynamic => Arc::new(DynamicHook { weights }),
             Mode::Static => {
