@@ -612,6 +612,39 @@ fn bench_train(
     Ok(())
 }
 
+/// A text model for the benches: its config from `config` or `pretrained/config.json`, the
+/// pretrained weights when given; `classes` labels (default 2; masked-LM: the vocabulary).
+pub(crate) fn text_model(
+    what: &'static str,
+    spec: &hemi::models::registry::ModelSpec,
+    config: Option<&std::path::Path>,
+    pretrained: Option<&std::path::Path>,
+    classes: Option<usize>,
+    seed: u64,
+) -> Result<(Box<dyn hemi::nn::Module>, hemi::models::BertConfig)> {
+    let config = match (config, pretrained) {
+        (Some(c), _) => c.to_path_buf(),
+        (None, Some(d)) => d.join("config.json"),
+        (None, None) => {
+            return Err(Error::arg(
+                what,
+                format!("{} needs --pretrained DIR or --config FILE", spec.name),
+            ))
+        }
+    };
+    let cfg = hemi::models::BertConfig::from_file(&config)?;
+    let classes = if spec.task == "masked-lm" {
+        cfg.vocab_size
+    } else {
+        classes.unwrap_or(2)
+    };
+    let mut model = spec.build_text(&config, classes, seed)?;
+    if let Some(d) = pretrained {
+        hemi::models::load_pretrained(model.as_mut(), &d.join("model.safetensors"))?;
+    }
+    Ok((model, cfg))
+}
+
 /// Where `bench train` takes a text model from.
 struct TextBench<'a> {
     pretrained: Option<&'a std::path::Path>,
@@ -637,17 +670,8 @@ fn bench_train_text(
             "--batch-size and --steps must be at least 1",
         ));
     }
-    let config = match (text.config, text.pretrained) {
-        (Some(c), _) => c.to_path_buf(),
-        (None, Some(d)) => d.join("config.json"),
-        (None, None) => {
-            return Err(Error::arg(
-                "bench train",
-                format!("{} needs --pretrained DIR or --config FILE", spec.name),
-            ))
-        }
-    };
-    let cfg = hemi::models::BertConfig::from_file(&config)?;
+    let mlm = spec.task == "masked-lm";
+    let (mut model, cfg) = text_model("bench train", spec, text.config, text.pretrained, None, 0)?;
     let l = text.max_length;
     if l > cfg.max_position_embeddings {
         return Err(Error::arg(
@@ -657,12 +681,6 @@ fn bench_train_text(
                 cfg.max_position_embeddings
             ),
         ));
-    }
-    let mlm = spec.task == "masked-lm";
-    let classes = if mlm { cfg.vocab_size } else { 2 };
-    let mut model = spec.build_text(&config, classes, 0)?;
-    if let Some(d) = text.pretrained {
-        hemi::models::load_pretrained(model.as_mut(), &d.join("model.safetensors"))?;
     }
     precision.prepare_model(model.as_mut())?;
     let task = hemi::train::find_task(spec.task)?;

@@ -180,26 +180,14 @@ struct Built {
 fn build(args: &InferArgs, spec: &ModelSpec) -> Result<Built> {
     match spec.input {
         InputKind::Text => {
-            let config = match (&args.config, &args.pretrained) {
-                (Some(c), _) => c.clone(),
-                (None, Some(d)) => d.join("config.json"),
-                (None, None) => {
-                    return Err(Error::arg(
-                        "bench infer",
-                        format!("{} needs --pretrained DIR or --config FILE", spec.name),
-                    ))
-                }
-            };
-            let cfg = hemi::models::BertConfig::from_file(&config)?;
-            let classes = if spec.task == "masked-lm" {
-                cfg.vocab_size
-            } else {
-                args.classes.unwrap_or(2)
-            };
-            let mut model = spec.build_text(&config, classes, args.seed)?;
-            if let Some(d) = &args.pretrained {
-                hemi::models::load_pretrained(model.as_mut(), &d.join("model.safetensors"))?;
-            }
+            let (model, cfg) = super::text_model(
+                "bench infer",
+                spec,
+                args.config.as_deref(),
+                args.pretrained.as_deref(),
+                args.classes,
+                args.seed,
+            )?;
             Ok(Built {
                 model,
                 kind: InputKind::Text,
