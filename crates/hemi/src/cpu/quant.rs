@@ -2,6 +2,8 @@
 //! `quantize_per_tensor` arithmetic), the qparams of a range, and the u8 im2col of the
 //! quantised convolution. `quant` calls these; the INT8 GEMM is `cpu::qgemm`.
 
+use crate::backend::nn::Conv2dGeom;
+
 /// `q = clamp(zero_point + round_ties_even(x · (1 / scale)), qmin, qmax)`, PyTorch's
 /// CPU quantisation (`inv_scale = 1.0f / scale`, `nearbyint`); ±inf saturate, NaN becomes
 /// the zero point (PyTorch's result for NaN is unspecified).
@@ -168,74 +170,39 @@ pub fn symmetric_scale(lo: f32, hi: f32, qmin: i32, qmax: i32) -> f32 {
     (m / ((qmax - qmin) as f32 / 2.0)).max(f32::EPSILON)
 }
 
-/// The shape of a u8 im2col: the input `[n, c, h, w]`, a `kh×kw` kernel, stride, padding
-/// and dilation (each (rows, cols)).
-#[derive(Clone, Copy, Debug)]
-pub struct Im2col {
-    /// Batch, channels, height, width of the input.
-    pub input: [usize; 4],
-    /// Kernel height and width.
-    pub kernel: (usize, usize),
-    /// Stride.
-    pub stride: (usize, usize),
-    /// Zero padding (filled with the zero point).
-    pub padding: (usize, usize),
-    /// Dilation.
-    pub dilation: (usize, usize),
-}
-
-impl Im2col {
-    /// Output height and width (`None` when the kernel does not fit).
-    pub fn out_hw(&self) -> Option<(usize, usize)> {
-        let [_, _, h, w] = self.input;
-        let eff_h = self.dilation.0 * (self.kernel.0 - 1) + 1;
-        let eff_w = self.dilation.1 * (self.kernel.1 - 1) + 1;
-        let oh = (h + 2 * self.padding.0).checked_sub(eff_h)? / self.stride.0 + 1;
-        let ow = (w + 2 * self.padding.1).checked_sub(eff_w)? / self.stride.1 + 1;
-        Some((oh, ow))
-    }
-
-    /// Row length: `c · kh · kw`, in the weight's `[c][kh][kw]` order.
-    pub fn row_len(&self) -> usize {
-        self.input[1] * self.kernel.0 * self.kernel.1
-    }
-
-    /// Writes one row per output pixel (`n · oh · ow` rows of `row_len`, pixel order
-    /// n, oh, ow) of the contiguous u8 input `x`; taps outside the input take `pad`.
-    pub fn run(&self, x: &[u8], pad: u8, out: &mut [u8]) {
-        let [n, c, h, w] = self.input;
-        let Some((oh, ow)) = self.out_hw() else {
-            return;
-        };
-        let (kh, kw) = self.kernel;
-        let row = self.row_len();
-        let mut r = 0;
-        for b in 0..n {
-            for oy in 0..oh {
-                for ox in 0..ow {
-                    let dst = &mut out[r * row..(r + 1) * row];
-                    let mut t = 0;
-                    for ch in 0..c {
-                        let plane = &x[(b * c + ch) * h * w..(b * c + ch + 1) * h * w];
-                        for ky in 0..kh {
-                            let iy = (oy * self.stride.0 + ky * self.dilation.0) as isize
-                                - self.padding.0 as isize;
-                            for kx in 0..kw {
-                                let ix = (ox * self.stride.1 + kx * self.dilation.1) as isize
-                                    - self.padding.1 as isize;
-                                dst[t] =
-                                    if iy >= 0 && (iy as usize) < h && ix >= 0 && (ix as usize) < w
-                                    {
-                                        plane[iy as usize * w + ix as usize]
-                                    } else {
-                                        pad
-                                    };
-                                t += 1;
-                            }
+/// One row per output pixel (`n · h_out · w_out` rows of `g.k()` in the weight's
+/// `[c][kh][kw]` order, pixel order n, oh, ow) of the contiguous u8 input `x`
+/// `[n, c_in, h, w]` of a dense (groups 1) convolution; taps outside the input take `pad`
+/// (the zero point, which stands for 0). The row-per-pixel transpose of `cpu::conv`'s
+/// im2col, which the u8 × s8 GEMM takes as its A.
+pub fn im2col_rows(x: &[u8], pad: u8, g: &Conv2dGeom, out: &mut [u8]) {
+    let (h, w) = (g.h, g.w);
+    let row = g.k();
+    let mut r = 0;
+    for b in 0..g.n {
+        for oy in 0..g.h_out {
+            for ox in 0..g.w_out {
+                let dst = &mut out[r * row..(r + 1) * row];
+                let mut t = 0;
+                for ch in 0..g.c_in {
+                    let plane = &x[(b * g.c_in + ch) * h * w..(b * g.c_in + ch + 1) * h * w];
+                    for ky in 0..g.kh {
+                        let iy =
+                            (oy * g.stride.0 + ky * g.dilation.0) as isize - g.padding.0 as isize;
+                        for kx in 0..g.kw {
+                            let ix = (ox * g.stride.1 + kx * g.dilation.1) as isize
+                                - g.padding.1 as isize;
+                            dst[t] = if iy >= 0 && (iy as usize) < h && ix >= 0 && (ix as usize) < w
+                            {
+                                plane[iy as usize * w + ix as usize]
+                            } else {
+                                pad
+                            };
+                            t += 1;
                         }
                     }
-                    r += 1;
                 }
+                r += 1;
             }
         }
     }

@@ -69,8 +69,9 @@ impl Conv2dOptions {
     }
 }
 
-/// Checks the shapes and options of a convolution and works out its geometry.
-fn geometry(
+/// Checks the shapes and options of a convolution and works out its geometry (also for
+/// `quant`'s INT8 convolution, so that both validate and size alike).
+pub(crate) fn geometry(
     x: &[usize],
     w: &[usize],
     bias: Option<&[usize]>,

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::observer::{Observer, ObserverKind};
 use super::qtensor::QTensor;
+use crate::backend::nn::Conv2dGeom;
 use crate::cpu::qgemm::{qgemm, Epilogue, PackedB};
 use crate::cpu::quant as k;
 use crate::device::Device;
@@ -24,8 +25,6 @@ pub enum Geometry {
     Conv {
         /// Stride, padding, dilation.
         opts: Conv2dOptions,
-        /// Kernel height and width.
-        kernel: (usize, usize),
     },
 }
 
@@ -41,13 +40,7 @@ impl Geometry {
                     c.opts.groups
                 ),
             )),
-            LayerRef::Conv2d(c) => {
-                let s = c.weight.shape();
-                Ok(Geometry::Conv {
-                    opts: c.opts,
-                    kernel: (s[2], s[3]),
-                })
-            }
+            LayerRef::Conv2d(c) => Ok(Geometry::Conv { opts: c.opts }),
         }
     }
 }
@@ -134,29 +127,9 @@ impl QWeights {
                 *out.last_mut().expect("rank >= 1") = n;
                 Ok((RowsPlan::Linear { m: x.numel() / kk }, out))
             }
-            Geometry::Conv { opts, kernel } => {
-                let s = x.shape();
-                let cin = self.weight.shape()[1];
-                if s.len() != 4 || s[1] != cin {
-                    return Err(Error::shape(
-                        "quantized conv2d",
-                        format!("input {s:?}, expected [N, {cin}, H, W]"),
-                    ));
-                }
-                let im = k::Im2col {
-                    input: [s[0], s[1], s[2], s[3]],
-                    kernel: *kernel,
-                    stride: opts.stride,
-                    padding: opts.padding,
-                    dilation: opts.dilation,
-                };
-                let (oh, ow) = im.out_hw().ok_or_else(|| {
-                    Error::shape(
-                        "quantized conv2d",
-                        format!("input {s:?} smaller than the kernel"),
-                    )
-                })?;
-                Ok((RowsPlan::Conv { im, p: oh * ow }, vec![s[0], n, oh, ow]))
+            Geometry::Conv { opts } => {
+                let g = crate::ops::conv::geometry(x.shape(), self.weight.shape(), None, opts)?;
+                Ok((RowsPlan::Conv { g }, g.out_shape().to_vec()))
             }
         }
     }
@@ -196,7 +169,7 @@ impl QWeights {
                 });
                 (q, m, sc, zp)
             }
-            RowsPlan::Conv { im, p } => {
+            RowsPlan::Conv { g } => {
                 let (sv, zv) = match input {
                     Some(q) => q,
                     None => {
@@ -206,9 +179,9 @@ impl QWeights {
                 };
                 let mut qx = vec![0u8; v.len()];
                 k::quantize_u8(&v, sv, zv, &mut qx);
-                let m = im.input[0] * p;
+                let m = g.n * g.l();
                 let mut cols = vec![0u8; m * kk];
-                im.run(&qx, zv as u8, &mut cols);
+                k::im2col_rows(&qx, zv as u8, &g, &mut cols);
                 (cols, m, vec![sv; m], vec![zv; m])
             }
         };
@@ -249,9 +222,9 @@ impl QWeights {
                 k::dequantize_u8(&q, os, oz, &mut y);
             }
         }
-        if let RowsPlan::Conv { im, p } = plan {
+        if let RowsPlan::Conv { g } = plan {
             let mut nchw = vec![0f32; y.len()];
-            k::pixels_to_nchw(&y, im.input[0], p, n, &mut nchw);
+            k::pixels_to_nchw(&y, g.n, g.l(), n, &mut nchw);
             y = nchw;
         }
         Tensor::from_vec(y, &out_shape)
@@ -261,7 +234,7 @@ impl QWeights {
 #[derive(Clone, Copy)]
 enum RowsPlan {
     Linear { m: usize },
-    Conv { im: k::Im2col, p: usize },
+    Conv { g: Conv2dGeom },
 }
 
 fn host_values(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
