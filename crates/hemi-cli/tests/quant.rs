@@ -43,6 +43,32 @@ fn summary(out: &str) -> Value {
     serde_json::from_str(line).unwrap()
 }
 
+/// `hemi quantize --checkpoint CK --out q --batch-size 64 --json` plus `args`: its JSON
+/// summary and its output.
+fn quantize(dir: &std::path::Path, ck: &str, args: &[&str]) -> (Value, String) {
+    let mut all = vec![
+        "quantize",
+        "--checkpoint",
+        ck,
+        "--out",
+        "q",
+        "--batch-size",
+        "64",
+        "--json",
+    ];
+    all.extend_from_slice(args);
+    let out = ok(&hemi(dir, &all));
+    (summary(&out), out)
+}
+
+/// The float and INT8 test accuracies of a quantize summary.
+fn accuracies(s: &Value) -> (f64, f64) {
+    (
+        s["float_accuracy"].as_f64().unwrap(),
+        s["int8_accuracy"].as_f64().unwrap(),
+    )
+}
+
 /// The accuracy `hemi eval` prints, in percent.
 fn eval_accuracy(out: &str) -> f64 {
     let at = out
@@ -66,30 +92,19 @@ fn static_and_dynamic_int8_checkpoints_evaluate_as_quantize_reported() {
         ("static", "percentile:99.9"),
         ("dynamic", "minmax"),
     ] {
-        let out = ok(&hemi(
+        let (s, out) = quantize(
             t.path(),
+            "ck",
             &[
-                "quantize",
-                "--checkpoint",
-                "ck",
                 "--mode",
                 mode,
                 "--calib-batches",
                 "3",
                 "--observer",
                 observer,
-                "--out",
-                "q",
-                "--batch-size",
-                "64",
-                "--json",
             ],
-        ));
-        let s = summary(&out);
-        let (f, q) = (
-            s["float_accuracy"].as_f64().unwrap(),
-            s["int8_accuracy"].as_f64().unwrap(),
         );
+        let (f, q) = accuracies(&s);
         // CifarNet: 4 layers static (conv1, conv2, fc1, fc2), its 2 Linear dynamic.
         assert_eq!(s["layers"], if mode == "static" { 4 } else { 2 }, "{out}");
         assert!(f > 0.3, "the float model learned nothing: {out}");
@@ -123,28 +138,12 @@ fn qat_fine_tunes_a_float_checkpoint_and_quantizes() {
         &["--qat", "ck", "--epochs", "1", "--checkpoint-dir", "qat"],
     );
     assert!(out.to_lowercase().contains("qat"), "{out}");
-    let out = ok(&hemi(
+    let (s, out) = quantize(
         t.path(),
-        &[
-            "quantize",
-            "--checkpoint",
-            "qat",
-            "--mode",
-            "static",
-            "--calib-batches",
-            "2",
-            "--out",
-            "q",
-            "--batch-size",
-            "64",
-            "--json",
-        ],
-    ));
-    let s = summary(&out);
-    let (f, q) = (
-        s["float_accuracy"].as_f64().unwrap(),
-        s["int8_accuracy"].as_f64().unwrap(),
+        "qat",
+        &["--mode", "static", "--calib-batches", "2"],
     );
+    let (f, q) = accuracies(&s);
     assert!(f > 0.3 && (f - q).abs() < 0.05, "float {f} int8 {q}\n{out}");
 }
 
