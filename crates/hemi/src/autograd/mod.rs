@@ -8,7 +8,8 @@
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorId};
@@ -158,9 +159,12 @@ fn sweep(
             }
         }
         let Some(node) = t.grad_fn() else {
-            // A leaf: PyTorch semantics, add to whatever .grad holds.
+            // A leaf: PyTorch semantics, add to whatever .grad holds. Every consumer of the
+            // leaf came earlier in `order`, so its gradient of this backward is complete
+            // now: the post-accumulate hooks may read it.
             if capture.is_none() {
                 t.accumulate_grad(g)?;
+                run_post_accumulate_hooks(t)?;
             }
             continue;
         };
@@ -190,6 +194,93 @@ fn sweep(
         }
     }
     Ok(captured)
+}
+
+/// A function called with a leaf once its `.grad` holds this backward's gradient.
+pub type GradHook = dyn Fn(&Tensor) -> Result<()> + Send + Sync;
+
+type HookTable = HashMap<TensorId, Vec<(u64, Arc<GradHook>)>>;
+
+/// Registered hooks by leaf; `HOOK_COUNT` lets a backward without hooks skip the lock.
+static HOOKS: RwLock<Option<HookTable>> = RwLock::new(None);
+static HOOK_COUNT: AtomicUsize = AtomicUsize::new(0);
+static NEXT_HOOK: AtomicU64 = AtomicU64::new(0);
+
+/// Keeps a hook registered; dropping it removes the hook.
+#[must_use = "the hook is removed when the handle drops"]
+pub struct HookHandle {
+    tensor: TensorId,
+    key: u64,
+}
+
+impl std::fmt::Debug for HookHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HookHandle")
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl Drop for HookHandle {
+    fn drop(&mut self) {
+        let mut table = HOOKS.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = table.as_mut() {
+            if let Some(v) = t.get_mut(&self.tensor) {
+                let before = v.len();
+                v.retain(|(k, _)| *k != self.key);
+                HOOK_COUNT.fetch_sub(before - v.len(), Ordering::SeqCst);
+                if v.is_empty() {
+                    t.remove(&self.tensor);
+                }
+            }
+        }
+    }
+}
+
+/// Registers `hook` to run after every backward has added its gradient to `leaf.grad()`
+/// (PyTorch's `Tensor.register_post_accumulate_grad_hook`): data-parallel training starts
+/// reducing a parameter's gradient there, while the rest of the backward still runs. Hooks
+/// run on the thread running the backward, in registration order; an error from one ends
+/// that backward with the error.
+pub fn register_post_accumulate_grad_hook(
+    leaf: &Tensor,
+    hook: impl Fn(&Tensor) -> Result<()> + Send + Sync + 'static,
+) -> Result<HookHandle> {
+    if !leaf.is_leaf() || !leaf.requires_grad() {
+        return Err(Error::Autograd(
+            "post-accumulate-grad hooks go on leaves that require grad (parameters)".into(),
+        ));
+    }
+    let key = NEXT_HOOK.fetch_add(1, Ordering::SeqCst);
+    let mut table = HOOKS.write().unwrap_or_else(|e| e.into_inner());
+    table
+        .get_or_insert_with(HashMap::new)
+        .entry(leaf.id())
+        .or_default()
+        .push((key, Arc::new(hook)));
+    HOOK_COUNT.fetch_add(1, Ordering::SeqCst);
+    Ok(HookHandle {
+        tensor: leaf.id(),
+        key,
+    })
+}
+
+fn run_post_accumulate_hooks(leaf: &Tensor) -> Result<()> {
+    if HOOK_COUNT.load(Ordering::SeqCst) == 0 {
+        return Ok(());
+    }
+    // Clone the hooks out so that a hook may itself take the table's lock.
+    let hooks: Vec<Arc<GradHook>> = {
+        let table = HOOKS.read().unwrap_or_else(|e| e.into_inner());
+        match table.as_ref().and_then(|t| t.get(&leaf.id())) {
+            Some(v) => v.iter().map(|(_, h)| h.clone()).collect(),
+            None => return Ok(()),
+        }
+    };
+    for h in hooks {
+        h(leaf)?;
+    }
+    Ok(())
 }
 
 #[allow(dead_code)]
