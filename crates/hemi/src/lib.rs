@@ -147,6 +147,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod dtype;
 pub mod error;
 pub mod io;
