@@ -101,6 +101,33 @@ impl Batch {
     pub fn is_empty(&self) -> bool {
         self.indices.is_empty()
     }
+
+    /// The samples at `rows` of this batch, in that order (a micro-batch for gradient
+    /// accumulation). A text batch keeps its padded length.
+    pub fn select_rows(&self, rows: &[usize]) -> Result<Batch> {
+        if let Some(&r) = rows.iter().find(|&&r| r >= self.len()) {
+            return Err(Error::Index {
+                op: "Batch::select_rows",
+                index: r as i64,
+                size: self.len(),
+            });
+        }
+        let idx = Tensor::from_vec(rows.iter().map(|&r| r as i64).collect(), &[rows.len()])?;
+        let pick = |t: &Tensor| t.index_select(0, &idx);
+        let inputs = match &self.inputs {
+            Inputs::Images(x) => Inputs::Images(pick(x)?),
+            Inputs::Text(t) => Inputs::Text(TextInputs {
+                input_ids: pick(&t.input_ids)?,
+                attention_mask: pick(&t.attention_mask)?,
+                token_type_ids: pick(&t.token_type_ids)?,
+            }),
+        };
+        Ok(Batch {
+            inputs,
+            labels: pick(&self.labels)?,
+            indices: rows.iter().map(|&r| self.indices[r]).collect(),
+        })
+    }
 }
 
 /// A batch as a worker builds it: plain vectors, made into tensors by the consumer.
@@ -124,6 +151,30 @@ enum RawData {
 pub struct DataLoader {
     source: Source,
     config: LoaderConfig,
+    shard: Shard,
+}
+
+/// Which share of every epoch a loader yields ([`DataLoader::sharded`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// This process's rank, `0..world`.
+    pub rank: usize,
+    /// The number of ranks sharing the data.
+    pub world: usize,
+    /// Pad the epoch's order (repeating its start) to a multiple of `world`, so that every
+    /// rank gets the same number of samples and batches (training); without it, rank r gets
+    /// the samples r, r + world, ... of the order and nothing twice (evaluation).
+    pub pad: bool,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Shard {
+            rank: 0,
+            world: 1,
+            pad: false,
+        }
+    }
 }
 
 impl std::fmt::Debug for DataLoader {
@@ -165,6 +216,7 @@ impl DataLoader {
                 sample_shape,
             },
             config,
+            shard: Shard::default(),
         })
     }
 
@@ -186,7 +238,44 @@ impl DataLoader {
         Ok(DataLoader {
             source: Source::Text(Arc::new(source)),
             config,
+            shard: Shard::default(),
         })
+    }
+
+    /// This loader restricted to one rank's share of every epoch (PyTorch's
+    /// `DistributedSampler`): the epoch's order is computed as before, from (seed, epoch)
+    /// alone and so the same on every rank, then rank r takes its entries r, r + world,
+    /// r + 2·world, ... With the same seed, batch `k` of the N ranks together holds exactly
+    /// the samples of batch `k` of one loader with N times the batch size, rank r's being
+    /// that batch's rows r, r + N, ... Augmentations still draw from (seed, epoch, sample),
+    /// so a sample looks the same whichever rank loads it.
+    pub fn sharded(mut self, shard: Shard) -> Result<DataLoader> {
+        if shard.world == 0 || shard.rank >= shard.world {
+            return Err(Error::arg(
+                "DataLoader::sharded",
+                format!("rank {} of {} ranks", shard.rank, shard.world),
+            ));
+        }
+        self.shard = shard;
+        Ok(self)
+    }
+
+    /// The share of the data this loader yields (rank 0 of 1 when not sharded).
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// Samples this loader yields per epoch before `drop_last`: the data set's, or this
+    /// rank's share of them.
+    fn epoch_len(&self) -> usize {
+        let (n, s) = (self.len(), self.shard);
+        if s.world == 1 {
+            n
+        } else if s.pad {
+            n.div_ceil(s.world)
+        } else {
+            n / s.world + usize::from(s.rank < n % s.world)
+        }
     }
 
     /// The image data set; `None` for a text loader.
@@ -286,7 +375,7 @@ impl DataLoader {
 
     /// Batches per epoch.
     pub fn num_batches(&self) -> usize {
-        let (n, b) = (self.len(), self.config.batch_size);
+        let (n, b) = (self.epoch_len(), self.config.batch_size);
         if self.config.drop_last {
             n / b
         } else {
@@ -296,7 +385,8 @@ impl DataLoader {
 
     /// Samples per epoch (fewer than the data set's when `drop_last` drops some).
     pub fn samples_per_epoch(&self) -> usize {
-        self.len().min(self.num_batches() * self.config.batch_size)
+        self.epoch_len()
+            .min(self.num_batches() * self.config.batch_size)
     }
 
     /// The order of the data set's indices in `epoch`, a function of (seed, epoch) only;
@@ -305,6 +395,9 @@ impl DataLoader {
     /// With `TextConfig::bucket`, the shuffled order is then sorted by token count inside
     /// runs of `BUCKET_CHUNK_BATCHES` batches, and the full batches are shuffled again so
     /// that short and long batches alternate; the last, smaller batch stays last.
+    ///
+    /// A sharded loader takes its rank's entries of that order (bucketed in runs of the
+    /// global batch, `batch_size · world`), after padding it when the shard pads.
     pub fn order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.len()).collect();
         if self.config.shuffle {
@@ -318,12 +411,24 @@ impl DataLoader {
             if t.config.bucket {
                 t.bucket(
                     &mut order,
-                    self.config.batch_size,
+                    self.config.batch_size * self.shard.world,
                     self.config.seed,
                     epoch,
                     self.config.shuffle,
                 );
             }
+        }
+        let s = self.shard;
+        if s.world > 1 {
+            if s.pad && !order.is_empty() {
+                let total = self.epoch_len() * s.world;
+                let mut i = 0;
+                while order.len() < total {
+                    order.push(order[i]);
+                    i += 1;
+                }
+            }
+            order = order.into_iter().skip(s.rank).step_by(s.world).collect();
         }
         order
     }
