@@ -116,6 +116,7 @@ pub struct Fp16Optimizer {
     seed: u64,
     rounding_step: u64,
     last_skipped: bool,
+    sync: Option<super::scaler::FoundInfSync>,
 }
 
 const KIND: &str = "fp16_master";
@@ -176,6 +177,7 @@ impl Fp16Optimizer {
             seed: cfg.seed,
             rounding_step: 0,
             last_skipped: false,
+            sync: None,
         })
     }
 
@@ -193,6 +195,12 @@ impl Fp16Optimizer {
     /// Steps skipped so far because a gradient held inf or NaN.
     pub fn skipped_steps(&self) -> u64 {
         self.scale.skipped_steps()
+    }
+
+    /// Reduces every found-inf flag through `sync` before it decides a step (data-parallel
+    /// training; `None`: this process alone).
+    pub fn set_found_inf_sync(&mut self, sync: Option<super::scaler::FoundInfSync>) {
+        self.sync = sync;
     }
 
     /// Whether the last `step` was skipped.
@@ -245,7 +253,10 @@ impl Optimizer for Fp16Optimizer {
             let flag = flag_for(&mut flags, g.device())?;
             grads.push(Some(unscale(&g, inv, flag)?));
         }
-        let found_inf = any_found(&flags)?;
+        let mut found_inf = any_found(&flags)?;
+        if let Some(sync) = &self.sync {
+            found_inf = sync(found_inf)?;
+        }
         // 2. Overflow: skip the step; nothing but the scale changes.
         if found_inf {
             self.scale.update(true);

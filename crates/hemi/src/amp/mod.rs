@@ -15,4 +15,4 @@ pub use crate::ops::autocast::{
 pub use master::{Fp16Optimizer, LossScaling, MasterConfig};
 pub use precision::{AmpOptimizer, Precision};
 pub use rounding::Rounding;
-pub use scaler::{GradScaler, GradScalerConfig, LossScale, ScalerState};
+pub use scaler::{FoundInfSync, GradScaler, GradScalerConfig, LossScale, ScalerState};

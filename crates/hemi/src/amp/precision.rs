@@ -272,6 +272,19 @@ impl AmpOptimizer {
         Ok(AmpOptimizer { precision, engine })
     }
 
+    /// Reduces the loss scaler's found-inf flag through `sync` (data-parallel training: every
+    /// rank skips a step when any rank's gradients overflowed). Presets without a scaler
+    /// ignore it.
+    pub fn set_found_inf_sync(&mut self, sync: Option<super::FoundInfSync>) {
+        match &mut self.engine {
+            Engine::Plain {
+                scaler: Some(s), ..
+            } => s.set_found_inf_sync(sync),
+            Engine::Plain { .. } => {}
+            Engine::Master(m) => m.set_found_inf_sync(sync),
+        }
+    }
+
     /// The preset this optimizer runs.
     pub fn precision(&self) -> Precision {
         self.precision

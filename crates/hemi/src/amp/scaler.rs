@@ -583,7 +583,13 @@ struct OptRecord {
 pub struct GradScaler {
     loss: LossScale,
     records: HashMap<Vec<TensorId>, OptRecord>,
+    sync: Option<FoundInfSync>,
 }
+
+/// Combines this process's found-inf flag with the other ranks' (data-parallel training:
+/// true when any rank found inf or NaN), so that every rank skips or steps together and the
+/// scale stays the same everywhere.
+pub type FoundInfSync = std::sync::Arc<dyn Fn(bool) -> Result<bool> + Send + Sync>;
 
 impl GradScaler {
     /// Errors on invalid configuration values (see `LossScale::new`).
@@ -591,7 +597,14 @@ impl GradScaler {
         Ok(GradScaler {
             loss: LossScale::new(cfg)?,
             records: HashMap::new(),
+            sync: None,
         })
+    }
+
+    /// Reduces every found-inf flag through `sync` before it decides a step (data-parallel
+    /// training; `None`: this process alone).
+    pub fn set_found_inf_sync(&mut self, sync: Option<FoundInfSync>) {
+        self.sync = sync;
     }
 
     fn key(opt: &dyn Optimizer) -> Vec<TensorId> {
@@ -665,7 +678,10 @@ impl GradScaler {
             let flag = flag_for(&mut flags, g.device())?;
             p.set_grad(Some(unscale(&g, inv, flag)?));
         }
-        let found_inf = any_found(&flags)?;
+        let mut found_inf = any_found(&flags)?;
+        if let Some(sync) = &self.sync {
+            found_inf = sync(found_inf)?;
+        }
         self.records.insert(
             key,
             OptRecord {
