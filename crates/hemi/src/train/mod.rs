@@ -25,6 +25,7 @@ pub use task::{find_task, Classification, MaskedLm, Task, TaskOutput};
 
 use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use crate::data::DataLoader;
+use crate::dist::{CommSnapshot, DistConfig, GradReducer, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::optim::{
@@ -129,6 +130,20 @@ pub struct TrainConfig {
     pub seed: u64,
     /// What the run optimises (default: classification).
     pub task: Arc<dyn Task>,
+    /// Data-parallel training over the ranks of a process group (`None`: this process
+    /// alone). Each rank passes its own shard of the training data (`DataLoader::sharded`
+    /// with padding) and may pass a shard of the test data (without padding): the
+    /// evaluation is summed over the ranks.
+    pub dist: Option<DistConfig>,
+    /// Split every batch into this many micro-batches (rows j, j + K, j + 2K, ...) and
+    /// accumulate their gradients (summed, then divided by K) before one step: K micro-
+    /// batches of B on one process take the step that K ranks with batches of B take (default
+    /// 1).
+    pub micro_batches: usize,
+    /// A testing aid: on rank `.0`, after the gradients of global step `.1` (1-based) were
+    /// reduced, one gradient value is set to +inf, so that the found-inf reduction must make
+    /// every rank skip that step.
+    pub inject_inf: Option<(usize, u64)>,
 }
 
 impl Default for TrainConfig {
@@ -159,6 +174,9 @@ impl Default for TrainConfig {
             tensors_every: 0,
             seed: 0,
             task: Arc::new(Classification),
+            dist: None,
+            micro_batches: 1,
+            inject_inf: None,
         }
     }
 }
@@ -246,6 +264,13 @@ fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
     }
     if cfg.task.name() != Classification.name() {
         v.push(("task", cfg.task.name().to_string()));
+    }
+    if cfg.micro_batches > 1 {
+        v.push(("micro_batches", cfg.micro_batches.to_string()));
+    }
+    if let Some(d) = cfg.dist.as_ref().filter(|d| d.group.size() > 1) {
+        v.push(("world_size", d.group.size().to_string()));
+        v.push(("allreduce", d.reducer.wire.name().to_string()));
     }
     if cfg.precision.loss_scaling() {
         v.extend([
@@ -420,6 +445,9 @@ pub struct Summary {
     pub train_images: usize,
     /// Seconds spent training in this call (evaluation excluded).
     pub train_seconds: f64,
+    /// Data-parallel runs: what this rank sent and how long it waited on collectives in
+    /// this call.
+    pub comm: Option<CommSnapshot>,
 }
 
 /// How many of one parameter's unscaled gradient values F16 could not represent, summed
@@ -535,9 +563,48 @@ pub fn evaluate_task(
     precision: Precision,
     task: &dyn Task,
 ) -> Result<Evaluation> {
+    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, task)?;
+    if total == 0 {
+        return Err(Error::arg("evaluate", "the test set is empty"));
+    }
+    Ok(Evaluation {
+        accuracy: correct as f64 / total as f64,
+        loss: loss_sum / total as f64,
+        targets: total,
+    })
+}
+
+/// `evaluate_task` with the test set sharded over the ranks of `group`: each rank scores its
+/// share, and the counts are summed (in rank order) so every rank gets the same result.
+pub fn evaluate_task_dist(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+    task: &dyn Task,
+    group: &ProcessGroup,
+) -> Result<Evaluation> {
+    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, task)?;
+    let s = group.sum_f64(&[correct as f64, total as f64, loss_sum])?;
+    if s[1] == 0.0 {
+        return Err(Error::arg("evaluate", "the test set is empty"));
+    }
+    Ok(Evaluation {
+        accuracy: s[0] / s[1],
+        loss: s[2] / s[1],
+        targets: s[1] as usize,
+    })
+}
+
+/// (targets predicted correctly, targets, summed loss) of `model` on `loader`.
+fn evaluate_sums(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+    task: &dyn Task,
+) -> Result<(usize, usize, f64)> {
     model.set_training(false);
     let _g = crate::autograd::no_grad();
-    let run = || -> Result<Evaluation> {
+    let run = || -> Result<(usize, usize, f64)> {
         let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
         for batch in loader.epoch(0) {
             let batch = batch?;
@@ -549,14 +616,7 @@ pub fn evaluate_task(
             total += out.count;
             loss_sum += out.loss.to_scalar()? * out.count as f64;
         }
-        if total == 0 {
-            return Err(Error::arg("evaluate", "the test set is empty"));
-        }
-        Ok(Evaluation {
-            accuracy: correct as f64 / total as f64,
-            loss: loss_sum / total as f64,
-            targets: total,
-        })
+        Ok((correct, total, loss_sum))
     };
     let r = run();
     model.set_training(true);
@@ -587,7 +647,17 @@ fn apply_overrides(st: &mut OptimizerState, cfg: &TrainConfig) {
 
 /// Checks everything that can be checked before the first step, so that a bad setup fails
 /// in a second instead of after an epoch.
-fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result<()> {
+fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: bool) -> Result<()> {
+    if cfg.micro_batches == 0 || cfg.micro_batches > train.config().batch_size {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "micro_batches must be in 1..=batch size ({}), got {}",
+                train.config().batch_size,
+                cfg.micro_batches
+            ),
+        ));
+    }
     if cfg.log_every == 0 {
         return Err(Error::arg("train", "log_every must be > 0"));
     }
@@ -632,6 +702,20 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result
     if test.is_empty() {
         return Err(Error::arg("train", "the test set is empty"));
     }
+    if let Some(d) = &cfg.dist {
+        let (n, s) = (d.group.size(), train.shard());
+        if s.world != n || s.rank != d.group.rank() {
+            return Err(Error::arg(
+                "train",
+                format!(
+                    "rank {} of {n} needs the training loader sharded for it                      (DataLoader::sharded), not rank {} of {}",
+                    d.group.rank(),
+                    s.rank,
+                    s.world
+                ),
+            ));
+        }
+    }
     if train.sample_shape() != test.sample_shape() {
         return Err(Error::arg(
             "train",
@@ -655,9 +739,12 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig) -> Result
         ));
     }
     if let Some(dir) = &cfg.checkpoint_dir {
-        checkpoint::check_writable(dir)?;
-        for p in checkpoint::remove_stray(dir)? {
-            eprintln!("removed {} (left by an interrupted save)", p.display());
+        // Only rank 0 writes (and tidies) the checkpoint directory.
+        if root {
+            checkpoint::check_writable(dir)?;
+            for p in checkpoint::remove_stray(dir)? {
+                eprintln!("removed {} (left by an interrupted save)", p.display());
+            }
         }
         if !cfg.resume {
             if let Some(last) = latest_checkpoint(dir)? {
@@ -753,7 +840,10 @@ pub fn train(
     info: &RunInfo,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<Summary> {
-    preflight(train, test, cfg)?;
+    let group = cfg.dist.as_ref().map(|d| d.group.clone());
+    let rank = group.as_ref().map_or(0, |g| g.rank());
+    let root = rank == 0;
+    preflight(train, test, cfg, root)?;
     let precision = cfg.precision;
     // The checkpoint records the precision and the settings the run actually uses.
     let mut info = RunInfo {
@@ -808,6 +898,19 @@ pub fn train(
         opt.load_state_dict(&ck.optimizer, ck.scaler.as_ref())?;
         start_at = ck.progress;
     }
+    // Data parallelism: the same run on every rank, then gradients averaged after each
+    // backward and the found-inf flag reduced, so the replicas stay equal.
+    let comm_start = group.as_ref().map(|g| g.stats());
+    let reducer = match (&cfg.dist, &group) {
+        (Some(d), Some(g)) if g.size() > 1 => {
+            check_replicas(g, info, model, &start_at)?;
+            let sync_group = g.clone();
+            opt.set_found_inf_sync(Some(Arc::new(move |f| sync_group.any(f))));
+            Some(GradReducer::new(g.clone(), model.parameters(), d.reducer)?)
+        }
+        _ => None,
+    };
+    let group = group.filter(|g| g.size() > 1);
     let first_epoch = start_at.epochs_done + 1;
     let last = cfg.stop_after.map_or(cfg.epochs, |s| s.min(cfg.epochs));
     on_event(&Event::Start {
@@ -834,6 +937,7 @@ pub fn train(
         test_accuracy: f64::NAN,
         train_images: 0,
         train_seconds: 0.0,
+        comm: None,
     };
     let task = cfg.task.as_ref();
     /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
@@ -865,7 +969,9 @@ pub fn train(
         let (mut log_loss, mut log_batches, mut log_images, mut log_start) =
             (0.0, 0usize, 0usize, Instant::now());
         for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
-            if stopping() {
+            // Data-parallel runs agree on stopping after the backward (below), so that every
+            // rank stops at the same batch.
+            if group.is_none() && stopping() {
                 return Err(interrupt(
                     steps,
                     cfg,
@@ -879,6 +985,7 @@ pub fn train(
                         partial_batches: epoch_batches,
                         partial_images: epoch_images,
                     },
+                    root,
                 ));
             }
             let batch = batch?;
@@ -887,12 +994,63 @@ pub fn train(
             let t = ((epoch - 1) * train.num_batches() + b) as u64;
             opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
-            let loss = {
-                let _ac = precision.autocast();
-                task.forward(&*model, &batch, precision, cfg.label_smoothing, false)?
-                    .loss
-            };
-            let lv = loss.to_scalar()?;
+            let skipped_before_step = opt.skipped_steps();
+            let k = cfg.micro_batches;
+            let mut lv = 0.0;
+            for j in 0..k {
+                let micro = if k == 1 {
+                    batch.clone()
+                } else {
+                    let rows: Vec<usize> = (j..batch.len()).step_by(k).collect();
+                    batch.select_rows(&rows)?
+                };
+                if let Some(r) = &reducer {
+                    r.set_sync(j + 1 == k);
+                }
+                let loss = {
+                    let _ac = precision.autocast();
+                    task.forward(&*model, &micro, precision, cfg.label_smoothing, false)?
+                        .loss
+                };
+                lv += loss.to_scalar()?;
+                opt.backward(&loss)?;
+            }
+            lv /= k as f64;
+            if let Some(r) = &reducer {
+                r.finish()?;
+            }
+            if k > 1 {
+                for p in opt.optimizer().params() {
+                    if let Some(g) = p.grad() {
+                        p.set_grad(Some(g.div_scalar(k as f64)?));
+                    }
+                }
+            }
+            if cfg.inject_inf == Some((rank, t + 1)) {
+                inject_inf(opt.optimizer().params())?;
+            }
+            if let Some(g) = &group {
+                // One small collective per step: the stop flag, and the ranks' mean loss.
+                let s = g.sum_f64(&[f64::from(u8::from(stopping())), lv])?;
+                lv = s[1] / g.size() as f64;
+                if s[0] > 0.0 {
+                    return Err(interrupt(
+                        steps,
+                        cfg,
+                        model,
+                        &opt,
+                        info,
+                        Progress {
+                            epochs_done: epoch - 1,
+                            batches_done: b,
+                            partial_loss_sum: epoch_loss,
+                            partial_batches: epoch_batches,
+                            partial_images: epoch_images,
+                        },
+                        root,
+                    ));
+                }
+            }
             // Under loss scaling a non-finite loss gives non-finite gradients: the step is
             // skipped and the scale backs off. Only a run that keeps producing them, or one
             // without a scaler, has diverged.
@@ -912,8 +1070,6 @@ pub fn train(
                     b + 1
                 )));
             }
-            let skipped_before_step = opt.skipped_steps();
-            opt.backward(&loss)?;
             let lr = opt.optimizer().lr();
             let tensors_due =
                 cfg.tensors_every > 0 && (t + 1).is_multiple_of(cfg.tensors_every as u64);
@@ -1001,7 +1157,13 @@ pub fn train(
                 stats: epoch_stats,
             });
         }
-        let eval = evaluate_task(model, test, precision, task)?;
+        let eval = match &group {
+            Some(g) => {
+                check_params_equal(g, model, epoch)?;
+                evaluate_task_dist(model, test, precision, task, g)?
+            }
+            None => evaluate_task(model, test, precision, task)?,
+        };
         let acc = eval.accuracy;
         let seconds = start.elapsed().as_secs_f64();
         summary.epochs_run += 1;
@@ -1009,7 +1171,7 @@ pub fn train(
         summary.test_accuracy = acc;
         summary.train_images += trained_images;
         summary.train_seconds += train_secs;
-        if let Some(dir) = &cfg.checkpoint_dir {
+        if let Some(dir) = cfg.checkpoint_dir.as_ref().filter(|_| root) {
             let (opt_state, scaler_state) = opt.state_dict();
             save_checkpoint(
                 dir,
@@ -1037,7 +1199,120 @@ pub fn train(
     if cfg.grad_stats {
         summary.grad_stats = grad_stats;
     }
+    if let (Some(g), Some(start)) = (&cfg.dist, comm_start) {
+        summary.comm = Some(g.group.stats().since(&start));
+    }
     Ok(summary)
+}
+
+/// Sets the first gradient value of the first parameter that has one to +inf
+/// (`TrainConfig::inject_inf`).
+fn inject_inf(params: &[Tensor]) -> Result<()> {
+    for p in params {
+        if let Some(g) = p.grad() {
+            let mut v = g.to_vec_f32();
+            if let Some(x) = v.first_mut() {
+                *x = f32::INFINITY;
+                p.set_grad(Some(Tensor::from_f32_vec(v, g.shape(), g.dtype())?));
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A SHA-256 over every parameter's name, shape, dtype and bits.
+fn params_digest(model: &dyn Module) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for (name, p) in model.named_parameters() {
+        h.update(name.as_bytes());
+        h.update(format!("{:?}{}", p.shape(), p.dtype()).as_bytes());
+        for x in p.to_vec_f64() {
+            h.update(x.to_le_bytes());
+        }
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// At the start of a data-parallel run: every rank must run the same settings (the run's
+/// flat settings but the data directory, which may be mounted elsewhere on another machine)
+/// from the same parameters and the same point of the run; the error names the ranks and
+/// what differs.
+fn check_replicas(
+    g: &ProcessGroup,
+    info: &RunInfo,
+    model: &dyn Module,
+    at: &Progress,
+) -> Result<()> {
+    let mut flat = info.flat();
+    flat.remove("data_dir");
+    flat.insert(
+        "progress".into(),
+        format!("epoch {} batch {}", at.epochs_done, at.batches_done),
+    );
+    let mine = serde_json::json!({ "settings": flat, "params": params_digest(model) });
+    let all = g.all_gather(mine.to_string().into_bytes())?;
+    let parse = |b: &[u8]| -> Result<serde_json::Value> {
+        serde_json::from_slice(b)
+            .map_err(|e| Error::Msg(format!("a rank sent an unreadable configuration: {e}")))
+    };
+    let first = parse(&all[0])?;
+    let mut problems = Vec::new();
+    for (r, b) in all.iter().enumerate().skip(1) {
+        let other = parse(b)?;
+        let (a, o) = (&first["settings"], &other["settings"]);
+        let mut keys: Vec<&String> = a
+            .as_object()
+            .into_iter()
+            .chain(o.as_object())
+            .flat_map(|m| m.keys())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        for k in keys {
+            if a.get(k) != o.get(k) {
+                let show = |v: Option<&serde_json::Value>| {
+                    v.and_then(|v| v.as_str())
+                        .unwrap_or("(not set)")
+                        .to_string()
+                };
+                problems.push(format!(
+                    "rank {r} has {k} = {} where rank 0 has {}",
+                    show(o.get(k)),
+                    show(a.get(k))
+                ));
+            }
+        }
+        if first["params"] != other["params"] && a == o {
+            problems.push(format!(
+                "rank {r} starts from other parameters than rank 0 (SHA-256 {} vs {})",
+                other["params"], first["params"]
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Msg(format!(
+            "rank {}: the ranks do not run the same training: {}",
+            g.rank(),
+            problems.join("; ")
+        )))
+    }
+}
+
+/// At every epoch's end of a data-parallel run: the replicas must still be equal (they take
+/// the same steps from the same averaged gradients).
+fn check_params_equal(g: &ProcessGroup, model: &dyn Module, epoch: usize) -> Result<()> {
+    let all = g.all_gather(params_digest(model).into_bytes())?;
+    match all.iter().position(|d| d != &all[0]) {
+        None => Ok(()),
+        Some(r) => Err(Error::Msg(format!(
+            "rank {}: after epoch {epoch} rank {r}'s parameters differ from rank 0's: the              replicas diverged",
+            g.rank()
+        ))),
+    }
 }
 
 /// The mean of `n` losses summing to `sum`; NaN when every loss was inf/NaN, so that a run
@@ -1058,6 +1333,7 @@ fn interrupt(
     opt: &AmpOptimizer,
     info: &RunInfo,
     at: Progress,
+    root: bool,
 ) -> Error {
     let Some(dir) = &cfg.checkpoint_dir else {
         return Error::Interrupted(format!(
@@ -1069,6 +1345,13 @@ fn interrupt(
     if steps == 0 {
         return Error::Interrupted(format!(
             "stopped before the first step (epoch {}, batch {}); nothing new to save",
+            at.epochs_done + 1,
+            at.batches_done
+        ));
+    }
+    if !root {
+        return Error::Interrupted(format!(
+            "stopped at epoch {}, batch {}; rank 0 writes the checkpoint",
             at.epochs_done + 1,
             at.batches_done
         ));
