@@ -5,6 +5,7 @@ use hemi::models::registry::InputKind;
 
 mod alloc;
 mod bench;
+mod dist;
 mod export;
 mod plot;
 mod quant;

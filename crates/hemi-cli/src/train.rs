@@ -6,7 +6,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -14,9 +14,10 @@ use serde_json::json;
 
 use hemi::amp::Precision;
 use hemi::data::{
-    Cifar10, Column, DataLoader, Dataset, ImageFolder, LoaderConfig, MlmConfig, MnistKind, Split,
-    Synthetic, TextColumns,
+    Cifar10, Column, DataLoader, Dataset, ImageFolder, LoaderConfig, MlmConfig, MnistKind, Shard,
+    Split, Synthetic, TextColumns,
 };
+use hemi::dist::{DistConfig, ProcessGroup, ReducerConfig, Wire};
 use hemi::io::tensorboard::SummaryWriter;
 use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::Module;
@@ -212,6 +213,26 @@ pub struct TrainArgs {
     /// turns the result into INT8.
     #[arg(long, value_name = "CHECKPOINT")]
     qat: Option<PathBuf>,
+    /// Gradient accumulation: split each batch into this many micro-batches, one backward
+    /// each, and step once (1 rank with --micro-batches N trains exactly like N ranks).
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
+    /// Data parallel (`mpirun -np N hemi train`, a build with `--features mpi`): the dtype
+    /// gradients are all-reduced in: f32, f16 (pre-scaled by a power of two so the sum
+    /// neither overflows nor underflows) or bf16; sums are always accumulated in F32.
+    /// --batch-size is per rank, as with PyTorch's DDP.
+    #[arg(long, default_value = "f32", value_parser = parse_wire)]
+    allreduce: Wire,
+    /// Data parallel: gradient bucket size in MiB (DDP's bucket_cap_mb).
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
+    /// Data parallel: seconds a rank waits for another before the job ends with an error.
+    #[arg(long, default_value_t = 300.0)]
+    dist_timeout: f64,
+}
+
+fn parse_wire(s: &str) -> std::result::Result<Wire, String> {
+    Wire::parse(s).map_err(|e| e.to_string())
 }
 
 pub(crate) fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
@@ -727,6 +748,25 @@ fn prepare_text(
 }
 
 pub fn run_train(args: TrainArgs) -> Result<()> {
+    if !(args.dist_timeout > 0.0 && args.dist_timeout.is_finite()) {
+        return Err(Error::arg("train", "--dist-timeout must be > 0 seconds"));
+    }
+    if !(args.bucket_mb > 0.0 && args.bucket_mb.is_finite()) {
+        return Err(Error::arg("train", "--bucket-mb must be > 0"));
+    }
+    let group = crate::dist::setup(Duration::from_secs_f64(args.dist_timeout))?;
+    let result = run_train_on(args, group.clone());
+    match (&result, &group) {
+        (Err(Error::Interrupted(_)), _) | (Ok(()), _) | (_, None) => result,
+        (Err(e), Some(g)) => {
+            crate::dist::fail(g, e);
+            result
+        }
+    }
+}
+
+fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()> {
+    let root = group.as_ref().is_none_or(|g| g.rank() == 0);
     // First, so that a Ctrl-C during data loading is already a clean stop.
     let stop = stop_flag()?;
     // An unknown model or recipe name fails before any data is read.
@@ -789,8 +829,8 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     };
     let Prepared {
         mut model,
-        train: train_loader,
-        test: test_loader,
+        train: mut train_loader,
+        test: mut test_loader,
         unit,
         inputs_note,
         save,
@@ -822,6 +862,39 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         );
         settings.insert("qat".into(), ck.dir.display().to_string());
     }
+    let dist = match &group {
+        Some(g) => {
+            let (rank, world) = (g.rank(), g.size());
+            // Every rank takes every N-th sample of the seeded order (DistributedSampler):
+            // padded for training, so all ranks run the same number of steps; exact for the
+            // test set, whose counts are summed over the ranks.
+            train_loader = train_loader.sharded(Shard {
+                rank,
+                world,
+                pad: true,
+            })?;
+            test_loader = test_loader.sharded(Shard {
+                rank,
+                world,
+                pad: false,
+            })?;
+            println!(
+                "data parallel: {world} ranks x batch {batch_size} = global batch {}, \
+                 all-reduce in {} (F32 sums), buckets of {} MiB",
+                world * batch_size,
+                args.allreduce.name(),
+                args.bucket_mb
+            );
+            Some(DistConfig {
+                group: g.clone(),
+                reducer: ReducerConfig {
+                    wire: args.allreduce,
+                    bucket_bytes: ((args.bucket_mb * (1 << 20) as f64) as usize).max(1),
+                },
+            })
+        }
+        None => None,
+    };
     let optimizer = match args.optimizer {
         None => recipe.optimizer,
         Some(OptimizerArg::Sgd) => OptimizerKind::Sgd,
@@ -860,6 +933,9 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         },
         seed: args.seed,
         task,
+        dist,
+        micro_batches: args.micro_batches,
+        inject_inf: crate::dist::inject_inf()?,
         ..Default::default()
     };
     let model_name = args.model.as_str();
@@ -907,13 +983,13 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     let mut last_test_loss = f64::NAN;
     let precision = args.precision;
     let show_scale = precision.loss_scaling();
-    let mut metrics = args.metrics.as_ref().map(|p| Metrics {
+    let mut metrics = args.metrics.as_ref().filter(|_| root).map(|p| Metrics {
         path: p.clone(),
         append: args.resume,
         file: None,
     });
     // The bar only on a terminal: a hidden bar would swallow the log lines.
-    let use_bar = !args.quiet && std::io::stderr().is_terminal();
+    let use_bar = root && !args.quiet && std::io::stderr().is_terminal();
     let mut bar: Option<ProgressBar> = None;
     let mut bar_start = Instant::now();
     let mut bar_images = 0usize;
@@ -930,7 +1006,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         } => {
             batches = *batches_per_epoch;
             // Created here, after the run's checks: a run that fails them writes nothing.
-            if let Some(dir) = &args.tensorboard {
+            if let Some(dir) = args.tensorboard.as_ref().filter(|_| root) {
                 match SummaryWriter::create(dir) {
                     Ok(w) => tb = Some(w),
                     Err(e) => {
@@ -1200,7 +1276,18 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         summary.images_per_s(),
         peak_rss_mib().map_or("unknown".into(), |m| format!("{m:.0} MiB"))
     );
-    if let (Some(dir), Some(save)) = (&args.save_pretrained, &save) {
+    if let Some(c) = &summary.comm {
+        let steps = summary.steps.max(1) as f64;
+        println!(
+            "communication (rank 0): {:.2} MB sent per step in {:.1} messages, {:.1} ms per \
+             step waiting for the other ranks; global {:.0} {unit}/s",
+            c.bytes_sent as f64 / steps / 1e6,
+            c.messages as f64 / steps,
+            c.wait_nanos as f64 / steps / 1e6,
+            summary.images_per_s() * group.as_ref().map_or(1, |g| g.size()) as f64
+        );
+    }
+    if let (Some(dir), Some(save), true) = (&args.save_pretrained, &save, root) {
         save.write(model.as_ref(), dir)?;
         println!("saved in Hugging Face's layout to {}", dir.display());
     }

@@ -739,3 +739,19 @@ fn two_quick_ctrl_cs_leave_a_resumable_directory() {
         dirs(&ck)
     );
 }
+
+/// A build without MPI support started by `mpirun` would train N unrelated copies.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn an_mpi_launch_of_a_build_without_mpi_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_hemi"))
+        .args(["train", "--dataset", "synthetic", "--epochs", "1"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("2 ranks") && err.contains("--features mpi"), "{err}");
+}

@@ -746,7 +746,8 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: boo
                 eprintln!("removed {} (left by an interrupted save)", p.display());
             }
         }
-        if !cfg.resume {
+        // Rank 0's check speaks for all (the other ranks may not see the directory yet).
+        if !cfg.resume && root {
             if let Some(last) = latest_checkpoint(dir)? {
                 return Err(Error::Msg(format!(
                     "{}: already holds checkpoints (newest {}); pass --resume to continue that \

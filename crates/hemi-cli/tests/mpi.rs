@@ -1,0 +1,300 @@
+//! `mpirun -np 2 hemi train …` end to end (a build with `--features mpi` and Open MPI's
+//! `mpirun` on PATH; `.ci/run` installs it): 2 ranks × batch B against 1 rank × batch 2B,
+//! the half-precision wire, an inf on one rank, resume, a killed or hanging rank, and ranks
+//! started with different settings.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hemi::train::load_checkpoint;
+
+mod common;
+use common::ok;
+
+/// `mpirun` with whatever this container needs (root, more ranks than cores).
+fn mpirun() -> Command {
+    let mut c = Command::new("mpirun");
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // No network interfaces to probe in a container: shared memory and loopback only.
+        .env("OMPI_MCA_btl", "self,vader,tcp")
+        .env("OMPI_MCA_btl_tcp_if_include", "lo")
+        .env("OMPI_MCA_oob_tcp_if_include", "lo")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    c
+}
+
+const HEMI: &str = env!("CARGO_BIN_EXE_hemi");
+
+/// The training flags every run here shares: a small MLP on the built-in synthetic set.
+fn train_args(ckpt: &Path, batch: usize, precision: &str) -> Vec<String> {
+    [
+        "train",
+        "--model",
+        "mlp",
+        "--dataset",
+        "synthetic",
+        "--synthetic-size",
+        "512",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--threads",
+        "1",
+        "--workers",
+        "1",
+        "--log-every",
+        "4",
+        "--quiet",
+        "--precision",
+        precision,
+        "--batch-size",
+        &batch.to_string(),
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Runs `cmd`, killing it (and failing) if it takes longer than `limit`.
+fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start mpirun (is Open MPI installed? .ci/run installs it)");
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return (child.wait_with_output().unwrap(), start.elapsed());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "still running after {limit:?} (a hang):\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn two_ranks(args: &[String], env: &[(&str, &str)]) -> Output {
+    let mut c = mpirun();
+    c.args(["-np", "2", HEMI]).args(args);
+    for (k, v) in env {
+        // mpirun passes its environment on to the ranks it starts on this machine.
+        c.env(k, v);
+    }
+    run_bounded(c, Duration::from_secs(300)).0
+}
+
+fn one_rank(args: &[String]) -> Output {
+    let mut c = Command::new(HEMI);
+    c.args(args);
+    run_bounded(c, Duration::from_secs(300)).0
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hemi-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// The final weights of a run, as F32 values per tensor (names checked equal).
+fn weights(ckpt: &Path) -> Vec<(String, Vec<f32>)> {
+    let ck = load_checkpoint(ckpt).unwrap();
+    ck.model
+        .iter()
+        .map(|(n, t)| {
+            let t = t.to_dtype(hemi::DType::F32).unwrap();
+            (n.clone(), t.to_vec_f32())
+        })
+        .collect()
+}
+
+fn model_bytes(ckpt: &Path, epoch: usize) -> Vec<u8> {
+    std::fs::read(ckpt.join(format!("epoch-{epoch:04}/model.safetensors"))).unwrap()
+}
+
+#[test]
+fn two_ranks_train_exactly_like_one_rank_with_twice_the_batch() {
+    for precision in ["fp32", "amp-fp16"] {
+        let (a, b) = (
+            tmp(&format!("a-{precision}")),
+            tmp(&format!("b-{precision}")),
+        );
+        let out = ok(&two_ranks(&train_args(&a, 16, precision), &[]));
+        assert!(
+            out.contains("2 ranks x batch 16 = global batch 32"),
+            "{out}"
+        );
+        // Only rank 0 reports: one summary line.
+        assert_eq!(out.matches("Finished Training").count(), 1, "{out}");
+        let mut args = train_args(&b, 32, precision);
+        args.extend(["--micro-batches".into(), "2".into()]);
+        ok(&one_rank(&args));
+        for epoch in [1, 2] {
+            assert!(
+                model_bytes(&a, epoch) == model_bytes(&b, epoch),
+                "{precision}: after epoch {epoch}, 2 ranks x 16 and 1 rank x 32 differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_precision_all_reduce_stays_within_its_rounding() {
+    let (a, b) = (tmp("f32-wire"), tmp("f16-wire"));
+    ok(&two_ranks(&train_args(&a, 16, "fp32"), &[]));
+    let mut args = train_args(&b, 16, "fp32");
+    args.extend(["--allreduce".into(), "f16".into()]);
+    let out = ok(&two_ranks(&args, &[]));
+    assert!(out.contains("all-reduce in f16"), "{out}");
+    let rel = |e: usize| -> f64 {
+        let dir = |d: &Path| d.join(format!("epoch-{e:04}"));
+        let (x, y) = (weights(&dir(&a)), weights(&dir(&b)));
+        let (mut d, mut s) = (0.0, 0.0);
+        for ((n, p), (m, q)) in x.iter().zip(&y) {
+            assert_eq!(n, m);
+            d += p
+                .iter()
+                .zip(q)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>();
+            s += p.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>();
+        }
+        (d / s).sqrt()
+    };
+    let (r1, r2) = (rel(1), rel(2));
+    eprintln!("F16 wire: relative distance of the weights {r1:e} after epoch 1, {r2:e} after 2");
+    // Each step rounds the gradient twice to F16 (2^-11; the library's dist tests bound one
+    // step); momentum SGD at lr 0.05 then amplifies the difference, which grows about 40x in
+    // the second epoch (measured on Zen 3: 1.3e-4 after 16 steps, 5.3e-3 after 32).
+    assert!(
+        r1 < 1e-3,
+        "the F16 wire moved the weights by {r1:e} in 16 steps"
+    );
+    assert!(
+        r2 < 3e-2,
+        "the F16 wire moved the weights by {r2:e} in 32 steps"
+    );
+    let moved = r1 > 0.0;
+    assert!(moved, "the F16 wire changed nothing: was it used?");
+    // F16 halves the bytes sent.
+    let mb = |o: &str| -> f64 {
+        let i = o.find("communication (rank 0): ").unwrap() + 24;
+        o[i..].split(' ').next().unwrap().parse().unwrap()
+    };
+    let f32_out = ok(&two_ranks(&train_args(&tmp("f32-wire-2"), 16, "fp32"), &[]));
+    let ratio = mb(&out) / mb(&f32_out);
+    assert!(
+        (0.45..0.55).contains(&ratio),
+        "F16/F32 bytes per step: {ratio}"
+    );
+}
+
+#[test]
+fn an_inf_on_one_rank_makes_both_ranks_skip_the_step() {
+    let a = tmp("inf");
+    let out = ok(&two_ranks(
+        &train_args(&a, 16, "amp-fp16"),
+        &[("HEMI_DEBUG_INJECT_INF", "1:3")],
+    ));
+    // Rank 0 had finite gradients; it skipped because rank 1 did. Had the ranks disagreed,
+    // their parameters would differ and the end-of-epoch replica check would have failed.
+    assert!(out.contains("1 of 32 steps skipped"), "{out}");
+    let ck = load_checkpoint(&a).unwrap();
+    let scale = ck.scaler.expect("amp-fp16 saves the scaler").get("scale");
+    assert_eq!(scale, Some(32768.0), "the scale backed off once");
+}
+
+#[test]
+fn a_resumed_two_rank_run_ends_bit_identical() {
+    let (whole, parts) = (tmp("whole"), tmp("parts"));
+    ok(&two_ranks(&train_args(&whole, 16, "amp-bf16"), &[]));
+    let mut first = train_args(&parts, 16, "amp-bf16");
+    first.extend(["--stop-after".into(), "1".into()]);
+    ok(&two_ranks(&first, &[]));
+    let mut rest = train_args(&parts, 16, "amp-bf16");
+    rest.push("--resume".into());
+    let out = ok(&two_ranks(&rest, &[]));
+    assert!(out.contains("resuming at epoch 2"), "{out}");
+    assert!(model_bytes(&whole, 2) == model_bytes(&parts, 2));
+}
+
+/// `mpirun -np 2 sh -c '…'`: rank 1 runs `then` on itself (its PID is the shell's, which
+/// `exec`s hemi) after `after` seconds.
+fn with_rank1_signal(signal: &str, after: f64, extra: &[&str]) -> (Output, Duration) {
+    let ckpt = tmp(&format!("sig-{signal}"));
+    let mut args = train_args(&ckpt, 16, "fp32");
+    // Long enough that the signal lands mid-training.
+    assert_eq!(
+        (args[5].as_str(), args[7].as_str()),
+        ("--synthetic-size", "--epochs")
+    );
+    args[6] = "8192".into();
+    args[8] = "50".into();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then (sleep {after}; kill -{signal} $$) & fi; \
+         exec '{HEMI}' {}",
+        quoted.join(" ")
+    );
+    let mut c = mpirun();
+    c.args(["-np", "2", "sh", "-c", &script]);
+    run_bounded(c, Duration::from_secs(120))
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_with_an_error_not_a_hang() {
+    let (o, took) = with_rank1_signal("KILL", 3.0, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("rank 1") || err.contains("signal 9"),
+        "the error should name the rank: {err}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+}
+
+#[test]
+fn a_hanging_rank_ends_the_job_after_the_timeout() {
+    let (o, took) = with_rank1_signal("STOP", 3.0, &["--dist-timeout", "4"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("rank 0: no message from rank 1"),
+        "the error should name both ranks: {err}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+}
+
+#[test]
+fn ranks_started_with_different_settings_are_named_at_start() {
+    let ckpt = tmp("mismatch");
+    let a = train_args(&ckpt, 16, "fp32");
+    let mut b = a.clone();
+    assert_eq!(a[9], "--lr");
+    b[10] = "0.1".into();
+    let mut c = mpirun();
+    c.args(["-np", "1", HEMI])
+        .args(&a)
+        .arg(":")
+        .args(["-np", "1", HEMI])
+        .args(&b);
+    let (o, took) = run_bounded(c, Duration::from_secs(120));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("lr") && err.contains("rank"), "{err}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    // Nothing was trained or written.
+    assert!(!ckpt.join("epoch-0001").exists());
+}
