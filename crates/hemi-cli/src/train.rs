@@ -229,6 +229,11 @@ pub struct TrainArgs {
     /// Data parallel: seconds a rank waits for another before the job ends with an error.
     #[arg(long, default_value_t = 300.0)]
     dist_timeout: f64,
+    /// Data parallel: SyncBatchNorm, batch-norm statistics over the batches of all ranks
+    /// (default: each rank's own batch, as DDP does; rank 0's running statistics are used
+    /// for evaluation and saved).
+    #[arg(long)]
+    sync_bn: bool,
 }
 
 fn parse_wire(s: &str) -> std::result::Result<Wire, String> {
@@ -885,6 +890,17 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
                 args.allreduce.name(),
                 args.bucket_mb
             );
+            if args.sync_bn {
+                let n = hemi::dist::convert_sync_batch_norm(model.as_mut(), g);
+                if n == 0 {
+                    return Err(Error::arg(
+                        "train",
+                        format!("--sync-bn: {} has no BatchNorm2d layers", args.model),
+                    ));
+                }
+                println!("SyncBatchNorm: {n} batch norms use the statistics of all ranks");
+                settings.insert("sync_bn".into(), "true".into());
+            }
             Some(DistConfig {
                 group: g.clone(),
                 reducer: ReducerConfig {

@@ -753,5 +753,8 @@ fn an_mpi_launch_of_a_build_without_mpi_is_refused() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(err.contains("2 ranks") && err.contains("--features mpi"), "{err}");
+    assert!(
+        err.contains("2 ranks") && err.contains("--features mpi"),
+        "{err}"
+    );
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use hemi::train::load_checkpoint;
 
+#[allow(dead_code)] // this file runs its commands through mpirun, not `hemi()`
 mod common;
 use common::ok;
 
@@ -297,4 +298,22 @@ fn ranks_started_with_different_settings_are_named_at_start() {
     assert!(took < Duration::from_secs(60), "took {took:?}");
     // Nothing was trained or written.
     assert!(!ckpt.join("epoch-0001").exists());
+}
+
+#[test]
+fn sync_batch_norm_trains_a_resnet_on_two_ranks() {
+    let ckpt = tmp("sync-bn");
+    let mut args = train_args(&ckpt, 8, "amp-bf16");
+    args[2] = "resnet20".into();
+    args[6] = "64".into();
+    args[8] = "1".into();
+    args.push("--sync-bn".into());
+    let out = ok(&two_ranks(&args, &[]));
+    assert!(out.contains("SyncBatchNorm: 19 batch norms"), "{out}");
+    // The replicas' parameters are compared after every epoch: equal, or the run fails.
+    let ck = load_checkpoint(&ckpt).unwrap();
+    assert_eq!(
+        ck.info.settings.get("sync_bn").map(String::as_str),
+        Some("true")
+    );
 }

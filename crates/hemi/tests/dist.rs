@@ -541,3 +541,118 @@ fn one_step_with_a_half_wire_is_within_the_wire_rounding() {
         }
     }
 }
+
+// ---- SyncBatchNorm ----
+
+#[test]
+fn all_reduce_sum_is_differentiable() {
+    let out = on_ranks(3, Duration::from_secs(20), |g| {
+        let r = g.rank() as f32;
+        let x = Tensor::from_vec(vec![r + 1.0, 2.0 * (r + 1.0)], &[2])
+            .unwrap()
+            .requires_grad_();
+        let y = hemi::dist::all_reduce_sum(&g, &x).unwrap();
+        let w = Tensor::from_vec(vec![r, 1.0], &[2]).unwrap();
+        y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        (y.to_vec_f32(), x.grad().unwrap().to_vec_f32())
+    });
+    for (y, gx) in out {
+        assert_eq!(y, vec![6.0, 12.0]);
+        // d(Σ_r w_r·y)/dx_r = Σ_r w_r
+        assert_eq!(gx, vec![3.0, 3.0]);
+    }
+}
+
+/// One forward and backward of resnet20 on rows `rows` of a fixed batch; the loss is
+/// `Σ logits ⊙ W / rows` (the mean over the rows of a fixed linear function of the logits).
+fn resnet_step(
+    sync: Option<Arc<ProcessGroup>>,
+    rows: std::ops::Range<usize>,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
+    let mut gen = Generator::new(7);
+    let x = Tensor::randn(&[8, 3, 16, 16], 0.5, 2.0, DType::F32, &mut gen).unwrap();
+    let w = Tensor::randn(&[8, 10], 0.0, 1.0, DType::F32, &mut gen).unwrap();
+    let mut m = hemi::models::resnet20(10, &mut Generator::new(3)).unwrap();
+    let reducer = sync.as_ref().map(|g| {
+        assert_eq!(hemi::dist::convert_sync_batch_norm(&mut m, g), 19);
+        GradReducer::new(g.clone(), m.parameters(), ReducerConfig::default()).unwrap()
+    });
+    let n = rows.len();
+    let (x, w) = (
+        x.narrow(0, rows.start, n).unwrap(),
+        w.narrow(0, rows.start, n).unwrap(),
+    );
+    let loss = m
+        .forward(&x)
+        .unwrap()
+        .mul(&w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .div_scalar(n as f64)
+        .unwrap();
+    loss.backward().unwrap();
+    if let Some(r) = reducer {
+        r.finish().unwrap();
+    }
+    let grads = m
+        .parameters()
+        .iter()
+        .map(|p| p.grad().unwrap().to_vec_f32())
+        .collect();
+    (grads, m.bn1.running_var.to_vec_f32())
+}
+
+fn rel_dist(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut d, mut s) = (0.0, 0.0);
+    for (x, y) in a.iter().zip(b) {
+        d += x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| f64::from(p - q).powi(2))
+            .sum::<f64>();
+        s += y.iter().map(|q| f64::from(*q).powi(2)).sum::<f64>();
+    }
+    (d / s).sqrt()
+}
+
+#[test]
+fn sync_batch_norm_on_two_ranks_equals_one_rank_with_the_whole_batch() {
+    let (want, want_rv) = resnet_step(None, 0..8);
+    let got = on_ranks(2, Duration::from_secs(60), |g| {
+        let r = g.rank();
+        resnet_step(Some(g), 4 * r..4 * r + 4)
+    });
+    // Per-rank statistics (no sync) give other gradients: the check below can tell.
+    let per_rank = on_ranks(2, Duration::from_secs(60), |g| {
+        let r = g.rank();
+        let (grads, _) = resnet_step(None, 4 * r..4 * r + 4);
+        let mean: Vec<Vec<f32>> = grads
+            .into_iter()
+            .map(|v| {
+                g.all_reduce(v, Wire::F32)
+                    .unwrap()
+                    .wait()
+                    .unwrap()
+                    .into_iter()
+                    .map(|x| x / 2.0)
+                    .collect()
+            })
+            .collect();
+        mean
+    });
+    let unsynced = rel_dist(&per_rank[0], &want);
+    for (r, (grads, rv)) in got.iter().enumerate() {
+        let d = rel_dist(grads, &want);
+        // The same sums in another order: F32 rounding through 20 layers (measured 8.6e-7;
+        // per-rank statistics: 0.63).
+        assert!(d < 1e-5, "rank {r}: SyncBatchNorm gradients off by {d:e}");
+        assert!(
+            unsynced > 100.0 * d,
+            "per-rank BN ({unsynced:e}) is no farther than SyncBN ({d:e})"
+        );
+        let dv = rel_dist(&[rv.clone()], &[want_rv.clone()]);
+        assert!(dv < 1e-5, "rank {r}: running_var off by {dv:e}");
+    }
+    assert_eq!(got[0].0, got[1].0, "the ranks' averaged gradients differ");
+}

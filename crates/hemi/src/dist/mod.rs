@@ -34,6 +34,7 @@ pub mod local;
 pub mod mpi;
 mod reducer;
 pub mod ring;
+mod sync;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -43,6 +44,7 @@ use std::time::{Duration, Instant};
 
 pub use local::LocalTransport;
 pub use reducer::{GradReducer, ReducerConfig};
+pub use sync::{all_reduce_sum, broadcast_buffers, convert_sync_batch_norm};
 
 use crate::error::{Error, Result};
 

@@ -220,7 +220,7 @@ impl Block {
         }
     }
 
-    fn batch_norms_mut(&mut self) -> impl Iterator<Item = &mut BatchNorm2d> {
+    fn block_norms_mut(&mut self) -> impl Iterator<Item = &mut BatchNorm2d> {
         let shortcut = match &mut self.shortcut {
             Shortcut::Projection { bn, .. } => Some(bn),
             _ => None,
@@ -270,9 +270,12 @@ impl Module for Block {
         v
     }
     fn set_training(&mut self, training: bool) {
-        for bn in self.batch_norms_mut() {
+        for bn in self.block_norms_mut() {
             bn.set_training(training);
         }
+    }
+    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
+        self.block_norms_mut().collect()
     }
 }
 
@@ -520,5 +523,12 @@ impl Module for ResNet {
         for block in self.layers.iter_mut().flatten() {
             block.set_training(training);
         }
+    }
+    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
+        let mut v = vec![&mut self.bn1];
+        for block in self.layers.iter_mut().flatten() {
+            v.extend(block.block_norms_mut());
+        }
+        v
     }
 }

@@ -167,6 +167,12 @@ pub trait Module: Send + std::any::Any {
     /// Switches train/eval behaviour (dropout, batch-norm statistics). Default: no-op.
     fn set_training(&mut self, _training: bool) {}
 
+    /// The model's `BatchNorm2d` layers, in `state_dict` order (for SyncBatchNorm,
+    /// `dist::convert_sync_batch_norm`). Default: none.
+    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
+        Vec::new()
+    }
+
     /// Trainable parameters with their names, in `state_dict` order.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         self.tensors()

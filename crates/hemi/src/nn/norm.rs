@@ -2,10 +2,12 @@
 //! presets keep them in F32.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use super::{param, weight_bias, weight_bias_mut, Kind, Module, Slot};
+use crate::dist::ProcessGroup;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// PyTorch's `nn.BatchNorm2d(num_features, eps=1e-5, momentum=0.1, affine=True,
@@ -26,6 +28,10 @@ pub struct BatchNorm2d {
     pub eps: f64,
     /// Weight of the new batch's statistics in the running ones (default 0.1).
     pub momentum: f64,
+    /// SyncBatchNorm: in training, the statistics are those of the batches of every rank of
+    /// this group together (PyTorch's `nn.SyncBatchNorm`); `None` (the default): this
+    /// process's batch only. Set by `dist::convert_sync_batch_norm`.
+    pub sync: Option<Arc<ProcessGroup>>,
     training: AtomicBool,
 }
 
@@ -41,6 +47,7 @@ impl BatchNorm2d {
             num_batches_tracked: Tensor::zeros(&[], DType::I64)?,
             eps: 1e-5,
             momentum: 0.1,
+            sync: None,
             training: AtomicBool::new(true),
         })
     }
@@ -57,6 +64,9 @@ impl BatchNorm2d {
             self.num_batches_tracked
                 .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
         }
+        if let Some(g) = self.sync.as_ref().filter(|g| training && g.size() > 1) {
+            return self.forward_sync(g, x, residual, relu);
+        }
         x.batch_norm_act(
             Some(&self.running_mean),
             Some(&self.running_var),
@@ -71,9 +81,75 @@ impl BatchNorm2d {
     }
 }
 
+impl BatchNorm2d {
+    /// SyncBatchNorm's training forward: the mean over the batches of all ranks first, then
+    /// the biased variance around it (two passes, so no cancellation of E[x²] − E[x]²), each
+    /// an F32 all-reduce that is differentiable (its backward all-reduces the gradients), so
+    /// the composed backward is the global batch's. Statistics in F32; the output has the
+    /// input's dtype, as the fused op's.
+    fn forward_sync(
+        &self,
+        g: &Arc<ProcessGroup>,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        relu: bool,
+    ) -> Result<Tensor> {
+        use crate::dist::all_reduce_sum;
+        let shape = x.shape().to_vec();
+        let c = self.weight.numel();
+        if shape.len() < 2 || shape[1] != c {
+            return Err(Error::shape(
+                "SyncBatchNorm",
+                format!("expected [N, {c}, *] input, got {shape:?}"),
+            ));
+        }
+        let (n, l) = (shape[0], x.numel() / (shape[0] * c).max(1));
+        let count = g.sum_f64(&[(n * l) as f64])?[0];
+        if count < 2.0 {
+            return Err(Error::arg(
+                "SyncBatchNorm",
+                format!("needs more than one value per channel over all ranks, got {count}"),
+            ));
+        }
+        let xf = x.to_dtype(DType::F32)?.reshape(&[n, c, l])?;
+        let mean = all_reduce_sum(g, &xf.sum(&[0, 2], false)?)?.div_scalar(count)?;
+        let d = xf.sub(&mean.reshape(&[1, c, 1])?)?;
+        let var = all_reduce_sum(g, &d.square()?.sum(&[0, 2], false)?)?.div_scalar(count)?;
+        let rstd = var.add_scalar(self.eps)?.sqrt()?;
+        let col = |t: &Tensor| t.to_dtype(DType::F32)?.reshape(&[1, c, 1]);
+        let mut y = d
+            .div(&col(&rstd)?)?
+            .mul(&col(&self.weight)?)?
+            .add(&col(&self.bias)?)?
+            .reshape(&shape)?
+            .to_dtype(x.dtype())?;
+        if let Some(r) = residual {
+            y = y.add(r)?;
+        }
+        if relu {
+            y = y.relu()?;
+        }
+        let _ng = crate::autograd::no_grad();
+        let m = self.momentum;
+        let update = |running: &Tensor, batch: &Tensor| -> Result<()> {
+            let new = running
+                .to_dtype(DType::F32)?
+                .mul_scalar(1.0 - m)?
+                .add(&batch.detach().mul_scalar(m)?)?;
+            running.set_data(&new.to_dtype(running.dtype())?)
+        };
+        update(&self.running_mean, &mean)?;
+        update(&self.running_var, &var.mul_scalar(count / (count - 1.0))?)?;
+        Ok(y)
+    }
+}
+
 impl Module for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_act(x, None, false)
+    }
+    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
+        vec![self]
     }
     fn set_training(&mut self, training: bool) {
         self.training.store(training, Ordering::Relaxed);

@@ -45,6 +45,12 @@ impl Module for Sequential {
             .iter_mut()
             .for_each(|l| l.set_training(training));
     }
+    fn batch_norms_mut(&mut self) -> Vec<&mut crate::nn::BatchNorm2d> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| l.batch_norms_mut())
+            .collect()
+    }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         self.layers
             .iter()

@@ -708,7 +708,8 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: boo
             return Err(Error::arg(
                 "train",
                 format!(
-                    "rank {} of {n} needs the training loader sharded for it                      (DataLoader::sharded), not rank {} of {}",
+                    "rank {} of {n} needs the training loader sharded for it \
+                     (DataLoader::sharded), not rank {} of {}",
                     d.group.rank(),
                     s.rank,
                     s.world
@@ -1161,6 +1162,9 @@ pub fn train(
         let eval = match &group {
             Some(g) => {
                 check_params_equal(g, model, epoch)?;
+                // BatchNorm running statistics are rank 0's everywhere (DDP's
+                // broadcast_buffers), so every rank evaluates the model rank 0 saves.
+                crate::dist::broadcast_buffers(g, model)?;
                 evaluate_task_dist(model, test, precision, task, g)?
             }
             None => evaluate_task(model, test, precision, task)?,
@@ -1310,7 +1314,8 @@ fn check_params_equal(g: &ProcessGroup, model: &dyn Module, epoch: usize) -> Res
     match all.iter().position(|d| d != &all[0]) {
         None => Ok(()),
         Some(r) => Err(Error::Msg(format!(
-            "rank {}: after epoch {epoch} rank {r}'s parameters differ from rank 0's: the              replicas diverged",
+            "rank {}: after epoch {epoch} rank {r}'s parameters differ from rank 0's: the \
+             replicas diverged",
             g.rank()
         ))),
     }
