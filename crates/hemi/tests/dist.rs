@@ -651,7 +651,7 @@ fn sync_batch_norm_on_two_ranks_equals_one_rank_with_the_whole_batch() {
             unsynced > 100.0 * d,
             "per-rank BN ({unsynced:e}) is no farther than SyncBN ({d:e})"
         );
-        let dv = rel_dist(&[rv.clone()], &[want_rv.clone()]);
+        let dv = rel_dist(std::slice::from_ref(rv), std::slice::from_ref(&want_rv));
         assert!(dv < 1e-5, "rank {r}: running_var off by {dv:e}");
     }
     assert_eq!(got[0].0, got[1].0, "the ranks' averaged gradients differ");
