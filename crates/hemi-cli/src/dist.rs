@@ -60,6 +60,17 @@ fn silence_stdout() {
     }
 }
 
+/// The cores of this machine divided among the ranks the launcher started on it (Open
+/// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's `MPI_LOCALNRANKS`), at least 1.
+pub fn threads_per_rank() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .unwrap_or(1);
+    (cores / local.max(1)).max(1)
+}
+
 /// `rank:step` from `HEMI_DEBUG_INJECT_INF`: that rank's gradients become inf at that global
 /// step (1-based), to check that every rank skips together.
 pub fn inject_inf() -> Result<Option<(usize, u64)>> {

@@ -811,7 +811,12 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
             )));
         }
     }
-    if let Some(t) = args.threads {
+    // Ranks sharing a machine share its cores (torchrun sets OMP_NUM_THREADS=1 for the
+    // same reason): without --threads each takes cores / ranks on this machine.
+    let threads = args
+        .threads
+        .or_else(|| group.as_ref().map(|_| crate::dist::threads_per_rank()));
+    if let Some(t) = threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
             .build_global()

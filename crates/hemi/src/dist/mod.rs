@@ -172,6 +172,8 @@ enum Job {
     },
     AllGather {
         data: Vec<u8>,
+        /// Every rank sends as many bytes (one message per ring step instead of two).
+        fixed: bool,
         reply: Sender<Result<Vec<Vec<u8>>>>,
     },
 }
@@ -344,17 +346,28 @@ impl ProcessGroup {
         Ok(self.work(rx))
     }
 
-    /// Every rank's `data`, in rank order.
+    /// Every rank's `data`, in rank order (the lengths may differ).
     pub fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.gather(data, false)
+    }
+
+    /// Every rank's `data`, in rank order, where every rank sends the same number of bytes
+    /// (half the messages of [`ProcessGroup::all_gather`]; a rank that sends another
+    /// length is an error).
+    pub fn all_gather_fixed(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        self.gather(data, true)
+    }
+
+    fn gather(&self, data: Vec<u8>, fixed: bool) -> Result<Vec<Vec<u8>>> {
         let (reply, rx) = channel();
-        self.submit(Job::AllGather { data, reply })?;
+        self.submit(Job::AllGather { data, fixed, reply })?;
         self.work(rx).wait()
     }
 
-    /// Every rank's values, in rank order.
+    /// Every rank's values, in rank order (every rank passes as many).
     pub fn all_gather_f64(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
         let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let all = self.all_gather(bytes)?;
+        let all = self.all_gather_fixed(bytes)?;
         Ok(all
             .iter()
             .map(|b| {
@@ -388,13 +401,13 @@ impl ProcessGroup {
 
     /// Whether `flag` is true on any rank.
     pub fn any(&self, flag: bool) -> Result<bool> {
-        let all = self.all_gather(vec![u8::from(flag)])?;
+        let all = self.all_gather_fixed(vec![u8::from(flag)])?;
         Ok(all.iter().any(|b| b.first() == Some(&1)))
     }
 
     /// Waits until every rank got here.
     pub fn barrier(&self) -> Result<()> {
-        self.all_gather(Vec::new()).map(|_| ())
+        self.all_gather_fixed(Vec::new()).map(|_| ())
     }
 
     /// Ends the whole job with exit code `code` where the transport can (MPI's
@@ -435,9 +448,10 @@ fn comm_loop(t: &mut dyn Transport, jobs: Receiver<Job>, stats: &CommStats, time
                 }
                 let _ = reply.send(r);
             }
-            Job::AllGather { data, reply } => {
+            Job::AllGather { data, fixed, reply } => {
                 let r = match &broken {
                     Some(_) => Err(fail(&broken)),
+                    None if fixed => ring::all_gather_fixed(t, data, stats, timeout),
                     None => ring::all_gather(t, data, stats, timeout),
                 };
                 if let Err(e) = &r {

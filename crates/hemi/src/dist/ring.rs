@@ -132,7 +132,7 @@ pub fn all_reduce(
                 f32::INFINITY
             }
         });
-        let all = all_gather(t, local.to_le_bytes().to_vec(), stats, timeout)?;
+        let all = all_gather_fixed(t, local.to_le_bytes().to_vec(), stats, timeout)?;
         let amax = all
             .iter()
             .map(|b| f32::from_le_bytes(b[..4].try_into().expect("4 bytes")))
@@ -210,6 +210,30 @@ pub fn all_gather(
             )));
         }
         let mut buf = vec![0u8; want as usize];
+        let send = std::mem::take(&mut blocks[send_i]);
+        send_recv(t, &send, &mut buf, stats, timeout)?;
+        blocks[send_i] = send;
+        blocks[recv_i] = buf;
+    }
+    Ok(blocks)
+}
+
+/// [`all_gather`] where every rank's string has the length of `mine`: N − 1 ring steps of
+/// one message each (a peer sending another length is the transport's size error).
+pub fn all_gather_fixed(
+    t: &mut dyn Transport,
+    mine: Vec<u8>,
+    stats: &CommStats,
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>> {
+    let (r, n) = (t.rank(), t.size());
+    let len = mine.len();
+    let mut blocks: Vec<Vec<u8>> = vec![Vec::new(); n];
+    blocks[r] = mine;
+    for s in 0..n.saturating_sub(1) {
+        let send_i = (r + n - s) % n;
+        let recv_i = (r + 2 * n - s - 1) % n;
+        let mut buf = vec![0u8; len];
         let send = std::mem::take(&mut blocks[send_i]);
         send_recv(t, &send, &mut buf, stats, timeout)?;
         blocks[send_i] = send;
