@@ -233,10 +233,6 @@ fn reducer_averages_gradients_in_reverse_order_buckets() {
 
 // ---- whole training runs ----
 
-fn loaders(shard: Shard, batch: usize) -> (DataLoader, DataLoader) {
-    loaders_n(shard, batch, 256)
-}
-
 fn loaders_n(shard: Shard, batch: usize, n_train: usize) -> (DataLoader, DataLoader) {
     let tr = Arc::new(Synthetic::generate(3, Split::Train, n_train));
     let te = Arc::new(Synthetic::generate(3, Split::Test, 64));
@@ -328,26 +324,36 @@ fn two_ranks_n(
     n_train: usize,
 ) -> Vec<(Vec<Vec<f32>>, Summary)> {
     on_ranks(2, Duration::from_secs(60), move |g| {
-        let shard = Shard {
-            rank: g.rank(),
-            world: 2,
-            pad: true,
-        };
-        let (tr, te) = loaders_n(shard, batch, n_train);
         let mut m = mlp();
-        let cfg = TrainConfig {
-            dist: Some(DistConfig {
-                group: g,
-                reducer: ReducerConfig {
-                    wire,
-                    bucket_bytes: 16 << 10,
-                },
-            }),
-            ..cfg.clone()
+        let reducer = ReducerConfig {
+            wire,
+            bucket_bytes: 16 << 10,
         };
-        let s = train(&mut m, &tr, &te, &cfg, &info(cfg.precision), &mut |_| {}).unwrap();
+        let s = train_rank(g, &mut m, cfg.clone(), batch, n_train, reducer).unwrap();
         (params_of(&m), s)
     })
+}
+
+/// Rank `g.rank()` of 2 trains `m` on its shard of the synthetic set.
+fn train_rank(
+    g: Arc<ProcessGroup>,
+    m: &mut Mlp,
+    cfg: TrainConfig,
+    batch: usize,
+    n_train: usize,
+    reducer: ReducerConfig,
+) -> hemi::Result<Summary> {
+    let shard = Shard {
+        rank: g.rank(),
+        world: 2,
+        pad: true,
+    };
+    let (tr, te) = loaders_n(shard, batch, n_train);
+    let cfg = TrainConfig {
+        dist: Some(DistConfig { group: g, reducer }),
+        ..cfg
+    };
+    train(m, &tr, &te, &cfg, &info(cfg.precision), &mut |_| {})
 }
 
 fn bits(p: &[Vec<f32>]) -> Vec<Vec<u32>> {
@@ -455,52 +461,28 @@ fn an_inf_on_one_rank_makes_every_rank_skip() {
 
 #[test]
 fn replicas_that_differ_are_named_at_start() {
-    let got = on_ranks(2, Duration::from_secs(20), |g| {
-        let shard = Shard {
-            rank: g.rank(),
-            world: 2,
-            pad: true,
-        };
-        let (tr, te) = loaders(shard, 16);
-        let mut m = mlp();
-        let lr = if g.rank() == 1 { 0.1 } else { 0.05 };
-        let cfg = TrainConfig {
-            lr,
-            dist: Some(DistConfig {
-                group: g,
-                reducer: ReducerConfig::default(),
-            }),
-            ..base(Precision::Fp32)
-        };
-        train(&mut m, &tr, &te, &cfg, &info(Precision::Fp32), &mut |_| {})
+    let start_error = |g: Arc<ProcessGroup>, mut m: Mlp, cfg: TrainConfig| {
+        train_rank(g, &mut m, cfg, 16, 256, ReducerConfig::default())
             .map(|_| ())
             .unwrap_err()
             .to_string()
+    };
+    let got = on_ranks(2, Duration::from_secs(20), move |g| {
+        let lr = if g.rank() == 1 { 0.1 } else { 0.05 };
+        let cfg = TrainConfig {
+            lr,
+            ..base(Precision::Fp32)
+        };
+        start_error(g, mlp(), cfg)
     });
     for e in &got {
         assert!(e.contains("lr"), "{e}");
     }
 
     // Same settings, different initial parameters.
-    let got = on_ranks(2, Duration::from_secs(20), |g| {
-        let shard = Shard {
-            rank: g.rank(),
-            world: 2,
-            pad: true,
-        };
-        let (tr, te) = loaders(shard, 16);
-        let mut m = Mlp::new(3 * 32 * 32, 24, 10, &mut Generator::new(g.rank() as u64)).unwrap();
-        let cfg = TrainConfig {
-            dist: Some(DistConfig {
-                group: g,
-                reducer: ReducerConfig::default(),
-            }),
-            ..base(Precision::Fp32)
-        };
-        train(&mut m, &tr, &te, &cfg, &info(Precision::Fp32), &mut |_| {})
-            .map(|_| ())
-            .unwrap_err()
-            .to_string()
+    let got = on_ranks(2, Duration::from_secs(20), move |g| {
+        let m = Mlp::new(3 * 32 * 32, 24, 10, &mut Generator::new(g.rank() as u64)).unwrap();
+        start_error(g, m, base(Precision::Fp32))
     });
     for e in &got {
         assert!(e.contains("parameters"), "{e}");

@@ -27,7 +27,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 
 use super::{CommStats, Transport, Wire};
-use crate::dtype::convert;
+use crate::dtype::{convert, WithDType};
 use crate::error::{Error, Result};
 
 /// Chunk `c` of `n` values cut into `parts`: `c·n/parts .. (c+1)·n/parts`.
@@ -49,47 +49,54 @@ fn send_recv(
 
 /// Encodes `x` in the wire dtype into `out` (little-endian, `x.len() · wire.bytes()`).
 fn encode(x: &[f32], wire: Wire, out: &mut Vec<u8>) {
+    fn put<T: WithDType>(v: &[T], out: &mut Vec<u8>) {
+        v.iter().for_each(|x| x.write_le(out));
+    }
     out.clear();
     match wire {
-        Wire::F32 => out.extend(x.iter().flat_map(|v| v.to_le_bytes())),
+        Wire::F32 => put(x, out),
         Wire::F16 => {
             let mut h = vec![f16::ZERO; x.len()];
             convert::f32_to_f16(x, &mut h);
-            out.extend(h.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+            put(&h, out);
         }
         Wire::Bf16 => {
             let mut h = vec![bf16::ZERO; x.len()];
             convert::f32_to_bf16(x, &mut h);
-            out.extend(h.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+            put(&h, out);
         }
     }
 }
 
 /// Decodes wire bytes into F32 values, each passed to `f(index, value)`.
 fn decode(bytes: &[u8], wire: Wire, mut f: impl FnMut(usize, f32)) {
-    match wire {
+    fn get<T: WithDType>(b: &[u8]) -> Vec<T> {
+        b.chunks_exact(std::mem::size_of::<T>())
+            .map(T::read_le)
+            .collect()
+    }
+    let widened = match wire {
         Wire::F32 => {
             for (i, c) in bytes.chunks_exact(4).enumerate() {
-                f(i, f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                f(i, f32::read_le(c));
             }
+            return;
         }
-        Wire::F16 | Wire::Bf16 => {
-            let bits: Vec<u16> = bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            let mut v = vec![0f32; bits.len()];
-            if wire == Wire::F16 {
-                let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b)).collect();
-                convert::f16_to_f32(&h, &mut v);
-            } else {
-                let h: Vec<bf16> = bits.iter().map(|&b| bf16::from_bits(b)).collect();
-                convert::bf16_to_f32(&h, &mut v);
-            }
-            for (i, x) in v.into_iter().enumerate() {
-                f(i, x);
-            }
+        Wire::F16 => {
+            let h = get::<f16>(bytes);
+            let mut v = vec![0f32; h.len()];
+            convert::f16_to_f32(&h, &mut v);
+            v
         }
+        Wire::Bf16 => {
+            let h = get::<bf16>(bytes);
+            let mut v = vec![0f32; h.len()];
+            convert::bf16_to_f32(&h, &mut v);
+            v
+        }
+    };
+    for (i, x) in widened.into_iter().enumerate() {
+        f(i, x);
     }
 }
 

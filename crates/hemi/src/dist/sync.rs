@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{ProcessGroup, Wire};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::nn::{Kind, Module};
 use crate::tensor::Tensor;
 
@@ -51,40 +51,27 @@ pub fn broadcast_buffers(g: &ProcessGroup, model: &mut dyn Module) -> Result<()>
     if g.size() == 1 {
         return Ok(());
     }
-    let mut mine = Vec::new();
-    for (_, t, kind, _) in model.tensors() {
-        if kind == Kind::Buffer {
-            for x in t.to_vec_f64() {
-                mine.extend(x.to_le_bytes());
-            }
-        }
-    }
-    let all = g.all_gather(mine)?;
+    let mine: Vec<f64> = model
+        .tensors()
+        .into_iter()
+        .filter(|(_, _, kind, _)| *kind == Kind::Buffer)
+        .flat_map(|(_, t, _, _)| t.to_vec_f64())
+        .collect();
+    let all = g.all_gather_f64(&mine)?;
+    // A rank with other buffers sent another length: the transport refused it above.
     let root = &all[0];
-    if root.len() != all[g.rank()].len() {
-        return Err(Error::Msg(format!(
-            "rank {}: rank 0 has {} bytes of buffers, this rank {}",
-            g.rank(),
-            root.len(),
-            all[g.rank()].len()
-        )));
-    }
     let mut at = 0;
     for slot in model.tensors_mut() {
         if slot.kind != Kind::Buffer {
             continue;
         }
         let t: &Tensor = slot.tensor;
-        let n = t.numel();
-        let vals: Vec<f64> = root[at..at + 8 * n]
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        at += 8 * n;
+        let vals = &root[at..at + t.numel()];
+        at += t.numel();
         let new = if t.dtype() == DType::I64 {
             Tensor::from_vec(vals.iter().map(|&v| v as i64).collect(), t.shape())?
         } else {
-            Tensor::from_vec(vals, t.shape())?.to_dtype(t.dtype())?
+            Tensor::from_vec(vals.to_vec(), t.shape())?.to_dtype(t.dtype())?
         };
         t.set_data(&new)?;
     }
