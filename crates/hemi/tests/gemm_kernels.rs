@@ -535,3 +535,57 @@ fn amx_agrees_with_its_portable_twin() {
         }
     }
 }
+
+/// The BF16-pair kernels run 8-row tiles where that pads m less than 14 rows do (16, 32, 64:
+/// convolutions' channel counts) and 14-row tiles elsewhere (9, 14, 67); every element sums
+/// its pair steps in the same order either way, so `avx512bf16` equals its portable twin to
+/// the bit on both heights and on partial tiles (normal random values: no subnormal sums for
+/// `vdpbf16ps` to flush), and both match F64 within the F32 summation bound.
+#[test]
+fn bf16_pair_tiles_of_both_heights_agree_with_the_twin_and_f64() {
+    let mut rng = Generator::new(77);
+    for (m, k, n) in [
+        (16, 144, 1024),
+        (32, 37, 70),
+        (64, 577, 33),
+        (9, 40, 65),
+        (14, 300, 31),
+        (67, 9, 32),
+    ] {
+        let av = rand_values(m * k, -1.0, 1.0, DType::BF16, &mut rng);
+        let bv = rand_values(k * n, -1.0, 1.0, DType::BF16, &mut rng);
+        let ah: Vec<half::bf16> = av.iter().map(|&x| half::bf16::from_f64(x)).collect();
+        let bh: Vec<half::bf16> = bv.iter().map(|&x| half::bf16::from_f64(x)).collect();
+        let (a, b) = (MatRef::row_major(&ah, m, k), MatRef::row_major(&bh, k, n));
+        let mut twin = vec![0f32; m * n];
+        gemm_with(Kernel::PortableBf16Pairs, &mut twin, a, b, false, false);
+        for i in 0..m {
+            for j in 0..n {
+                let (mut want, mut abs) = (0f64, 0f64);
+                for p in 0..k {
+                    let t = ah[i * k + p].to_f64() * bh[p * n + j].to_f64();
+                    want += t;
+                    abs += t.abs();
+                }
+                let tol = 2.0 * (k as f64 + 1.0) * f64::powi(2.0, -24) * abs;
+                let got = f64::from(twin[i * n + j]);
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{m}x{k}x{n} ({i}, {j}): {got} vs {want}"
+                );
+            }
+        }
+        if Kernel::Avx512Bf16.is_available() {
+            let mut simd = vec![0f32; m * n];
+            gemm_with(Kernel::Avx512Bf16, &mut simd, a, b, false, true);
+            let same = simd
+                .iter()
+                .zip(&twin)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "{m}x{k}x{n}: avx512bf16 differs from portable-bf16-pairs"
+            );
+        }
+    }
+}

@@ -31,10 +31,11 @@
 //!   as above. Measured on Zen 5 against 12×32, 14×32 and 8×48 tiles and KC 256–512: all run
 //!   the microkernel at the FMA limit in L1, and 8×32 was fastest on whole products, the
 //!   8 rows dividing convolutions' channel counts.
-//! - BF16 pairs, 14×32 tiles: `avx512bf16` and `portable-bf16-pairs`. BF16×BF16 only. Each
+//! - BF16 pairs, 8×32 or 14×32 tiles (`pair_rows`): `avx512bf16` and `portable-bf16-pairs`.
+//!   BF16×BF16 only. Each
 //!   packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1 (high half); A is
 //!   broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and `vdpbf16ps` adds both
-//!   products to an F32 accumulator (28 zmm accumulators hide its latency).
+//!   products to an F32 accumulator (16 or 28 zmm accumulators hide its latency).
 //!
 //! - AMX, 32×32 tiles: `amx-bf16` (Intel AMX `tdpbf16ps`) and `portable-amx`. BF16×BF16
 //!   only. A panels are row-major BF16 rows (a row of 16 pair steps is a row of an AMX A
@@ -212,14 +213,27 @@ impl Kernel {
         }
     }
 
-    /// (MR, NR): the tile of C one microkernel call computes.
-    fn tile_shape(self) -> (usize, usize) {
+    /// (MR, NR): the tile of C one microkernel call computes in a product with `m` rows.
+    fn tile_shape(self, m: usize) -> (usize, usize) {
         match self {
             Kernel::PortableF32 | Kernel::Avx2Fma => (6, 16),
-            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (14, 32),
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => (pair_rows(m), 32),
             Kernel::PortableF32Wide | Kernel::Avx512F32 => (WIDE_MR, WIDE_NR),
             Kernel::PortableAmx | Kernel::AmxBf16 => (AMX_MR, AMX_NR),
         }
+    }
+}
+
+/// Rows of the BF16-pair tile for a product with `m` rows: 8 where that pads `m` less than
+/// 14 does (so the channel counts of convolutions, 16–512: with 14 rows, 16 of them ran as
+/// 28, 32 as 42, and each product's last row of tiles went through the edge buffer), else 14
+/// (more accumulators per B load). The tile
+/// height changes no bit of the result: every element sums its k steps in order either way.
+fn pair_rows(m: usize) -> usize {
+    if m.next_multiple_of(8) < m.next_multiple_of(14) {
+        8
+    } else {
+        14
     }
 }
 
@@ -386,7 +400,7 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
     } else {
         1
     };
-    let (mr, nr) = kernel.tile_shape();
+    let (mr, nr) = kernel.tile_shape(m);
     let (tm, tn) = split(m, n, k, mr, nr, threads);
     if tm >= m && tn >= n {
         run_task(kernel, &job, 0..m, 0..n);
@@ -458,7 +472,10 @@ fn run_task<A: WithDType, B: WithDType>(
 ) {
     with_workspace(|ws| match kernel {
         Kernel::PortableF32 => run_tile::<PortableF32, A, B>(job, rows, cols, ws),
-        Kernel::PortableBf16Pairs => run_tile::<PortablePairs, A, B>(job, rows, cols, ws),
+        Kernel::PortableBf16Pairs if pair_rows(job.a.rows) == 8 => {
+            run_tile::<PortablePairs<8>, A, B>(job, rows, cols, ws)
+        }
+        Kernel::PortableBf16Pairs => run_tile::<PortablePairs<14>, A, B>(job, rows, cols, ws),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `gemm_with` checked `Kernel::Avx2Fma.is_available()` (AVX2, FMA, F16C).
         Kernel::Avx2Fma => unsafe { x86::run_tile_avx2::<A, B>(job, rows, cols, ws) },
@@ -1137,12 +1154,12 @@ unsafe fn tile_f32<const MR: usize, const NR: usize, const FUSED: bool>(
 /// Blocking of the BF16-pair kernels, for Sapphire Rapids / Zen 4 (48 / 32 KiB L1d, 2 / 1 MiB
 /// L2 per core): the B micro-panel is 192 pair steps × 32 × 4 B = 24 KiB, an A block 336 × 192
 /// × 4 B = 252 KiB.
-struct PortablePairs;
+struct PortablePairs<const MR: usize>;
 
-impl Micro for PortablePairs {
+impl<const MR: usize> Micro for PortablePairs<MR> {
     type P = u32;
     const KSTEP: usize = 2;
-    const MR: usize = 14;
+    const MR: usize = MR;
     const NR: usize = 32;
     const KC: usize = 384;
     const MC: usize = 336;
@@ -1157,7 +1174,7 @@ impl Micro for PortablePairs {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<14, 1, T>(a, i0, h, p0, kc, out)
+        pack_pairs::<MR, 1, T>(a, i0, h, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1184,12 +1201,12 @@ impl Micro for PortablePairs {
         // SAFETY: the caller guarantees `steps` steps of MR and NR elements.
         let (a, b) = unsafe {
             (
-                std::slice::from_raw_parts(a, steps * 14),
+                std::slice::from_raw_parts(a, steps * MR),
                 std::slice::from_raw_parts(b, steps * 32),
             )
         };
-        let mut acc = [[0f32; 32]; 14];
-        for (ap, bp) in a.chunks_exact(14).zip(b.chunks_exact(32)) {
+        let mut acc = [[0f32; 32]; MR];
+        for (ap, bp) in a.chunks_exact(MR).zip(b.chunks_exact(32)) {
             for (acc_row, &x) in acc.iter_mut().zip(ap) {
                 let (x0, x1) = (
                     bf16_bits_to_f32(x as u16),
@@ -1348,7 +1365,11 @@ mod x86 {
         cols: Range<usize>,
         ws: &mut Workspace,
     ) {
-        run_tile::<Avx512Bf16, A, B>(job, rows, cols, ws)
+        if super::pair_rows(job.a.rows) == 8 {
+            run_tile::<Avx512Bf16<8>, A, B>(job, rows, cols, ws)
+        } else {
+            run_tile::<Avx512Bf16<14>, A, B>(job, rows, cols, ws)
+        }
     }
 
     /// `run_tile` compiled for AVX-512 F (packing with AVX2 and F16C).
@@ -1581,12 +1602,12 @@ mod x86 {
     }
 
     /// Blocking as `PortablePairs`.
-    struct Avx512Bf16;
+    struct Avx512Bf16<const MR: usize>;
 
-    impl Micro for Avx512Bf16 {
+    impl<const MR: usize> Micro for Avx512Bf16<MR> {
         type P = u32;
         const KSTEP: usize = 2;
-        const MR: usize = 14;
+        const MR: usize = MR;
         const NR: usize = 32;
         const KC: usize = 384;
         const MC: usize = 336;
@@ -1601,7 +1622,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<14, 1, T>(a, i0, h, p0, kc, out)
+            pack_pairs::<MR, 1, T>(a, i0, h, p0, kc, out)
         }
 
         #[inline(always)]
@@ -1626,16 +1647,17 @@ mod x86 {
             load_c: bool,
         ) {
             // SAFETY: forwarded from the caller (who also guarantees AVX-512 BF16).
-            unsafe { tile_14x32(steps, a, b, c, ldc, load_c) }
+            unsafe { tile_pairs::<MR>(steps, a, b, c, ldc, load_c) }
         }
     }
 
-    /// 14×32 BF16-pair tile: per pair of k indices, two B loads (32 columns × 2 BF16), 14 A
-    /// broadcasts, 28 `vdpbf16ps` into 28 zmm accumulators (3 registers left for B and the
-    /// broadcast). 28 independent chains cover the instruction's latency (5–6 cycles) at two
-    /// per cycle.
+    /// MR×32 BF16-pair tile (MR = 8 or 14): per pair of k indices, two B loads (32 columns ×
+    /// 2 BF16), MR A broadcasts, 2·MR `vdpbf16ps` into 2·MR zmm accumulators (with MR = 14,
+    /// 3 registers left for B and the broadcast). 16 or 28 independent chains cover the
+    /// instruction's latency (5–6 cycles) at one (Zen 4) or two (Zen 5) per cycle.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn tile_14x32(
+    unsafe fn tile_pairs<const MR: usize>(
         steps: usize,
         mut a: *const u32,
         mut b: *const u32,
@@ -1643,7 +1665,7 @@ mod x86 {
         ldc: usize,
         load_c: bool,
     ) {
-        for r in 0..14 {
+        for r in 0..MR {
             // SAFETY: prefetches are hints, and these addresses lie in the C tile (a row of
             // 32 F32 spans two or three lines).
             unsafe {
@@ -1652,9 +1674,9 @@ mod x86 {
                 _mm_prefetch::<_MM_HINT_T0>(c.add(r * ldc + 31).cast());
             }
         }
-        let mut acc = [[_mm512_setzero_ps(); 2]; 14];
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         for _ in 0..steps {
-            // SAFETY: the caller guarantees `steps` steps of 14 (a) and 32 (b) u32; the
+            // SAFETY: the caller guarantees `steps` steps of MR (a) and 32 (b) u32; the
             // transmutes reinterpret 512 bits of integers as 32 BF16 (same size, any bits).
             unsafe {
                 let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.cast()));
@@ -1664,12 +1686,12 @@ mod x86 {
                     acc_row[0] = _mm512_dpbf16_ps(acc_row[0], x, b0);
                     acc_row[1] = _mm512_dpbf16_ps(acc_row[1], x, b1);
                 }
-                a = a.add(14);
+                a = a.add(MR);
                 b = b.add(32);
             }
         }
         for (r, acc_row) in acc.iter().enumerate() {
-            // SAFETY: the caller guarantees 14 rows of 32 floats at stride ldc.
+            // SAFETY: the caller guarantees MR rows of 32 floats at stride ldc.
             unsafe {
                 let row = c.add(r * ldc);
                 let (mut lo, mut hi) = (acc_row[0], acc_row[1]);
