@@ -98,6 +98,27 @@ fn cases() -> Vec<Case> {
             opts: o.padding(1),
             ..case(2, 2, (3, 4), 3, (5, 6))
         },
+        // Stride 1 with dilation and uneven padding: the input gradient runs as a
+        // convolution of dy with the flipped kernels (padding (k-1)·d - p = (3, 0)).
+        Case {
+            opts: Conv2dOptions {
+                stride: (1, 1),
+                padding: (1, 2),
+                dilation: (2, 1),
+                groups: 1,
+            },
+            ..case(2, 4, (9, 8), 6, (3, 3))
+        },
+        // Padding wider than the kernel reaches: the col2im route.
+        Case {
+            opts: Conv2dOptions {
+                stride: (1, 1),
+                padding: (1, 1),
+                dilation: (1, 1),
+                groups: 1,
+            },
+            ..case(2, 3, (6, 5), 4, (1, 3))
+        },
     ]
 }
 

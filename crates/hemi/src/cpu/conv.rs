@@ -58,11 +58,39 @@ pub fn im2col<C: Copy + Default>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
 /// images side by side: image `i`'s columns start at `col[i * L..]`).
 pub fn im2col_ld<C: Copy + Default>(x: &[C], col: &mut [C], ld: usize, g: &Conv2dGeom) {
     let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
+    // Stride 1 with output rows as long as input rows ("same" padding): row (c, ki, kj) of
+    // the column matrix is plane c shifted by off_h rows and off_w columns, so its valid
+    // part is one run of the flattened plane; only the few columns that wrap around from the
+    // neighbouring row (|off_w| per row) are zeroed afterwards. A copy per plane instead of
+    // one per output row: ResNet's 8×8 and 16×16 planes made im2col a call to memmove per
+    // 8 or 16 elements.
+    let flat = (sh, sw) == (1, 1) && wo == g.w;
     for_each_col_row(g, |row, c, off_h, off_w| {
         let dst = &mut col[row * ld..row * ld + l];
         let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
         let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
         let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
+        if flat {
+            if oh_lo >= oh_hi || ow_lo >= ow_hi {
+                dst.fill(C::default());
+                return;
+            }
+            // Output pixels a..b (flattened) read input pixels a + shift..b + shift.
+            let (a, b) = (oh_lo * wo + ow_lo, (oh_hi - 1) * wo + ow_hi);
+            let from =
+                ((oh_lo as isize + off_h) * g.w as isize + (ow_lo as isize + off_w)) as usize;
+            dst[..a].fill(C::default());
+            dst[a..b].copy_from_slice(&plane[from..from + (b - a)]);
+            dst[b..].fill(C::default());
+            if ow_lo > 0 || ow_hi < wo {
+                for oh in oh_lo..oh_hi {
+                    let r = &mut dst[oh * wo..(oh + 1) * wo];
+                    r[..ow_lo].fill(C::default());
+                    r[ow_hi..].fill(C::default());
+                }
+            }
+            return;
+        }
         dst[..oh_lo * wo].fill(C::default());
         dst[oh_hi * wo..].fill(C::default());
         for oh in oh_lo..oh_hi {
@@ -183,6 +211,56 @@ pub fn conv2d_forward<C: FloatDType>(
     y
 }
 
+/// The input gradient of a stride-1 convolution as a convolution of `dy`: with
+/// `w' [c_in, c_out/groups, kh, kw]`, `w'[gi·cig + ci, co, a, b] = w[gi·m + co, ci, kh-1-a,
+/// kw-1-b]` (each group's kernels transposed and turned by 180°) and padding
+/// `dilation·(k-1) - padding`, `dx = conv(dy, w')` has the input's size. Returns the flipped
+/// weight and the geometry of that convolution, or `None` where it does not apply (strides
+/// other than 1, padding wider than the dilated kernel, pointwise convolutions, which need
+/// no column matrix).
+///
+/// Why: `w^T · dy` followed by col2im computes the same sums, but its product has only
+/// `c_out/groups` as inner dimension (16 for ResNet's first stage), so the GEMM mostly loads
+/// and stores its column matrix, and col2im then adds `kh·kw` shifted copies of it into dx.
+/// As a convolution the inner dimension is `c_out/groups·kh·kw`, the output is dx itself,
+/// and the column matrix is a copy (im2col) rather than a scatter-add.
+fn transposed_input_conv<T: Copy>(w: &[T], g: &Conv2dGeom) -> Option<(Vec<T>, Conv2dGeom)> {
+    let span = |k: usize, d: usize| (k - 1) * d;
+    let (ph, pw) = (span(g.kh, g.dilation.0), span(g.kw, g.dilation.1));
+    if g.stride != (1, 1) || g.is_pointwise() || g.padding.0 > ph || g.padding.1 > pw {
+        return None;
+    }
+    if g.out_image() == 0 || g.in_image() == 0 {
+        return None;
+    }
+    let (m, cig, kk) = (g.c_out_g(), g.c_in / g.groups, g.kh * g.kw);
+    let mut flipped = Vec::with_capacity(w.len());
+    for gi in 0..g.groups {
+        for ci in 0..cig {
+            for co in 0..m {
+                let kernel = &w[((gi * m + co) * cig + ci) * kk..][..kk];
+                flipped.extend(kernel.iter().rev());
+            }
+        }
+    }
+    let tg = Conv2dGeom {
+        n: g.n,
+        c_in: g.c_out,
+        h: g.h_out,
+        w: g.w_out,
+        c_out: g.c_in,
+        kh: g.kh,
+        kw: g.kw,
+        stride: (1, 1),
+        padding: (ph - g.padding.0, pw - g.padding.1),
+        dilation: g.dilation,
+        groups: g.groups,
+        h_out: g.h,
+        w_out: g.w,
+    };
+    Some((flipped, tg))
+}
+
 /// Input gradient of one image: `dcol = w^T x dy` per group, then col2im into `dx`.
 fn image_backward_input<T: WithDType, C: FloatDType>(
     dy: &[T],
@@ -217,6 +295,18 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
         return dx;
     }
     if g.out_image() == 0 {
+        return dx;
+    }
+    if let Some((wt, tg)) = transposed_input_conv(w, g) {
+        if g.n == 1 {
+            image_forward(dy, &wt, None, &mut dx, &mut Vec::new(), &tg, true);
+            return dx;
+        }
+        dx.par_chunks_mut(g.in_image())
+            .zip(dy.par_chunks(g.out_image()))
+            .for_each_init(Vec::new, |scratch, (dxi, dyi)| {
+                image_forward(dyi, &wt, None, dxi, scratch, &tg, false)
+            });
         return dx;
     }
     if g.n == 1 {
@@ -338,6 +428,13 @@ pub fn conv2d_forward_blocks<T: WithDType>(
 /// `conv2d_backward_input` from contiguous `dy` and `w` of one dtype `T` (F32/F16/BF16);
 /// `dx` in `T`.
 pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dGeom) -> CpuStorage {
+    if let Some((wt, tg)) = transposed_input_conv(w, g) {
+        return per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |col, i, dx| {
+            let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+            image_forward::<T, f32>(dyi, &wt, None, dx, col, &tg, g.n == 1);
+        })
+        .expect("F32, F16 or BF16");
+    }
     per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |dcol, i, dx| {
         if g.out_image() > 0 {
             let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
