@@ -809,7 +809,7 @@ fn bf16_bits_to_f32(h: u16) -> f32 {
 /// even k index in its low 16 bits; and, with W = 32, two AMX B tiles side by side (16 rows
 /// of 16 columns × a pair, 128 bytes apart).
 #[inline(always)]
-fn pack_pairs<const W: usize, const ALIGN: usize, T: WithDType>(
+fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType>(
     x: &MatRef<'_, T>,
     i0: usize,
     h: usize,
@@ -850,10 +850,53 @@ fn pack_pairs<const W: usize, const ALIGN: usize, T: WithDType>(
             }
         }
     } else {
-        // One row at a time along k, pairs of neighbours, scattered with stride W.
+        // One row at a time along k, pairs of neighbours, scattered with stride W; with AVX
+        // and rows contiguous along k, eight rows at a time: a row's pairs are its BF16 run
+        // read as u32 (x86 is little-endian: k index 2q in the low half), so the panel is an
+        // 8×8 transpose of 32-bit values, as in `pack_f32` (a convolution's weight gradient
+        // `dy · colᵀ` packs both operands this way).
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
-            for r in 0..w {
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            let mut first = 0;
+            #[cfg(target_arch = "x86_64")]
+            if SIMD && x.cs == 1 && W.is_multiple_of(8) {
+                let mut rows = [[0f32; MAX_KC]; 8];
+                let n8 = real / 8 * 8;
+                while first + 8 <= w {
+                    for (i, row) in rows.iter_mut().enumerate() {
+                        let at = x.offset(i0 + t * W + first + i, p0) as usize;
+                        let run = &s[at..at + kc];
+                        // SAFETY: `run` holds kc BF16 = kc / 2 u32 pairs (plus one odd
+                        // element, below), `row` MAX_KC >= real floats; both are plain bits.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                run.as_ptr().cast::<u8>(),
+                                row.as_mut_ptr().cast::<u8>(),
+                                kc / 2 * 4,
+                            )
+                        };
+                        if kc % 2 == 1 {
+                            row[real - 1] = f32::from_bits(run[kc - 1].to_bits() as u32);
+                        }
+                    }
+                    // SAFETY: u32 and f32 have the same size and alignment, and every bit
+                    // pattern is valid for both.
+                    let panel32: &mut [f32] = unsafe {
+                        std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast(), panel.len())
+                    };
+                    // SAFETY: SIMD is set only by the AVX-512 kernels (AVX); the function
+                    // checks that the panel holds the n8 steps it writes.
+                    unsafe { x86::transpose_rows_8(&rows, n8, panel32, W, first) };
+                    for q in n8..real {
+                        for (i, row) in rows.iter().enumerate() {
+                            panel[q * W + first + i] = row[q].to_bits();
+                        }
+                    }
+                    first += 8;
+                }
+            }
+            for r in first..w {
                 let at = x.offset(i0 + t * W + r, p0);
                 if x.cs == 1 {
                     let run = &s[at as usize..][..kc];
@@ -1174,7 +1217,7 @@ impl<const MR: usize> Micro for PortablePairs<MR> {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<MR, 1, T>(a, i0, h, p0, kc, out)
+        pack_pairs::<MR, 1, false, T>(a, i0, h, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1186,7 +1229,7 @@ impl<const MR: usize> Micro for PortablePairs<MR> {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<32, 1, T>(bt, j0, w, p0, kc, out)
+        pack_pairs::<32, 1, false, T>(bt, j0, w, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1264,7 +1307,7 @@ impl Micro for PortableAmx {
         kc: usize,
         out: &mut [u32],
     ) {
-        pack_pairs::<AMX_NR, 16, T>(bt, j0, w, p0, kc, out)
+        pack_pairs::<AMX_NR, 16, false, T>(bt, j0, w, p0, kc, out)
     }
 
     #[inline(always)]
@@ -1622,7 +1665,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<MR, 1, T>(a, i0, h, p0, kc, out)
+            pack_pairs::<MR, 1, true, T>(a, i0, h, p0, kc, out)
         }
 
         #[inline(always)]
@@ -1634,7 +1677,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<32, 1, T>(bt, j0, w, p0, kc, out)
+            pack_pairs::<32, 1, true, T>(bt, j0, w, p0, kc, out)
         }
 
         #[inline(always)]
@@ -1865,7 +1908,7 @@ mod x86 {
             kc: usize,
             out: &mut [u32],
         ) {
-            pack_pairs::<AMX_NR, 16, T>(bt, j0, w, p0, kc, out)
+            pack_pairs::<AMX_NR, 16, true, T>(bt, j0, w, p0, kc, out)
         }
 
         /// Per 16 pair steps: A rows 0–15 and 16–31 into tiles 4 and 5 (rows `steps` u32
