@@ -82,11 +82,11 @@ pub fn im2col_ld<C: Copy + Default>(x: &[C], col: &mut [C], ld: usize, g: &Conv2
             dst[..a].fill(C::default());
             dst[a..b].copy_from_slice(&plane[from..from + (b - a)]);
             dst[b..].fill(C::default());
-            if ow_lo > 0 || ow_hi < wo {
+            // Column by column down the rows (a fill per row would be a call to memset
+            // per element or two).
+            for ow in (0..ow_lo).chain(ow_hi..wo) {
                 for oh in oh_lo..oh_hi {
-                    let r = &mut dst[oh * wo..(oh + 1) * wo];
-                    r[..ow_lo].fill(C::default());
-                    r[ow_hi..].fill(C::default());
+                    dst[oh * wo + ow] = C::default();
                 }
             }
             return;
