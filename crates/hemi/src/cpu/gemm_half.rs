@@ -684,7 +684,13 @@ fn pack_f32<const W: usize, T: WithDType>(
                     .take(PACK_STEPS);
                 for (p, step) in steps {
                     let at = x.offset(i0 + t * W, p0 + p);
-                    if w == W {
+                    if let (true, Some(src)) = (w == W, same_slice::<T, f32>(x.data)) {
+                        // A copy of constant length, inlined (through `load_run` it was a
+                        // call to memmove per W floats: a tenth of an F32 ResNet-20 step).
+                        let src: &[f32; W] = src[at as usize..][..W].try_into().expect("W");
+                        let dst: &mut [f32; W] = (&mut step[..W]).try_into().expect("W");
+                        *dst = *src;
+                    } else if w == W {
                         load_run(x.data, at, 1, &mut step[..W], simd);
                     } else {
                         load_run(x.data, at, 1, &mut step[..w], simd);
@@ -707,13 +713,27 @@ fn pack_f32<const W: usize, T: WithDType>(
                 let mut rows = [[0f32; MAX_KC]; 8];
                 let n8 = kc / 8 * 8;
                 while first + 8 <= w {
-                    for (i, row) in rows.iter_mut().enumerate() {
-                        let at = x.offset(i0 + t * W + first + i, p0);
-                        load_run(x.data, at, x.cs, &mut row[..kc], simd);
+                    let at = |i: usize| x.offset(i0 + t * W + first + i, p0);
+                    if let (1, Some(s)) = (x.cs, same_slice::<T, f32>(x.data)) {
+                        // F32 rows contiguous along k: transposed straight from the source.
+                        let src: [&[f32]; 8] = std::array::from_fn(|i| &s[at(i) as usize..][..kc]);
+                        // SAFETY: as below.
+                        unsafe { x86::transpose_rows_8(&src, n8, panel, W, first) };
+                        for p in n8..kc {
+                            for (i, row) in src.iter().enumerate() {
+                                panel[p * W + first + i] = row[p];
+                            }
+                        }
+                        first += 8;
+                        continue;
                     }
+                    for (i, row) in rows.iter_mut().enumerate() {
+                        load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
+                    }
+                    let src: [&[f32]; 8] = std::array::from_fn(|i| &rows[i][..kc]);
                     // SAFETY: `simd` is set only by the avx2-fma and avx512f kernels (AVX); the
                     // function checks that the panel holds the n8 steps it writes.
-                    unsafe { x86::transpose_rows_8(&rows, n8, panel, W, first) };
+                    unsafe { x86::transpose_rows_8(&src, n8, panel, W, first) };
                     for p in n8..kc {
                         for (i, row) in rows.iter().enumerate() {
                             panel[p * W + first + i] = row[p];
@@ -885,9 +905,10 @@ fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType
                     let panel32: &mut [f32] = unsafe {
                         std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast(), panel.len())
                     };
+                    let src: [&[f32]; 8] = std::array::from_fn(|i| &rows[i][..real]);
                     // SAFETY: SIMD is set only by the AVX-512 kernels (AVX); the function
                     // checks that the panel holds the n8 steps it writes.
-                    unsafe { x86::transpose_rows_8(&rows, n8, panel32, W, first) };
+                    unsafe { x86::transpose_rows_8(&src, n8, panel32, W, first) };
                     for q in n8..real {
                         for (i, row) in rows.iter().enumerate() {
                             panel[q * W + first + i] = row[q].to_bits();
@@ -1473,16 +1494,16 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx")]
     pub(super) unsafe fn transpose_rows_8(
-        rows: &[[f32; super::MAX_KC]; 8],
+        rows: &[&[f32]; 8],
         n8: usize,
         panel: &mut [f32],
         stride: usize,
         r0: usize,
     ) {
-        assert!(n8.is_multiple_of(8) && n8 <= super::MAX_KC);
+        assert!(n8.is_multiple_of(8) && rows.iter().all(|r| r.len() >= n8));
         assert!(n8 == 0 || (n8 - 1) * stride + r0 + 8 <= panel.len());
         for p in (0..n8).step_by(8) {
-            // SAFETY: p + 8 <= n8 <= MAX_KC elements of each row; the stores write
+            // SAFETY: p + 8 <= n8 <= every row's length (asserted); the stores write
             // panel[(p + j) * stride + r0 .. + 8] for j < 8, inside the panel (asserted).
             unsafe {
                 let a = |i: usize| _mm256_loadu_ps(rows[i].as_ptr().add(p));
