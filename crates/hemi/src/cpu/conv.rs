@@ -10,6 +10,10 @@
 //! `[c_in*kh*kw, h_out*w_out]`; group `g` owns rows `g*K..(g+1)*K` (K = c_in/groups*kh*kw),
 //! so each group's product is one GEMM on contiguous row blocks:
 //! `y_g [c_out/groups, L] = w_g [c_out/groups, K] x col_g [K, L]`.
+//!
+//! The input gradient of a stride-1 convolution runs as the forward convolution of `dy`
+//! with the flipped kernels (`transposed_input_conv`); other strides as `w^T x dy` and
+//! col2im.
 
 use rayon::prelude::*;
 
