@@ -294,23 +294,14 @@ fn image_backward_input<T: WithDType, C: FloatDType>(
 /// Gradient of the convolution with respect to its input: `dy [n, c_out, h_out, w_out]`,
 /// `w` -> `dx [n, c_in, h, w]`. Parallel over images.
 pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -> Vec<C> {
+    if let Some((wt, tg)) = transposed_input_conv(w, g) {
+        return conv2d_forward(dy, &wt, None, &tg);
+    }
     let mut dx = vec![C::zero(); g.n * g.in_image()];
     if dx.is_empty() {
         return dx;
     }
     if g.out_image() == 0 {
-        return dx;
-    }
-    if let Some((wt, tg)) = transposed_input_conv(w, g) {
-        if g.n == 1 {
-            image_forward(dy, &wt, None, &mut dx, &mut Vec::new(), &tg, true);
-            return dx;
-        }
-        dx.par_chunks_mut(g.in_image())
-            .zip(dy.par_chunks(g.out_image()))
-            .for_each_init(Vec::new, |scratch, (dxi, dyi)| {
-                image_forward(dyi, &wt, None, dxi, scratch, &tg, false)
-            });
         return dx;
     }
     if g.n == 1 {
@@ -433,11 +424,7 @@ pub fn conv2d_forward_blocks<T: WithDType>(
 /// `dx` in `T`.
 pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dGeom) -> CpuStorage {
     if let Some((wt, tg)) = transposed_input_conv(w, g) {
-        return per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |col, i, dx| {
-            let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
-            image_forward::<T, f32>(dyi, &wt, None, dx, col, &tg, g.n == 1);
-        })
-        .expect("F32, F16 or BF16");
+        return conv2d_forward_blocks(dy, &wt, None, &tg);
     }
     per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |dcol, i, dx| {
         if g.out_image() > 0 {

@@ -32,10 +32,10 @@
 //!   the microkernel at the FMA limit in L1, and 8×32 was fastest on whole products, the
 //!   8 rows dividing convolutions' channel counts.
 //! - BF16 pairs, 8×32 or 14×32 tiles (`pair_rows`): `avx512bf16` and `portable-bf16-pairs`.
-//!   BF16×BF16 only. Each
-//!   packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1 (high half); A is
-//!   broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and `vdpbf16ps` adds both
-//!   products to an F32 accumulator (16 or 28 zmm accumulators hide its latency).
+//!   BF16×BF16 only. Each packed u32 holds the BF16 bits of k indices 2q (low half) and 2q+1
+//!   (high half); A is broadcast one pair per row, B is 32 columns × 1 pair = two zmm, and
+//!   `vdpbf16ps` adds both products to an F32 accumulator (16 or 28 zmm accumulators hide
+//!   its latency).
 //!
 //! - AMX, 32×32 tiles: `amx-bf16` (Intel AMX `tdpbf16ps`) and `portable-amx`. BF16×BF16
 //!   only. A panels are row-major BF16 rows (a row of 16 pair steps is a row of an AMX A
@@ -227,8 +227,8 @@ impl Kernel {
 /// Rows of the BF16-pair tile for a product with `m` rows: 8 where that pads `m` less than
 /// 14 does (so the channel counts of convolutions, 16–512: with 14 rows, 16 of them ran as
 /// 28, 32 as 42, and each product's last row of tiles went through the edge buffer), else 14
-/// (more accumulators per B load). The tile
-/// height changes no bit of the result: every element sums its k steps in order either way.
+/// (more accumulators per B load). The tile height changes no bit of the result: every
+/// element sums its k steps in order either way.
 fn pair_rows(m: usize) -> usize {
     if m.next_multiple_of(8) < m.next_multiple_of(14) {
         8
@@ -714,28 +714,21 @@ fn pack_f32<const W: usize, T: WithDType>(
                 let n8 = kc / 8 * 8;
                 while first + 8 <= w {
                     let at = |i: usize| x.offset(i0 + t * W + first + i, p0);
-                    if let (1, Some(s)) = (x.cs, same_slice::<T, f32>(x.data)) {
+                    let src: [&[f32]; 8] = match (x.cs, same_slice::<T, f32>(x.data)) {
                         // F32 rows contiguous along k: transposed straight from the source.
-                        let src: [&[f32]; 8] = std::array::from_fn(|i| &s[at(i) as usize..][..kc]);
-                        // SAFETY: as below.
-                        unsafe { x86::transpose_rows_8(&src, n8, panel, W, first) };
-                        for p in n8..kc {
-                            for (i, row) in src.iter().enumerate() {
-                                panel[p * W + first + i] = row[p];
+                        (1, Some(s)) => std::array::from_fn(|i| &s[at(i) as usize..][..kc]),
+                        _ => {
+                            for (i, row) in rows.iter_mut().enumerate() {
+                                load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
                             }
+                            std::array::from_fn(|i| &rows[i][..kc])
                         }
-                        first += 8;
-                        continue;
-                    }
-                    for (i, row) in rows.iter_mut().enumerate() {
-                        load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
-                    }
-                    let src: [&[f32]; 8] = std::array::from_fn(|i| &rows[i][..kc]);
+                    };
                     // SAFETY: `simd` is set only by the avx2-fma and avx512f kernels (AVX); the
                     // function checks that the panel holds the n8 steps it writes.
                     unsafe { x86::transpose_rows_8(&src, n8, panel, W, first) };
                     for p in n8..kc {
-                        for (i, row) in rows.iter().enumerate() {
+                        for (i, row) in src.iter().enumerate() {
                             panel[p * W + first + i] = row[p];
                         }
                     }
@@ -785,7 +778,7 @@ fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: `simd` is set only by kernels that need F16C (avx2-fma, avx512f).
-                unsafe { x86::f16_to_f32_f16c(&x[s..s + n], out) };
+                unsafe { crate::dtype::convert::f16_to_f32_f16c(&x[s..s + n], out) };
                 return;
             }
             x[s..s + n].convert_to_f32_slice(out)
@@ -1400,7 +1393,7 @@ mod x86 {
     use crate::cpu::amx::TileConfig;
     use crate::cpu::gemm::MatRef;
     use crate::dtype::WithDType;
-    use half::{bf16, f16};
+    use half::bf16;
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -1448,41 +1441,6 @@ mod x86 {
         ws: &mut Workspace,
     ) {
         run_tile::<Avx512F32, A, B>(job, rows, cols, ws)
-    }
-
-    /// F16 -> F32 with `vcvtph2ps`, 8 per instruction; a tail of under 8 goes through a
-    /// zero-padded buffer (short runs are common: an A panel row of a column-major A is 6).
-    ///
-    /// # Safety
-    /// The CPU has F16C.
-    #[inline]
-    #[target_feature(enable = "avx,f16c")]
-    pub(super) unsafe fn f16_to_f32_f16c(src: &[f16], out: &mut [f32]) {
-        let n = src.len().min(out.len());
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 <= n elements of both slices; unaligned 16- and 32-byte accesses.
-            unsafe {
-                let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-            }
-            i += 8;
-        }
-        if i < n {
-            let mut h = [0u16; 8];
-            let mut f = [0f32; 8];
-            for (d, s) in h.iter_mut().zip(&src[i..n]) {
-                *d = s.to_bits();
-            }
-            // SAFETY: 8-element stack buffers.
-            unsafe {
-                _mm256_storeu_ps(
-                    f.as_mut_ptr(),
-                    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())),
-                )
-            };
-            out[i..n].copy_from_slice(&f[..n - i]);
-        }
     }
 
     /// `panel[p * stride + r0 + i] = rows[i][p]` for i < 8, p < n8 (a multiple of 8): 8×8

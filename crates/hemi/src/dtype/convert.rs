@@ -38,7 +38,8 @@ pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
     check_len(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if x86::has_f16c() {
-        return run(src, dst, x86::f32_to_f16_f16c);
+        // SAFETY: the CPU has AVX and F16C.
+        return run(src, dst, |s, d| unsafe { x86::f32_to_f16_f16c(s, d) });
     }
     run(src, dst, |s, d| d.convert_from_f32_slice(s));
 }
@@ -48,7 +49,8 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     check_len(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if x86::has_f16c() {
-        return run(src, dst, x86::f16_to_f32_f16c);
+        // SAFETY: the CPU has AVX and F16C.
+        return run(src, dst, |s, d| unsafe { x86::f16_to_f32_f16c(s, d) });
     }
     run(src, dst, |s, d| s.convert_to_f32_slice(d));
 }
@@ -246,6 +248,9 @@ fn f64_to_f32_round_odd_slice(src: &[f64], dst: &mut [f32]) {
 // x86-64 kernels selected at run time
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) use x86::f16_to_f32_f16c;
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{bf16_to_f32_portable, f32_to_bf16_portable};
     use half::slice::HalfFloatSliceExt;
@@ -257,17 +262,17 @@ mod x86 {
         is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c")
     }
 
-    /// F16 -> F32 with `vcvtph2ps`, 16 per step, inlined. `half`'s slice conversion uses the
-    /// same instruction but calls a function per 8 elements (with its 16-byte copies in and
-    /// out): a sixth of a ResNet-20 amp-fp16 step went to it and its F32 -> F16 twin. The
-    /// same bits: the conversion is exact, and a signalling NaN comes back quiet either way.
-    pub(super) fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
-        // SAFETY: selected only after `has_f16c()`.
-        unsafe { f16_to_f32_f16c_inner(src, dst) }
-    }
-
+    /// F16 -> F32 with `vcvtph2ps`, 16 per step, inlined (also into `gemm_half`'s packing).
+    /// `half`'s slice conversion uses the same instruction but calls a function per 8
+    /// elements (with its 16-byte copies in and out): a sixth of a ResNet-20 amp-fp16 step
+    /// went to it and its F32 -> F16 twin. The same bits: the conversion is exact, and a
+    /// signalling NaN comes back quiet either way.
+    ///
+    /// # Safety
+    /// The CPU has AVX and F16C (`has_f16c`).
+    #[inline]
     #[target_feature(enable = "avx,f16c")]
-    unsafe fn f16_to_f32_f16c_inner(src: &[f16], dst: &mut [f32]) {
+    pub(crate) unsafe fn f16_to_f32_f16c(src: &[f16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 16 <= n {
@@ -280,19 +285,41 @@ mod x86 {
             }
             i += 16;
         }
-        src[i..n].convert_to_f32_slice(&mut dst[i..n]);
+        if i + 8 <= n {
+            // SAFETY: as above, 8 elements.
+            unsafe {
+                let a = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(a));
+            }
+            i += 8;
+        }
+        if i < n {
+            // A tail of under 8 through a zero-padded buffer (short runs are common in
+            // `gemm_half`'s packing: an A panel row of a column-major A is 6).
+            let mut h = [0u16; 8];
+            let mut f = [0f32; 8];
+            for (d, s) in h.iter_mut().zip(&src[i..n]) {
+                *d = s.to_bits();
+            }
+            // SAFETY: 8-element stack buffers.
+            unsafe {
+                _mm256_storeu_ps(
+                    f.as_mut_ptr(),
+                    _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast())),
+                )
+            };
+            dst[i..n].copy_from_slice(&f[..n - i]);
+        }
     }
 
     /// F32 -> F16 with `vcvtps2ph` (round to nearest-even, whatever MXCSR says), 16 per
     /// step, inlined; the same bits as `half` (which uses the same instruction, or the same
     /// IEEE rounding in software).
-    pub(super) fn f32_to_f16_f16c(src: &[f32], dst: &mut [f16]) {
-        // SAFETY: selected only after `has_f16c()`.
-        unsafe { f32_to_f16_f16c_inner(src, dst) }
-    }
-
+    ///
+    /// # Safety
+    /// The CPU has AVX and F16C (`has_f16c`).
     #[target_feature(enable = "avx,f16c")]
-    unsafe fn f32_to_f16_f16c_inner(src: &[f32], dst: &mut [f16]) {
+    pub(super) unsafe fn f32_to_f16_f16c(src: &[f32], dst: &mut [f16]) {
         let n = src.len().min(dst.len());
         let mut i = 0;
         while i + 16 <= n {
