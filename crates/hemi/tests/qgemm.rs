@@ -4,7 +4,8 @@
 //! k at `MAX_K`; the F32 and U8 epilogues bit for bit against `portable-i8`; threads; and
 //! bad shapes as errors.
 
-use hemi::cpu::qgemm::{qgemm, Epilogue, PackedB, QKernel, MAX_K};
+use hemi::cpu::qgemm::{qgemm, Act, Epilogue, PackedB, QKernel, MAX_K};
+use hemi::Tensor;
 
 /// xorshift64*: deterministic inputs without depending on hemi's generators.
 struct Rng(u64);
@@ -260,7 +261,8 @@ fn epilogues_match_portable_bit_for_bit() {
         let a = strided(&mut rng, m, k, lda);
         let w = rng.i8s(n * k);
         let p = params(&mut rng, m, n);
-        let run = |kernel: QKernel, bias: bool, relu: bool| {
+        let run = |kernel: QKernel, bias: bool, act: Act| {
+            let relu = act == Act::Relu;
             let b = PackedB::with_kernel(&w, n, k, kernel).unwrap();
             let bias = bias.then_some(&p.bias[..]);
             let mut f = vec![f32::NAN; m * n];
@@ -269,7 +271,7 @@ fn epilogues_match_portable_bit_for_bit() {
                 a_zero: &p.a_zero,
                 w_scale: &p.w_scale,
                 bias,
-                relu,
+                act,
                 out: &mut f,
             };
             qgemm(&a, m, lda, &b, epi).unwrap();
@@ -288,22 +290,43 @@ fn epilogues_match_portable_bit_for_bit() {
             (f.iter().map(|x| x.to_bits()).collect::<Vec<u32>>(), q)
         };
         for bias in [false, true] {
-            for relu in [false, true] {
-                let (f_ref, q_ref) = run(QKernel::Portable, bias, relu);
+            let (plain, _) = run(QKernel::Portable, bias, Act::None);
+            for act in [Act::None, Act::Relu, Act::Gelu, Act::GeluTanh] {
+                let relu = act == Act::Relu;
+                let (f_ref, q_ref) = run(QKernel::Portable, bias, act);
+                // A fused GELU gives the bits of the op applied to the plain outputs.
+                if matches!(act, Act::Gelu | Act::GeluTanh) {
+                    let y = Tensor::from_vec(
+                        plain.iter().map(|&b| f32::from_bits(b)).collect(),
+                        &[m, n],
+                    )
+                    .unwrap();
+                    let y = if act == Act::Gelu {
+                        y.gelu()
+                    } else {
+                        y.gelu_tanh()
+                    }
+                    .unwrap();
+                    let want: Vec<u32> = y.to_vec_f32().iter().map(|x| x.to_bits()).collect();
+                    assert!(
+                        f_ref == want,
+                        "{act:?} epilogue != the op, m={m} n={n} k={k}"
+                    );
+                }
                 // The reference itself must be no constant: outputs of both signs (before
                 // ReLU) and requantised values away from the clamps.
                 if m * n > 1 {
                     assert!(f_ref.iter().any(|&x| f32::from_bits(x) > 0.0));
-                    if !relu {
+                    if act != Act::Relu {
                         assert!(f_ref.iter().any(|&x| f32::from_bits(x) < 0.0));
                     }
                     assert!(q_ref.iter().any(|&x| x != 0 && x != 255 && x != 100));
                 }
                 for kernel in kernels() {
-                    let (f, q) = run(kernel, bias, relu);
+                    let (f, q) = run(kernel, bias, act);
                     assert!(
                         f == f_ref,
-                        "{} F32 epilogue bias={bias} relu={relu} m={m} n={n} k={k}",
+                        "{} F32 epilogue bias={bias} {act:?} m={m} n={n} k={k}",
                         kernel.name()
                     );
                     assert!(
@@ -406,7 +429,7 @@ fn bad_shapes_are_errors() {
                 a_zero,
                 w_scale,
                 bias,
-                relu: false,
+                act: Act::None,
                 out: &mut f[..out_len],
             };
             qgemm(&[0; 15], m, k, &b, epi)

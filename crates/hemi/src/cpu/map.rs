@@ -220,9 +220,10 @@ fn unary_backward_loop(op: UnaryOp, uses_out: bool, g: &[f32], s: &[f32], out: &
     })
 }
 
+/// The vector unit the wide F32 loops are compiled for.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum VectorLevel {
+pub(crate) enum VectorLevel {
     Baseline,
     Avx2,
     Avx512,
@@ -230,7 +231,7 @@ enum VectorLevel {
 
 /// The widest vector unit of this CPU, detected once.
 #[cfg(target_arch = "x86_64")]
-fn vector_level() -> VectorLevel {
+pub(crate) fn vector_level() -> VectorLevel {
     static LEVEL: std::sync::OnceLock<VectorLevel> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
         if std::arch::is_x86_feature_detected!("avx512f") {

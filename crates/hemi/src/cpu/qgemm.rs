@@ -44,6 +44,7 @@
 //! Integer sums are exact: `|a·w| ≤ 255 · 128`, so k up to 65 793 (2³¹ / 32 640) cannot
 //! overflow; `PackedB::new` rejects larger k.
 
+use crate::backend::map::UnaryOp;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 use std::cell::Cell;
@@ -413,12 +414,41 @@ fn pack_panels(w: &[i8], n: usize, k: usize, kp: usize, nr: usize, kg: usize) ->
     out
 }
 
+/// The activation of an F32 epilogue, applied to `y` after the bias: ReLU as `dequant_one`
+/// does it, GELU (erf or tanh form) as `Tensor::gelu` / `gelu_tanh` compute it in F32
+/// (`UnaryOp::f`), so a fused layer gives the bits of the layer followed by the op.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Act {
+    /// `y` as it is.
+    #[default]
+    None,
+    /// `max(y, 0)`.
+    Relu,
+    /// `0.5 · y · (1 + erf(y / √2))`.
+    Gelu,
+    /// The tanh approximation of GELU.
+    GeluTanh,
+}
+
+impl Act {
+    /// GELU of either form applied to `y` (identity for `None` and `Relu`, which
+    /// `dequant_one` applies).
+    #[inline(always)]
+    fn after(self, y: f32) -> f32 {
+        match self {
+            Act::Gelu => UnaryOp::Gelu.f(y),
+            Act::GeluTanh => UnaryOp::GeluTanh.f(y),
+            Act::None | Act::Relu => y,
+        }
+    }
+}
+
 /// What happens to the exact integer sums `acc[i, j] = Σ_k A[i, k] · W[j, k]`.
 ///
 /// With `c = acc[i, j] - a_zero[i] · colsum[j]` (i32, exact), every kernel computes, in this
 /// order and without fused multiply-adds (so all kernels give the same bits):
 /// `y = (c as f32) * (a_scale[i] * w_scale[j])`, then `y = y + bias[j]`, then
-/// `y = max(y, 0)` with `relu`.
+/// `y = max(y, 0)` with `relu` (F32: `act`; GELU there follows the same `y`).
 pub enum Epilogue<'a> {
     /// The raw sums, row-major `[m, n]`, no zero-point correction.
     I32 {
@@ -435,8 +465,8 @@ pub enum Epilogue<'a> {
         w_scale: &'a [f32],
         /// Per output column (length n).
         bias: Option<&'a [f32]>,
-        /// Apply ReLU.
-        relu: bool,
+        /// The activation after the bias.
+        act: Act,
         /// `m · n` outputs.
         out: &'a mut [f32],
     },
@@ -610,18 +640,18 @@ fn store(epi: &mut Epilogue<'_>, i: usize, j: usize, n: usize, acc: i32, col_sum
             a_zero,
             w_scale,
             bias,
-            relu,
+            act,
             out,
         } => {
-            out[i * n + j] = dequant_one(
+            out[i * n + j] = act.after(dequant_one(
                 acc,
                 a_zero[i],
                 col_sum,
                 a_scale[i],
                 w_scale[j],
                 bias.map_or(0.0, |b| b[j]),
-                *relu,
-            )
+                *act == Act::Relu,
+            ))
         }
         Epilogue::U8 {
             a_scale,
@@ -700,6 +730,8 @@ struct Sink<'a> {
     w_scale: &'a [f32],
     bias: Option<&'a [f32]>,
     relu: bool,
+    /// GELU after the dequantisation (F32 outputs).
+    act: Act,
     inv_out_scale: f32,
     out_zero: i32,
     _out: PhantomData<&'a mut [u8]>,
@@ -730,6 +762,7 @@ impl<'a> Sink<'a> {
             w_scale: &[],
             bias: None,
             relu: false,
+            act: Act::None,
             inv_out_scale: 1.0,
             out_zero: 0,
             _out: PhantomData,
@@ -741,7 +774,7 @@ impl<'a> Sink<'a> {
                 a_zero,
                 w_scale,
                 bias,
-                relu,
+                act,
                 out,
             } => {
                 sink = Sink {
@@ -750,7 +783,8 @@ impl<'a> Sink<'a> {
                     a_zero,
                     w_scale,
                     bias,
-                    relu,
+                    relu: act == Act::Relu,
+                    act,
                     ..sink
                 }
             }
@@ -812,6 +846,9 @@ impl<'a> Sink<'a> {
                 dequant_row::<true>(acc, cs, az, sc, ws, bias, out_f32);
             } else {
                 dequant_row::<false>(acc, cs, az, sc, ws, bias, out_f32);
+            }
+            if matches!(self.act, Act::Gelu | Act::GeluTanh) {
+                out_f32.iter_mut().for_each(|y| *y = self.act.after(*y));
             }
             if let Out::U8(p) = self.out {
                 // SAFETY: as above.

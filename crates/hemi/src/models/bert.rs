@@ -79,6 +79,15 @@ impl HiddenAct {
             HiddenAct::Relu => x.relu(),
         }
     }
+
+    /// `act(layer(x))` in one call, so that a quantised layer fuses the activation.
+    fn after(self, layer: &Linear, x: &Tensor) -> Result<Tensor> {
+        match self {
+            HiddenAct::Gelu => layer.forward_gelu(x, false),
+            HiddenAct::GeluNew | HiddenAct::GeluPytorchTanh => layer.forward_gelu(x, true),
+            HiddenAct::Relu => layer.forward_relu(x),
+        }
+    }
 }
 
 /// transformers' `BertConfig` (the fields hemi uses; absent optional fields take
@@ -656,7 +665,7 @@ impl BertLayer {
             .attention_output_dropout
             .forward(&self.attention_output.forward(&ctx)?)?;
         let a = self.attention_norm.forward(&a.add(h)?)?;
-        let f = self.act.apply(&self.intermediate.forward(&a)?)?;
+        let f = self.act.after(&self.intermediate, &a)?;
         let f = self.output_dropout.forward(&self.output.forward(&f)?)?;
         self.output_norm.forward(&f.add(&a)?)
     }

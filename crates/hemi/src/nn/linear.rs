@@ -57,6 +57,18 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// `gelu(self(x))` (`tanh`: the tanh approximation), one call, so that an INT8 layer
+    /// applies GELU in its epilogue instead of a pass over the whole output.
+    pub fn forward_gelu(&self, x: &Tensor, tanh: bool) -> Result<Tensor> {
+        match &self.hook {
+            Some(h) => h.forward_gelu(LayerRef::Linear(self), x, tanh),
+            None if tanh => self.forward(x)?.gelu_tanh(),
+            None => self.forward(x)?.gelu(),
+        }
+    }
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.hook {

@@ -117,6 +117,17 @@ pub trait ForwardHook: Send + Sync + std::any::Any {
     /// The layer's output for `x`, with ReLU applied when `relu` (fused by the caller's
     /// `forward_relu`).
     fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor>;
+    /// The layer's output for `x` followed by GELU (`tanh`: its tanh approximation), for
+    /// `Linear::forward_gelu`. By default `forward`, then the op; INT8 layers apply it in
+    /// their epilogue.
+    fn forward_gelu(&self, layer: LayerRef<'_>, x: &Tensor, tanh: bool) -> Result<Tensor> {
+        let y = self.forward(layer, x, false)?;
+        if tanh {
+            y.gelu_tanh()
+        } else {
+            y.gelu()
+        }
+    }
     /// For code that knows the concrete hook type (reading calibrated ranges back).
     fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::observer::{Observer, ObserverKind};
 use super::qtensor::QTensor;
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::qgemm::{qgemm, Epilogue, PackedB};
+use crate::cpu::qgemm::{qgemm, Act, Epilogue, PackedB};
 use crate::cpu::quant as k;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -135,15 +135,20 @@ impl QWeights {
     }
 
     /// The INT8 product: `x` quantised with `input` (per tensor, static) or per row
-    /// (dynamic, `None`), then requantised to `output` (static) or kept F32.
+    /// (dynamic, `None`), then requantised to `output` (static) or kept F32; `act` after the
+    /// bias (GELU only with F32 outputs: a requantised output takes ReLU or nothing).
     fn run(
         &self,
         x: &Tensor,
         input: Option<(f32, i32)>,
         output: Option<(f32, i32)>,
-        relu: bool,
+        act: Act,
     ) -> Result<Tensor> {
-        let v = host_values(x, "quantized layer")?;
+        check_host(x, "quantized layer")?;
+        // The input's own F32 elements where it is contiguous F32 (no copy).
+        let storage = x.storage();
+        let v = storage.as_cpu().to_f32(x.layout());
+        let relu = act == Act::Relu;
         let (plan, out_shape) = self.rows(x)?;
         let kk = self.packed.k();
         let n = self.packed.n();
@@ -197,11 +202,17 @@ impl QWeights {
                     a_zero: &a_zero,
                     w_scale: &self.scales,
                     bias: self.bias.as_deref(),
-                    relu,
+                    act,
                     out: &mut y,
                 },
             )?,
             Some((os, oz)) => {
+                if !matches!(act, Act::None | Act::Relu) {
+                    return Err(Error::arg(
+                        "quantized layer",
+                        format!("{act:?} after a requantised output"),
+                    ));
+                }
                 let mut q = vec![0u8; m * n];
                 qgemm(
                     &a,
@@ -238,6 +249,12 @@ enum RowsPlan {
 }
 
 fn host_values(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
+    check_host(x, op)?;
+    Ok(x.to_vec_f32())
+}
+
+/// INT8 layers take float tensors in host memory.
+fn check_host(x: &Tensor, op: &'static str) -> Result<()> {
     if x.device() != Device::Cpu {
         return Err(Error::device(
             op,
@@ -247,7 +264,16 @@ fn host_values(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
     if !x.dtype().is_float() {
         return Err(Error::dtype(op, x.dtype(), "takes float inputs"));
     }
-    Ok(x.to_vec_f32())
+    Ok(())
+}
+
+/// The ReLU flag of a hook call as an epilogue activation.
+fn relu_act(relu: bool) -> Act {
+    if relu {
+        Act::Relu
+    } else {
+        Act::None
+    }
 }
 
 /// Dynamic quantisation (`torch.ao.quantization.quantize_dynamic`): INT8 weights, the
@@ -259,7 +285,12 @@ pub struct DynamicHook {
 
 impl ForwardHook for DynamicHook {
     fn forward(&self, _layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
-        self.weights.run(x, None, None, relu)
+        self.weights.run(x, None, None, relu_act(relu))
+    }
+    /// GELU in the GEMM's epilogue, on each tile while it is in cache.
+    fn forward_gelu(&self, _layer: LayerRef<'_>, x: &Tensor, tanh: bool) -> Result<Tensor> {
+        let act = if tanh { Act::GeluTanh } else { Act::Gelu };
+        self.weights.run(x, None, None, act)
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -282,7 +313,7 @@ pub struct StaticHook {
 impl ForwardHook for StaticHook {
     fn forward(&self, _layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
         self.weights
-            .run(x, Some(self.input), Some(self.output), relu)
+            .run(x, Some(self.input), Some(self.output), relu_act(relu))
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
