@@ -125,3 +125,27 @@ fn set_data_updates_every_clone_in_place() {
         .set_data(&Tensor::zeros(&[2], DType::F16).unwrap())
         .is_err());
 }
+
+#[test]
+fn backward_frees_the_graph_and_retain_graph_keeps_it() {
+    let w = param(vec![1.0, -2.0, 3.0], DType::F32);
+    // An intermediate the graph saves (mul keeps both operands for its backward).
+    let h = w.mul(&w).unwrap();
+    let loss = h.mul(&h).unwrap().sum_all().unwrap();
+    let saved = h.storage();
+    drop(h);
+    let before = std::sync::Arc::strong_count(&saved);
+    assert!(before > 1, "the graph holds h");
+    loss.backward_retain_graph().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![4.0, -32.0, 108.0]);
+    // Kept: the graph still holds h's storage, and a second backward adds again.
+    assert_eq!(std::sync::Arc::strong_count(&saved), before);
+    loss.backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![8.0, -64.0, 216.0]);
+    // Freed: only this test's handle is left, and another backward is a clear error.
+    assert_eq!(std::sync::Arc::strong_count(&saved), 1);
+    let e = loss.backward().unwrap_err().to_string();
+    assert!(e.contains("second time") && e.contains("`sum`"), "{e}");
+    // The gradient of the failed call was not added.
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![8.0, -64.0, 216.0]);
+}

@@ -5,11 +5,18 @@
 //! next to its forward). `backward()` sorts the graph topologically and sweeps it in
 //! reverse, adding gradients (so a tensor used twice is right by construction) and finally
 //! adding each leaf's gradient to its `.grad`, PyTorch's accumulate semantics.
+//!
+//! As PyTorch's `backward()` (without `retain_graph`), the sweep frees the graph as it goes:
+//! once a node's backward has run, its inputs and its closure (the tensors it saved) are
+//! released, so activations are freed layer by layer instead of living until the loss is
+//! dropped (BERT-MiniLM at batch 32 × 64: about 440 MB that stayed alive through the
+//! optimizer step). A second backward through a freed node is an error;
+//! `backward_retain_graph` / `grad` keep the graph.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorId};
@@ -21,10 +28,41 @@ pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sy
 pub struct Node {
     /// The op's name (`"matmul"`), for errors and graph dumps.
     pub op: &'static str,
+    /// The inputs and the gradient rule, until a backward that frees the graph has run it.
+    saved: Mutex<Option<Saved>>,
+}
+
+/// What a node keeps for its backward.
+pub(crate) struct Saved {
     /// The op's inputs, kept alive until the backward has run.
-    pub inputs: Vec<Tensor>,
+    pub(crate) inputs: Vec<Tensor>,
     /// The op's gradient rule: output gradient → one optional gradient per input.
-    pub backward: Box<BackwardFn>,
+    pub(crate) backward: Box<BackwardFn>,
+}
+
+impl Node {
+    pub(crate) fn new(op: &'static str, inputs: Vec<Tensor>, backward: Box<BackwardFn>) -> Node {
+        Node {
+            op,
+            saved: Mutex::new(Some(Saved { inputs, backward })),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Saved>> {
+        self.saved.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The inputs, empty once the graph was freed here.
+    pub(crate) fn inputs(&self) -> Vec<Tensor> {
+        self.lock()
+            .as_ref()
+            .map_or_else(Vec::new, |s| s.inputs.clone())
+    }
+
+    /// Takes what the node saved (the graph's drop and a freeing backward).
+    pub(crate) fn take(&self) -> Option<Saved> {
+        self.lock().take()
+    }
 }
 
 thread_local! {
@@ -72,9 +110,9 @@ fn reverse_topo(root: &Tensor) -> Vec<Tensor> {
         }
         stack.push((t.clone(), true));
         if let Some(node) = t.grad_fn() {
-            for inp in &node.inputs {
+            for inp in node.inputs() {
                 if inp.requires_grad() && !seen.contains(&inp.id()) {
-                    stack.push((inp.clone(), false));
+                    stack.push((inp, false));
                 }
             }
         }
@@ -94,15 +132,29 @@ pub(crate) fn backward(root: &Tensor) -> Result<()> {
     backward_with(root, seed)
 }
 
+/// As `backward`, keeping the graph (PyTorch's `retain_graph=True`): a later backward may
+/// run through it again.
+pub(crate) fn backward_retain(root: &Tensor) -> Result<()> {
+    if root.numel() != 1 {
+        return Err(Error::Autograd(format!(
+            "backward() needs a scalar (one-element) tensor, got shape {:?}",
+            root.shape()
+        )));
+    }
+    let seed = Tensor::ones(root.shape(), root.dtype())?;
+    sweep(root, seed, None, true).map(|_| ())
+}
+
 /// Backward from `root` with an explicit output gradient `grad` (same shape as `root`),
-/// accumulating into the `.grad` of every leaf that requires grad.
+/// accumulating into the `.grad` of every leaf that requires grad. Frees the graph as it
+/// goes (see the module).
 pub fn backward_with(root: &Tensor, grad: Tensor) -> Result<()> {
-    sweep(root, grad, None).map(|_| ())
+    sweep(root, grad, None, false).map(|_| ())
 }
 
 /// Gradients of the scalar `output` with respect to `inputs`, without touching any `.grad`
 /// (PyTorch's `torch.autograd.grad`): one tensor per input, zeros where it does not reach
-/// the output.
+/// the output. The graph is kept.
 pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     if output.numel() != 1 {
         return Err(Error::Autograd(format!(
@@ -112,7 +164,7 @@ pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let seed = Tensor::ones(output.shape(), output.dtype())?;
     let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
-    let mut found = sweep(output, seed, Some(&wanted))?;
+    let mut found = sweep(output, seed, Some(&wanted), true)?;
     inputs
         .iter()
         .map(|t| match found.remove(&t.id()) {
@@ -123,11 +175,13 @@ pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
 }
 
 /// The reverse sweep. With `capture`, gradients of those tensors are returned instead of
-/// being added to leaves' `.grad`.
+/// being added to leaves' `.grad`. Unless `retain`, each node's saved inputs and closure are
+/// dropped once it has run, and the sweep's own handle on each tensor right after.
 fn sweep(
     root: &Tensor,
     grad: Tensor,
     capture: Option<&HashSet<TensorId>>,
+    retain: bool,
 ) -> Result<HashMap<TensorId, Tensor>> {
     if !root.requires_grad() {
         return Err(Error::Autograd(
@@ -149,7 +203,7 @@ fn sweep(
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
     let mut captured = HashMap::new();
     grads.insert(root.id(), grad.to_dtype(root.dtype())?);
-    for t in &order {
+    for t in order {
         let Some(g) = grads.remove(&t.id()) else {
             continue;
         };
@@ -164,13 +218,23 @@ fn sweep(
             // now: the post-accumulate hooks may read it.
             if capture.is_none() {
                 t.accumulate_grad(g)?;
-                run_post_accumulate_hooks(t)?;
+                run_post_accumulate_hooks(&t)?;
             }
             continue;
         };
-        let input_grads = (node.backward)(&g)?;
-        debug_assert_eq!(input_grads.len(), node.inputs.len(), "op {}", node.op);
-        for (inp, ig) in node.inputs.iter().zip(input_grads) {
+        let saved = if retain {
+            None
+        } else {
+            Some(node.take().ok_or_else(|| freed(node.op))?)
+        };
+        let guard = node.lock();
+        let Some(s) = saved.as_ref().or(guard.as_ref()) else {
+            return Err(freed(node.op));
+        };
+        let input_grads = (s.backward)(&g)?;
+        drop(g);
+        debug_assert_eq!(input_grads.len(), s.inputs.len(), "op {}", node.op);
+        for (inp, ig) in s.inputs.iter().zip(input_grads) {
             let Some(ig) = ig else { continue };
             if !inp.requires_grad() {
                 continue;
@@ -192,8 +256,18 @@ fn sweep(
             };
             grads.insert(inp.id(), acc);
         }
+        drop(guard);
+        // The saved tensors of this node go here (freeing backward), before the next node.
+        drop(saved);
     }
     Ok(captured)
+}
+
+fn freed(op: &str) -> Error {
+    Error::Autograd(format!(
+        "backward through the graph a second time: `{op}` was freed by an earlier backward \
+         (run the first with `backward_retain_graph` to keep it)"
+    ))
 }
 
 /// A function called with a leaf once its `.grad` holds this backward's gradient.

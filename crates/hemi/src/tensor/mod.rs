@@ -53,10 +53,14 @@ impl Drop for TensorImpl {
     fn drop(&mut self) {
         let mut stack: Vec<Arc<Node>> = self.grad_fn.take().into_iter().collect();
         while let Some(node) = stack.pop() {
-            let Ok(mut node) = Arc::try_unwrap(node) else {
+            let Ok(node) = Arc::try_unwrap(node) else {
                 continue; // still shared: someone else drops it later
             };
-            for input in node.inputs.drain(..) {
+            let Some(saved) = node.take() else { continue };
+            // The closure's captured tensors drop here, each with its own graph: those are
+            // the inputs too (captured clones), whose handles below are then the last.
+            drop(saved.backward);
+            for input in saved.inputs {
                 if let Ok(mut inner) = Arc::try_unwrap(input.0) {
                     stack.extend(inner.grad_fn.take());
                 }
@@ -119,11 +123,11 @@ impl Tensor {
         let needs_grad = autograd::is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
         let (dtype, device) = (storage.dtype(), storage.device());
         let grad_fn = needs_grad.then(|| {
-            Arc::new(Node {
+            Arc::new(Node::new(
                 op,
-                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-                backward: Box::new(backward),
-            })
+                inputs.iter().map(|t| (*t).clone()).collect(),
+                Box::new(backward),
+            ))
         });
         Tensor(Arc::new(TensorImpl {
             id: TensorId::next(),
@@ -276,8 +280,15 @@ impl Tensor {
 
     /// Runs reverse-mode differentiation from this scalar (one-element) tensor: every leaf
     /// that requires grad gets the gradient added to its `.grad`.
+    /// Frees the graph as it goes (PyTorch's default): a second backward through it is an
+    /// error; see `backward_retain_graph`.
     pub fn backward(&self) -> Result<()> {
         autograd::backward(self)
+    }
+
+    /// As `backward`, keeping the graph for another backward (`retain_graph=True`).
+    pub fn backward_retain_graph(&self) -> Result<()> {
+        autograd::backward_retain(self)
     }
 
     /// Replaces the data of this (whole, contiguous) tensor with `src`'s values, in place:
