@@ -356,8 +356,16 @@ type Grads3 = Vec<Vec<f64>>;
 /// Gradients of q, k, v of `sum(out · w)`: the fused op in `dtype`, the composed ops in
 /// `dtype`, the fused op in F64.
 fn grads_both(dtype: DType, seed: u64) -> (Grads3, Grads3, Grads3) {
+    grads_both_sized(dtype, seed, (2, 3, 5, 6, 7, 5))
+}
+
+/// As `grads_both`, for `(b, h, lq, lk, d, dv)`.
+fn grads_both_sized(
+    dtype: DType,
+    seed: u64,
+    (b, h, lq, lk, d, dv): (usize, usize, usize, usize, usize, usize),
+) -> (Grads3, Grads3, Grads3) {
     let mut rng = Generator::new(seed);
-    let (b, h, lq, lk, d, dv) = (2, 3, 5, 6, 7, 5);
     let shapes = [[b, h, lq, d], [b, h, lk, d], [b, h, lk, dv]];
     let vals: Vec<Vec<f64>> = shapes
         .iter()
@@ -402,6 +410,23 @@ fn grads_both(dtype: DType, seed: u64) -> (Grads3, Grads3, Grads3) {
 #[test]
 fn gradients_match_composed_ops_f32() {
     let (fused, comp, exact) = grads_both(DType::F32, 22);
+    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let tol = balanced(DType::F32);
+        assert_close(
+            &format!("{name} fused vs composed"),
+            &fused[i],
+            &comp[i],
+            tol,
+        );
+        assert_close(&format!("{name} fused vs f64"), &fused[i], &exact[i], tol);
+    }
+}
+
+/// Many query blocks with a partial last one (1100 keys give blocks of 16 rows; 150 rows
+/// are 9 full blocks and 6 rows), so dK and dV add several blocks' products.
+#[test]
+fn gradients_over_several_query_blocks_f32() {
+    let (fused, comp, exact) = grads_both_sized(DType::F32, 24, (1, 2, 150, 1100, 9, 3));
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
         let tol = balanced(DType::F32);
         assert_close(

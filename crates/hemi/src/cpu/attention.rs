@@ -1,6 +1,6 @@
 //! Fused scaled-dot-product attention on the CPU, forward and backward, flash-attention
-//! style: per head and block of up to 64 query rows, the scores `scale · Q_blk Kᵀ + mask`
-//! are computed into a `[64, lk]` buffer in the compute type (F32, F64 for F64), turned into
+//! style: per head and block of query rows (`block_rows`: 128 for up to 128 keys), the scores `scale · Q_blk Kᵀ + mask`
+//! are computed into a `[rows, lk]` buffer in the compute type (F32, F64 for F64), turned into
 //! probabilities row by row and multiplied by V, so no `[batch, lq, lk]` score tensor ever
 //! exists. The forward keeps only the per-row log-sum-exp of the scores; the backward
 //! recomputes each block's probabilities from it (Dao et al., "FlashAttention", 2022,
@@ -178,8 +178,14 @@ impl<'a, C: FloatDType> MaskRows<'a, C> {
     }
 }
 
-/// Query rows per block: the block's scores are one `[BLOCK, lk]` compute-type buffer.
-const BLOCK: usize = 64;
+/// Query rows per block: up to 128, fewer for long keys so that a block's scores
+/// (`rows × lk` F32) stay within 64 KiB. K and V are packed once per block, so at BERT's 128
+/// tokens one block per head packs them once. The rows of a block change no sum of the
+/// forward (each score and output element sums over d or lk alone); in the backward, dK and
+/// dV add the blocks' products in block order.
+fn block_rows(lq: usize, lk: usize) -> usize {
+    (16384 / lk.max(1)).clamp(16, 128).min(lq).max(1)
+}
 
 impl<'a, T: WithDType> Heads<'a, T> {
     /// Rows `r0..r0 + rows` of head `h` (all `cols` columns) as a GEMM operand, in place.
@@ -456,19 +462,27 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
     let drop = Dropout::new(g);
     let scale = C::from_f64(g.scale);
     let work = (lq * lk * (d + dv)).max(1);
-    let heads: Vec<(Vec<T>, Vec<C>)> = (0..g.batch)
-        .into_par_iter()
+    let bq_max = block_rows(lq, lk);
+    // Every head writes its rows of the one output in place; the scratch (scores, the
+    // block's output, the mask row, dropout factors) is made once per rayon split.
+    let mut out = vec![T::default(); g.batch * lq * dv];
+    let mut lse = vec![C::zero(); g.batch * lq];
+    let scratch = || {
+        (
+            MaskRows::new(mh.as_ref(), lk),
+            vec![C::zero(); bq_max * lk],
+            vec![C::zero(); bq_max * dv],
+            vec![C::zero(); if drop.is_some() { lk } else { 0 }],
+        )
+    };
+    out.par_chunks_mut((lq * dv).max(1))
+        .zip(lse.par_chunks_mut(lq.max(1)))
+        .enumerate()
         .with_min_len((PAR_THRESHOLD / work).max(1))
-        .map(|h| {
+        .for_each_init(scratch, |(masks, s, o, z), (h, (out, lse))| {
             let (kt, vm) = (kh.mat(h, 0, lk, d).t(), vh.mat(h, 0, lk, dv));
-            let mut masks = MaskRows::new(mh.as_ref(), lk);
-            let mut s = vec![C::zero(); BLOCK.min(lq) * lk];
-            let mut o = vec![C::zero(); BLOCK.min(lq) * dv];
-            let mut z = vec![C::zero(); if drop.is_some() { lk } else { 0 }];
-            let mut out = vec![T::default(); lq * dv];
-            let mut lse = vec![C::zero(); lq];
-            for i0 in (0..lq).step_by(BLOCK) {
-                let bq = BLOCK.min(lq - i0);
+            for i0 in (0..lq).step_by(bq_max) {
+                let bq = bq_max.min(lq - i0);
                 let (s, o) = (&mut s[..bq * lk], &mut o[..bq * dv]);
                 product(s, qh.mat(h, i0, bq, d), kt, false, false);
                 for r in 0..bq {
@@ -476,8 +490,8 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
                     let row = &mut s[r * lk..][..lk];
                     lse[i] = softmax_row(row, scale, masks.get(h, i));
                     if let Some(drop) = &drop {
-                        drop.factors(((h * lq + i) * lk) as u64, &mut z);
-                        row.iter_mut().zip(&z).for_each(|(p, &zj)| *p *= zj);
+                        drop.factors(((h * lq + i) * lk) as u64, z);
+                        row.iter_mut().zip(z.iter()).for_each(|(p, &zj)| *p *= zj);
                     }
                 }
                 product(o, MatRef::row_major(&s[..], bq, lk), vm, false, false);
@@ -487,15 +501,7 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
                     }
                 }
             }
-            (out, lse)
-        })
-        .collect();
-    let mut out = Vec::with_capacity(g.batch * lq * dv);
-    let mut lse = Vec::with_capacity(g.batch * lq);
-    for (o, l) in heads {
-        out.extend_from_slice(&o);
-        lse.extend_from_slice(&l);
-    }
+        });
     (out, lse)
 }
 
@@ -526,20 +532,32 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
     let drop = Dropout::new(g);
     let scale = C::from_f64(g.scale);
     let work = (2 * lq * lk * (d + dv)).max(1);
-    let heads: Vec<(Vec<T>, Vec<T>, Vec<T>)> = (0..g.batch)
-        .into_par_iter()
+    let nb = block_rows(lq, lk);
+    let (mut dq_all, mut dk_all, mut dv_all) = (
+        vec![T::default(); g.batch * lq * d],
+        vec![T::default(); g.batch * lk * d],
+        vec![T::default(); g.batch * lk * dv],
+    );
+    let scratch = || {
+        (
+            MaskRows::new(mh.as_ref(), lk),
+            (vec![C::zero(); lk * d], vec![C::zero(); lk * dv]),
+            (vec![C::zero(); nb * lk], vec![C::zero(); nb * lk]),
+            vec![C::zero(); nb * d],
+            vec![C::zero(); if drop.is_some() { lk } else { 0 }],
+        )
+    };
+    dq_all
+        .par_chunks_mut((lq * d).max(1))
+        .zip(dk_all.par_chunks_mut((lk * d).max(1)))
+        .zip(dv_all.par_chunks_mut((lk * dv).max(1)))
+        .enumerate()
         .with_min_len((PAR_THRESHOLD / work).max(1))
-        .map(|h| {
+        .for_each_init(scratch, |scr, (h, ((dq, dk_t), dv_t))| {
+            let (masks, (dk, dvacc), (p, dp), dqb, z) = scr;
             let (km, vm) = (kh.mat(h, 0, lk, d), vh.mat(h, 0, lk, dv));
-            let mut masks = MaskRows::new(mh.as_ref(), lk);
-            let (mut dk, mut dvacc) = (vec![C::zero(); lk * d], vec![C::zero(); lk * dv]);
-            let nb = BLOCK.min(lq);
-            let (mut p, mut dp) = (vec![C::zero(); nb * lk], vec![C::zero(); nb * lk]);
-            let mut dqb = vec![C::zero(); nb * d];
-            let mut dq = vec![T::default(); lq * d];
-            let mut z = vec![C::zero(); if drop.is_some() { lk } else { 0 }];
-            for i0 in (0..lq).step_by(BLOCK) {
-                let bq = BLOCK.min(lq - i0);
+            for i0 in (0..lq).step_by(nb) {
+                let bq = nb.min(lq - i0);
                 let (p, dp, dqb) = (&mut p[..bq * lk], &mut dp[..bq * lk], &mut dqb[..bq * d]);
                 let (qm, dom) = (qh.mat(h, i0, bq, d), oh.mat(h, i0, bq, dv));
                 product(p, qm, km.t(), false, false);
@@ -549,45 +567,37 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
                     let (pr, dpr) = (&mut p[r * lk..][..lk], &mut dp[r * lk..][..lk]);
                     probs_row(pr, scale, masks.get(h, i), lse[h * lq + i]);
                     if let Some(drop) = &drop {
-                        drop.factors(((h * lq + i) * lk) as u64, &mut z);
-                        dpr.iter_mut().zip(&z).for_each(|(x, &zj)| *x *= zj);
+                        drop.factors(((h * lq + i) * lk) as u64, z);
+                        dpr.iter_mut().zip(z.iter()).for_each(|(x, &zj)| *x *= zj);
                     }
                     // dS overwrites dP; P becomes P∘Z for dV.
                     ds_row(pr, dpr, scale);
                     if drop.is_some() {
-                        pr.iter_mut().zip(&z).for_each(|(x, &zj)| *x *= zj);
+                        pr.iter_mut().zip(z.iter()).for_each(|(x, &zj)| *x *= zj);
                     }
                 }
                 let (pm, dsm) = (
                     MatRef::row_major(&p[..], bq, lk),
                     MatRef::row_major(&dp[..], bq, lk),
                 );
-                product(&mut dvacc, pm.t(), dom, true, false);
+                // The first block overwrites the accumulators left by the previous head.
+                product(dvacc, pm.t(), dom, i0 > 0, false);
                 product(dqb, dsm, km, false, false);
-                product(&mut dk, dsm.t(), qm, true, false);
+                product(dk, dsm.t(), qm, i0 > 0, false);
                 if d > 0 {
                     for (r, row) in dqb.chunks_exact(d).enumerate() {
                         store_row(row, &mut dq[(i0 + r) * d..][..d]);
                     }
                 }
             }
-            let (mut dk_t, mut dv_t) = (vec![T::default(); lk * d], vec![T::default(); lk * dv]);
-            store_row(&dk, &mut dk_t);
-            store_row(&dvacc, &mut dv_t);
-            (dq, dk_t, dv_t)
-        })
-        .collect();
-    let (mut dq, mut dk, mut dv) = (
-        Vec::with_capacity(g.batch * lq * d),
-        Vec::with_capacity(g.batch * lk * d),
-        Vec::with_capacity(g.batch * lk * dv),
-    );
-    for (a, b, c) in heads {
-        dq.extend_from_slice(&a);
-        dk.extend_from_slice(&b);
-        dv.extend_from_slice(&c);
-    }
-    (dq, dk, dv)
+            if lq == 0 {
+                dk.fill(C::zero());
+                dvacc.fill(C::zero());
+            }
+            store_row(dk, dk_t);
+            store_row(dvacc, dv_t);
+        });
+    (dq_all, dk_all, dv_all)
 }
 
 // ----- the `NnOps` primitives over `CpuStorage` (dtype dispatch) ----------------------------

@@ -703,14 +703,18 @@ fn pack_f32<const W: usize, T: WithDType>(
         // One row at a time along k (contiguous for row-major A), scattered with stride W;
         // with AVX, eight rows at a time through 8×8 register transposes (a B panel of a
         // transposed B, e.g. a convolution's weight gradient `dy · colᵀ`, packed 4× faster).
-        let mut buf = [0f32; MAX_KC];
+        // Row buffers for sources that are not F32 rows contiguous along k, made (and
+        // zeroed, 18 KiB) once per call and only then: zeroing them for every panel was a
+        // seventh of a BERT attention forward, whose panels are 32 k indices deep.
+        let mut buf: Option<[f32; MAX_KC]> = None;
+        #[cfg(target_arch = "x86_64")]
+        let mut rows_store: Option<[[f32; MAX_KC]; 8]> = None;
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if simd && W.is_multiple_of(8) {
-                let mut rows = [[0f32; MAX_KC]; 8];
                 let n8 = kc / 8 * 8;
                 while first + 8 <= w {
                     let at = |i: usize| x.offset(i0 + t * W + first + i, p0);
@@ -718,6 +722,7 @@ fn pack_f32<const W: usize, T: WithDType>(
                         // F32 rows contiguous along k: transposed straight from the source.
                         (1, Some(s)) => std::array::from_fn(|i| &s[at(i) as usize..][..kc]),
                         _ => {
+                            let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
                             for (i, row) in rows.iter_mut().enumerate() {
                                 load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
                             }
@@ -740,6 +745,7 @@ fn pack_f32<const W: usize, T: WithDType>(
                 let run: &[f32] = match same_slice::<T, f32>(x.data) {
                     Some(s) if x.cs == 1 => &s[at as usize..][..kc],
                     _ => {
+                        let buf = buf.get_or_insert_with(|| [0f32; MAX_KC]);
                         load_run(x.data, at, x.cs, &mut buf[..kc], simd);
                         &buf[..kc]
                     }
@@ -868,13 +874,16 @@ fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType
         // read as u32 (x86 is little-endian: k index 2q in the low half), so the panel is an
         // 8×8 transpose of 32-bit values, as in `pack_f32` (a convolution's weight gradient
         // `dy · colᵀ` packs both operands this way).
+        // The eight rows' pairs, zeroed once per call rather than once per panel.
+        #[cfg(target_arch = "x86_64")]
+        let mut rows_store: Option<[[f32; MAX_KC]; 8]> = None;
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if SIMD && x.cs == 1 && W.is_multiple_of(8) {
-                let mut rows = [[0f32; MAX_KC]; 8];
+                let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
                 let n8 = real / 8 * 8;
                 while first + 8 <= w {
                     for (i, row) in rows.iter_mut().enumerate() {
