@@ -722,6 +722,8 @@ fn pack_f32<const W: usize, T: WithDType>(
                         // F32 rows contiguous along k: transposed straight from the source.
                         (1, Some(s)) => std::array::from_fn(|i| &s[at(i) as usize..][..kc]),
                         _ => {
+                            // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
+                            #[allow(clippy::unnecessary_lazy_evaluations)]
                             let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
                             for (i, row) in rows.iter_mut().enumerate() {
                                 load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
@@ -745,6 +747,8 @@ fn pack_f32<const W: usize, T: WithDType>(
                 let run: &[f32] = match same_slice::<T, f32>(x.data) {
                     Some(s) if x.cs == 1 => &s[at as usize..][..kc],
                     _ => {
+                        // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
+                        #[allow(clippy::unnecessary_lazy_evaluations)]
                         let buf = buf.get_or_insert_with(|| [0f32; MAX_KC]);
                         load_run(x.data, at, x.cs, &mut buf[..kc], simd);
                         &buf[..kc]
@@ -883,6 +887,8 @@ fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if SIMD && x.cs == 1 && W.is_multiple_of(8) {
+                // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
+                #[allow(clippy::unnecessary_lazy_evaluations)]
                 let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
                 let n8 = real / 8 * 8;
                 while first + 8 <= w {
