@@ -19,6 +19,7 @@ fn runs<C>(d: BatchNormGeom, v: &[C], ch: usize) -> impl Iterator<Item = &[C]> {
 }
 
 /// `Σ f(x[i])` over a contiguous slice with eight accumulators (as `sum_slice`).
+#[inline(always)]
 fn sum_map<C: FloatDType>(x: &[C], f: impl Fn(C) -> C) -> C {
     let mut acc = [C::zero(); 8];
     let chunks = x.chunks_exact(8);
@@ -179,6 +180,9 @@ pub(crate) fn bn_backward<C: FloatDType>(
 
 /// Per-row mean and 1/sqrt(var + eps) of rows of `d` values (llm.c keeps the same two for
 /// its backward), then `y = xhat * w + b`. Returns (y, mean, rstd).
+///
+/// One pass per row (statistics and output while the row is in L1), on the widest vector
+/// unit for F32: the same operations in the same order at every width, so the same bits.
 pub(crate) fn ln_forward<C: FloatDType>(
     x: &[C],
     d: usize,
@@ -188,30 +192,119 @@ pub(crate) fn ln_forward<C: FloatDType>(
 ) -> (Vec<C>, Vec<C>, Vec<C>) {
     let rows = x.len().checked_div(d).unwrap_or(0);
     let eps_c = C::from_f64(eps);
-    let inv_d = C::one() / C::from_f64(d as f64);
-    let stats: Vec<(C, C)> = par_map(rows, d, |r| {
-        let row = &x[r * d..][..d];
-        let mean = sum_slice(row) * inv_d;
-        let var = sum_map(row, |v| (v - mean) * (v - mean)) * inv_d;
-        (mean, C::one() / (var + eps_c).sqrt())
-    });
     let mut out = vec![C::zero(); x.len()];
+    let (mut mean, mut rstd) = (vec![C::zero(); rows], vec![C::zero(); rows]);
     let chunk = d.max(1);
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
-        .enumerate()
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .with_min_len((PAR_THRESHOLD / chunk).max(1))
-        .for_each(|(r, (o, row))| {
-            let (mean, rstd) = stats[r];
-            for (j, (o, &v)) in o.iter_mut().zip(row).enumerate() {
-                let xhat = (v - mean) * rstd;
-                let w = w.as_ref().map_or(C::one(), |w| w[j]);
-                let b = b.as_ref().map_or(C::zero(), |b| b[j]);
-                *o = xhat * w + b;
-            }
-        });
-    let (mean, rstd) = stats.into_iter().unzip();
+        .for_each(|((o, row), (m, r))| (*m, *r) = ln_row(row, o, w, b, eps_c));
     (out, mean, rstd)
+}
+
+/// One row of `ln_forward`: (mean, rstd), the output written to `o`.
+#[inline(always)]
+fn ln_row_impl<C: FloatDType>(
+    row: &[C],
+    o: &mut [C],
+    w: Option<&[C]>,
+    b: Option<&[C]>,
+    eps: C,
+) -> (C, C) {
+    let inv_d = C::one() / C::from_f64(row.len() as f64);
+    let mean = sum_slice(row) * inv_d;
+    let var = sum_map(row, |v| (v - mean) * (v - mean)) * inv_d;
+    let rstd = C::one() / (var + eps).sqrt();
+    let xhat = |v: C| (v - mean) * rstd;
+    match (w, b) {
+        (Some(w), Some(b)) => {
+            for (((o, &v), &w), &b) in o.iter_mut().zip(row).zip(w).zip(b) {
+                *o = xhat(v) * w + b;
+            }
+        }
+        (Some(w), None) => {
+            for ((o, &v), &w) in o.iter_mut().zip(row).zip(w) {
+                *o = xhat(v) * w + C::zero();
+            }
+        }
+        (None, Some(b)) => {
+            for ((o, &v), &b) in o.iter_mut().zip(row).zip(b) {
+                *o = xhat(v) * C::one() + b;
+            }
+        }
+        (None, None) => {
+            for (o, &v) in o.iter_mut().zip(row) {
+                *o = xhat(v) * C::one() + C::zero();
+            }
+        }
+    }
+    (mean, rstd)
+}
+
+/// `ln_row_impl` compiled for AVX2 and AVX-512 F (F32).
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn ln_row_avx512(
+        row: &[f32],
+        o: &mut [f32],
+        w: Option<&[f32]>,
+        b: Option<&[f32]>,
+        eps: f32,
+    ) -> (f32, f32) {
+        super::ln_row_impl(row, o, w, b, eps)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn ln_row_avx2(
+        row: &[f32],
+        o: &mut [f32],
+        w: Option<&[f32]>,
+        b: Option<&[f32]>,
+        eps: f32,
+    ) -> (f32, f32) {
+        super::ln_row_impl(row, o, w, b, eps)
+    }
+}
+
+/// `ln_row_impl`, on the widest vector unit for F32.
+fn ln_row<C: FloatDType>(
+    row: &[C],
+    o: &mut [C],
+    w: Option<&[C]>,
+    b: Option<&[C]>,
+    eps: C,
+) -> (C, C) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::cpu::map::{vector_level, VectorLevel};
+        let level = vector_level();
+        let (w32, b32) = (w.map(C::as_f32), b.map(C::as_f32));
+        if let (Some(r32), Some(o32), Some(w32), Some(b32), true) = (
+            C::as_f32(row),
+            C::as_f32_mut(o),
+            w32.map_or(Some(None), |v| v.map(Some)),
+            b32.map_or(Some(None), |v| v.map(Some)),
+            level != VectorLevel::Baseline,
+        ) {
+            let e = eps.to_f64() as f32;
+            // SAFETY: the CPU has the features (`vector_level`).
+            let (m, r) = unsafe {
+                if level == VectorLevel::Avx512 {
+                    wide::ln_row_avx512(r32, o32, w32, b32, e)
+                } else {
+                    wide::ln_row_avx2(r32, o32, w32, b32, e)
+                }
+            };
+            return (C::from_f64(f64::from(m)), C::from_f64(f64::from(r)));
+        }
+    }
+    ln_row_impl(row, o, w, b, eps)
 }
 
 /// Gradients of layer norm over rows of `d` values, given per-row `mean` and `rstd`.
@@ -529,5 +622,64 @@ pub(crate) fn bn_act_backward<T: WithDType>(
         dres: need_dres.then_some(dres),
         dweight,
         dbias,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vectorised layer-norm row gives the baseline loop's bits, for every mix of
+    /// weight and bias, on rows of odd lengths; and statistics close to F64's.
+    #[test]
+    fn wide_layer_norm_rows_equal_the_baseline_and_f64() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 1.5
+        };
+        for d in [1usize, 7, 8, 33, 384, 385] {
+            let row: Vec<f32> = (0..d).map(|_| next()).collect();
+            let w: Vec<f32> = (0..d).map(|_| next()).collect();
+            let b: Vec<f32> = (0..d).map(|_| next()).collect();
+            for (wo, bo) in [
+                (None, None),
+                (Some(&w[..]), None),
+                (None, Some(&b[..])),
+                (Some(&w[..]), Some(&b[..])),
+            ] {
+                let (mut plain, mut wide) = (vec![0f32; d], vec![0f32; d]);
+                let s_plain = ln_row_impl(&row, &mut plain, wo, bo, 1e-5);
+                let s_wide = ln_row(&row, &mut wide, wo, bo, 1e-5);
+                assert_eq!(s_plain.0.to_bits(), s_wide.0.to_bits(), "mean, d={d}");
+                assert_eq!(s_plain.1.to_bits(), s_wide.1.to_bits(), "rstd, d={d}");
+                assert!(
+                    plain
+                        .iter()
+                        .zip(&wide)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "d={d}"
+                );
+                let m: f64 = row.iter().map(|&v| f64::from(v)).sum::<f64>() / d as f64;
+                let var: f64 =
+                    row.iter().map(|&v| (f64::from(v) - m).powi(2)).sum::<f64>() / d as f64;
+                assert!(
+                    (f64::from(s_wide.0) - m).abs() <= 1e-6 * (1.0 + m.abs()),
+                    "d={d}"
+                );
+                let r = 1.0 / (var + 1e-5).sqrt();
+                assert!((f64::from(s_wide.1) - r).abs() <= 1e-5 * r, "d={d}");
+                for j in 0..d {
+                    let want = (f64::from(row[j]) - m) * r * wo.map_or(1.0, |w| f64::from(w[j]))
+                        + bo.map_or(0.0, |b| f64::from(b[j]));
+                    assert!(
+                        (f64::from(wide[j]) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "y[{j}], d={d}"
+                    );
+                }
+            }
+        }
     }
 }

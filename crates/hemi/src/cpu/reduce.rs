@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::tensor::Layout;
 
 /// Sum of a contiguous slice with eight accumulators.
+#[inline(always)]
 pub(crate) fn sum_slice<C: FloatDType>(x: &[C]) -> C {
     let mut acc = [C::zero(); 8];
     let chunks = x.chunks_exact(8);
