@@ -407,9 +407,9 @@ fn grads_both_sized(
     (run(true, dtype), run(false, dtype), run(true, DType::F64))
 }
 
-#[test]
-fn gradients_match_composed_ops_f32() {
-    let (fused, comp, exact) = grads_both(DType::F32, 22);
+/// F32 gradients of the fused op within the dtype's balanced tolerance of the composed ops'
+/// and of the fused op's in F64.
+fn assert_f32_grads((fused, comp, exact): (Grads3, Grads3, Grads3)) {
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
         let tol = balanced(DType::F32);
         assert_close(
@@ -422,21 +422,16 @@ fn gradients_match_composed_ops_f32() {
     }
 }
 
+#[test]
+fn gradients_match_composed_ops_f32() {
+    assert_f32_grads(grads_both(DType::F32, 22));
+}
+
 /// Many query blocks with a partial last one (1100 keys give blocks of 16 rows; 150 rows
 /// are 9 full blocks and 6 rows), so dK and dV add several blocks' products.
 #[test]
 fn gradients_over_several_query_blocks_f32() {
-    let (fused, comp, exact) = grads_both_sized(DType::F32, 24, (1, 2, 150, 1100, 9, 3));
-    for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let tol = balanced(DType::F32);
-        assert_close(
-            &format!("{name} fused vs composed"),
-            &fused[i],
-            &comp[i],
-            tol,
-        );
-        assert_close(&format!("{name} fused vs f64"), &fused[i], &exact[i], tol);
-    }
+    assert_f32_grads(grads_both_sized(DType::F32, 24, (1, 2, 150, 1100, 9, 3)));
 }
 
 fn half_gradients(dtype: DType) {

@@ -121,28 +121,25 @@ fn reverse_topo(root: &Tensor) -> Vec<Tensor> {
     order
 }
 
-pub(crate) fn backward(root: &Tensor) -> Result<()> {
+/// The output gradient of a scalar `root`: ones of its shape.
+fn scalar_seed(root: &Tensor) -> Result<Tensor> {
     if root.numel() != 1 {
         return Err(Error::Autograd(format!(
             "backward() needs a scalar (one-element) tensor, got shape {:?}",
             root.shape()
         )));
     }
-    let seed = Tensor::ones(root.shape(), root.dtype())?;
-    backward_with(root, seed)
+    Tensor::ones(root.shape(), root.dtype())
+}
+
+pub(crate) fn backward(root: &Tensor) -> Result<()> {
+    backward_with(root, scalar_seed(root)?)
 }
 
 /// As `backward`, keeping the graph (PyTorch's `retain_graph=True`): a later backward may
 /// run through it again.
 pub(crate) fn backward_retain(root: &Tensor) -> Result<()> {
-    if root.numel() != 1 {
-        return Err(Error::Autograd(format!(
-            "backward() needs a scalar (one-element) tensor, got shape {:?}",
-            root.shape()
-        )));
-    }
-    let seed = Tensor::ones(root.shape(), root.dtype())?;
-    sweep(root, seed, None, true).map(|_| ())
+    sweep(root, scalar_seed(root)?, None, true).map(|_| ())
 }
 
 /// Backward from `root` with an explicit output gradient `grad` (same shape as `root`),

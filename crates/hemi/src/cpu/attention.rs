@@ -360,20 +360,12 @@ mod wide {
     at!("avx2", softmax_avx2, probs_avx2, ds_avx2);
 }
 
-/// The mask row as F32 when `C` is `f32`: `Some(None)` without a mask, `None` for other types.
-fn f32_mask<C: FloatDType>(m: Option<&[C]>) -> Option<Option<&[f32]>> {
-    match m {
-        None => Some(None),
-        Some(r) => C::as_f32(r).map(Some),
-    }
-}
-
 /// `softmax_row_lanes`, on the widest vector unit for F32.
 fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>) -> C {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
-        let m = f32_mask(mask_row);
+        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
             let sc = scale.to_f64() as f32;
@@ -395,8 +387,8 @@ fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>) -> 
 fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, lse: C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
-        let m = f32_mask(mask_row);
+        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
             let (sc, l) = (scale.to_f64() as f32, lse.to_f64() as f32);

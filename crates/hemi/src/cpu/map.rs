@@ -220,6 +220,15 @@ fn unary_backward_loop(op: UnaryOp, uses_out: bool, g: &[f32], s: &[f32], out: &
     })
 }
 
+/// An optional slice as F32 when `C` is `f32`: `Some(None)` for no slice, `None` when `C`
+/// is another type (for the wide F32 row loops' dispatch).
+pub(crate) fn f32_opt<C: FloatDType>(m: Option<&[C]>) -> Option<Option<&[f32]>> {
+    match m {
+        None => Some(None),
+        Some(r) => C::as_f32(r).map(Some),
+    }
+}
+
 /// The vector unit the wide F32 loops are compiled for.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -245,31 +245,24 @@ fn ln_row_impl<C: FloatDType>(
 /// `ln_row_impl` compiled for AVX2 and AVX-512 F (F32).
 #[cfg(target_arch = "x86_64")]
 mod wide {
-    /// # Safety
-    /// The CPU has AVX-512 F.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn ln_row_avx512(
-        row: &[f32],
-        o: &mut [f32],
-        w: Option<&[f32]>,
-        b: Option<&[f32]>,
-        eps: f32,
-    ) -> (f32, f32) {
-        super::ln_row_impl(row, o, w, b, eps)
+    macro_rules! at {
+        ($feat:literal, $name:ident) => {
+            /// # Safety
+            /// The CPU has the feature.
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $name(
+                row: &[f32],
+                o: &mut [f32],
+                w: Option<&[f32]>,
+                b: Option<&[f32]>,
+                eps: f32,
+            ) -> (f32, f32) {
+                super::ln_row_impl(row, o, w, b, eps)
+            }
+        };
     }
-
-    /// # Safety
-    /// The CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn ln_row_avx2(
-        row: &[f32],
-        o: &mut [f32],
-        w: Option<&[f32]>,
-        b: Option<&[f32]>,
-        eps: f32,
-    ) -> (f32, f32) {
-        super::ln_row_impl(row, o, w, b, eps)
-    }
+    at!("avx512f", ln_row_avx512);
+    at!("avx2", ln_row_avx2);
 }
 
 /// `ln_row_impl`, on the widest vector unit for F32.
@@ -282,14 +275,13 @@ fn ln_row<C: FloatDType>(
 ) -> (C, C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
+        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
         let level = vector_level();
-        let (w32, b32) = (w.map(C::as_f32), b.map(C::as_f32));
         if let (Some(r32), Some(o32), Some(w32), Some(b32), true) = (
             C::as_f32(row),
             C::as_f32_mut(o),
-            w32.map_or(Some(None), |v| v.map(Some)),
-            b32.map_or(Some(None), |v| v.map(Some)),
+            f32_opt(w),
+            f32_opt(b),
             level != VectorLevel::Baseline,
         ) {
             let e = eps.to_f64() as f32;
