@@ -401,23 +401,52 @@ fn relu_f32(z: f32) -> f32 {
     }
 }
 
-/// `bn_stats` over F32/F16/BF16 elements, in F32.
+/// `f(ch, run)` for every run (image `i`, channel `ch`) of a `[n, c, s]` buffer, as F32,
+/// image by image in parallel: `out[i * c + ch]`. The buffer is read in memory order (a
+/// channel-major walk jumps `c·s` elements between runs of `s`, as short as 64 elements in a
+/// ResNet's last stage), and each run's value is computed on its own, so callers that fold
+/// the runs of a channel in image order get the same bits as a channel-major loop.
+fn per_run<T: WithDType>(
+    d: BatchNormGeom,
+    v: &[T],
+    f: impl Fn(usize, &[f32]) -> f32 + Sync + Send,
+) -> Vec<f32> {
+    let mut out = vec![0f32; d.n * d.c];
+    if d.c == 0 {
+        return out;
+    }
+    let block = (d.c * d.s).max(1);
+    out.par_chunks_mut(d.c)
+        .enumerate()
+        .with_min_len((PAR_THRESHOLD / block).max(1))
+        .for_each_init(
+            || vec![0f32; d.s],
+            |buf, (i, o)| {
+                for (ch, o) in o.iter_mut().enumerate() {
+                    *o = f(ch, run_f32(d, v, i, ch, buf));
+                }
+            },
+        );
+    out
+}
+
+/// Channel `ch`'s values of `per_run`'s output, added in image order from zero.
+fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
+    (0..d.n).fold(0f32, |acc, i| acc + runs[i * d.c + ch])
+}
+
+/// `bn_stats` over F32/F16/BF16 elements, in F32: each run's sum (then its sum of squared
+/// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let stats = par_map(d.c, d.m(), |ch| {
-        let mut buf = vec![0f32; d.s];
-        let mut sum = 0f32;
-        for i in 0..d.n {
-            sum += sum_slice(run_f32(d, x, i, ch, &mut buf));
-        }
-        let mean = sum * inv_m;
-        let mut sq = 0f32;
-        for i in 0..d.n {
-            sq += sum_map(run_f32(d, x, i, ch, &mut buf), |v| (v - mean) * (v - mean));
-        }
-        (mean, sq * inv_m)
+    let sums = per_run(d, x, |_, r| sum_slice(r));
+    let mean: Vec<f32> = (0..d.c).map(|ch| fold_runs(d, &sums, ch) * inv_m).collect();
+    let sq = per_run(d, x, |ch, r| {
+        let mu = mean[ch];
+        sum_map(r, |v| (v - mu) * (v - mu))
     });
-    stats.into_iter().unzip()
+    let var = (0..d.c).map(|ch| fold_runs(d, &sq, ch) * inv_m).collect();
+    (mean, var)
 }
 
 /// Writes `f(out)` into `o`: straight into it for F32, else into `buf` rounded into it.
@@ -518,25 +547,37 @@ pub(crate) fn bn_act_backward<T: WithDType>(
     need_dx: bool,
     need_dres: bool,
 ) -> BnActGrads<T> {
-    let sums = par_map(d.c, 2 * d.m(), |ch| {
-        let (mu, rs) = (mean[ch], rstd[ch]);
-        let (mut bg, mut by, mut bx, mut bz) = (
-            vec![0f32; d.s],
-            vec![0f32; d.s],
-            vec![0f32; d.s],
-            vec![0f32; d.s],
-        );
-        let (mut dweight, mut dbias) = (0f32, 0f32);
-        for i in 0..d.n {
-            let gr = run_f32(d, g, i, ch, &mut bg);
-            let yr = y.map(|y| run_f32(d, y, i, ch, &mut by));
-            let gz = through_relu(gr, yr, &mut bz);
-            let xr = run_f32(d, x, i, ch, &mut bx);
-            dbias += sum_slice(gz);
-            dweight += sum_map2(gz, xr, |g, v| g * ((v - mu) * rs));
-        }
-        (dweight, dbias)
-    });
+    // Each run's (Σ g·xhat, Σ g) through the ReLU, in memory order; a channel's runs added
+    // in image order.
+    let pairs = {
+        let mut out = vec![(0f32, 0f32); d.n * d.c];
+        let block = (d.c * d.s).max(1);
+        out.par_chunks_mut(d.c.max(1))
+            .enumerate()
+            .with_min_len((PAR_THRESHOLD / block).max(1))
+            .for_each_init(
+                || std::array::from_fn::<_, 4, _>(|_| vec![0f32; d.s]),
+                |[bg, by, bx, bz], (i, o)| {
+                    for (ch, o) in o.iter_mut().enumerate() {
+                        let (mu, rs) = (mean[ch], rstd[ch]);
+                        let gr = run_f32(d, g, i, ch, bg);
+                        let yr = y.map(|y| run_f32(d, y, i, ch, by));
+                        let gz = through_relu(gr, yr, bz);
+                        let xr = run_f32(d, x, i, ch, bx);
+                        *o = (sum_map2(gz, xr, |g, v| g * ((v - mu) * rs)), sum_slice(gz));
+                    }
+                },
+            );
+        out
+    };
+    let sums: Vec<(f32, f32)> = (0..d.c)
+        .map(|ch| {
+            (0..d.n).fold((0f32, 0f32), |(w, b), i| {
+                let (pw, pb) = pairs[i * d.c + ch];
+                (w + pw, b + pb)
+            })
+        })
+        .collect();
     let (dweight, dbias): (Vec<f32>, Vec<f32>) = sums.into_iter().unzip();
     if !need_dx && !need_dres {
         return BnActGrads {
