@@ -530,6 +530,41 @@ fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b 
     buf
 }
 
+/// One run's `(Σ gz·xhat, Σ gz)` with `gz = g · [y > 0]` (`g` without `y`), in one loop:
+/// each sum keeps its own eight accumulators, so the bits are those of `through_relu`
+/// followed by `sum_map2` and `sum_slice` (the loop they replace), without the `gz` buffer.
+fn relu_sums(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
+    #[inline(always)]
+    fn run(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
+        let gz = |j: usize| match y {
+            Some(y) => g[j] * if y[j] > 0.0 { 1.0 } else { 0.0 },
+            None => g[j],
+        };
+        let (mut aw, mut ab) = ([0f32; 8], [0f32; 8]);
+        let full = g.len() / 8 * 8;
+        let x = &x[..g.len()];
+        if let Some(y) = y {
+            assert_eq!(y.len(), g.len());
+        }
+        for j0 in (0..full).step_by(8) {
+            for i in 0..8 {
+                let z = gz(j0 + i);
+                ab[i] += z;
+                aw[i] += z * ((x[j0 + i] - mu) * rs);
+            }
+        }
+        let fold = |a: [f32; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        let (mut sw, mut sb) = (fold(aw), fold(ab));
+        for j in full..g.len() {
+            let z = gz(j);
+            sb += z;
+            sw += z * ((x[j] - mu) * rs);
+        }
+        (sw, sb)
+    }
+    run(g, y, x, mu, rs)
+}
+
 /// Gradients of `bn_act_forward` from the output gradient `g`, the output `y` (when the
 /// ReLU was applied) and the input `x`: two passes, the per-channel sums (parallel over
 /// channels, each summed in image order: no dependence on the thread count) and then the
@@ -556,15 +591,13 @@ pub(crate) fn bn_act_backward<T: WithDType>(
             .enumerate()
             .with_min_len((PAR_THRESHOLD / block).max(1))
             .for_each_init(
-                || std::array::from_fn::<_, 4, _>(|_| vec![0f32; d.s]),
-                |[bg, by, bx, bz], (i, o)| {
+                || std::array::from_fn::<_, 3, _>(|_| vec![0f32; d.s]),
+                |[bg, by, bx], (i, o)| {
                     for (ch, o) in o.iter_mut().enumerate() {
-                        let (mu, rs) = (mean[ch], rstd[ch]);
                         let gr = run_f32(d, g, i, ch, bg);
                         let yr = y.map(|y| run_f32(d, y, i, ch, by));
-                        let gz = through_relu(gr, yr, bz);
                         let xr = run_f32(d, x, i, ch, bx);
-                        *o = (sum_map2(gz, xr, |g, v| g * ((v - mu) * rs)), sum_slice(gz));
+                        *o = relu_sums(gr, yr, xr, mean[ch], rstd[ch]);
                     }
                 },
             );
