@@ -555,10 +555,10 @@ fn relu_sums(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32,
         }
         let fold = |a: [f32; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
         let (mut sw, mut sb) = (fold(aw), fold(ab));
-        for j in full..g.len() {
+        for (j, &v) in x.iter().enumerate().skip(full) {
             let z = gz(j);
             sb += z;
-            sw += z * ((x[j] - mu) * rs);
+            sw += z * ((v - mu) * rs);
         }
         (sw, sb)
     }
