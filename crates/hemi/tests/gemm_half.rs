@@ -4,8 +4,11 @@
 //! parameters, transposed and strided views, and accumulate on and off.
 
 use half::{bf16, f16};
+use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
-use hemi::cpu::gemm_half::{gemm, gemm_with, kernel_name, select_kernel, Kernel};
+use hemi::cpu::gemm_half::{
+    gemm, gemm_unfold, gemm_with, kernel_name, select_kernel, Kernel, Unfold,
+};
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
 
@@ -635,4 +638,149 @@ fn bench_gemm_half() {
         let (median, best) = (flops / s[reps / 2] / 1e9, flops / s[0] / 1e9);
         println!("{name:<40} {median:7.1} GFLOP/s (best {best:.1})");
     }
+}
+
+/// Random values of `dtype` (exact in it), as that dtype's buffer.
+fn random_store(len: usize, dtype: DType, rng: &mut Generator) -> Store {
+    let v: Vec<f32> = (0..len).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
+    match dtype {
+        DType::F16 => Store::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+        DType::BF16 => Store::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+        _ => Store::F32(v),
+    }
+}
+
+/// `gemm_unfold` on one group of one image against `gemm_with` on `im2col`'s explicit column
+/// matrix, both into copies of `init` (accumulating when `acc`): the bits of the results.
+fn unfold_vs_im2col<T: WithDType>(
+    kernel: Kernel,
+    x: &[T],
+    w: &[T],
+    g: &Conv2dGeom,
+    grp: usize,
+    init: &[f32],
+    acc: bool,
+) -> (Vec<u32>, Vec<u32>) {
+    let (l, k, m) = (g.l(), g.k(), g.c_out_g());
+    let mut col = vec![T::default(); g.col_len()];
+    im2col(x, &mut col, g);
+    let a = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k);
+    let b = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l);
+    let u = Unfold::conv(x, g, grp).expect("a stride-1 'same'-width convolution");
+    assert_eq!((u.rows(), u.cols()), (k, l));
+    let (mut explicit, mut implicit) = (init.to_vec(), init.to_vec());
+    gemm_with(kernel, &mut explicit, a, b, acc, false);
+    gemm_unfold(kernel, &mut implicit, a, u, acc, false);
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect();
+    (bits(explicit), bits(implicit))
+}
+
+/// The column matrix read straight from the image (`gemm_unfold`) gives the bits of
+/// `im2col` + `gemm_with`, for every F32-panel kernel this CPU runs (the portable twins of
+/// `avx2-fma` and `avx512f` always), every operand dtype, accumulate on and off, and odd
+/// geometries: output rows fewer and more than input rows, rows and columns entirely in the
+/// padding, dilation, groups, ResNet-20's planes, widths around the 16/32-lane panels.
+#[test]
+fn unfolded_columns_equal_im2col_bit_for_bit() {
+    let mut rng = Generator::new(41);
+    // (c_in, h, w, kh, kw, (pad_h, pad_w), dilation, groups, c_out); padding and dilation
+    // keep w_out == w.
+    let cases = [
+        (3, 7, 9, 3, 3, (1, 1), 1, 1, 5),
+        (4, 5, 33, 3, 3, (0, 1), 1, 2, 6),
+        (2, 6, 11, 5, 3, (2, 1), 1, 1, 3),
+        (5, 9, 8, 3, 3, (2, 2), 2, 1, 17),
+        (3, 4, 17, 1, 3, (0, 1), 1, 1, 9),
+        (2, 3, 5, 3, 5, (3, 2), 1, 1, 4),
+        (2, 2, 1, 3, 1, (1, 0), 1, 1, 3),
+        (16, 32, 32, 3, 3, (1, 1), 1, 1, 16),
+        (8, 8, 8, 3, 3, (1, 1), 1, 1, 13),
+        (3, 5, 31, 3, 7, (1, 3), 1, 1, 8),
+    ];
+    let mut ran = 0;
+    for kernel in kernels().into_iter().filter(|k| k.packs_f32()) {
+        for (c_in, h, w, kh, kw, (ph, pw), d, groups, c_out) in cases {
+            let g = Conv2dGeom {
+                n: 1,
+                c_in,
+                h,
+                w,
+                c_out,
+                kh,
+                kw,
+                stride: (1, 1),
+                padding: (ph, pw),
+                dilation: (d, d),
+                groups,
+                h_out: conv_out_size(h, kh, 1, ph, d).unwrap(),
+                w_out: conv_out_size(w, kw, 1, pw, d).unwrap(),
+            };
+            assert_eq!(g.w_out, g.w, "{g:?}");
+            for dtype in DTYPES {
+                let (x, wt) = (
+                    random_store(g.in_image(), dtype, &mut rng),
+                    random_store(g.weight_len(), dtype, &mut rng),
+                );
+                let init: Vec<f32> = (0..g.c_out_g() * g.l())
+                    .map(|_| rng.uniform(-1.0, 1.0) as f32)
+                    .collect();
+                for grp in 0..groups {
+                    for acc in [false, true] {
+                        let (explicit, implicit) = match (&x, &wt) {
+                            (Store::F32(x), Store::F32(w)) => {
+                                unfold_vs_im2col(kernel, x, w, &g, grp, &init, acc)
+                            }
+                            (Store::F16(x), Store::F16(w)) => {
+                                unfold_vs_im2col(kernel, x, w, &g, grp, &init, acc)
+                            }
+                            (Store::BF16(x), Store::BF16(w)) => {
+                                unfold_vs_im2col(kernel, x, w, &g, grp, &init, acc)
+                            }
+                            _ => unreachable!(),
+                        };
+                        assert_eq!(
+                            explicit,
+                            implicit,
+                            "{} {dtype:?} acc={acc} group {grp} {g:?}",
+                            kernel.name()
+                        );
+                        ran += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        ran >= 2 * 3 * 2 * cases.len(),
+        "only {ran} products compared"
+    );
+}
+
+/// Where the shortcut does not apply: strides other than 1, output rows of another length
+/// than input rows, pointwise convolutions.
+#[test]
+fn unfold_refuses_what_it_cannot_read() {
+    let x = vec![0f32; 2 * 6 * 6];
+    let geom = |k: usize, s: usize, p: usize| Conv2dGeom {
+        n: 1,
+        c_in: 2,
+        h: 6,
+        w: 6,
+        c_out: 3,
+        kh: k,
+        kw: k,
+        stride: (s, s),
+        padding: (p, p),
+        dilation: (1, 1),
+        groups: 1,
+        h_out: conv_out_size(6, k, s, p, 1).unwrap(),
+        w_out: conv_out_size(6, k, s, p, 1).unwrap(),
+    };
+    assert!(Unfold::conv(&x, &geom(3, 1, 1), 0).is_some());
+    assert!(Unfold::conv(&x, &geom(3, 2, 1), 0).is_none(), "stride 2");
+    assert!(
+        Unfold::conv(&x, &geom(3, 1, 0), 0).is_none(),
+        "w_out = w - 2"
+    );
+    assert!(Unfold::conv(&x, &geom(1, 1, 0), 0).is_none(), "pointwise");
 }

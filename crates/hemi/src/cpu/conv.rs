@@ -19,7 +19,8 @@ use rayon::prelude::*;
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
-use crate::cpu::gemm::{product, MatRef};
+use crate::cpu::gemm::{product, unfold_kernel, MatRef};
+use crate::cpu::gemm_half::{gemm_unfold, Unfold};
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{FloatDType, WithDType};
 use crate::tensor::CpuStorage;
@@ -176,16 +177,28 @@ fn image_forward<T: WithDType, C: FloatDType>(
     par: bool,
 ) {
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    let col = columns(x, scratch, g);
+    // Stride-1 'same'-width convolutions on hemi's GEMM read the column matrix straight from
+    // the image (`gemm_half::Unfold`); the rest unfold it first.
+    let unfold = Unfold::conv(x, g, 0).and(unfold_kernel::<C, T>(m, k, l));
+    let col = if unfold.is_some() {
+        x
+    } else {
+        columns(x, scratch, g)
+    };
     for grp in 0..g.groups {
         let a = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k);
-        let b = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l);
         let dst = &mut y[grp * m * l..(grp + 1) * m * l];
         if let Some(bias) = bias {
             for (row, &b) in dst.chunks_exact_mut(l).zip(&bias[grp * m..(grp + 1) * m]) {
                 row.fill(b);
             }
         }
+        if let (Some(kernel), Some(u)) = (unfold, Unfold::conv(x, g, grp)) {
+            let dst = C::as_f32_mut(dst).expect("unfold_kernel: F32 results");
+            gemm_unfold(kernel, dst, a, u, bias.is_some(), par);
+            continue;
+        }
+        let b = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l);
         product(dst, a, b, bias.is_some(), par);
     }
 }

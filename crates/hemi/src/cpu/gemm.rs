@@ -132,6 +132,24 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
     }
 }
 
+/// The kernel `product` would run an `m × k · k × n` F32 product on, where that is one of
+/// hemi's F32-panel kernels, which can read a convolution's column matrix straight from its
+/// image (`gemm_half::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
+/// `gemm_half::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
+/// step in the unfold made ResNet-20's amp-fp16 step 5 % slower than im2col + pack, and
+/// BF16-pair panels are not unfolded (`gemm_half::unfold`).
+pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Option<gemm_half::Kernel> {
+    C::as_f32(&[])?;
+    if T::DTYPE != DType::F32 {
+        return None;
+    }
+    gemm_half::f32_kernel(m, k, n).filter(|k| k.packs_f32())
+}
+
 /// Threads `gemm` may use for a product of this size (small products stay on one thread).
 ///
 /// The thread count changes no bit of the result: `gemm` (0.19, `gemm-common`'s

@@ -66,6 +66,9 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+mod unfold;
+pub use unfold::Unfold;
+
 /// Products with fewer multiply-adds than this stay on the calling thread.
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
 /// The largest KC of any kernel (size of the stack buffers used while packing).
@@ -150,6 +153,14 @@ impl Kernel {
         Kernel::Avx512F32,
         Kernel::AmxBf16,
     ];
+
+    /// The kernel packs F32 panels (not BF16 pairs): the panels `gemm_unfold` can fill.
+    pub fn packs_f32(self) -> bool {
+        matches!(
+            self,
+            Kernel::PortableF32 | Kernel::Avx2Fma | Kernel::PortableF32Wide | Kernel::Avx512F32
+        )
+    }
 
     /// The kernel's name as `hemi bench matmul` prints it (`"avx512bf16"`,
     /// `"portable"`...).
@@ -389,12 +400,81 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
     }
     let job = Job {
         a,
-        b,
+        b: Rhs::Mat(b),
         c: DstPtr(dst.as_mut_ptr()),
         ldc: n,
         k,
         accumulate,
     };
+    run_job(kernel, &job, m, n, k, parallel)
+}
+
+/// `gemm_with` where B is the column matrix `u` of a convolution, packed straight from its
+/// image (`Unfold`): the same panels, so the same bits, as `gemm_with` on `im2col`'s
+/// matrix. Kernels with F32 panels only (`Kernel::packs_f32`); panics as `gemm_with` does.
+pub fn gemm_unfold<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: MatRef<'_, A>,
+    u: Unfold<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, u.cols());
+    assert_eq!(
+        u.rows(),
+        k,
+        "gemm_unfold: inner dims ({m}x{k} · {}x{n})",
+        u.rows()
+    );
+    assert!(dst.len() >= m * n, "gemm_unfold: dst too small for {m}x{n}");
+    a.check_bounds("lhs");
+    assert!(
+        kernel.is_available(),
+        "gemm_half: this CPU cannot run {}",
+        kernel.name()
+    );
+    assert!(
+        kernel.packs_f32(),
+        "gemm_unfold: {} packs BF16 pairs",
+        kernel.name()
+    );
+    assert!(
+        kernel.accepts(a.dtype(), B::DTYPE),
+        "gemm_half: {} does not take {:?} x {:?}",
+        kernel.name(),
+        a.dtype(),
+        B::DTYPE
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(0.0);
+        }
+        return;
+    }
+    let job = Job {
+        a,
+        b: Rhs::Unfold(u),
+        c: DstPtr(dst.as_mut_ptr()),
+        ldc: n,
+        k,
+        accumulate,
+    };
+    run_job(kernel, &job, m, n, k, parallel)
+}
+
+/// Splits the product among threads (or not) and runs its tasks.
+fn run_job<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    job: &Job<'_, A, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    parallel: bool,
+) {
     let threads = if parallel && m * n * k >= PAR_MIN_MACS {
         rayon::current_num_threads()
     } else {
@@ -403,7 +483,7 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
     let (mr, nr) = kernel.tile_shape(m);
     let (tm, tn) = split(m, n, k, mr, nr, threads);
     if tm >= m && tn >= n {
-        run_task(kernel, &job, 0..m, 0..n);
+        run_task(kernel, job, 0..m, 0..n);
         return;
     }
     let tasks: Vec<(Range<usize>, Range<usize>)> = (0..m)
@@ -416,7 +496,7 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
         .collect();
     tasks
         .into_par_iter()
-        .for_each(|(rows, cols)| run_task(kernel, &job, rows, cols));
+        .for_each(|(rows, cols)| run_task(kernel, job, rows, cols));
 }
 
 /// Tile sizes (rows, cols) of the output, whole MR×NR micro-tiles each, for `threads` tasks.
@@ -448,11 +528,18 @@ fn split(m: usize, n: usize, k: usize, mr: usize, nr: usize, threads: usize) -> 
 /// One product, shared by the tasks that compute its tiles.
 struct Job<'a, A, B> {
     a: MatRef<'a, A>,
-    b: MatRef<'a, B>,
+    b: Rhs<'a, B>,
     c: DstPtr,
     ldc: usize,
     k: usize,
     accumulate: bool,
+}
+
+/// The right operand: a matrix, or a convolution's column matrix read from its image.
+#[derive(Clone, Copy)]
+enum Rhs<'a, B> {
+    Mat(MatRef<'a, B>),
+    Unfold(Unfold<'a, B>),
 }
 
 /// The output buffer, written by several tasks at once.
@@ -506,6 +593,8 @@ trait Micro {
     type P: Packed;
     /// k indices per packed step: 1 (F32 panels) or 2 (BF16 pairs).
     const KSTEP: usize;
+    /// The kernel runs with AVX2 and F16C (its packing may use them: `pack_f32`'s `simd`).
+    const SIMD: bool = false;
     /// The steps of a panel are padded (with zeros) to a multiple of this: 16 for AMX, whose
     /// tiles take 16 pair steps at once.
     const STEP_ALIGN: usize = 1;
@@ -575,7 +664,10 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
     let mc_max = rows.len().min(M::MC).next_multiple_of(mr);
     let nc_max = cols.len().min(M::NC).next_multiple_of(nr);
     let (apack, bpack) = ws.buffers::<M::P>(mc_max * steps_max, nc_max * steps_max);
-    let bt = job.b.t();
+    let bt = match job.b {
+        Rhs::Mat(b) => Some(b.t()),
+        Rhs::Unfold(_) => None,
+    };
     let mut edge = [0f32; MAX_TILE];
 
     for jc in cols.clone().step_by(M::NC) {
@@ -585,7 +677,12 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             let kc = (k - pc).min(kc_max);
             let steps = packed_steps::<M>(kc);
             let (a_len, b_len) = (steps * mr, steps * nr);
-            M::pack_b(&bt, jc, nc, pc, kc, &mut bpack[..n_panels * b_len]);
+            let bp = &mut bpack[..n_panels * b_len];
+            match (&bt, &job.b) {
+                (Some(bt), _) => M::pack_b(bt, jc, nc, pc, kc, bp),
+                (None, Rhs::Unfold(u)) => pack_b_unfold::<M, B>(u, jc, nc, pc, kc, bp),
+                (None, Rhs::Mat(_)) => unreachable!("bt is set for matrices"),
+            }
             // Tile order: down a column of tiles (the B micro-panel stays in L1 while the A
             // panels stream past), or, when the packed B block is small enough to stay in
             // L2, across a row of tiles: consecutive tiles then store to different lines
@@ -637,6 +734,23 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
                 }
             }
         }
+    }
+}
+
+/// `M::pack_b` of the column matrix `u`: its F32 panels, `M::NR` wide, filled by `unfold`.
+#[inline(always)]
+fn pack_b_unfold<M: Micro, B: WithDType>(
+    u: &Unfold<'_, B>,
+    j0: usize,
+    w: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut [M::P],
+) {
+    match (M::KSTEP, M::NR) {
+        (1, 16) => unfold::unfold_f32::<16, B>(u, j0, w, p0, kc, unfold::as_f32s(out), M::SIMD),
+        (1, 32) => unfold::unfold_f32::<32, B>(u, j0, w, p0, kc, unfold::as_f32s(out), M::SIMD),
+        (s, nr) => unreachable!("gemm_unfold checks for F32 panels ({s}-step, {nr} wide here)"),
     }
 }
 
@@ -1544,6 +1658,7 @@ mod x86 {
     impl Micro for Avx2Fma {
         type P = f32;
         const KSTEP: usize = 1;
+        const SIMD: bool = true;
         const MR: usize = 6;
         const NR: usize = 16;
         const KC: usize = 512;
@@ -1644,6 +1759,7 @@ mod x86 {
     impl<const MR: usize> Micro for Avx512Bf16<MR> {
         type P = u32;
         const KSTEP: usize = 2;
+        const SIMD: bool = true;
         const MR: usize = MR;
         const NR: usize = 32;
         const KC: usize = 384;
@@ -1748,6 +1864,7 @@ mod x86 {
     impl Micro for Avx512F32 {
         type P = f32;
         const KSTEP: usize = 1;
+        const SIMD: bool = true;
         const MR: usize = WIDE_MR;
         const NR: usize = WIDE_NR;
         const KC: usize = WIDE_KC;
@@ -1874,6 +1991,7 @@ mod x86 {
     impl Micro for AmxBf16 {
         type P = u32;
         const KSTEP: usize = 2;
+        const SIMD: bool = true;
         const STEP_ALIGN: usize = 16;
         const MR: usize = AMX_MR;
         const NR: usize = AMX_NR;
