@@ -374,39 +374,8 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
         "gemm_half: inner dims ({m}x{k} · {}x{n})",
         b.rows
     );
-    assert!(dst.len() >= m * n, "gemm_half: dst too small for {m}x{n}");
-    a.check_bounds("lhs");
     b.check_bounds("rhs");
-    assert!(
-        kernel.is_available(),
-        "gemm_half: this CPU cannot run {}",
-        kernel.name()
-    );
-    assert!(
-        kernel.accepts(a.dtype(), b.dtype()),
-        "gemm_half: {} does not take {:?} x {:?}",
-        kernel.name(),
-        a.dtype(),
-        b.dtype()
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            dst[..m * n].fill(0.0);
-        }
-        return;
-    }
-    let job = Job {
-        a,
-        b: Rhs::Mat(b),
-        c: DstPtr(dst.as_mut_ptr()),
-        ldc: n,
-        k,
-        accumulate,
-    };
-    run_job(kernel, &job, m, n, k, parallel)
+    run_product(kernel, dst, a, Rhs::Mat(b), n, accumulate, parallel)
 }
 
 /// `gemm_with` where B is the column matrix `u` of a convolution, packed straight from its
@@ -427,16 +396,30 @@ pub fn gemm_unfold<A: WithDType, B: WithDType>(
         "gemm_unfold: inner dims ({m}x{k} · {}x{n})",
         u.rows()
     );
-    assert!(dst.len() >= m * n, "gemm_unfold: dst too small for {m}x{n}");
+    assert!(
+        kernel.packs_f32(),
+        "gemm_unfold: {} packs BF16 pairs",
+        kernel.name()
+    );
+    run_product(kernel, dst, a, Rhs::Unfold(u), n, accumulate, parallel)
+}
+
+/// The checks and the run both entry points share: `dst [m, n] = [dst +] a · b`.
+fn run_product<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: MatRef<'_, A>,
+    b: Rhs<'_, B>,
+    n: usize,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k) = (a.rows, a.cols);
+    assert!(dst.len() >= m * n, "gemm_half: dst too small for {m}x{n}");
     a.check_bounds("lhs");
     assert!(
         kernel.is_available(),
         "gemm_half: this CPU cannot run {}",
-        kernel.name()
-    );
-    assert!(
-        kernel.packs_f32(),
-        "gemm_unfold: {} packs BF16 pairs",
         kernel.name()
     );
     assert!(
@@ -457,7 +440,7 @@ pub fn gemm_unfold<A: WithDType, B: WithDType>(
     }
     let job = Job {
         a,
-        b: Rhs::Unfold(u),
+        b,
         c: DstPtr(dst.as_mut_ptr()),
         ldc: n,
         k,
