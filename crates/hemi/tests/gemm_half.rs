@@ -640,16 +640,6 @@ fn bench_gemm_half() {
     }
 }
 
-/// Random values of `dtype` (exact in it), as that dtype's buffer.
-fn random_store(len: usize, dtype: DType, rng: &mut Generator) -> Store {
-    let v: Vec<f32> = (0..len).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
-    match dtype {
-        DType::F16 => Store::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
-        DType::BF16 => Store::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
-        _ => Store::F32(v),
-    }
-}
-
 /// `gemm_unfold` on one group of one image against `gemm_with` on `im2col`'s explicit column
 /// matrix, both into copies of `init` (accumulating when `acc`): the bits of the results.
 fn unfold_vs_im2col<T: WithDType>(
@@ -717,9 +707,12 @@ fn unfolded_columns_equal_im2col_bit_for_bit() {
             };
             assert_eq!(g.w_out, g.w, "{g:?}");
             for dtype in DTYPES {
+                let random = |len, rng: &mut Generator| {
+                    Mat::random(1, len, dtype, Layout::RowMajor, rng).store
+                };
                 let (x, wt) = (
-                    random_store(g.in_image(), dtype, &mut rng),
-                    random_store(g.weight_len(), dtype, &mut rng),
+                    random(g.in_image(), &mut rng),
+                    random(g.weight_len(), &mut rng),
                 );
                 let init: Vec<f32> = (0..g.c_out_g() * g.l())
                     .map(|_| rng.uniform(-1.0, 1.0) as f32)

@@ -143,8 +143,7 @@ pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
     k: usize,
     n: usize,
 ) -> Option<gemm_half::Kernel> {
-    C::as_f32(&[])?;
-    if T::DTYPE != DType::F32 {
+    if C::DTYPE != DType::F32 || T::DTYPE != DType::F32 {
         return None;
     }
     gemm_half::f32_kernel(m, k, n).filter(|k| k.packs_f32())

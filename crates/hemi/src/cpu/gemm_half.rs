@@ -576,7 +576,8 @@ trait Micro {
     type P: Packed;
     /// k indices per packed step: 1 (F32 panels) or 2 (BF16 pairs).
     const KSTEP: usize;
-    /// The kernel runs with AVX2 and F16C (its packing may use them: `pack_f32`'s `simd`).
+    /// An F32-panel kernel that runs with AVX2 and F16C (its packing may use them:
+    /// `pack_f32`'s `simd`).
     const SIMD: bool = false;
     /// The steps of a panel are padded (with zeros) to a multiple of this: 16 for AMX, whose
     /// tiles take 16 pair steps at once.
@@ -1742,7 +1743,6 @@ mod x86 {
     impl<const MR: usize> Micro for Avx512Bf16<MR> {
         type P = u32;
         const KSTEP: usize = 2;
-        const SIMD: bool = true;
         const MR: usize = MR;
         const NR: usize = 32;
         const KC: usize = 384;
@@ -1974,7 +1974,6 @@ mod x86 {
     impl Micro for AmxBf16 {
         type P = u32;
         const KSTEP: usize = 2;
-        const SIMD: bool = true;
         const STEP_ALIGN: usize = 16;
         const MR: usize = AMX_MR;
         const NR: usize = AMX_NR;

@@ -401,17 +401,18 @@ fn relu_f32(z: f32) -> f32 {
     }
 }
 
-/// `f(ch, run)` for every run (image `i`, channel `ch`) of a `[n, c, s]` buffer, as F32,
-/// image by image in parallel: `out[i * c + ch]`. The buffer is read in memory order (a
-/// channel-major walk jumps `c·s` elements between runs of `s`, as short as 64 elements in a
-/// ResNet's last stage), and each run's value is computed on its own, so callers that fold
-/// the runs of a channel in image order get the same bits as a channel-major loop.
-fn per_run<T: WithDType>(
+/// `f(scratch, i, ch)` for every run (image `i`, channel `ch`) of a `[n, c, s]` geometry,
+/// image by image in parallel: `out[i * c + ch]`, with one `init()` scratch per rayon task.
+/// Callers read the runs in memory order (a channel-major walk jumps `c·s` elements between
+/// runs of `s`, as short as 64 elements in a ResNet's last stage) and compute each run's
+/// value on its own, so folding a channel's runs in image order gives the same bits as a
+/// channel-major loop.
+fn per_run<R: Copy + Default + Send, S>(
     d: BatchNormGeom,
-    v: &[T],
-    f: impl Fn(usize, &[f32]) -> f32 + Sync + Send,
-) -> Vec<f32> {
-    let mut out = vec![0f32; d.n * d.c];
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, usize) -> R + Sync + Send,
+) -> Vec<R> {
+    let mut out = vec![R::default(); d.n * d.c];
     if d.c == 0 {
         return out;
     }
@@ -419,15 +420,25 @@ fn per_run<T: WithDType>(
     out.par_chunks_mut(d.c)
         .enumerate()
         .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each_init(
-            || vec![0f32; d.s],
-            |buf, (i, o)| {
-                for (ch, o) in o.iter_mut().enumerate() {
-                    *o = f(ch, run_f32(d, v, i, ch, buf));
-                }
-            },
-        );
+        .for_each_init(init, |scratch, (i, o)| {
+            for (ch, o) in o.iter_mut().enumerate() {
+                *o = f(scratch, i, ch);
+            }
+        });
     out
+}
+
+/// `f(ch, run)` for every run of `v` as F32 (`per_run`).
+fn per_run_f32<T: WithDType>(
+    d: BatchNormGeom,
+    v: &[T],
+    f: impl Fn(usize, &[f32]) -> f32 + Sync + Send,
+) -> Vec<f32> {
+    per_run(
+        d,
+        || vec![0f32; d.s],
+        |buf, i, ch| f(ch, run_f32(d, v, i, ch, buf)),
+    )
 }
 
 /// Channel `ch`'s values of `per_run`'s output, added in image order from zero.
@@ -439,9 +450,9 @@ fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
 /// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let sums = per_run(d, x, |_, r| sum_slice(r));
+    let sums = per_run_f32(d, x, |_, r| sum_slice(r));
     let mean: Vec<f32> = (0..d.c).map(|ch| fold_runs(d, &sums, ch) * inv_m).collect();
-    let sq = per_run(d, x, |ch, r| {
+    let sq = per_run_f32(d, x, |ch, r| {
         let mu = mean[ch];
         sum_map(r, |v| (v - mu) * (v - mu))
     });
@@ -532,43 +543,40 @@ fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b 
 
 /// One run's `(Σ gz·xhat, Σ gz)` with `gz = g · [y > 0]` (`g` without `y`), in one loop:
 /// each sum keeps its own eight accumulators, so the bits are those of `through_relu`
-/// followed by `sum_map2` and `sum_slice` (the loop they replace), without the `gz` buffer.
+/// followed by `sum_map2` and `sum_slice`, without a buffer for `gz`.
 fn relu_sums(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
-    #[inline(always)]
-    fn run(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
-        let gz = |j: usize| match y {
-            Some(y) => g[j] * if y[j] > 0.0 { 1.0 } else { 0.0 },
-            None => g[j],
-        };
-        let (mut aw, mut ab) = ([0f32; 8], [0f32; 8]);
-        let full = g.len() / 8 * 8;
-        let x = &x[..g.len()];
-        if let Some(y) = y {
-            assert_eq!(y.len(), g.len());
-        }
-        for j0 in (0..full).step_by(8) {
-            for i in 0..8 {
-                let z = gz(j0 + i);
-                ab[i] += z;
-                aw[i] += z * ((x[j0 + i] - mu) * rs);
-            }
-        }
-        let fold = |a: [f32; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        let (mut sw, mut sb) = (fold(aw), fold(ab));
-        for (j, &v) in x.iter().enumerate().skip(full) {
-            let z = gz(j);
-            sb += z;
-            sw += z * ((v - mu) * rs);
-        }
-        (sw, sb)
+    let gz = |j: usize| match y {
+        Some(y) => g[j] * if y[j] > 0.0 { 1.0 } else { 0.0 },
+        None => g[j],
+    };
+    let (mut aw, mut ab) = ([0f32; 8], [0f32; 8]);
+    let full = g.len() / 8 * 8;
+    let x = &x[..g.len()];
+    if let Some(y) = y {
+        assert_eq!(y.len(), g.len());
     }
-    run(g, y, x, mu, rs)
+    for j0 in (0..full).step_by(8) {
+        for i in 0..8 {
+            let z = gz(j0 + i);
+            ab[i] += z;
+            aw[i] += z * ((x[j0 + i] - mu) * rs);
+        }
+    }
+    let fold = |a: [f32; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+    let (mut sw, mut sb) = (fold(aw), fold(ab));
+    for (j, &v) in x.iter().enumerate().skip(full) {
+        let z = gz(j);
+        sb += z;
+        sw += z * ((v - mu) * rs);
+    }
+    (sw, sb)
 }
 
 /// Gradients of `bn_act_forward` from the output gradient `g`, the output `y` (when the
-/// ReLU was applied) and the input `x`: two passes, the per-channel sums (parallel over
-/// channels, each summed in image order: no dependence on the thread count) and then the
-/// elementwise `dx` (the closed form of `bn_backward`) and the residual's gradient.
+/// ReLU was applied) and the input `x`: two passes, the per-channel sums (each run summed
+/// on its own in parallel over images, a channel's runs added in image order: no dependence
+/// on the thread count) and then the elementwise `dx` (the closed form of `bn_backward`) and
+/// the residual's gradient.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bn_act_backward<T: WithDType>(
     g: &[T],
@@ -584,25 +592,16 @@ pub(crate) fn bn_act_backward<T: WithDType>(
 ) -> BnActGrads<T> {
     // Each run's (Σ g·xhat, Σ g) through the ReLU, in memory order; a channel's runs added
     // in image order.
-    let pairs = {
-        let mut out = vec![(0f32, 0f32); d.n * d.c];
-        let block = (d.c * d.s).max(1);
-        out.par_chunks_mut(d.c.max(1))
-            .enumerate()
-            .with_min_len((PAR_THRESHOLD / block).max(1))
-            .for_each_init(
-                || std::array::from_fn::<_, 3, _>(|_| vec![0f32; d.s]),
-                |[bg, by, bx], (i, o)| {
-                    for (ch, o) in o.iter_mut().enumerate() {
-                        let gr = run_f32(d, g, i, ch, bg);
-                        let yr = y.map(|y| run_f32(d, y, i, ch, by));
-                        let xr = run_f32(d, x, i, ch, bx);
-                        *o = relu_sums(gr, yr, xr, mean[ch], rstd[ch]);
-                    }
-                },
-            );
-        out
-    };
+    let pairs = per_run(
+        d,
+        || std::array::from_fn::<_, 3, _>(|_| vec![0f32; d.s]),
+        |[bg, by, bx], i, ch| {
+            let gr = run_f32(d, g, i, ch, bg);
+            let yr = y.map(|y| run_f32(d, y, i, ch, by));
+            let xr = run_f32(d, x, i, ch, bx);
+            relu_sums(gr, yr, xr, mean[ch], rstd[ch])
+        },
+    );
     let sums: Vec<(f32, f32)> = (0..d.c)
         .map(|ch| {
             (0..d.n).fold((0f32, 0f32), |(w, b), i| {

@@ -15,7 +15,7 @@
 //! values, same zeros), so products give the same bits either way (`tests/gemm_half.rs`
 //! holds every F32-panel kernel to that). Kernels on BF16 pairs keep the explicit matrix:
 //! a pair step interleaves two shifted runs, and the versions of it tried here
-//! (2026-12-04, Zen 5) made ResNet-20's amp-bf16 step 12–30 % slower than im2col + pack.
+//! (2026-12-04, Zen 5) made ResNet-20's amp-bf16 step 2–30 % slower than im2col + pack.
 
 use super::{load_run, Packed, PACK_STEPS};
 use crate::backend::nn::Conv2dGeom;
@@ -148,31 +148,29 @@ impl<T> RowSrc<'_, T> {
         }
     }
 
-    /// The `W` lanes of the step starting at output pixel `jt` (`wt` of them in the
-    /// matrix) as `conv` makes them from the plane's values, zero elsewhere.
+    /// The `W` lanes of the step starting at output pixel `jt` (`wt` of them in the matrix)
+    /// as F32: the plane's values where the window reads it, zero elsewhere (`simd` as
+    /// `pack_f32`'s).
     #[inline(always)]
-    fn step<const W: usize, D: Copy + Default>(
-        &self,
-        jt: usize,
-        wt: usize,
-        w: usize,
-        out: &mut [D; W],
-        conv: impl FnOnce(&[T], &mut [D]),
-        whole: impl FnOnce(&[T], &mut [D; W]),
-    ) {
+    fn step<const W: usize>(&self, jt: usize, wt: usize, w: usize, out: &mut [f32; W], simd: bool)
+    where
+        T: WithDType,
+    {
         let Some((a, b, at)) = self.span(jt, wt) else {
-            *out = [D::default(); W];
+            *out = [0.0; W];
             return;
         };
-        if a == 0 && b == W {
-            whole(&self.plane[at..at + W], out);
-        } else {
-            out[..a].fill(D::default());
-            out[b..].fill(D::default());
-            conv(&self.plane[at..at + (b - a)], &mut out[a..b]);
+        match same_slice::<T, f32>(self.plane) {
+            // A whole step of F32: a copy of constant length, inlined (no call to memmove).
+            Some(src) if a == 0 && b == W => *out = src[at..at + W].try_into().expect("W"),
+            _ => {
+                out[..a].fill(0.0);
+                out[b..].fill(0.0);
+                load_run(self.plane, at as isize, 1, &mut out[a..b], simd);
+            }
         }
         if self.ow_lo > 0 || self.ow_hi < w {
-            self.wrapped(jt % w, a, b, w, |lane| out[lane] = D::default());
+            self.wrapped(jt % w, a, b, w, |lane| out[lane] = 0.0);
         }
     }
 }
@@ -201,18 +199,7 @@ pub(super) fn unfold_f32<const W: usize, T: WithDType>(
             for (i, r) in block.iter().map_while(Option::as_ref).enumerate() {
                 let at = t * plen + (ps + i) * W;
                 let step: &mut [f32; W] = (&mut out[at..][..W]).try_into().expect("W");
-                r.step(
-                    jt,
-                    wt,
-                    u.w,
-                    step,
-                    |src, dst| load_run(src, 0, 1, dst, simd),
-                    |src, dst| match same_slice::<T, f32>(src) {
-                        // A copy of constant length, inlined (no call to memmove).
-                        Some(src) => *dst = src.try_into().expect("W"),
-                        None => load_run(src, 0, 1, dst, simd),
-                    },
-                );
+                r.step(jt, wt, u.w, step, simd);
             }
         }
     }
@@ -220,6 +207,6 @@ pub(super) fn unfold_f32<const W: usize, T: WithDType>(
 
 /// A pack buffer as F32 values.
 pub(super) fn as_f32s<P: Packed>(s: &mut [P]) -> &mut [f32] {
-    // SAFETY: as above.
+    // SAFETY: `Packed` types are 4-byte plain numbers with no invalid bit patterns, as F32.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), s.len()) }
 }
