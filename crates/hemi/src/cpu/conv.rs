@@ -21,7 +21,7 @@ pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::gemm_half::{gemm_unfold, Unfold};
-use crate::cpu::runs::{add_in_order, Runs};
+use crate::cpu::runs::Runs;
 use crate::dtype::{FloatDType, WithDType};
 use crate::tensor::CpuStorage;
 
@@ -347,7 +347,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     }
     let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
-    let partials = runs.map_init(Vec::new, |scratch, r| {
+    runs.sum_init(len, Vec::new, |scratch, r| {
         let mut dw = vec![C::zero(); len];
         for i in runs.range(r, g.n) {
             let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
@@ -363,8 +363,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
             }
         }
         dw
-    });
-    add_in_order(partials, len)
+    })
 }
 
 /// Plain direct convolution (f64), the reference the fast path is tested against.

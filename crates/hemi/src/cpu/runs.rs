@@ -64,7 +64,38 @@ impl Runs {
     ) -> Vec<T> {
         (0..self.count).into_par_iter().map_init(init, f).collect()
     }
+
+    /// `add_in_order(self.map_init(init, f), len)` without every partial alive at once:
+    /// the runs are computed a wave at a time (as many as fit `WAVE_BYTES`, at least one
+    /// per thread) and each wave is added into the total in run order, so the sums are the
+    /// same bits. ResNet-50's last 3×3 convolution at batch 32 has 16 weight-gradient
+    /// partials of 9.4 MB: all of them at once were 151 MB on top of the activations at the
+    /// start of the backward.
+    pub fn sum_init<S, C>(
+        &self,
+        len: usize,
+        init: impl Fn() -> S + Sync + Send,
+        f: impl Fn(&mut S, usize) -> Vec<C> + Sync + Send,
+    ) -> Vec<C>
+    where
+        C: Copy + Zero + AddAssign + Send + Sync,
+    {
+        let bytes = (len * std::mem::size_of::<C>()).max(1);
+        let wave = (WAVE_BYTES / bytes)
+            .max(rayon::current_num_threads())
+            .max(1);
+        let mut total: Option<Vec<C>> = None;
+        for start in (0..self.count).step_by(wave) {
+            let end = (start + wave).min(self.count);
+            let parts: Vec<Vec<C>> = (start..end).into_par_iter().map_init(&init, &f).collect();
+            total = Some(add_in_order(total.into_iter().chain(parts).collect(), len));
+        }
+        total.unwrap_or_else(|| vec![C::zero(); len])
+    }
 }
+
+/// The partials `Runs::sum_init` keeps alive at once beyond one per thread.
+const WAVE_BYTES: usize = 16 << 20;
 
 /// Elements per parallel task of `add_in_order`.
 const ADD_CHUNK: usize = 1 << 14;
@@ -116,6 +147,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Waves of partials give the bits of all partials at once, for any wave size.
+    #[test]
+    fn sums_in_waves_equal_all_partials_at_once() {
+        let n = 37;
+        let r = Runs::new(n, 1, 1);
+        let part = |run: usize, len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    let v = ((i * 7 + run * 13) % 101) as f32 * 0.37;
+                    if run.is_multiple_of(3) {
+                        v * 1e7
+                    } else {
+                        -v
+                    }
+                })
+                .collect()
+        };
+        // Small partials (one wave) and partials above WAVE_BYTES (one per thread a wave).
+        for len in [5, WAVE_BYTES / 4 + 3] {
+            let want = add_in_order(r.map_init(|| (), |_, run| part(run, len)), len);
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let got = pool.install(|| r.sum_init(len, || (), |_, run| part(run, len)));
+                assert!(got == want, "len {len}, {threads} threads");
+            }
+        }
+        assert_eq!(
+            Runs::new(0, 1, 1).sum_init(3, || (), |_, _| vec![1f32; 3]),
+            vec![0.0; 3]
+        );
     }
 
     #[test]

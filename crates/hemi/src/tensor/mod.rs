@@ -125,7 +125,7 @@ impl Tensor {
         let grad_fn = needs_grad.then(|| {
             Arc::new(Node::new(
                 op,
-                inputs.iter().map(|t| (*t).clone()).collect(),
+                inputs.iter().map(|t| t.graph_edge()).collect(),
                 Box::new(backward),
             ))
         });
@@ -137,6 +137,31 @@ impl Tensor {
             device,
             requires_grad: AtomicBool::new(needs_grad),
             grad_fn,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// The handle a graph node keeps on one of its inputs. A leaf is kept as it is (the
+    /// backward adds to its `.grad`); an op's result becomes a handle with the same id,
+    /// graph, shape and dtype but no data. The graph then keeps alive only what each
+    /// backward saved, not every input it was recorded with: a max-pool's input, a residual
+    /// branch or an addend is freed once the forward is done with it, as PyTorch's graph
+    /// holds edges to nodes, not tensors (ResNet-50 at batch 32: the stem's ReLU output and
+    /// each projection shortcut's output). Only autograd reads these handles, never their
+    /// data.
+    fn graph_edge(&self) -> Tensor {
+        let Some(node) = &self.0.grad_fn else {
+            return self.clone();
+        };
+        let empty: Storage = CpuStorage::from_f32(Vec::new(), self.0.dtype).into();
+        Tensor(Arc::new(TensorImpl {
+            id: self.0.id,
+            storage: RwLock::new(Arc::new(empty)),
+            layout: self.0.layout.clone(),
+            dtype: self.0.dtype,
+            device: self.0.device,
+            requires_grad: AtomicBool::new(self.requires_grad()),
+            grad_fn: Some(node.clone()),
             grad: Mutex::new(None),
         }))
     }
