@@ -13,6 +13,7 @@ use hemi::amp::{
 use hemi::nn::{Linear, Module};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::{cross_entropy, mse_loss, nll_loss, CrossEntropyOptions, Reduction};
+use hemi::ops::norm::BatchNormParams;
 use hemi::{DType, Generator, Result, Tensor};
 
 /// Public functions of the op layer that return tensors, read from the source: each is an
@@ -87,6 +88,25 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
             Some(&t(&[4], b, &mut rng)),
             Conv2dOptions::default().padding(1),
         ),
+        "batch_norm_relu_conv2d" => {
+            let (gamma, beta) = (t(&[3], b, &mut rng), t(&[3], b, &mut rng));
+            let bn = BatchNormParams {
+                running_mean: None,
+                running_var: None,
+                weight: Some(&gamma),
+                bias: Some(&beta),
+                training: true,
+                momentum: 0.1,
+                eps: 1e-5,
+            };
+            // A weight that wants a gradient: the fused path, not the no-graph composition.
+            x.batch_norm_relu_conv2d(
+                &bn,
+                &t(&[4, 3, 3, 3], b, &mut rng).requires_grad_(),
+                Some(&t(&[4], b, &mut rng)),
+                Conv2dOptions::default().padding(1),
+            )
+        }
         "scaled_dot_product_attention" => {
             m.scaled_dot_product_attention(&v, &v, None, 0.0, None, None)
         }

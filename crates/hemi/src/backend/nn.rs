@@ -535,6 +535,21 @@ pub trait NnOps: BackendStorage {
         want_residual: bool,
     ) -> Result<(Grads<Self>, Option<Self>)>;
 
+    /// `batch_norm_act`'s output again (without residual), from the same input `x` (this
+    /// buffer) and the `mean` and `invstd` that call returned: the same bits, for a backward
+    /// that recomputes an activation instead of keeping it (`Tensor::batch_norm_relu_conv2d`).
+    #[allow(clippy::too_many_arguments)]
+    fn batch_norm_act_apply(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        mean: &Self,
+        invstd: &Self,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        relu: bool,
+    ) -> Result<Self>;
+
     /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
     /// statistics in its compute type, then `* weight + bias` (each `[d]`).
     fn layer_norm(
@@ -909,6 +924,26 @@ impl Storage {
                 ldy, y, x, lx, g, mean, invstd, w, training, dtypes, want_residual,
             )?;
             (grads.map(|b| wrap!(self, b)), dres.map(|b| wrap!(self, b)))
+        }))
+    }
+
+    /// `NnOps::batch_norm_act_apply` on this storage's backend.
+    #[allow(clippy::too_many_arguments)]
+    pub fn batch_norm_act_apply(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        mean: &Storage,
+        invstd: &Storage,
+        weight: Option<(&Storage, &Layout)>,
+        bias: Option<(&Storage, &Layout)>,
+        relu: bool,
+    ) -> Result<Storage> {
+        const OP: &str = "batch_norm_act_apply";
+        Ok(dispatch!(self, s => {
+            let (mean, invstd) = (peer(OP, s, mean)?, peer(OP, s, invstd)?);
+            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
+            wrap!(self, s.batch_norm_act_apply(l, g, mean, invstd, w, b, relu)?)
         }))
     }
 

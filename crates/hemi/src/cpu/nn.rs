@@ -649,6 +649,32 @@ impl NnOps for CpuStorage {
         ), _ => Err(wrong_dtype("batch_norm_act_backward", x.dtype())))
     }
 
+    fn batch_norm_act_apply(
+        &self,
+        l: &Layout,
+        g: BatchNormGeom,
+        mean: &Self,
+        invstd: &Self,
+        weight: Opt<'_, Self>,
+        bias: Opt<'_, Self>,
+        relu: bool,
+    ) -> Result<Self> {
+        let (wv, bv) = (
+            weight.map(|(w, l)| w.to_f32(l)),
+            bias.map(|(b, l)| b.to_f32(l)),
+        );
+        with_f32_or_half!(self.dtype(), T => Ok(CpuStorage::from_vec(norm::bn_act_forward(
+            &elems::<T>(self, l),
+            None,
+            g,
+            stat::<f32>(mean),
+            stat::<f32>(invstd),
+            wv.as_deref(),
+            bv.as_deref(),
+            relu,
+        ))), _ => Err(wrong_dtype("batch_norm_act_apply", self.dtype())))
+    }
+
     fn layer_norm(
         &self,
         l: &Layout,

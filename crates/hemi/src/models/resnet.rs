@@ -231,19 +231,19 @@ impl Block {
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // BN + ReLU, and the last BN + shortcut + ReLU, each one fused op (one pass, and
-        // only its input and output kept for the backward).
-        let mut out = x.clone();
-        let last = self.layers.len().saturating_sub(1);
-        for (i, (conv, bn)) in self.layers.iter().enumerate() {
-            let y = conv.forward(&out)?;
-            out = if i < last {
-                bn.forward_act(&y, None, true)?
-            } else {
-                bn.forward_act(&y, Some(&self.shortcut_forward(x)?), true)?
-            };
+        // Each BN + ReLU with the next conv one fused op (the ReLU's output is not kept
+        // for the backward but computed again there), and the last BN + shortcut + ReLU
+        // one fused op (one pass, only its input and output kept).
+        let Some(((conv, _), rest)) = self.layers.split_first() else {
+            return Ok(x.clone());
+        };
+        let mut y = conv.forward(x)?;
+        let mut bn = &self.layers[0].1;
+        for (conv, next_bn) in rest {
+            y = bn.forward_relu_conv(&y, conv)?;
+            bn = next_bn;
         }
-        Ok(out)
+        bn.forward_act(&y, Some(&self.shortcut_forward(x)?), true)
     }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         let mut v = Vec::new();

@@ -4,10 +4,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::{param, weight_bias, weight_bias_mut, Kind, Module, Slot};
+use super::{param, weight_bias, weight_bias_mut, Conv2d, Kind, Module, Slot};
 use crate::dist::ProcessGroup;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::norm::BatchNormParams;
 use crate::tensor::Tensor;
 
 /// PyTorch's `nn.BatchNorm2d(num_features, eps=1e-5, momentum=0.1, affine=True,
@@ -58,12 +59,7 @@ impl BatchNorm2d {
     /// as one fused op (`Tensor::batch_norm_act`): the same values and gradients as the
     /// three layers, in one pass, keeping only `x` and the output for the backward.
     pub fn forward_act(&self, x: &Tensor, residual: Option<&Tensor>, relu: bool) -> Result<Tensor> {
-        let training = self.training.load(Ordering::Relaxed);
-        if training {
-            let n = self.num_batches_tracked.to_vec_i64()[0];
-            self.num_batches_tracked
-                .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
-        }
+        let training = self.count_batch()?;
         if let Some(g) = self.sync.as_ref().filter(|g| training && g.size() > 1) {
             return self.forward_sync(g, x, residual, relu);
         }
@@ -78,6 +74,39 @@ impl BatchNorm2d {
             residual,
             relu,
         )
+    }
+
+    /// `conv.forward(&relu(self.forward(x)))` as one fused op
+    /// (`Tensor::batch_norm_relu_conv2d`): the same values and gradients, without keeping
+    /// the ReLU's output for the backward (it is computed again there). A synchronised norm
+    /// or a convolution with a forward hook (quantisation) runs the two layers.
+    pub fn forward_relu_conv(&self, x: &Tensor, conv: &Conv2d) -> Result<Tensor> {
+        let synced = self.sync.as_ref().is_some_and(|g| g.size() > 1);
+        if synced || conv.hook.is_some() {
+            return conv.forward(&self.forward_act(x, None, true)?);
+        }
+        let training = self.count_batch()?;
+        let bn = BatchNormParams {
+            running_mean: Some(&self.running_mean),
+            running_var: Some(&self.running_var),
+            weight: Some(&self.weight),
+            bias: Some(&self.bias),
+            training,
+            momentum: self.momentum,
+            eps: self.eps,
+        };
+        x.batch_norm_relu_conv2d(&bn, &conv.weight, conv.bias.as_ref(), conv.opts)
+    }
+
+    /// In training, counts one more batch in `num_batches_tracked`; whether training.
+    fn count_batch(&self) -> Result<bool> {
+        let training = self.training.load(Ordering::Relaxed);
+        if training {
+            let n = self.num_batches_tracked.to_vec_i64()[0];
+            self.num_batches_tracked
+                .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
+        }
+        Ok(training)
     }
 }
 

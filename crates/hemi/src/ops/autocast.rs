@@ -66,6 +66,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("linear", LowerPrecision),
     ("conv2d", LowerPrecision),
     ("conv2d_relu_max_pool2", LowerPrecision),
+    ("batch_norm_relu_conv2d", LowerPrecision),
     ("scaled_dot_product_attention", LowerPrecision),
     // FP32.
     ("exp", Fp32),

@@ -66,13 +66,13 @@ fn check_param(
 }
 
 /// A tensor's storage and layout, as the primitives take an optional input.
-type Part = (Arc<crate::tensor::Storage>, Layout);
+pub(super) type Part = (Arc<crate::tensor::Storage>, Layout);
 
-fn part(t: Option<&Tensor>) -> Option<Part> {
+pub(super) fn part(t: Option<&Tensor>) -> Option<Part> {
     t.map(|t| (t.storage(), t.layout().clone()))
 }
 
-fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
+pub(super) fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
     p.as_ref().map(|(s, l)| (&**s, l))
 }
 
@@ -160,112 +160,31 @@ impl Tensor {
                 return if relu { y.relu() } else { Ok(y) };
             }
         }
-        require_float(OP, "input", self)?;
-        if self.rank() < 2 {
-            return Err(Error::shape(
-                OP,
-                format!(
-                    "input must be [N, C, *] (rank >= 2), got {:?}",
-                    self.shape()
-                ),
-            ));
-        }
-        check_eps(OP, eps)?;
-        if !momentum.is_finite() {
-            return Err(Error::arg(
-                OP,
-                format!("momentum must be finite, got {momentum}"),
-            ));
-        }
+        let p = BatchNormParams {
+            running_mean,
+            running_var,
+            weight,
+            bias,
+            training,
+            momentum,
+            eps,
+        };
+        let BnForward {
+            out,
+            mean,
+            invstd,
+            d,
+        } = self.batch_norm_forward(&p, residual, relu)?;
+        let wp = part(weight);
         let shape = self.shape().to_vec();
-        let d = BatchNormGeom {
-            n: shape[0],
-            c: shape[1],
-            s: shape[2..].iter().product(),
-        };
-        let cs = [d.c];
-        check_param(OP, "weight", weight, &cs, self)?;
-        check_param(OP, "bias", bias, &cs, self)?;
-        check_param(OP, "running_mean", running_mean, &cs, self)?;
-        check_param(OP, "running_var", running_var, &cs, self)?;
-        let running = match (running_mean, running_var) {
-            (Some(m), Some(v)) => Some((m, v)),
-            (None, None) => None,
-            _ => {
-                return Err(Error::arg(
-                    OP,
-                    "give both running_mean and running_var, or neither",
-                ))
-            }
-        };
-        if training && d.m() <= 1 {
-            return Err(Error::shape(
-                OP,
-                format!(
-                    "training needs more than one value per channel, got input {:?}",
-                    shape
-                ),
-            ));
-        }
-        if !training && running.is_none() {
-            return Err(Error::arg(
-                OP,
-                "eval mode (training = false) needs running_mean and running_var",
-            ));
-        }
-
         let dtype = self.dtype();
-        let (wp, bp) = (part(weight), part(bias));
-        let rp = part(residual);
-        let running_p = running.map(|(m, v)| (part(Some(m)), part(Some(v))));
-        let running_r = running_p
-            .as_ref()
-            .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given")));
-        let r = if fused {
-            self.storage().batch_norm_act(
-                self.layout(),
-                d,
-                as_ref(&rp),
-                relu,
-                as_ref(&wp),
-                as_ref(&bp),
-                running_r,
-                training,
-                momentum,
-                eps,
-            )?
-        } else {
-            self.storage().batch_norm(
-                self.layout(),
-                d,
-                as_ref(&wp),
-                as_ref(&bp),
-                running_r,
-                training,
-                momentum,
-                eps,
-            )?
-        };
-        if let (Some((rm, rv)), Some((new_m, new_v))) = (running, r.running) {
-            rm.set_data(&Tensor::from_storage(
-                Arc::new(new_m),
-                Layout::contiguous(rm.shape()),
-            ))?;
-            rv.set_data(&Tensor::from_storage(
-                Arc::new(new_v),
-                Layout::contiguous(rv.shape()),
-            ))?;
-        }
-
         let mut inputs = vec![self];
         inputs.extend(weight);
         inputs.extend(bias);
         let saved_x = self.detach();
         let need_dx = self.requires_grad();
         let (w_dtype, b_dtype) = (weight.map(|w| w.dtype()), bias.map(|b| b.dtype()));
-        let (mean, invstd) = (r.mean, r.invstd);
         let cs = [d.c];
-        let out = Arc::new(r.out);
         let layout = Layout::contiguous(&shape);
         if fused {
             inputs.extend(residual);
@@ -396,9 +315,163 @@ impl Tensor {
     }
 }
 
+/// The batch norm half of `batch_norm_relu_conv2d`: what `batch_norm` takes besides the
+/// input (see there).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchNormParams<'a> {
+    /// Updated in place in training; required in eval.
+    pub running_mean: Option<&'a Tensor>,
+    /// Updated in place in training (with the unbiased batch variance); required in eval.
+    pub running_var: Option<&'a Tensor>,
+    /// The affine scale `[C]`.
+    pub weight: Option<&'a Tensor>,
+    /// The affine shift `[C]`.
+    pub bias: Option<&'a Tensor>,
+    /// Batch statistics (and running updates) rather than the running statistics.
+    pub training: bool,
+    /// The running statistics' update factor.
+    pub momentum: f64,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+/// A batch norm forward's results: the output, the statistics its backward reads, the
+/// geometry.
+pub(super) struct BnForward {
+    pub(super) out: Arc<crate::tensor::Storage>,
+    pub(super) mean: crate::tensor::Storage,
+    pub(super) invstd: crate::tensor::Storage,
+    pub(super) d: BatchNormGeom,
+}
+
+impl Tensor {
+    /// The checks, the primitive and the running statistics' update of `batch_norm_act`
+    /// (the fused primitive with a residual or the ReLU, the plain one otherwise), without
+    /// the graph.
+    pub(super) fn batch_norm_forward(
+        &self,
+        p: &BatchNormParams<'_>,
+        residual: Option<&Tensor>,
+        relu: bool,
+    ) -> Result<BnForward> {
+        const OP: &str = "batch_norm";
+        let BatchNormParams {
+            running_mean,
+            running_var,
+            weight,
+            bias,
+            training,
+            momentum,
+            eps,
+        } = *p;
+        require_float(OP, "input", self)?;
+        if self.rank() < 2 {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "input must be [N, C, *] (rank >= 2), got {:?}",
+                    self.shape()
+                ),
+            ));
+        }
+        check_eps(OP, eps)?;
+        if !momentum.is_finite() {
+            return Err(Error::arg(
+                OP,
+                format!("momentum must be finite, got {momentum}"),
+            ));
+        }
+        let shape = self.shape().to_vec();
+        let d = BatchNormGeom {
+            n: shape[0],
+            c: shape[1],
+            s: shape[2..].iter().product(),
+        };
+        let cs = [d.c];
+        check_param(OP, "weight", weight, &cs, self)?;
+        check_param(OP, "bias", bias, &cs, self)?;
+        check_param(OP, "running_mean", running_mean, &cs, self)?;
+        check_param(OP, "running_var", running_var, &cs, self)?;
+        let running = match (running_mean, running_var) {
+            (Some(m), Some(v)) => Some((m, v)),
+            (None, None) => None,
+            _ => {
+                return Err(Error::arg(
+                    OP,
+                    "give both running_mean and running_var, or neither",
+                ))
+            }
+        };
+        if training && d.m() <= 1 {
+            return Err(Error::shape(
+                OP,
+                format!(
+                    "training needs more than one value per channel, got input {:?}",
+                    shape
+                ),
+            ));
+        }
+        if !training && running.is_none() {
+            return Err(Error::arg(
+                OP,
+                "eval mode (training = false) needs running_mean and running_var",
+            ));
+        }
+
+        let (wp, bp) = (part(weight), part(bias));
+        let rp = part(residual);
+        let running_p = running.map(|(m, v)| (part(Some(m)), part(Some(v))));
+        let running_r = running_p
+            .as_ref()
+            .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given")));
+        let r = if residual.is_some() || relu {
+            self.storage().batch_norm_act(
+                self.layout(),
+                d,
+                as_ref(&rp),
+                relu,
+                as_ref(&wp),
+                as_ref(&bp),
+                running_r,
+                training,
+                momentum,
+                eps,
+            )?
+        } else {
+            self.storage().batch_norm(
+                self.layout(),
+                d,
+                as_ref(&wp),
+                as_ref(&bp),
+                running_r,
+                training,
+                momentum,
+                eps,
+            )?
+        };
+        if let (Some((rm, rv)), Some((new_m, new_v))) = (running, r.running) {
+            rm.set_data(&Tensor::from_storage(
+                Arc::new(new_m),
+                Layout::contiguous(rm.shape()),
+            ))?;
+            rv.set_data(&Tensor::from_storage(
+                Arc::new(new_v),
+                Layout::contiguous(rv.shape()),
+            ))?;
+        }
+
+        Ok(BnForward {
+            out: Arc::new(r.out),
+            mean: r.mean,
+            invstd: r.invstd,
+            d,
+        })
+    }
+}
+
 /// The gradients of a norm as tensors: the input's (when wanted), then the weight's and the
 /// bias's for the parameters that were given.
-fn norm_grads(
+pub(super) fn norm_grads(
     g: crate::backend::nn::Grads<crate::tensor::Storage>,
     x_shape: &[usize],
     w_shape: &[usize],
