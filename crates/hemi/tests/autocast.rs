@@ -107,6 +107,19 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
                 Conv2dOptions::default().padding(1),
             )
         }
+        "batch_norm_relu_max_pool2d" => {
+            let (gamma, beta) = (t(&[3], b, &mut rng), t(&[3], b, &mut rng).requires_grad_());
+            let bn = BatchNormParams {
+                running_mean: None,
+                running_var: None,
+                weight: Some(&gamma),
+                bias: Some(&beta),
+                training: true,
+                momentum: 0.1,
+                eps: 1e-5,
+            };
+            x.batch_norm_relu_max_pool2d(&bn, (3, 3), (2, 2), (1, 1))
+        }
         "scaled_dot_product_attention" => {
             m.scaled_dot_product_attention(&v, &v, None, 0.0, None, None)
         }

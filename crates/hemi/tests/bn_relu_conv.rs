@@ -1,9 +1,10 @@
-//! BN + ReLU + convolution as one op (`Tensor::batch_norm_relu_conv2d`, a ResNet block's
-//! inner layers), which computes the ReLU's output again in the backward instead of keeping
-//! it: the same output, running statistics and gradients as the composition
-//! `batch_norm_act(.., relu) → conv2d`, bit for bit, in F32, F16 and BF16, under autocast,
-//! on odd shapes, strides and non-contiguous inputs; and close to the F64 composition. Also
-//! the graph's own part: an activation that no backward saved is freed after the forward.
+//! BN + ReLU + convolution and BN + ReLU + max-pool as one op each
+//! (`Tensor::batch_norm_relu_conv2d`, a ResNet block's inner layers, and
+//! `Tensor::batch_norm_relu_max_pool2d`, the ImageNet stem), which compute the ReLU's output
+//! again in the backward instead of keeping it: the same output, running statistics and
+//! gradients as the compositions, bit for bit, in F32, F16 and BF16, under autocast, on odd
+//! shapes, strides and non-contiguous inputs; and close to the F64 composition. Also the
+//! graph's own part: an activation that no backward saved is freed after the forward.
 
 mod common;
 use common::*;
@@ -341,5 +342,107 @@ fn the_graph_frees_what_no_backward_saved() {
                 assert_eq!(ga[p], if p == best { 1.0 } else { 0.0 }, "plane {plane}");
             }
         }
+    }
+}
+
+/// `run` for the max-pool: output, dx, dgamma, dbeta, running mean and variance.
+fn run_pool(
+    fused: bool,
+    shape: &[usize],
+    (kernel, stride, padding): (usize, usize, usize),
+    dtype: DType,
+    strided: bool,
+    seed: u64,
+) -> Vec<Vec<f64>> {
+    let mut rng = Generator::new(seed);
+    let c = shape[1];
+    let n: usize = shape.iter().product();
+    let x = tensor(
+        &rand_values(n, -1.5, 1.5, dtype, &mut rng),
+        shape,
+        dtype,
+        strided,
+    )
+    .requires_grad_();
+    let param = |lo: f64, hi: f64, rng: &mut Generator| {
+        Tensor::from_f64_vec(rand_values(c, lo, hi, DType::F32, rng), &[c], DType::F32)
+            .unwrap()
+            .requires_grad_()
+    };
+    let (gamma, beta) = (param(0.5, 1.5, &mut rng), param(-0.5, 0.5, &mut rng));
+    let rm = Tensor::from_f64_vec(vec![0.1; c], &[c], DType::F32).unwrap();
+    let rv = Tensor::from_f64_vec(vec![0.9; c], &[c], DType::F32).unwrap();
+    let (k, s, p) = ((kernel, kernel), (stride, stride), (padding, padding));
+    let out = if fused {
+        let bn = BatchNormParams {
+            running_mean: Some(&rm),
+            running_var: Some(&rv),
+            weight: Some(&gamma),
+            bias: Some(&beta),
+            training: true,
+            momentum: 0.1,
+            eps: 1e-5,
+        };
+        x.batch_norm_relu_max_pool2d(&bn, k, s, p).unwrap()
+    } else {
+        x.batch_norm_act(
+            Some(&rm),
+            Some(&rv),
+            Some(&gamma),
+            Some(&beta),
+            true,
+            0.1,
+            1e-5,
+            None,
+            true,
+        )
+        .unwrap()
+        .max_pool2d(k, s, p)
+        .unwrap()
+    };
+    assert_eq!(out.dtype(), dtype);
+    let out_n: usize = out.shape().iter().product();
+    let g = Tensor::from_f64_vec(
+        rand_values(out_n, -1.0, 1.0, dtype, &mut rng),
+        out.shape(),
+        dtype,
+    )
+    .unwrap();
+    out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = |t: &Tensor| t.grad().expect("a gradient").to_vec_f64();
+    vec![
+        out.to_vec_f64(),
+        grad(&x),
+        grad(&gamma),
+        grad(&beta),
+        Vec::new(),
+        Vec::new(),
+        rm.to_vec_f64(),
+        rv.to_vec_f64(),
+    ]
+}
+
+#[test]
+fn fused_max_pool_is_bit_identical_to_the_composition() {
+    let shapes: [&[usize]; 3] = [&[2, 3, 9, 7], &[3, 5, 6, 6], &[1, 4, 11, 5]];
+    for (k, shape) in shapes.iter().enumerate() {
+        // The stem's 3×3/2 with padding 1, and a plain 2×2/2.
+        for window in [(3, 2, 1), (2, 2, 0)] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                for strided in [false, true] {
+                    let seed = 400 + k as u64;
+                    let what = format!("{shape:?} {window:?} {dtype} strided {strided}");
+                    let f = run_pool(true, shape, window, dtype, strided, seed);
+                    let c = run_pool(false, shape, window, dtype, strided, seed);
+                    assert_bits(&what, &f, &c);
+                }
+            }
+        }
+    }
+    // Against F64 too.
+    let f = run_pool(true, &[2, 3, 9, 7], (3, 2, 1), DType::F32, false, 9);
+    let r = run_pool(false, &[2, 3, 9, 7], (3, 2, 1), DType::F64, false, 9);
+    for ((got, want), name) in f.iter().zip(&r).zip(NAMES) {
+        assert_close(&format!("max-pool {name}"), got, want, balanced(DType::F32));
     }
 }

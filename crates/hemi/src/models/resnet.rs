@@ -478,10 +478,11 @@ impl ResNet {
                 format!("expects images [N, C, H, W], got {:?}", x.shape()),
             ));
         }
-        let mut x = self.bn1.forward_act(&self.conv1.forward(x)?, None, true)?;
-        if let Some(pool) = &self.maxpool {
-            x = pool.forward(&x)?;
-        }
+        let y = self.conv1.forward(x)?;
+        let mut x = match &self.maxpool {
+            Some(pool) => self.bn1.forward_relu_max_pool(&y, pool)?,
+            None => self.bn1.forward_act(&y, None, true)?,
+        };
         for block in self.layers.iter().flatten() {
             x = block.forward(&x)?;
         }

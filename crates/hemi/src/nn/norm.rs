@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::{param, weight_bias, weight_bias_mut, Conv2d, Kind, Module, Slot};
+use super::{param, weight_bias, weight_bias_mut, Conv2d, Kind, MaxPool2d, Module, Slot};
 use crate::dist::ProcessGroup;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -85,8 +85,24 @@ impl BatchNorm2d {
         if synced || conv.hook.is_some() {
             return conv.forward(&self.forward_act(x, None, true)?);
         }
-        let training = self.count_batch()?;
-        let bn = BatchNormParams {
+        let bn = self.params(self.count_batch()?);
+        x.batch_norm_relu_conv2d(&bn, &conv.weight, conv.bias.as_ref(), conv.opts)
+    }
+
+    /// `pool.forward(&relu(self.forward(x)))` as one fused op
+    /// (`Tensor::batch_norm_relu_max_pool2d`): the same values and gradients, without
+    /// keeping the ReLU's output for the backward. A synchronised norm runs the layers.
+    pub fn forward_relu_max_pool(&self, x: &Tensor, pool: &MaxPool2d) -> Result<Tensor> {
+        if self.sync.as_ref().is_some_and(|g| g.size() > 1) {
+            return pool.forward(&self.forward_act(x, None, true)?);
+        }
+        let bn = self.params(self.count_batch()?);
+        x.batch_norm_relu_max_pool2d(&bn, pool.kernel, pool.stride, pool.padding)
+    }
+
+    /// The arguments of the functional batch norm for this layer.
+    fn params(&self, training: bool) -> BatchNormParams<'_> {
+        BatchNormParams {
             running_mean: Some(&self.running_mean),
             running_var: Some(&self.running_var),
             weight: Some(&self.weight),
@@ -94,8 +110,7 @@ impl BatchNorm2d {
             training,
             momentum: self.momentum,
             eps: self.eps,
-        };
-        x.batch_norm_relu_conv2d(&bn, &conv.weight, conv.bias.as_ref(), conv.opts)
+        }
     }
 
     /// In training, counts one more batch in `num_batches_tracked`; whether training.

@@ -120,6 +120,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("argmin", PassThrough),
     ("max_pool2d", PassThrough),
     ("max_pool2d_with_indices", PassThrough),
+    ("batch_norm_relu_max_pool2d", Fp32Statistics),
     ("avg_pool2d", PassThrough),
     ("adaptive_avg_pool2d", PassThrough),
     ("embedding", PassThrough),

@@ -66,13 +66,13 @@ fn check_param(
 }
 
 /// A tensor's storage and layout, as the primitives take an optional input.
-pub(super) type Part = (Arc<crate::tensor::Storage>, Layout);
+type Part = (Arc<crate::tensor::Storage>, Layout);
 
-pub(super) fn part(t: Option<&Tensor>) -> Option<Part> {
+fn part(t: Option<&Tensor>) -> Option<Part> {
     t.map(|t| (t.storage(), t.layout().clone()))
 }
 
-pub(super) fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
+fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
     p.as_ref().map(|(s, l)| (&**s, l))
 }
 
@@ -337,18 +337,121 @@ pub struct BatchNormParams<'a> {
 
 /// A batch norm forward's results: the output, the statistics its backward reads, the
 /// geometry.
-pub(super) struct BnForward {
-    pub(super) out: Arc<crate::tensor::Storage>,
-    pub(super) mean: crate::tensor::Storage,
-    pub(super) invstd: crate::tensor::Storage,
-    pub(super) d: BatchNormGeom,
+struct BnForward {
+    out: Arc<crate::tensor::Storage>,
+    mean: crate::tensor::Storage,
+    invstd: crate::tensor::Storage,
+    d: BatchNormGeom,
+}
+
+/// What an op that fuses BN + ReLU with the op after it keeps for its backward instead of
+/// the ReLU's output: the norm's input, statistics and parameters, from which the backward
+/// computes that output again with the forward's kernel (the same bits).
+pub(super) struct BnReluSaved {
+    x: Tensor,
+    mean: crate::tensor::Storage,
+    invstd: crate::tensor::Storage,
+    d: BatchNormGeom,
+    weight: Option<Part>,
+    bias: Option<Part>,
+    /// The gradients' dtypes: the input's when it wants one, the parameters' when given.
+    dtypes: (Option<DType>, Option<DType>, Option<DType>),
+}
+
+impl BnReluSaved {
+    /// Whether `x` may take a fused BN + ReLU + op: training with a graph to record (`x`,
+    /// the norm's parameters or `other` want gradients) on F32/F16/BF16 `[N, C, H, W]`.
+    /// Otherwise the caller runs the composition, which keeps nothing extra then.
+    pub(super) fn applies(x: &Tensor, bn: &BatchNormParams<'_>, other: &[&Tensor]) -> bool {
+        let wants = x.requires_grad()
+            || [bn.weight, bn.bias]
+                .into_iter()
+                .flatten()
+                .any(|t| t.requires_grad())
+            || other.iter().any(|t| t.requires_grad());
+        bn.training
+            && crate::autograd::is_grad_enabled()
+            && wants
+            && x.rank() == 4
+            && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// `relu(batch_norm(x))` (running statistics updated), as a contiguous tensor outside
+    /// the graph, and what the backward needs.
+    pub(super) fn forward(x: &Tensor, bn: &BatchNormParams<'_>) -> Result<(Tensor, BnReluSaved)> {
+        let BnForward {
+            out,
+            mean,
+            invstd,
+            d,
+        } = x.batch_norm_forward(bn, None, true)?;
+        let z = Tensor::from_storage(out, Layout::contiguous(x.shape()));
+        let saved = BnReluSaved {
+            x: x.detach(),
+            mean,
+            invstd,
+            d,
+            weight: part(bn.weight),
+            bias: part(bn.bias),
+            dtypes: (
+                x.requires_grad().then_some(x.dtype()),
+                bn.weight.map(|t| t.dtype()),
+                bn.bias.map(|t| t.dtype()),
+            ),
+        };
+        Ok((z, saved))
+    }
+
+    /// The ReLU's output again (contiguous, the input's shape).
+    pub(super) fn recompute(&self) -> Result<crate::tensor::Storage> {
+        self.x.storage().batch_norm_act_apply(
+            self.x.layout(),
+            self.d,
+            &self.mean,
+            &self.invstd,
+            as_ref(&self.weight),
+            as_ref(&self.bias),
+            true,
+        )
+    }
+
+    /// The gradients of the input and of the parameters that were given (in that order),
+    /// from the gradient `dz` of the ReLU's output and that output `z` (both contiguous).
+    pub(super) fn backward(
+        &self,
+        dz: &crate::tensor::Storage,
+        z: &crate::tensor::Storage,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let shape = self.x.shape();
+        let zl = Layout::contiguous(shape);
+        let (grads, _) = dz.batch_norm_act_backward(
+            &zl,
+            Some((z, &zl)),
+            &self.x.storage(),
+            self.x.layout(),
+            self.d,
+            &self.mean,
+            &self.invstd,
+            as_ref(&self.weight),
+            true,
+            self.dtypes,
+            false,
+        )?;
+        let cs = [self.d.c];
+        Ok(norm_grads(grads, shape, &cs, &cs))
+    }
+
+    /// Whether the backward has any gradient to give.
+    pub(super) fn wants_grads(&self) -> bool {
+        self.dtypes != (None, None, None)
+    }
 }
 
 impl Tensor {
     /// The checks, the primitive and the running statistics' update of `batch_norm_act`
     /// (the fused primitive with a residual or the ReLU, the plain one otherwise), without
     /// the graph.
-    pub(super) fn batch_norm_forward(
+    fn batch_norm_forward(
         &self,
         p: &BatchNormParams<'_>,
         residual: Option<&Tensor>,
@@ -471,7 +574,7 @@ impl Tensor {
 
 /// The gradients of a norm as tensors: the input's (when wanted), then the weight's and the
 /// bias's for the parameters that were given.
-pub(super) fn norm_grads(
+fn norm_grads(
     g: crate::backend::nn::Grads<crate::tensor::Storage>,
     x_shape: &[usize],
     w_shape: &[usize],
