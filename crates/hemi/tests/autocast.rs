@@ -107,8 +107,8 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
                 Conv2dOptions::default().padding(1),
             )
         }
-        "batch_norm_relu_max_pool2d" => {
-            let (gamma, beta) = (t(&[3], b, &mut rng), t(&[3], b, &mut rng).requires_grad_());
+        "conv2d_batch_norm" | "conv2d_batch_norm_relu_max_pool2d" => {
+            let (gamma, beta) = (t(&[4], b, &mut rng), t(&[4], b, &mut rng));
             let bn = BatchNormParams {
                 running_mean: None,
                 running_var: None,
@@ -118,7 +118,14 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
                 momentum: 0.1,
                 eps: 1e-5,
             };
-            x.batch_norm_relu_max_pool2d(&bn, (3, 3), (2, 2), (1, 1))
+            // A weight that wants a gradient: the fused path.
+            let w = t(&[4, 3, 3, 3], b, &mut rng).requires_grad_();
+            let opts = Conv2dOptions::default().padding(1);
+            if name == "conv2d_batch_norm" {
+                x.conv2d_batch_norm(&w, None, opts, &bn)
+            } else {
+                x.conv2d_batch_norm_relu_max_pool2d(&w, None, opts, &bn, (3, 3), (2, 2), (1, 1))
+            }
         }
         "scaled_dot_product_attention" => {
             m.scaled_dot_product_attention(&v, &v, None, 0.0, None, None)

@@ -1,10 +1,11 @@
-//! BN + ReLU + convolution and BN + ReLU + max-pool as one op each
-//! (`Tensor::batch_norm_relu_conv2d`, a ResNet block's inner layers, and
-//! `Tensor::batch_norm_relu_max_pool2d`, the ImageNet stem), which compute the ReLU's output
-//! again in the backward instead of keeping it: the same output, running statistics and
-//! gradients as the compositions, bit for bit, in F32, F16 and BF16, under autocast, on odd
-//! shapes, strides and non-contiguous inputs; and close to the F64 composition. Also the
-//! graph's own part: an activation that no backward saved is freed after the forward.
+//! The fused ResNet ops that compute an activation again in the backward instead of keeping
+//! it: BN + ReLU + convolution (`Tensor::batch_norm_relu_conv2d`, a block's inner layers),
+//! convolution + BN (`Tensor::conv2d_batch_norm`, the projection shortcut) and convolution +
+//! BN + ReLU + max-pool (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem).
+//! Each gives the same output, running statistics and gradients as its composition, bit for
+//! bit, in F32, F16 and BF16, under autocast, on odd shapes, strides and non-contiguous
+//! inputs; and close to the F64 composition. Also the graph's own part: an activation that
+//! no backward saved is freed after the forward.
 
 mod common;
 use common::*;
@@ -53,9 +54,21 @@ const CASES: [Case; 4] = [
     },
 ];
 
+/// Which fused op (and its composition) a run takes.
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    BnReluConv,
+    ConvBn,
+    ConvBnReluPool,
+}
+
+const OPS: [Op; 3] = [Op::BnReluConv, Op::ConvBn, Op::ConvBnReluPool];
+
 /// What one run gives: output, then the gradients of x, BN weight, BN bias, conv weight,
 /// conv bias (empty when absent), then the running mean and variance after the step.
+#[allow(clippy::too_many_arguments)]
 fn run(
+    op: Op,
     fused: bool,
     case: &Case,
     x_dtype: DType,
@@ -65,7 +78,11 @@ fn run(
     seed: u64,
 ) -> Vec<Vec<f64>> {
     let mut rng = Generator::new(seed);
-    let c = case.x[1];
+    // The norm's channels: the input's before the conv, the conv's outputs after it.
+    let c = match op {
+        Op::BnReluConv => case.x[1],
+        Op::ConvBn | Op::ConvBnReluPool => case.w[0],
+    };
     let n: usize = case.x.iter().product();
     let x = tensor(
         &rand_values(n, -1.5, 1.5, x_dtype, &mut rng),
@@ -95,34 +112,44 @@ fn run(
     let opts = Conv2dOptions::default()
         .stride(case.stride)
         .padding(case.padding);
+    let bn = BatchNormParams {
+        running_mean: Some(&rm),
+        running_var: Some(&rv),
+        weight: Some(&gamma),
+        bias: Some(&beta),
+        training: true,
+        momentum: 0.1,
+        eps: 1e-5,
+    };
+    let norm = |t: &Tensor, relu: bool| {
+        t.batch_norm_act(
+            Some(&rm),
+            Some(&rv),
+            Some(&gamma),
+            Some(&beta),
+            true,
+            0.1,
+            1e-5,
+            None,
+            relu,
+        )
+        .unwrap()
+    };
+    let window = ((3, 3), (2, 2), (1, 1));
     let out = {
         let _ac = ac.map(autocast);
-        if fused {
-            let bn = BatchNormParams {
-                running_mean: Some(&rm),
-                running_var: Some(&rv),
-                weight: Some(&gamma),
-                bias: Some(&beta),
-                training: true,
-                momentum: 0.1,
-                eps: 1e-5,
-            };
-            x.batch_norm_relu_conv2d(&bn, &w, b.as_ref(), opts).unwrap()
-        } else {
-            x.batch_norm_act(
-                Some(&rm),
-                Some(&rv),
-                Some(&gamma),
-                Some(&beta),
-                true,
-                0.1,
-                1e-5,
-                None,
-                true,
-            )
-            .unwrap()
-            .conv2d(&w, b.as_ref(), opts)
-            .unwrap()
+        let b = b.as_ref();
+        match (op, fused) {
+            (Op::BnReluConv, true) => x.batch_norm_relu_conv2d(&bn, &w, b, opts).unwrap(),
+            (Op::BnReluConv, false) => norm(&x, true).conv2d(&w, b, opts).unwrap(),
+            (Op::ConvBn, true) => x.conv2d_batch_norm(&w, b, opts, &bn).unwrap(),
+            (Op::ConvBn, false) => norm(&x.conv2d(&w, b, opts).unwrap(), false),
+            (Op::ConvBnReluPool, true) => x
+                .conv2d_batch_norm_relu_max_pool2d(&w, b, opts, &bn, window.0, window.1, window.2)
+                .unwrap(),
+            (Op::ConvBnReluPool, false) => norm(&x.conv2d(&w, b, opts).unwrap(), true)
+                .max_pool2d(window.0, window.1, window.2)
+                .unwrap(),
         }
     };
     let out_n: usize = out.shape().iter().product();
@@ -171,14 +198,16 @@ fn assert_bits(what: &str, fused: &[Vec<f64>], composed: &[Vec<f64>]) {
 
 #[test]
 fn fused_is_bit_identical_to_the_composition() {
-    for (k, case) in CASES.iter().enumerate() {
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            for strided in [false, true] {
-                let seed = 100 + k as u64;
-                let what = format!("case {k}, {dtype}, strided {strided}");
-                let f = run(true, case, dtype, dtype, None, strided, seed);
-                let c = run(false, case, dtype, dtype, None, strided, seed);
-                assert_bits(&what, &f, &c);
+    for op in OPS {
+        for (k, case) in CASES.iter().enumerate() {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                for strided in [false, true] {
+                    let seed = 100 + k as u64;
+                    let what = format!("{op:?} case {k}, {dtype}, strided {strided}");
+                    let f = run(op, true, case, dtype, dtype, None, strided, seed);
+                    let c = run(op, false, case, dtype, dtype, None, strided, seed);
+                    assert_bits(&what, &f, &c);
+                }
             }
         }
     }
@@ -188,16 +217,18 @@ fn fused_is_bit_identical_to_the_composition() {
 /// casting the conv weight (its F32 gradient comes back through the cast).
 #[test]
 fn fused_under_autocast_is_bit_identical_to_the_composition() {
-    for (k, case) in CASES.iter().enumerate() {
-        for ac in [DType::BF16, DType::F16] {
-            // A half input (the previous conv's output) takes the fused op; an F32 input,
-            // which the conv would cast, runs the composition: both must agree with it.
-            for x_dtype in [ac, DType::F32] {
-                let seed = 200 + k as u64;
-                let what = format!("case {k}, autocast {ac}, input {x_dtype}");
-                let f = run(true, case, x_dtype, DType::F32, Some(ac), false, seed);
-                let c = run(false, case, x_dtype, DType::F32, Some(ac), false, seed);
-                assert_bits(&what, &f, &c);
+    for op in OPS {
+        for (k, case) in CASES.iter().enumerate() {
+            for ac in [DType::BF16, DType::F16] {
+                // A half input (a previous conv's output) and an F32 one (an image; before a
+                // norm, one the conv would cast, which runs the composition).
+                for x_dtype in [ac, DType::F32] {
+                    let seed = 200 + k as u64;
+                    let what = format!("{op:?} case {k}, autocast {ac}, input {x_dtype}");
+                    let f = run(op, true, case, x_dtype, DType::F32, Some(ac), false, seed);
+                    let c = run(op, false, case, x_dtype, DType::F32, Some(ac), false, seed);
+                    assert_bits(&what, &f, &c);
+                }
             }
         }
     }
@@ -207,10 +238,13 @@ fn fused_under_autocast_is_bit_identical_to_the_composition() {
 /// tests/bn_act.rs and tests/conv.rs).
 #[test]
 fn fused_f32_matches_the_f64_composition() {
-    for (k, case) in CASES.iter().enumerate() {
+    for (op, (k, case)) in OPS
+        .iter()
+        .flat_map(|&op| CASES.iter().enumerate().map(move |c| (op, c)))
+    {
         let seed = 300 + k as u64;
-        let f = run(true, case, DType::F32, DType::F32, None, false, seed);
-        let r = run(false, case, DType::F64, DType::F64, None, false, seed);
+        let f = run(op, true, case, DType::F32, DType::F32, None, false, seed);
+        let r = run(op, false, case, DType::F64, DType::F64, None, false, seed);
         // Batch norm over up to a few hundred values and products over up to 63 terms;
         // the gradients go through both.
         for ((got, want), name) in f.iter().zip(&r).zip(NAMES) {
@@ -219,7 +253,7 @@ fn fused_f32_matches_the_f64_composition() {
             } else {
                 permissive(DType::F32)
             };
-            assert_close(&format!("case {k}: {name}"), got, want, tol);
+            assert_close(&format!("{op:?} case {k}: {name}"), got, want, tol);
         }
     }
 }
@@ -342,107 +376,5 @@ fn the_graph_frees_what_no_backward_saved() {
                 assert_eq!(ga[p], if p == best { 1.0 } else { 0.0 }, "plane {plane}");
             }
         }
-    }
-}
-
-/// `run` for the max-pool: output, dx, dgamma, dbeta, running mean and variance.
-fn run_pool(
-    fused: bool,
-    shape: &[usize],
-    (kernel, stride, padding): (usize, usize, usize),
-    dtype: DType,
-    strided: bool,
-    seed: u64,
-) -> Vec<Vec<f64>> {
-    let mut rng = Generator::new(seed);
-    let c = shape[1];
-    let n: usize = shape.iter().product();
-    let x = tensor(
-        &rand_values(n, -1.5, 1.5, dtype, &mut rng),
-        shape,
-        dtype,
-        strided,
-    )
-    .requires_grad_();
-    let param = |lo: f64, hi: f64, rng: &mut Generator| {
-        Tensor::from_f64_vec(rand_values(c, lo, hi, DType::F32, rng), &[c], DType::F32)
-            .unwrap()
-            .requires_grad_()
-    };
-    let (gamma, beta) = (param(0.5, 1.5, &mut rng), param(-0.5, 0.5, &mut rng));
-    let rm = Tensor::from_f64_vec(vec![0.1; c], &[c], DType::F32).unwrap();
-    let rv = Tensor::from_f64_vec(vec![0.9; c], &[c], DType::F32).unwrap();
-    let (k, s, p) = ((kernel, kernel), (stride, stride), (padding, padding));
-    let out = if fused {
-        let bn = BatchNormParams {
-            running_mean: Some(&rm),
-            running_var: Some(&rv),
-            weight: Some(&gamma),
-            bias: Some(&beta),
-            training: true,
-            momentum: 0.1,
-            eps: 1e-5,
-        };
-        x.batch_norm_relu_max_pool2d(&bn, k, s, p).unwrap()
-    } else {
-        x.batch_norm_act(
-            Some(&rm),
-            Some(&rv),
-            Some(&gamma),
-            Some(&beta),
-            true,
-            0.1,
-            1e-5,
-            None,
-            true,
-        )
-        .unwrap()
-        .max_pool2d(k, s, p)
-        .unwrap()
-    };
-    assert_eq!(out.dtype(), dtype);
-    let out_n: usize = out.shape().iter().product();
-    let g = Tensor::from_f64_vec(
-        rand_values(out_n, -1.0, 1.0, dtype, &mut rng),
-        out.shape(),
-        dtype,
-    )
-    .unwrap();
-    out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
-    let grad = |t: &Tensor| t.grad().expect("a gradient").to_vec_f64();
-    vec![
-        out.to_vec_f64(),
-        grad(&x),
-        grad(&gamma),
-        grad(&beta),
-        Vec::new(),
-        Vec::new(),
-        rm.to_vec_f64(),
-        rv.to_vec_f64(),
-    ]
-}
-
-#[test]
-fn fused_max_pool_is_bit_identical_to_the_composition() {
-    let shapes: [&[usize]; 3] = [&[2, 3, 9, 7], &[3, 5, 6, 6], &[1, 4, 11, 5]];
-    for (k, shape) in shapes.iter().enumerate() {
-        // The stem's 3×3/2 with padding 1, and a plain 2×2/2.
-        for window in [(3, 2, 1), (2, 2, 0)] {
-            for dtype in [DType::F32, DType::F16, DType::BF16] {
-                for strided in [false, true] {
-                    let seed = 400 + k as u64;
-                    let what = format!("{shape:?} {window:?} {dtype} strided {strided}");
-                    let f = run_pool(true, shape, window, dtype, strided, seed);
-                    let c = run_pool(false, shape, window, dtype, strided, seed);
-                    assert_bits(&what, &f, &c);
-                }
-            }
-        }
-    }
-    // Against F64 too.
-    let f = run_pool(true, &[2, 3, 9, 7], (3, 2, 1), DType::F32, false, 9);
-    let r = run_pool(false, &[2, 3, 9, 7], (3, 2, 1), DType::F64, false, 9);
-    for ((got, want), name) in f.iter().zip(&r).zip(NAMES) {
-        assert_close(&format!("max-pool {name}"), got, want, balanced(DType::F32));
     }
 }

@@ -186,7 +186,7 @@ impl Block {
     pub fn shortcut_forward(&self, x: &Tensor) -> Result<Tensor> {
         match &self.shortcut {
             Shortcut::Identity => Ok(x.clone()),
-            Shortcut::Projection { conv, bn } => bn.forward(&conv.forward(x)?),
+            Shortcut::Projection { conv, bn } => bn.forward_conv(x, conv),
             Shortcut::Pad {
                 stride,
                 extra_channels,
@@ -478,10 +478,9 @@ impl ResNet {
                 format!("expects images [N, C, H, W], got {:?}", x.shape()),
             ));
         }
-        let y = self.conv1.forward(x)?;
         let mut x = match &self.maxpool {
-            Some(pool) => self.bn1.forward_relu_max_pool(&y, pool)?,
-            None => self.bn1.forward_act(&y, None, true)?,
+            Some(pool) => self.bn1.forward_conv_relu_max_pool(x, &self.conv1, pool)?,
+            None => self.bn1.forward_act(&self.conv1.forward(x)?, None, true)?,
         };
         for block in self.layers.iter().flatten() {
             x = block.forward(&x)?;

@@ -89,15 +89,40 @@ impl BatchNorm2d {
         x.batch_norm_relu_conv2d(&bn, &conv.weight, conv.bias.as_ref(), conv.opts)
     }
 
-    /// `pool.forward(&relu(self.forward(x)))` as one fused op
-    /// (`Tensor::batch_norm_relu_max_pool2d`): the same values and gradients, without
-    /// keeping the ReLU's output for the backward. A synchronised norm runs the layers.
-    pub fn forward_relu_max_pool(&self, x: &Tensor, pool: &MaxPool2d) -> Result<Tensor> {
-        if self.sync.as_ref().is_some_and(|g| g.size() > 1) {
-            return pool.forward(&self.forward_act(x, None, true)?);
+    /// `self.forward(&conv.forward(x))` as one fused op (`Tensor::conv2d_batch_norm`): the
+    /// same values and gradients, without keeping the convolution's output for the
+    /// backward (it is computed again there). A synchronised norm or a convolution with a
+    /// forward hook runs the two layers.
+    pub fn forward_conv(&self, x: &Tensor, conv: &Conv2d) -> Result<Tensor> {
+        if self.sync.as_ref().is_some_and(|g| g.size() > 1) || conv.hook.is_some() {
+            return self.forward(&conv.forward(x)?);
         }
         let bn = self.params(self.count_batch()?);
-        x.batch_norm_relu_max_pool2d(&bn, pool.kernel, pool.stride, pool.padding)
+        x.conv2d_batch_norm(&conv.weight, conv.bias.as_ref(), conv.opts, &bn)
+    }
+
+    /// `pool.forward(&relu(self.forward(&conv.forward(x))))` as one fused op
+    /// (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem): the same values and
+    /// gradients, keeping only `x` and the pool's argmax for the backward.
+    pub fn forward_conv_relu_max_pool(
+        &self,
+        x: &Tensor,
+        conv: &Conv2d,
+        pool: &MaxPool2d,
+    ) -> Result<Tensor> {
+        if self.sync.as_ref().is_some_and(|g| g.size() > 1) || conv.hook.is_some() {
+            return pool.forward(&self.forward_act(&conv.forward(x)?, None, true)?);
+        }
+        let bn = self.params(self.count_batch()?);
+        x.conv2d_batch_norm_relu_max_pool2d(
+            &conv.weight,
+            conv.bias.as_ref(),
+            conv.opts,
+            &bn,
+            pool.kernel,
+            pool.stride,
+            pool.padding,
+        )
     }
 
     /// The arguments of the functional batch norm for this layer.

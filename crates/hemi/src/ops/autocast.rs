@@ -67,6 +67,8 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("conv2d", LowerPrecision),
     ("conv2d_relu_max_pool2", LowerPrecision),
     ("batch_norm_relu_conv2d", LowerPrecision),
+    ("conv2d_batch_norm", LowerPrecision),
+    ("conv2d_batch_norm_relu_max_pool2d", LowerPrecision),
     ("scaled_dot_product_attention", LowerPrecision),
     // FP32.
     ("exp", Fp32),
@@ -120,7 +122,6 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("argmin", PassThrough),
     ("max_pool2d", PassThrough),
     ("max_pool2d_with_indices", PassThrough),
-    ("batch_norm_relu_max_pool2d", Fp32Statistics),
     ("avg_pool2d", PassThrough),
     ("adaptive_avg_pool2d", PassThrough),
     ("embedding", PassThrough),

@@ -14,7 +14,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Layout, Storage, Tensor};
 
-use super::norm::{BatchNormParams, BnReluSaved};
+use super::norm::{BatchNormParams, BnSaved};
 
 const OP: &str = "conv2d";
 
@@ -371,7 +371,7 @@ impl Tensor {
             .conv2d(weight, bias, opts)
         };
         let dtype = self.dtype();
-        if !BnReluSaved::applies(self, bn, &[weight]) {
+        if !BnSaved::applies(self, bn, &[weight]) {
             return compose();
         }
         // The convolution's operands as `conv2d` would take them from the norm's output,
@@ -390,7 +390,8 @@ impl Tensor {
             b.as_ref().map(|b| b.shape()),
             &opts,
         )?;
-        let (z, bn_saved) = BnReluSaved::forward(self, bn)?;
+        let (z, bn_saved) = BnSaved::forward(self, bn, true, self.requires_grad())?;
+        let x_saved = self.detach();
         let y = {
             let _no_graph = crate::autograd::no_grad();
             let _no_autocast = suspend();
@@ -417,7 +418,7 @@ impl Tensor {
                 let g = as_dtype(g, dtype)?;
                 let (gs, gl) = (g.storage(), g.layout());
                 // The ReLU's output again: the convolution's input and the ReLU's mask.
-                let z = bn_saved.recompute()?;
+                let z = bn_saved.recompute(&x_saved)?;
                 let dw = need_dw
                     .then(|| z.conv2d_backward_weight(&zl, &gs, gl, &geom, dtype))
                     .transpose()?;
@@ -428,7 +429,7 @@ impl Tensor {
                     let w = w_saved.get()?;
                     let dz =
                         gs.conv2d_backward_input(gl, &w.storage(), w.layout(), &geom, dtype)?;
-                    bn_saved.backward(&dz, &z)?
+                    bn_saved.backward(&x_saved, &dz, Some(&z))?
                 } else {
                     vec![None; bn_inputs]
                 };
@@ -440,6 +441,201 @@ impl Tensor {
                     grads.push(Some(t(db, &[geom.c_out])));
                 }
                 Ok(grads)
+            },
+        ))
+    }
+}
+
+/// A max-pool's kernel, stride and padding.
+type PoolArgs = ((usize, usize), (usize, usize), (usize, usize));
+
+impl Tensor {
+    /// `conv2d(weight, bias, opts)` into `batch_norm` — a ResNet's projection shortcut — as
+    /// one op that keeps the convolution's input but not its output: the backward computes
+    /// the convolution again (the same kernels, the same bits) for the norm's gradient. The
+    /// same values, running statistics and gradients as the composition, bit for bit, with
+    /// one activation less alive from the forward to the backward, for one more
+    /// convolution forward in the backward. Autocast casts the operands as `conv2d` does;
+    /// eval mode, no graph, F64 or mixed dtypes run the composition.
+    pub fn conv2d_batch_norm(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        opts: Conv2dOptions,
+        bn: &BatchNormParams<'_>,
+    ) -> Result<Tensor> {
+        self.conv2d_norm(weight, bias, opts, bn, None)
+    }
+
+    /// `conv2d`, `batch_norm`, ReLU, then `max_pool2d(kernel, stride, padding)` — the
+    /// ImageNet ResNets' stem — as one op that keeps only the convolution's input and the
+    /// pool's argmax: the backward computes the convolution's output and the ReLU's output
+    /// again (the same bits). The same values, running statistics and gradients as the
+    /// composition, bit for bit (as `conv2d_batch_norm` otherwise).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv2d_batch_norm_relu_max_pool2d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        opts: Conv2dOptions,
+        bn: &BatchNormParams<'_>,
+        kernel: (usize, usize),
+        stride: (usize, usize),
+        padding: (usize, usize),
+    ) -> Result<Tensor> {
+        self.conv2d_norm(weight, bias, opts, bn, Some((kernel, stride, padding)))
+    }
+
+    /// Convolution, batch norm and, with `pool`, ReLU and max-pool, as one op.
+    fn conv2d_norm(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        opts: Conv2dOptions,
+        bn: &BatchNormParams<'_>,
+        pool: Option<PoolArgs>,
+    ) -> Result<Tensor> {
+        use super::autocast::{cast, cast_opt, target};
+        use super::pool::{pooled_shape, window_geometry};
+        let compose = || {
+            let y = self.conv2d(weight, bias, opts)?;
+            let z = y.batch_norm_act(
+                bn.running_mean,
+                bn.running_var,
+                bn.weight,
+                bn.bias,
+                bn.training,
+                bn.momentum,
+                bn.eps,
+                None,
+                pool.is_some(),
+            )?;
+            match pool {
+                Some((k, s, p)) => z.max_pool2d(k, s, p),
+                None => Ok(z),
+            }
+        };
+        if !BnSaved::applies(self, bn, &[weight]) {
+            return compose();
+        }
+        let (x, w, b) = match target(OP, &[Some(self), Some(weight), bias]) {
+            Some(dt) => (cast(self, dt)?, cast(weight, dt)?, cast_opt(bias, dt)?),
+            None => (self.clone(), weight.clone(), bias.cloned()),
+        };
+        let dtype = x.dtype();
+        if w.dtype() != dtype || b.as_ref().is_some_and(|b| b.dtype() != dtype) {
+            return compose();
+        }
+        let geom = geometry(x.shape(), w.shape(), b.as_ref().map(|b| b.shape()), &opts)?;
+        // As `conv2d` keeps them: half operands as contiguous copies.
+        let saved = |t: &Tensor| -> Result<Tensor> {
+            if dtype.is_half() {
+                t.detach().contiguous()
+            } else {
+                Ok(t.detach())
+            }
+        };
+        let (x_saved, w_fwd) = (saved(&x)?, saved(&w)?);
+        let b_saved = b.as_ref().map(|b| b.detach());
+        let conv = move |x_saved: &Tensor, w: &Tensor| -> Result<Tensor> {
+            let bs = b_saved.as_ref().map(|b| b.storage());
+            let y = x_saved.storage().conv2d(
+                x_saved.layout(),
+                &w.storage(),
+                w.layout(),
+                b_saved
+                    .as_ref()
+                    .zip(bs.as_deref())
+                    .map(|(b, s)| (s, b.layout())),
+                &geom,
+                dtype,
+            )?;
+            Ok(Tensor::from_storage(
+                Arc::new(y),
+                Layout::contiguous(&geom.out_shape()),
+            ))
+        };
+        let y = conv(&x_saved, &w_fwd)?;
+        let pool_g = pool
+            .map(|(k, s, p)| window_geometry("max_pool2d", &y, k, s, p))
+            .transpose()?;
+        let (z, bn_saved) = BnSaved::forward(&y, bn, pool.is_some(), true)?;
+        let out_shape = match &pool_g {
+            Some(g) => pooled_shape(&y, g.h_out, g.w_out),
+            None => y.shape().to_vec(),
+        };
+        drop(y);
+        let (out, argmax) = match &pool_g {
+            Some(g) => {
+                let r = z.storage().max_pool2d(z.layout(), g, false)?;
+                (Arc::new(r.out), Some(r.argmax))
+            }
+            None => (z.storage(), None),
+        };
+        drop(z);
+
+        let mut inputs = vec![&x, &w];
+        inputs.extend(b.as_ref());
+        inputs.extend(bn.weight);
+        inputs.extend(bn.bias);
+        let w_saved = if w.id() == weight.id() {
+            SavedWeight::Kept(w_fwd)
+        } else {
+            SavedWeight::new(&w_fwd, weight)
+        };
+        let want = (x.requires_grad(), w.requires_grad());
+        let b_dtype = b.as_ref().map(|b| b.dtype());
+        Ok(Tensor::from_op(
+            out,
+            Layout::contiguous(&out_shape),
+            "conv2d_batch_norm",
+            &inputs,
+            move |g| {
+                let g = as_dtype(g, dtype)?.contiguous()?;
+                let w = w_saved.get()?;
+                // The convolution's output again: the norm's input.
+                let y = conv(&x_saved, &w)?;
+                let gs = g.storage();
+                let (pooled, z) = match (&pool_g, &argmax) {
+                    (Some(pg), Some(am)) => {
+                        let dz = gs.max_pool2d_backward(g.layout(), am, pg, dtype)?;
+                        (Some(dz), Some(bn_saved.recompute(&y)?))
+                    }
+                    _ => (None, None),
+                };
+                let dz = pooled.as_ref().unwrap_or(&gs);
+                let mut grads = bn_saved.backward(&y, dz, z.as_ref())?;
+                drop((y, z, pooled, gs));
+                let dy = grads
+                    .remove(0)
+                    .expect("the norm's input gradient was asked for");
+                let (dys, dyl) = (dy.storage(), dy.layout());
+                let dx = want
+                    .0
+                    .then(|| dys.conv2d_backward_input(dyl, &w.storage(), w.layout(), &geom, dtype))
+                    .transpose()?;
+                let dw = want
+                    .1
+                    .then(|| {
+                        let xs = x_saved.storage();
+                        xs.conv2d_backward_weight(x_saved.layout(), &dys, dyl, &geom, dtype)
+                    })
+                    .transpose()?;
+                let db = b_dtype
+                    .map(|bd| dys.conv2d_backward_bias(dyl, &geom, bd))
+                    .transpose()?;
+                let t = |s: Storage, shape: &[usize]| {
+                    Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
+                };
+                let mut out = vec![
+                    dx.map(|s| t(s, &geom.in_shape())),
+                    dw.map(|s| t(s, &geom.weight_shape())),
+                ];
+                if let Some(db) = db {
+                    out.push(Some(t(db, &[geom.c_out])));
+                }
+                out.extend(grads);
+                Ok(out)
             },
         ))
     }

@@ -344,24 +344,26 @@ struct BnForward {
     d: BatchNormGeom,
 }
 
-/// What an op that fuses BN + ReLU with the op after it keeps for its backward instead of
-/// the ReLU's output: the norm's input, statistics and parameters, from which the backward
-/// computes that output again with the forward's kernel (the same bits).
-pub(super) struct BnReluSaved {
-    x: Tensor,
+/// What an op that fuses a batch norm (+ ReLU) with the ops around it keeps for the norm's
+/// backward instead of the activations: the statistics and parameters. The caller keeps or
+/// recomputes the norm's input; the ReLU's output, when needed, is computed again from it
+/// with the forward's kernel (the same bits). Without the ReLU the norm is the plain
+/// `batch_norm` (its own kernels, as the unfused layer runs).
+pub(super) struct BnSaved {
     mean: crate::tensor::Storage,
     invstd: crate::tensor::Storage,
     d: BatchNormGeom,
+    relu: bool,
     weight: Option<Part>,
     bias: Option<Part>,
-    /// The gradients' dtypes: the input's when it wants one, the parameters' when given.
+    /// The gradients' dtypes: the input's when wanted, the parameters' when given.
     dtypes: (Option<DType>, Option<DType>, Option<DType>),
 }
 
-impl BnReluSaved {
-    /// Whether `x` may take a fused BN + ReLU + op: training with a graph to record (`x`,
-    /// the norm's parameters or `other` want gradients) on F32/F16/BF16 `[N, C, H, W]`.
-    /// Otherwise the caller runs the composition, which keeps nothing extra then.
+impl BnSaved {
+    /// Whether `x` may take a fused op: training with a graph to record (`x`, the norm's
+    /// parameters or `other` want gradients) on F32/F16/BF16 `[N, C, H, W]`. Otherwise the
+    /// caller runs the composition, which keeps nothing extra then.
     pub(super) fn applies(x: &Tensor, bn: &BatchNormParams<'_>, other: &[&Tensor]) -> bool {
         let wants = x.requires_grad()
             || [bn.weight, bn.bias]
@@ -376,25 +378,31 @@ impl BnReluSaved {
             && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
     }
 
-    /// `relu(batch_norm(x))` (running statistics updated), as a contiguous tensor outside
-    /// the graph, and what the backward needs.
-    pub(super) fn forward(x: &Tensor, bn: &BatchNormParams<'_>) -> Result<(Tensor, BnReluSaved)> {
+    /// `batch_norm(x)`, then ReLU when `relu` (running statistics updated), as a contiguous
+    /// tensor outside the graph, and what the backward needs; `need_dx`: whether the
+    /// backward gives `x` a gradient.
+    pub(super) fn forward(
+        x: &Tensor,
+        bn: &BatchNormParams<'_>,
+        relu: bool,
+        need_dx: bool,
+    ) -> Result<(Tensor, BnSaved)> {
         let BnForward {
             out,
             mean,
             invstd,
             d,
-        } = x.batch_norm_forward(bn, None, true)?;
+        } = x.batch_norm_forward(bn, None, relu)?;
         let z = Tensor::from_storage(out, Layout::contiguous(x.shape()));
-        let saved = BnReluSaved {
-            x: x.detach(),
+        let saved = BnSaved {
             mean,
             invstd,
             d,
+            relu,
             weight: part(bn.weight),
             bias: part(bn.bias),
             dtypes: (
-                x.requires_grad().then_some(x.dtype()),
+                need_dx.then_some(x.dtype()),
                 bn.weight.map(|t| t.dtype()),
                 bn.bias.map(|t| t.dtype()),
             ),
@@ -402,10 +410,10 @@ impl BnReluSaved {
         Ok((z, saved))
     }
 
-    /// The ReLU's output again (contiguous, the input's shape).
-    pub(super) fn recompute(&self) -> Result<crate::tensor::Storage> {
-        self.x.storage().batch_norm_act_apply(
-            self.x.layout(),
+    /// The ReLU's output again from the norm's input `x` (contiguous, `x`'s shape).
+    pub(super) fn recompute(&self, x: &Tensor) -> Result<crate::tensor::Storage> {
+        x.storage().batch_norm_act_apply(
+            x.layout(),
             self.d,
             &self.mean,
             &self.invstd,
@@ -415,28 +423,38 @@ impl BnReluSaved {
         )
     }
 
-    /// The gradients of the input and of the parameters that were given (in that order),
-    /// from the gradient `dz` of the ReLU's output and that output `z` (both contiguous).
+    /// The gradients of the norm's input `x` and of the parameters that were given (in that
+    /// order), from the gradient `dz` of the output (contiguous) and, with the ReLU, that
+    /// output `z` (from `recompute`).
     pub(super) fn backward(
         &self,
+        x: &Tensor,
         dz: &crate::tensor::Storage,
-        z: &crate::tensor::Storage,
+        z: Option<&crate::tensor::Storage>,
     ) -> Result<Vec<Option<Tensor>>> {
-        let shape = self.x.shape();
+        let shape = x.shape();
         let zl = Layout::contiguous(shape);
-        let (grads, _) = dz.batch_norm_act_backward(
-            &zl,
-            Some((z, &zl)),
-            &self.x.storage(),
-            self.x.layout(),
-            self.d,
-            &self.mean,
-            &self.invstd,
-            as_ref(&self.weight),
-            true,
-            self.dtypes,
-            false,
-        )?;
+        let (xs, xl) = (x.storage(), x.layout());
+        let (mean, invstd, w) = (&self.mean, &self.invstd, as_ref(&self.weight));
+        let grads = if self.relu {
+            let z = z.map(|z| (z, &zl));
+            let (g, _) = dz.batch_norm_act_backward(
+                &zl,
+                z,
+                &xs,
+                xl,
+                self.d,
+                mean,
+                invstd,
+                w,
+                true,
+                self.dtypes,
+                false,
+            )?;
+            g
+        } else {
+            dz.batch_norm_backward(&zl, &xs, xl, self.d, mean, invstd, w, true, self.dtypes)?
+        };
         let cs = [self.d.c];
         Ok(norm_grads(grads, shape, &cs, &cs))
     }

@@ -13,8 +13,6 @@ use crate::backend::nn::{AdaptivePool2dGeom, Pool2dGeom};
 use crate::error::{Error, Result};
 use crate::tensor::{Layout, Tensor};
 
-use super::norm::{BatchNormParams, BnReluSaved};
-
 /// Checks a pooled input (float, rank 3 or 4, non-empty spatial dims) and returns
 /// (planes, h, w).
 fn planes(op: &'static str, x: &Tensor) -> Result<(usize, usize, usize)> {
@@ -39,7 +37,7 @@ fn planes(op: &'static str, x: &Tensor) -> Result<(usize, usize, usize)> {
 }
 
 /// The output shape: the input's leading dims and the pooled spatial dims.
-fn pooled_shape(x: &Tensor, h_out: usize, w_out: usize) -> Vec<usize> {
+pub(super) fn pooled_shape(x: &Tensor, h_out: usize, w_out: usize) -> Vec<usize> {
     let s = x.shape();
     let mut out = s[..s.len() - 2].to_vec();
     out.extend([h_out, w_out]);
@@ -47,7 +45,7 @@ fn pooled_shape(x: &Tensor, h_out: usize, w_out: usize) -> Vec<usize> {
 }
 
 /// Checks kernel, stride and padding (PyTorch's rules) and works out the pool's geometry.
-fn window_geometry(
+pub(super) fn window_geometry(
     op: &'static str,
     x: &Tensor,
     kernel: (usize, usize),
@@ -156,66 +154,6 @@ impl Tensor {
             },
         );
         Ok((out, indices))
-    }
-
-    /// `relu(batch_norm(self))` into `max_pool2d(kernel, stride, padding)` — the ImageNet
-    /// ResNets' stem — as one op that never keeps the ReLU's output (ResNet-50's largest
-    /// activation, `[N, 64, 112, 112]`): the backward takes the pool's gradient through the
-    /// saved argmax and computes the ReLU's output again for its mask (the forward's
-    /// kernel, the same bits). The same values, running statistics and gradients as
-    /// `self.batch_norm_act(.., None, true)?.max_pool2d(kernel, stride, padding)`, bit for
-    /// bit. Eval mode, no graph to record, or F64 run the composition.
-    pub fn batch_norm_relu_max_pool2d(
-        &self,
-        bn: &BatchNormParams<'_>,
-        kernel: (usize, usize),
-        stride: (usize, usize),
-        padding: (usize, usize),
-    ) -> Result<Tensor> {
-        const OP: &str = "max_pool2d";
-        if !BnReluSaved::applies(self, bn, &[]) {
-            return self
-                .batch_norm_act(
-                    bn.running_mean,
-                    bn.running_var,
-                    bn.weight,
-                    bn.bias,
-                    bn.training,
-                    bn.momentum,
-                    bn.eps,
-                    None,
-                    true,
-                )?
-                .max_pool2d(kernel, stride, padding);
-        }
-        let g = window_geometry(OP, self, kernel, stride, padding)?;
-        if g.in_plane() > u32::MAX as usize {
-            return Err(Error::shape(
-                OP,
-                format!("{:?}: planes of more than 2^32 values", self.shape()),
-            ));
-        }
-        let shape = pooled_shape(self, g.h_out, g.w_out);
-        let dtype = self.dtype();
-        let (z, bn_saved) = BnReluSaved::forward(self, bn)?;
-        let r = z.storage().max_pool2d(z.layout(), &g, false)?;
-        drop(z);
-        let argmax = r.argmax;
-        let mut inputs = vec![self];
-        inputs.extend(bn.weight);
-        inputs.extend(bn.bias);
-        Ok(Tensor::from_op(
-            Arc::new(r.out),
-            Layout::contiguous(&shape),
-            "batch_norm_relu_max_pool2d",
-            &inputs,
-            move |dy| {
-                let dz = dy
-                    .storage()
-                    .max_pool2d_backward(dy.layout(), &argmax, &g, dtype)?;
-                bn_saved.backward(&dz, &bn_saved.recompute()?)
-            },
-        ))
     }
 
     /// Average pooling over `kernel` windows (PyTorch's `avg_pool2d`; padding counts as
