@@ -62,6 +62,19 @@ fn every_op_has_exactly_one_policy_and_the_table_names_only_ops() {
     assert!(stale.is_empty(), "POLICY names non-ops: {stale:?}");
 }
 
+/// A training batch norm with these parameters and no running statistics.
+fn training_norm<'a>(gamma: &'a Tensor, beta: &'a Tensor) -> BatchNormParams<'a> {
+    BatchNormParams {
+        running_mean: None,
+        running_var: None,
+        weight: Some(gamma),
+        bias: Some(beta),
+        training: true,
+        momentum: 0.1,
+        eps: 1e-5,
+    }
+}
+
 /// Calls op `name` with float inputs of dtype `a` (first input) and `b` (the others), and
 /// integer inputs where the op needs them.
 fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
@@ -90,15 +103,7 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
         ),
         "batch_norm_relu_conv2d" => {
             let (gamma, beta) = (t(&[3], b, &mut rng), t(&[3], b, &mut rng));
-            let bn = BatchNormParams {
-                running_mean: None,
-                running_var: None,
-                weight: Some(&gamma),
-                bias: Some(&beta),
-                training: true,
-                momentum: 0.1,
-                eps: 1e-5,
-            };
+            let bn = training_norm(&gamma, &beta);
             // A weight that wants a gradient: the fused path, not the no-graph composition.
             x.batch_norm_relu_conv2d(
                 &bn,
@@ -109,15 +114,7 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
         }
         "conv2d_batch_norm" | "conv2d_batch_norm_relu_max_pool2d" => {
             let (gamma, beta) = (t(&[4], b, &mut rng), t(&[4], b, &mut rng));
-            let bn = BatchNormParams {
-                running_mean: None,
-                running_var: None,
-                weight: Some(&gamma),
-                bias: Some(&beta),
-                training: true,
-                momentum: 0.1,
-                eps: 1e-5,
-            };
+            let bn = training_norm(&gamma, &beta);
             // A weight that wants a gradient: the fused path.
             let w = t(&[4, 3, 3, 3], b, &mut rng).requires_grad_();
             let opts = Conv2dOptions::default().padding(1);

@@ -258,35 +258,9 @@ impl Tensor {
             &inputs,
             move |g| {
                 let g = as_dtype(g, dtype)?;
-                let (gs, gl) = (g.storage(), g.layout());
-                let dx = want
-                    .0
-                    .then(|| {
-                        let w = w_saved.get()?;
-                        gs.conv2d_backward_input(gl, &w.storage(), w.layout(), &geom, x_dtype)
-                    })
-                    .transpose()?;
-                let dw = want
-                    .1
-                    .then(|| {
-                        let xs = x_saved.storage();
-                        xs.conv2d_backward_weight(x_saved.layout(), &gs, gl, &geom, w_dtype)
-                    })
-                    .transpose()?;
-                let db = b_dtype
-                    .map(|bd| gs.conv2d_backward_bias(gl, &geom, bd))
-                    .transpose()?;
-                let t = |s: Storage, shape: &[usize]| {
-                    Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
-                };
-                let mut grads = vec![
-                    dx.map(|s| t(s, &geom.in_shape())),
-                    dw.map(|s| t(s, &geom.weight_shape())),
-                ];
-                if let Some(db) = db {
-                    grads.push(Some(t(db, &[geom.c_out])));
-                }
-                Ok(grads)
+                let w = want.0.then(|| w_saved.get()).transpose()?;
+                let dtypes = (x_dtype, w_dtype, b_dtype);
+                conv_grads(&g, &x_saved, w.as_ref(), &geom, want, dtypes)
             },
         ))
     }
@@ -609,31 +583,8 @@ impl Tensor {
                 let dy = grads
                     .remove(0)
                     .expect("the norm's input gradient was asked for");
-                let (dys, dyl) = (dy.storage(), dy.layout());
-                let dx = want
-                    .0
-                    .then(|| dys.conv2d_backward_input(dyl, &w.storage(), w.layout(), &geom, dtype))
-                    .transpose()?;
-                let dw = want
-                    .1
-                    .then(|| {
-                        let xs = x_saved.storage();
-                        xs.conv2d_backward_weight(x_saved.layout(), &dys, dyl, &geom, dtype)
-                    })
-                    .transpose()?;
-                let db = b_dtype
-                    .map(|bd| dys.conv2d_backward_bias(dyl, &geom, bd))
-                    .transpose()?;
-                let t = |s: Storage, shape: &[usize]| {
-                    Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
-                };
-                let mut out = vec![
-                    dx.map(|s| t(s, &geom.in_shape())),
-                    dw.map(|s| t(s, &geom.weight_shape())),
-                ];
-                if let Some(db) = db {
-                    out.push(Some(t(db, &[geom.c_out])));
-                }
+                let dtypes = (dtype, dtype, b_dtype);
+                let mut out = conv_grads(&dy, &x_saved, Some(&w), &geom, want, dtypes)?;
                 out.extend(grads);
                 Ok(out)
             },
@@ -733,6 +684,44 @@ fn conv_block(
             Ok(out)
         },
     ))
+}
+
+/// A convolution's gradients from its output gradient `g`, in the order of its inputs:
+/// the input's (when `want.0`, with the weight `w`), the weight's (when `want.1`, with the
+/// saved input `x`), the bias's (when the bias has a dtype); `dtypes`: input, weight, bias.
+fn conv_grads(
+    g: &Tensor,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    geom: &Conv2dGeom,
+    want: (bool, bool),
+    (x_dtype, w_dtype, b_dtype): (DType, DType, Option<DType>),
+) -> Result<Vec<Option<Tensor>>> {
+    let (gs, gl) = (g.storage(), g.layout());
+    let dx = match (want.0, w) {
+        (true, Some(w)) => {
+            Some(gs.conv2d_backward_input(gl, &w.storage(), w.layout(), geom, x_dtype)?)
+        }
+        _ => None,
+    };
+    let dw = want
+        .1
+        .then(|| {
+            let xs = x.storage();
+            xs.conv2d_backward_weight(x.layout(), &gs, gl, geom, w_dtype)
+        })
+        .transpose()?;
+    let db = b_dtype
+        .map(|bd| gs.conv2d_backward_bias(gl, geom, bd))
+        .transpose()?;
+    let t =
+        |s: Storage, shape: &[usize]| Tensor::from_storage(Arc::new(s), Layout::contiguous(shape));
+    let mut grads = vec![
+        dx.map(|s| t(s, &geom.in_shape())),
+        dw.map(|s| t(s, &geom.weight_shape())),
+    ];
+    grads.extend(db.map(|db| Some(t(db, &[geom.c_out]))));
+    Ok(grads)
 }
 
 /// `g` in `dtype`: the backward kernels read a gradient of the output's dtype. (For F32 and
