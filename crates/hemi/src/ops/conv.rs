@@ -330,20 +330,7 @@ impl Tensor {
         opts: Conv2dOptions,
     ) -> Result<Tensor> {
         use super::autocast::{cast, cast_opt, suspend, target};
-        let compose = || {
-            self.batch_norm_act(
-                bn.running_mean,
-                bn.running_var,
-                bn.weight,
-                bn.bias,
-                bn.training,
-                bn.momentum,
-                bn.eps,
-                None,
-                true,
-            )?
-            .conv2d(weight, bias, opts)
-        };
+        let compose = || self.batch_norm_params(bn, true)?.conv2d(weight, bias, opts);
         let dtype = self.dtype();
         if !BnSaved::applies(self, bn, &[weight]) {
             return compose();
@@ -473,17 +460,7 @@ impl Tensor {
         use super::pool::{pooled_shape, window_geometry};
         let compose = || {
             let y = self.conv2d(weight, bias, opts)?;
-            let z = y.batch_norm_act(
-                bn.running_mean,
-                bn.running_var,
-                bn.weight,
-                bn.bias,
-                bn.training,
-                bn.momentum,
-                bn.eps,
-                None,
-                pool.is_some(),
-            )?;
+            let z = y.batch_norm_params(bn, pool.is_some())?;
             match pool {
                 Some((k, s, p)) => z.max_pool2d(k, s, p),
                 None => Ok(z),

@@ -466,6 +466,21 @@ impl BnSaved {
 }
 
 impl Tensor {
+    /// `batch_norm_act(.., None, relu)` with `bn`'s arguments (the fused ops' composition).
+    pub(super) fn batch_norm_params(&self, bn: &BatchNormParams<'_>, relu: bool) -> Result<Tensor> {
+        self.batch_norm_act(
+            bn.running_mean,
+            bn.running_var,
+            bn.weight,
+            bn.bias,
+            bn.training,
+            bn.momentum,
+            bn.eps,
+            None,
+            relu,
+        )
+    }
+
     /// The checks, the primitive and the running statistics' update of `batch_norm_act`
     /// (the fused primitive with a residual or the ReLU, the plain one otherwise), without
     /// the graph.
