@@ -318,8 +318,8 @@ impl Tensor {
     /// it for the convolution's weight gradient and the ReLU's mask. The same values,
     /// running statistics and gradients as
     /// `self.batch_norm_act(.., None, true)?.conv2d(weight, bias, opts)`, bit for bit, with
-    /// one activation less alive from the forward to the backward (ResNet-50 at batch 32
-    /// keeps two of each bottleneck's six). Under autocast the convolution takes its
+    /// one activation less alive from the forward to the backward (two of the six that a
+    /// ResNet-50 bottleneck kept). Under autocast the convolution takes its
     /// operands in the autocast dtype as `conv2d` does. Eval mode, no graph, F64, or an
     /// input the convolution would cast run the composition (same results, same errors).
     pub fn batch_norm_relu_conv2d(
