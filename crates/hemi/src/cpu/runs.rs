@@ -81,9 +81,7 @@ impl Runs {
         C: Copy + Zero + AddAssign + Send + Sync,
     {
         let bytes = (len * std::mem::size_of::<C>()).max(1);
-        let wave = (WAVE_BYTES / bytes)
-            .max(rayon::current_num_threads())
-            .max(1);
+        let wave = (WAVE_BYTES / bytes).max(rayon::current_num_threads());
         let mut total: Option<Vec<C>> = None;
         for start in (0..self.count).step_by(wave) {
             let end = (start + wave).min(self.count);

@@ -81,8 +81,7 @@ impl BatchNorm2d {
     /// the ReLU's output for the backward (it is computed again there). A synchronised norm
     /// or a convolution with a forward hook (quantisation) runs the two layers.
     pub fn forward_relu_conv(&self, x: &Tensor, conv: &Conv2d) -> Result<Tensor> {
-        let synced = self.sync.as_ref().is_some_and(|g| g.size() > 1);
-        if synced || conv.hook.is_some() {
+        if !self.fuses_with(conv) {
             return conv.forward(&self.forward_act(x, None, true)?);
         }
         let bn = self.params(self.count_batch()?);
@@ -94,7 +93,7 @@ impl BatchNorm2d {
     /// backward (it is computed again there). A synchronised norm or a convolution with a
     /// forward hook runs the two layers.
     pub fn forward_conv(&self, x: &Tensor, conv: &Conv2d) -> Result<Tensor> {
-        if self.sync.as_ref().is_some_and(|g| g.size() > 1) || conv.hook.is_some() {
+        if !self.fuses_with(conv) {
             return self.forward(&conv.forward(x)?);
         }
         let bn = self.params(self.count_batch()?);
@@ -110,7 +109,7 @@ impl BatchNorm2d {
         conv: &Conv2d,
         pool: &MaxPool2d,
     ) -> Result<Tensor> {
-        if self.sync.as_ref().is_some_and(|g| g.size() > 1) || conv.hook.is_some() {
+        if !self.fuses_with(conv) {
             return pool.forward(&self.forward_act(&conv.forward(x)?, None, true)?);
         }
         let bn = self.params(self.count_batch()?);
@@ -123,6 +122,12 @@ impl BatchNorm2d {
             pool.stride,
             pool.padding,
         )
+    }
+
+    /// Whether this norm and `conv` may run as one fused op: not a synchronised norm (its
+    /// statistics span the ranks), not a convolution with a forward hook (quantisation).
+    fn fuses_with(&self, conv: &Conv2d) -> bool {
+        self.sync.as_ref().is_none_or(|g| g.size() <= 1) && conv.hook.is_none()
     }
 
     /// The arguments of the functional batch norm for this layer.

@@ -223,20 +223,8 @@ impl Tensor {
         }
         // What the backward needs: the inputs (detached, not the graph) and which of them
         // want a gradient (the input of a first layer usually does not: skip its GEMMs).
-        // Half tensors are kept as contiguous copies (half-size), so that every layout takes
-        // the same kernels and gives the same bits.
-        let saved = |t: &Tensor| -> Result<Tensor> {
-            if dtype.is_half() {
-                t.detach().contiguous()
-            } else {
-                Ok(t.detach())
-            }
-        };
-        let (x_saved, w_fwd) = (saved(self)?, saved(weight)?);
-        let w_saved = match source {
-            Some(src) => SavedWeight::new(&w_fwd, src),
-            None => SavedWeight::Kept(w_fwd.clone()),
-        };
+        let (x_saved, w_fwd) = (saved_operand(self, dtype)?, saved_operand(weight, dtype)?);
+        let w_saved = SavedWeight::new(&w_fwd, source.unwrap_or(weight));
         let (x_dtype, w_dtype) = (self.dtype(), weight.dtype());
         let b_dtype = bias.map(|b| b.dtype());
         let want = (self.requires_grad(), weight.requires_grad());
@@ -365,7 +353,7 @@ impl Tensor {
         inputs.extend(bn.bias);
         inputs.push(&w);
         inputs.extend(b.as_ref());
-        let w_saved = SavedWeight::new(&w, weight);
+        let w_saved = SavedWeight::new(&saved_operand(&w, dtype)?, weight);
         let need_dw = w.requires_grad();
         let conv_b_dtype = b.as_ref().map(|b| b.dtype());
         let zl = Layout::contiguous(self.shape());
@@ -377,30 +365,17 @@ impl Tensor {
             &inputs,
             move |g| {
                 let g = as_dtype(g, dtype)?;
-                let (gs, gl) = (g.storage(), g.layout());
                 // The ReLU's output again: the convolution's input and the ReLU's mask.
-                let z = bn_saved.recompute(&x_saved)?;
-                let dw = need_dw
-                    .then(|| z.conv2d_backward_weight(&zl, &gs, gl, &geom, dtype))
-                    .transpose()?;
-                let db = conv_b_dtype
-                    .map(|bd| gs.conv2d_backward_bias(gl, &geom, bd))
-                    .transpose()?;
-                let mut grads = if bn_saved.wants_grads() {
-                    let w = w_saved.get()?;
-                    let dz =
-                        gs.conv2d_backward_input(gl, &w.storage(), w.layout(), &geom, dtype)?;
-                    bn_saved.backward(&x_saved, &dz, Some(&z))?
-                } else {
-                    vec![None; bn_inputs]
+                let z = Tensor::from_storage(Arc::new(bn_saved.recompute(&x_saved)?), zl.clone());
+                let want_dz = bn_saved.wants_grads();
+                let w = want_dz.then(|| w_saved.get()).transpose()?;
+                let dtypes = (dtype, dtype, conv_b_dtype);
+                let mut conv = conv_grads(&g, &z, w.as_ref(), &geom, (want_dz, need_dw), dtypes)?;
+                let mut grads = match conv.remove(0) {
+                    Some(dz) => bn_saved.backward(&x_saved, &dz.storage(), Some(&z.storage()))?,
+                    None => vec![None; bn_inputs],
                 };
-                let t = |s: Storage, shape: &[usize]| {
-                    Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))
-                };
-                grads.push(dw.map(|s| t(s, &geom.weight_shape())));
-                if let Some(db) = db {
-                    grads.push(Some(t(db, &[geom.c_out])));
-                }
+                grads.extend(conv);
                 Ok(grads)
             },
         ))
@@ -478,15 +453,7 @@ impl Tensor {
             return compose();
         }
         let geom = geometry(x.shape(), w.shape(), b.as_ref().map(|b| b.shape()), &opts)?;
-        // As `conv2d` keeps them: half operands as contiguous copies.
-        let saved = |t: &Tensor| -> Result<Tensor> {
-            if dtype.is_half() {
-                t.detach().contiguous()
-            } else {
-                Ok(t.detach())
-            }
-        };
-        let (x_saved, w_fwd) = (saved(&x)?, saved(&w)?);
+        let (x_saved, w_fwd) = (saved_operand(&x, dtype)?, saved_operand(&w, dtype)?);
         let b_saved = b.as_ref().map(|b| b.detach());
         let conv = move |x_saved: &Tensor, w: &Tensor| -> Result<Tensor> {
             let bs = b_saved.as_ref().map(|b| b.storage());
@@ -529,11 +496,7 @@ impl Tensor {
         inputs.extend(b.as_ref());
         inputs.extend(bn.weight);
         inputs.extend(bn.bias);
-        let w_saved = if w.id() == weight.id() {
-            SavedWeight::Kept(w_fwd)
-        } else {
-            SavedWeight::new(&w_fwd, weight)
-        };
+        let w_saved = SavedWeight::new(&w_fwd, weight);
         let want = (x.requires_grad(), w.requires_grad());
         let b_dtype = b.as_ref().map(|b| b.dtype());
         Ok(Tensor::from_op(
@@ -661,6 +624,17 @@ fn conv_block(
             Ok(out)
         },
     ))
+}
+
+/// A convolution operand as the backward keeps it: detached, and for F16/BF16 convolutions
+/// a contiguous copy (half-size), so that every layout takes the same kernels and gives the
+/// same bits.
+fn saved_operand(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if dtype.is_half() {
+        t.detach().contiguous()
+    } else {
+        Ok(t.detach())
+    }
 }
 
 /// A convolution's gradients from its output gradient `g`, in the order of its inputs:
