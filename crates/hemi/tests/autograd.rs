@@ -149,3 +149,65 @@ fn backward_frees_the_graph_and_retain_graph_keeps_it() {
     // The gradient of the failed call was not added.
     assert_eq!(w.grad().unwrap().to_vec_f64(), vec![8.0, -64.0, 216.0]);
 }
+
+/// The sweep adds gradients in place only into buffers nobody else holds: a backward that
+/// hands the same gradient to two inputs, a `.grad` the caller kept from an earlier
+/// backward, and a gradient `autograd::grad` captured all keep their values; the sums are
+/// those of the out-of-place adds, in every float dtype.
+#[test]
+fn in_place_gradient_sums_never_touch_a_shared_buffer() {
+    // z = x + x: add's backward gives the one gradient to both inputs.
+    let x = param(vec![1.0, -2.0, 3.0], DType::F32);
+    x.add(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec_f64(), vec![2.0; 3]);
+
+    // A `.grad` handle kept across a second backward sees the old values.
+    let w = param(vec![1.0, 2.0], DType::F32);
+    let loss = |w: &Tensor| w.square().unwrap().sum_all().unwrap();
+    loss(&w).backward().unwrap();
+    let kept = w.grad().unwrap();
+    loss(&w).backward().unwrap();
+    assert_eq!(kept.to_vec_f64(), vec![2.0, 4.0]);
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![4.0, 8.0]);
+
+    // Three contributions to one tensor (h), whose gradient `grad` also returns.
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        let n = 1037;
+        let x = Tensor::from_f64_vec(
+            (0..n).map(|i| (i as f64 * 0.37).sin()).collect(),
+            &[n],
+            dtype,
+        )
+        .unwrap()
+        .requires_grad_();
+        let h = x.mul(&x).unwrap();
+        let y = h
+            .add(&h.mul(&h).unwrap())
+            .unwrap()
+            .add(&h.exp().unwrap())
+            .unwrap();
+        let y = y.sum_all().unwrap();
+        let g = autograd::grad(&y, &[&h, &x]).unwrap();
+        let (gh, gx) = (g[0].to_vec_f64(), g[1].to_vec_f64());
+        let (xs, hs) = (x.to_vec_f64(), h.to_vec_f64());
+        let eps = match dtype {
+            DType::F64 => 1e-15,
+            DType::F32 => 1e-6,
+            DType::F16 => 1e-3,
+            _ => 8e-3,
+        };
+        for i in 0..n {
+            let hv = hs[i];
+            let want_h = 1.0 + 2.0 * hv + hv.exp();
+            assert!(
+                (gh[i] - want_h).abs() <= 8.0 * eps * want_h.abs(),
+                "{dtype} dh[{i}]"
+            );
+            let want_x = 2.0 * xs[i] * gh[i];
+            assert!(
+                (gx[i] - want_x).abs() <= 4.0 * eps * want_x.abs().max(eps),
+                "{dtype} dx[{i}]"
+            );
+        }
+    }
+}

@@ -471,3 +471,51 @@ fn views_share_storage_and_read_right() {
         .unwrap();
     assert_eq!(b.to_vec_f64(), vec![0., 0., 1., 1., 2., 2.]);
 }
+
+/// `binary_assign` (the backward's in-place sum of gradients) writes the bits `binary`
+/// returns, for every float dtype, lengths across the chunk size, and a strided right-hand
+/// side (which takes the fallback).
+#[test]
+fn binary_assign_writes_the_bits_binary_returns() {
+    use hemi::backend::map::BinaryOp;
+    let mut rng = Generator::new(7);
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+        for n in [1, 37, 8191, 8192 * 2 + 5] {
+            let a = Tensor::randn(&[n], 0.0, 3.0, dtype, &mut rng).unwrap();
+            let b = Tensor::randn(&[n], 0.0, 3.0, dtype, &mut rng).unwrap();
+            for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub] {
+                let want = a
+                    .storage()
+                    .binary(a.layout(), &b.storage(), b.layout(), op, dtype)
+                    .unwrap();
+                let mut got = (*a.storage()).clone();
+                got.binary_assign(a.layout(), &b.storage(), b.layout(), op)
+                    .unwrap();
+                let (w, g) = (
+                    Tensor::from_storage(want.into(), a.layout().clone()),
+                    Tensor::from_storage(got.into(), a.layout().clone()),
+                );
+                assert_eq!(g.dtype(), dtype);
+                let bits = |t: &Tensor| {
+                    t.to_vec_f64()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&g), bits(&w), "{dtype} n={n} {op:?}");
+            }
+        }
+        // A transposed right-hand side.
+        let a = Tensor::randn(&[13, 29], 0.0, 1.0, dtype, &mut rng).unwrap();
+        let b = Tensor::randn(&[29, 13], 0.0, 1.0, dtype, &mut rng)
+            .unwrap()
+            .t()
+            .unwrap();
+        let want = a.add(&b).unwrap();
+        let mut got = (*a.storage()).clone();
+        got.binary_assign(a.layout(), &b.storage(), b.layout(), BinaryOp::Add)
+            .unwrap();
+        let got = Tensor::from_storage(got.into(), a.layout().clone());
+        assert_eq!(got.to_vec_f64(), want.to_vec_f64(), "{dtype} strided");
+    }
+}

@@ -122,6 +122,15 @@ pub trait MapOps: BackendStorage {
         out: DType,
     ) -> Result<Self>;
 
+    /// `self = op(self, rhs)` in place, where `la` addresses all of `self` contiguously
+    /// and `lb` the rhs elements of the same shape: the values and dtype `binary(la, rhs,
+    /// lb, op, self.dtype())` gives, written over `self` (a gradient accumulated without a
+    /// third buffer). The default computes `binary` and replaces the buffer.
+    fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
+        *self = self.binary(la, rhs, lb, op, self.dtype())?;
+        Ok(())
+    }
+
     /// The gradients of `maximum`/`minimum` (`op`) for `self = g`, the output's gradient:
     /// `(g·w, g·(1-w))` with `w` 1 where `a` wins, 0 where `b` wins and 1/2 on ties, all
     /// three layouts of the output's shape (the inputs broadcast by their layouts). Computed
@@ -197,6 +206,17 @@ impl Storage {
         out: DType,
     ) -> Result<Storage> {
         Ok(dispatch2!(op.name(), self, rhs, a, b => wrap!(self, a.binary(la, b, lb, op, out)?)))
+    }
+
+    /// `MapOps::binary_assign` on this storage's backend; `rhs` must be on the same device.
+    pub fn binary_assign(
+        &mut self,
+        la: &Layout,
+        rhs: &Storage,
+        lb: &Layout,
+        op: BinaryOp,
+    ) -> Result<()> {
+        dispatch2!(op.name(), self, rhs, a, b => a.binary_assign(la, b, lb, op))
     }
 
     /// `MapOps::minmax_backward` with `self = g`; all three on the same device.

@@ -196,6 +196,49 @@ pub fn map2(
     })
 }
 
+/// `dst[i] = f(dst[i], b[i])` in place (equal lengths; `dst` F32, F16 or BF16, all of it):
+/// the same F32 values and the same single rounding as `map2` into a new buffer of `dst`'s
+/// dtype, without the new buffer. `None` (and `dst` untouched) for other dtypes or lengths.
+pub fn update2(
+    dst: &mut CpuStorage,
+    b: Src<'_>,
+    f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
+) -> Option<()> {
+    fn each<T: WithDType + Send>(
+        dst: &mut [T],
+        b: Src<'_>,
+        f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
+    ) {
+        dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+            let (mut ab, mut bb, mut ob) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+            let n = o.len();
+            // `a` is read into its own buffer first, so `f` never sees its output aliased.
+            let av = &mut ab[..n];
+            av.copy_from_slice(read(o, 0, &mut ob[..n]));
+            let bv = b.read(i * CHUNK, &mut bb[..n]);
+            let out = &mut ob[..n];
+            f(av, bv, out);
+            write(out, o);
+        });
+    }
+    let len = match dst {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        _ => return None,
+    };
+    if len != b.len() {
+        return None;
+    }
+    match dst {
+        CpuStorage::F32(v) => each(v, b, f),
+        CpuStorage::F16(v) => each(v, b, f),
+        CpuStorage::BF16(v) => each(v, b, f),
+        _ => unreachable!("checked above"),
+    }
+    Some(())
+}
+
 /// A new buffer of `dtype` made of `n_blocks` blocks of `block_len` values, each computed
 /// in F32 by `kernel(block, out)` (into the output itself for F32, else into a block-sized
 /// F32 buffer rounded once into the output): per-image or per-plane kernels over

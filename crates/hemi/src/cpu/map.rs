@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::storage::CpuStorage;
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
-use crate::cpu::chunked::{map1, map2, Src};
+use crate::cpu::chunked::{map1, map2, update2, Src};
 use crate::dtype::{DType, FloatDType, WithDType as _};
 use crate::error::Result;
 use crate::rng::Generator;
@@ -411,6 +411,19 @@ impl UnaryOp {
 }
 
 impl MapOps for CpuStorage {
+    fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
+        let whole = la.contiguous_range() == Some(0..self.len()) && la.numel() == self.len();
+        if whole {
+            if let Some(b) = Src::of(rhs, lb) {
+                if update2(self, b, move |x, y, o| binary_chunk(op, x, y, o)).is_some() {
+                    return Ok(());
+                }
+            }
+        }
+        *self = self.binary(la, rhs, lb, op, self.dtype())?;
+        Ok(())
+    }
+
     fn binary(
         &self,
         la: &Layout,

@@ -19,6 +19,7 @@ pub use layout::Layout;
 pub use storage::Storage;
 
 use crate::autograd::{self, Node};
+use crate::backend::map::BinaryOp;
 use crate::dtype::{DType, WithDType};
 use crate::error::{Error, Result};
 
@@ -293,9 +294,34 @@ impl Tensor {
         let mut slot = self.0.grad.lock().expect("grad lock poisoned");
         *slot = Some(match slot.take() {
             None => g,
-            Some(old) => old.add(&g)?,
+            Some(old) => old.add_into(&g)?,
         });
         Ok(())
+    }
+
+    /// `self + other` for two gradients of one shape and dtype, written over `self`'s buffer
+    /// when this handle is the only owner of all of it (no clone, view, graph edge or `Weak`
+    /// shares it); `self.add(other)` otherwise. The same values either way: the backward's
+    /// sums of gradients (a residual connection's two branches) need no third buffer.
+    pub(crate) fn add_into(self, other: &Tensor) -> Result<Tensor> {
+        if self.dtype() == other.dtype()
+            && self.shape() == other.shape()
+            && self.grad_fn().is_none()
+            && Arc::strong_count(&self.0) == 1
+            && Arc::weak_count(&self.0) == 0
+            && self.0.layout.contiguous_range() == Some(0..self.numel())
+        {
+            let mut guard = self.0.storage.write().expect("storage lock poisoned");
+            let rhs = other.storage();
+            if guard.len() == self.numel() {
+                if let Some(buf) = Arc::get_mut(&mut guard) {
+                    buf.binary_assign(&self.0.layout, &rhs, other.layout(), BinaryOp::Add)?;
+                    drop(guard);
+                    return Ok(self);
+                }
+            }
+        }
+        self.add(other)
     }
 
     /// A handle on the same storage and layout, outside the graph.
