@@ -112,7 +112,9 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
                 Conv2dOptions::default().padding(1),
             )
         }
-        "conv2d_batch_norm" | "conv2d_batch_norm_relu_max_pool2d" => {
+        "conv2d_batch_norm"
+        | "conv2d_batch_norm_relu_max_pool2d"
+        | "conv2d_batch_norm_add_relu" => {
             let (gamma, beta) = (t(&[4], b, &mut rng), t(&[4], b, &mut rng));
             let bn = training_norm(&gamma, &beta);
             // A weight that wants a gradient: the fused path.
@@ -120,6 +122,10 @@ fn call(name: &str, a: DType, b: DType) -> Result<Tensor> {
             let opts = Conv2dOptions::default().padding(1);
             if name == "conv2d_batch_norm" {
                 x.conv2d_batch_norm(&w, None, opts, &bn)
+            } else if name == "conv2d_batch_norm_add_relu" {
+                // The residual in the dtype the convolution computes in.
+                let r = x.conv2d(&w, None, opts)?.detach().requires_grad_();
+                x.conv2d_batch_norm_add_relu(&w, None, opts, &bn, &r)
             } else {
                 x.conv2d_batch_norm_relu_max_pool2d(&w, None, opts, &bn, (3, 3), (2, 2), (1, 1))
             }

@@ -1,7 +1,9 @@
 //! The fused ResNet ops that compute an activation again in the backward instead of keeping
 //! it: BN + ReLU + convolution (`Tensor::batch_norm_relu_conv2d`, a block's inner layers),
 //! convolution + BN (`Tensor::conv2d_batch_norm`, the projection shortcut) and convolution +
-//! BN + ReLU + max-pool (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem).
+//! BN + ReLU + max-pool (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem), and
+//! convolution + BN + residual + ReLU (`Tensor::conv2d_batch_norm_add_relu`, a bottleneck's
+//! end).
 //! Each gives the same output, running statistics and gradients as its composition, bit for
 //! bit, in F32, F16 and BF16, under autocast, on odd shapes, strides and non-contiguous
 //! inputs; and close to the F64 composition. Also the graph's own part: an activation that
@@ -60,9 +62,15 @@ enum Op {
     BnReluConv,
     ConvBn,
     ConvBnReluPool,
+    ConvBnAddRelu,
 }
 
-const OPS: [Op; 3] = [Op::BnReluConv, Op::ConvBn, Op::ConvBnReluPool];
+const OPS: [Op; 4] = [
+    Op::BnReluConv,
+    Op::ConvBn,
+    Op::ConvBnReluPool,
+    Op::ConvBnAddRelu,
+];
 
 /// What one run gives: output, then the gradients of x, BN weight, BN bias, conv weight,
 /// conv bias (empty when absent), then the running mean and variance after the step.
@@ -81,7 +89,7 @@ fn run(
     // The norm's channels: the input's before the conv, the conv's outputs after it.
     let c = match op {
         Op::BnReluConv => case.x[1],
-        Op::ConvBn | Op::ConvBnReluPool => case.w[0],
+        Op::ConvBn | Op::ConvBnReluPool | Op::ConvBnAddRelu => case.w[0],
     };
     let n: usize = case.x.iter().product();
     let x = tensor(
@@ -136,6 +144,19 @@ fn run(
         .unwrap()
     };
     let window = ((3, 3), (2, 2), (1, 1));
+    // The residual of `ConvBnAddRelu`: the conv output's shape, in the dtype the conv
+    // computes in (a previous block's output), wanting a gradient.
+    let conv_out = |i: usize| (case.x[i] + 2 * case.padding - case.w[i]) / case.stride + 1;
+    let res_shape = [case.x[0], case.w[0], conv_out(2), conv_out(3)];
+    let res_dtype = ac.unwrap_or(x_dtype);
+    let res_n: usize = res_shape.iter().product();
+    let res = Tensor::from_f64_vec(
+        rand_values(res_n, -1.0, 1.0, res_dtype, &mut rng),
+        &res_shape,
+        res_dtype,
+    )
+    .unwrap()
+    .requires_grad_();
     let out = {
         let _ac = ac.map(autocast);
         let b = b.as_ref();
@@ -149,6 +170,24 @@ fn run(
                 .unwrap(),
             (Op::ConvBnReluPool, false) => norm(&x.conv2d(&w, b, opts).unwrap(), true)
                 .max_pool2d(window.0, window.1, window.2)
+                .unwrap(),
+            (Op::ConvBnAddRelu, true) => x
+                .conv2d_batch_norm_add_relu(&w, b, opts, &bn, &res)
+                .unwrap(),
+            (Op::ConvBnAddRelu, false) => x
+                .conv2d(&w, b, opts)
+                .unwrap()
+                .batch_norm_act(
+                    Some(&rm),
+                    Some(&rv),
+                    Some(&gamma),
+                    Some(&beta),
+                    true,
+                    0.1,
+                    1e-5,
+                    Some(&res),
+                    true,
+                )
                 .unwrap(),
         }
     };
@@ -170,10 +209,14 @@ fn run(
         b.as_ref().map(grad).unwrap_or_default(),
         rm.to_vec_f64(),
         rv.to_vec_f64(),
+        match op {
+            Op::ConvBnAddRelu => grad(&res),
+            _ => Vec::new(),
+        },
     ]
 }
 
-const NAMES: [&str; 8] = [
+const NAMES: [&str; 9] = [
     "output",
     "dx",
     "dgamma",
@@ -182,6 +225,7 @@ const NAMES: [&str; 8] = [
     "dbias",
     "running_mean",
     "running_var",
+    "dresidual",
 ];
 
 fn assert_bits(what: &str, fused: &[Vec<f64>], composed: &[Vec<f64>]) {

@@ -69,6 +69,7 @@ pub const POLICY: &[(&str, CastPolicy)] = &[
     ("batch_norm_relu_conv2d", LowerPrecision),
     ("conv2d_batch_norm", LowerPrecision),
     ("conv2d_batch_norm_relu_max_pool2d", LowerPrecision),
+    ("conv2d_batch_norm_add_relu", LowerPrecision),
     ("scaled_dot_product_attention", LowerPrecision),
     // FP32.
     ("exp", Fp32),

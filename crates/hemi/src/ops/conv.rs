@@ -385,6 +385,17 @@ impl Tensor {
 /// A max-pool's kernel, stride and padding.
 type PoolArgs = ((usize, usize), (usize, usize), (usize, usize));
 
+/// What follows the norm in `conv2d_norm`.
+#[derive(Clone, Copy)]
+enum Tail<'a> {
+    /// Nothing (`conv2d_batch_norm`).
+    Norm,
+    /// ReLU, then a max-pool (`conv2d_batch_norm_relu_max_pool2d`).
+    ReluMaxPool(PoolArgs),
+    /// `+ residual`, then ReLU (`conv2d_batch_norm_add_relu`).
+    AddRelu(&'a Tensor),
+}
+
 impl Tensor {
     /// `conv2d(weight, bias, opts)` into `batch_norm` — a ResNet's projection shortcut — as
     /// one op that keeps the convolution's input but not its output: the backward computes
@@ -400,12 +411,12 @@ impl Tensor {
         opts: Conv2dOptions,
         bn: &BatchNormParams<'_>,
     ) -> Result<Tensor> {
-        self.conv2d_norm(weight, bias, opts, bn, None)
+        self.conv2d_norm(weight, bias, opts, bn, Tail::Norm)
     }
 
     /// `conv2d`, `batch_norm`, ReLU, then `max_pool2d(kernel, stride, padding)` — the
-    /// ImageNet ResNets' stem — as one op that keeps only the convolution's input and the
-    /// pool's argmax: the backward computes the convolution's output and the ReLU's output
+    /// ImageNet ResNets' stem — as one op that keeps only the convolution's input: the
+    /// backward computes the convolution's output, the ReLU's output and the pool's argmax
     /// again (the same bits). The same values, running statistics and gradients as the
     /// composition, bit for bit (as `conv2d_batch_norm` otherwise).
     #[allow(clippy::too_many_arguments)]
@@ -419,29 +430,63 @@ impl Tensor {
         stride: (usize, usize),
         padding: (usize, usize),
     ) -> Result<Tensor> {
-        self.conv2d_norm(weight, bias, opts, bn, Some((kernel, stride, padding)))
+        self.conv2d_norm(
+            weight,
+            bias,
+            opts,
+            bn,
+            Tail::ReluMaxPool((kernel, stride, padding)),
+        )
     }
 
-    /// Convolution, batch norm and, with `pool`, ReLU and max-pool, as one op.
+    /// `relu(batch_norm(conv2d(self, weight, bias, opts)) + residual)` — the end of a
+    /// ResNet bottleneck — as one op that keeps the convolution's input and the output but
+    /// not the convolution's output: the backward computes the convolution again (the same
+    /// kernels, the same bits). Worth it where the convolution is cheap for the activation
+    /// it makes (a 1×1 convolution reading few channels writing four times as many: 64 → 256
+    /// in a ResNet-50's first stage, whose outputs are the largest tensors of the network).
+    /// The same values, running statistics and gradients as the composition, bit for bit;
+    /// `residual` must have the output's shape and the operands' dtype (else, and in eval
+    /// mode, without a graph or in F64, the composition runs).
+    pub fn conv2d_batch_norm_add_relu(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        opts: Conv2dOptions,
+        bn: &BatchNormParams<'_>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.conv2d_norm(weight, bias, opts, bn, Tail::AddRelu(residual))
+    }
+
+    /// Convolution, batch norm and `tail`, as one op.
     fn conv2d_norm(
         &self,
         weight: &Tensor,
         bias: Option<&Tensor>,
         opts: Conv2dOptions,
         bn: &BatchNormParams<'_>,
-        pool: Option<PoolArgs>,
+        tail: Tail<'_>,
     ) -> Result<Tensor> {
         use super::autocast::{cast, cast_opt, target};
         use super::pool::{pooled_shape, window_geometry};
+        let (pool, residual) = match tail {
+            Tail::Norm => (None, None),
+            Tail::ReluMaxPool(p) => (Some(p), None),
+            Tail::AddRelu(r) => (None, Some(r)),
+        };
+        let relu = !matches!(tail, Tail::Norm);
         let compose = || {
             let y = self.conv2d(weight, bias, opts)?;
-            let z = y.batch_norm_params(bn, pool.is_some())?;
+            let z = y.batch_norm_residual(bn, residual, relu)?;
             match pool {
                 Some((k, s, p)) => z.max_pool2d(k, s, p),
                 None => Ok(z),
             }
         };
-        if !BnSaved::applies(self, bn, &[weight]) {
+        let mut others = vec![weight];
+        others.extend(residual);
+        if !BnSaved::applies(self, bn, &others) {
             return compose();
         }
         let (x, w, b) = match target(OP, &[Some(self), Some(weight), bias]) {
@@ -453,6 +498,9 @@ impl Tensor {
             return compose();
         }
         let geom = geometry(x.shape(), w.shape(), b.as_ref().map(|b| b.shape()), &opts)?;
+        if residual.is_some_and(|r| r.dtype() != dtype || r.shape() != geom.out_shape()) {
+            return compose();
+        }
         let (x_saved, w_fwd) = (saved_operand(&x, dtype)?, saved_operand(&w, dtype)?);
         let b_saved = b.as_ref().map(|b| b.detach());
         let conv = move |x_saved: &Tensor, w: &Tensor| -> Result<Tensor> {
@@ -477,7 +525,7 @@ impl Tensor {
         let pool_g = pool
             .map(|(k, s, p)| window_geometry("max_pool2d", &y, k, s, p))
             .transpose()?;
-        let (z, bn_saved) = BnSaved::forward(&y, bn, pool.is_some(), true)?;
+        let (z, bn_saved) = BnSaved::forward_residual(&y, bn, residual, relu, true)?;
         let out_shape = match &pool_g {
             Some(g) => pooled_shape(&y, g.h_out, g.w_out),
             None => y.shape().to_vec(),
@@ -491,14 +539,21 @@ impl Tensor {
             None => z.storage(),
         };
         drop(z);
+        // With a residual the ReLU's mask is read from the output (as `batch_norm_act`
+        // does): the next block's input, kept by its own convolution anyway.
+        let out_saved =
+            residual.map(|_| Tensor::from_storage(out.clone(), Layout::contiguous(&out_shape)));
+        let want_res = residual.is_some_and(|r| r.requires_grad());
 
         let mut inputs = vec![&x, &w];
         inputs.extend(b.as_ref());
         inputs.extend(bn.weight);
         inputs.extend(bn.bias);
+        inputs.extend(residual);
         let w_saved = SavedWeight::new(&w_fwd, weight);
         let want = (x.requires_grad(), w.requires_grad());
         let b_dtype = b.as_ref().map(|b| b.dtype());
+        let has_res = residual.is_some();
         Ok(Tensor::from_op(
             out,
             Layout::contiguous(&out_shape),
@@ -521,14 +576,19 @@ impl Tensor {
                     None => (None, None),
                 };
                 let dz = pooled.as_ref().unwrap_or(&gs);
-                let mut grads = bn_saved.backward(&y, dz, z.as_ref())?;
-                drop((y, z, pooled, gs));
+                let out_st = out_saved.as_ref().map(|o| o.storage());
+                let z_or_out = z.as_ref().or(out_st.as_deref());
+                let (mut grads, dres) = bn_saved.backward_residual(&y, dz, z_or_out, want_res)?;
+                drop((y, z, out_st, pooled, gs));
                 let dy = grads
                     .remove(0)
                     .expect("the norm's input gradient was asked for");
                 let dtypes = (dtype, dtype, b_dtype);
                 let mut out = conv_grads(&dy, &x_saved, Some(&w), &geom, want, dtypes)?;
                 out.extend(grads);
+                if has_res {
+                    out.push(dres);
+                }
                 Ok(out)
             },
         ))

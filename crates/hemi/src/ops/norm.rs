@@ -387,12 +387,23 @@ impl BnSaved {
         relu: bool,
         need_dx: bool,
     ) -> Result<(Tensor, BnSaved)> {
+        BnSaved::forward_residual(x, bn, None, relu, need_dx)
+    }
+
+    /// `forward` with `residual` (of `x`'s shape and dtype) added before the ReLU.
+    pub(super) fn forward_residual(
+        x: &Tensor,
+        bn: &BatchNormParams<'_>,
+        residual: Option<&Tensor>,
+        relu: bool,
+        need_dx: bool,
+    ) -> Result<(Tensor, BnSaved)> {
         let BnForward {
             out,
             mean,
             invstd,
             d,
-        } = x.batch_norm_forward(bn, None, relu)?;
+        } = x.batch_norm_forward(bn, residual, relu)?;
         let z = Tensor::from_storage(out, Layout::contiguous(x.shape()));
         let saved = BnSaved {
             mean,
@@ -432,13 +443,25 @@ impl BnSaved {
         dz: &crate::tensor::Storage,
         z: Option<&crate::tensor::Storage>,
     ) -> Result<Vec<Option<Tensor>>> {
+        Ok(self.backward_residual(x, dz, z, false)?.0)
+    }
+
+    /// `backward`, and with `want_res` the gradient of a residual added before the ReLU
+    /// (the output's gradient through the ReLU's mask; `z` is then the output itself).
+    pub(super) fn backward_residual(
+        &self,
+        x: &Tensor,
+        dz: &crate::tensor::Storage,
+        z: Option<&crate::tensor::Storage>,
+        want_res: bool,
+    ) -> Result<(Vec<Option<Tensor>>, Option<Tensor>)> {
         let shape = x.shape();
         let zl = Layout::contiguous(shape);
         let (xs, xl) = (x.storage(), x.layout());
         let (mean, invstd, w) = (&self.mean, &self.invstd, as_ref(&self.weight));
-        let grads = if self.relu {
+        let (grads, dres) = if self.relu || want_res {
             let z = z.map(|z| (z, &zl));
-            let (g, _) = dz.batch_norm_act_backward(
+            dz.batch_norm_act_backward(
                 &zl,
                 z,
                 &xs,
@@ -449,14 +472,16 @@ impl BnSaved {
                 w,
                 true,
                 self.dtypes,
-                false,
-            )?;
-            g
+                want_res,
+            )?
         } else {
-            dz.batch_norm_backward(&zl, &xs, xl, self.d, mean, invstd, w, true, self.dtypes)?
+            let g =
+                dz.batch_norm_backward(&zl, &xs, xl, self.d, mean, invstd, w, true, self.dtypes)?;
+            (g, None)
         };
         let cs = [self.d.c];
-        Ok(norm_grads(grads, shape, &cs, &cs))
+        let dres = dres.map(|s| Tensor::from_storage(Arc::new(s), zl.clone()));
+        Ok((norm_grads(grads, shape, &cs, &cs), dres))
     }
 
     /// Whether the backward has any gradient to give.
@@ -468,6 +493,16 @@ impl BnSaved {
 impl Tensor {
     /// `batch_norm_act(.., None, relu)` with `bn`'s arguments (the fused ops' composition).
     pub(super) fn batch_norm_params(&self, bn: &BatchNormParams<'_>, relu: bool) -> Result<Tensor> {
+        self.batch_norm_residual(bn, None, relu)
+    }
+
+    /// `batch_norm_act(.., residual, relu)` with `bn`'s arguments.
+    pub(super) fn batch_norm_residual(
+        &self,
+        bn: &BatchNormParams<'_>,
+        residual: Option<&Tensor>,
+        relu: bool,
+    ) -> Result<Tensor> {
         self.batch_norm_act(
             bn.running_mean,
             bn.running_var,
@@ -476,7 +511,7 @@ impl Tensor {
             bn.training,
             bn.momentum,
             bn.eps,
-            None,
+            residual,
             relu,
         )
     }
