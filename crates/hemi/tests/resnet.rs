@@ -388,3 +388,81 @@ fn option_a_shortcut_subsamples_and_pads_with_zeros() {
         }
     }
 }
+
+/// A ResNet-50 first-stage bottleneck ends in the fused conv + BN + shortcut + ReLU that
+/// computes its 64 → 256 convolution again in the backward: its output, every parameter's
+/// gradient and the input's gradient equal the layer-by-layer run's, bit for bit, with a
+/// projection and with an identity shortcut, in F32 and under BF16 autocast.
+#[test]
+fn recomputing_bottleneck_equals_its_layers() {
+    let mut rng = Generator::new(11);
+    let net = resnet50(10, &mut rng).unwrap();
+    for (j, in_ch) in [(0, 64), (1, 256)] {
+        let block = &net.layers[0][j];
+        for ac in [None, Some(DType::BF16)] {
+            // Under autocast a block's input is the previous block's half output.
+            let x_dtype = ac.unwrap_or(DType::F32);
+            let x0 = Tensor::randn(&[2, in_ch, 5, 7], 0.0, 1.0, x_dtype, &mut rng).unwrap();
+            let g = Tensor::randn(&[2, 256, 5, 7], 0.0, 1.0, DType::F32, &mut rng).unwrap();
+            let run = |fused: bool| -> Vec<Vec<f64>> {
+                let x = x0.detach().requires_grad_();
+                for (_, p, _, _) in block.tensors() {
+                    p.zero_grad();
+                }
+                let out = {
+                    let _ac = ac.map(autocast);
+                    if fused {
+                        let out = block.forward(&x).unwrap();
+                        // The recomputing op ran (its node keeps the generic name).
+                        assert_eq!(out.grad_fn_name(), Some("conv2d_batch_norm"));
+                        out
+                    } else {
+                        let mut y = x.clone();
+                        let n = block.layers.len();
+                        for (i, (conv, bn)) in block.layers.iter().enumerate() {
+                            let z = conv.forward(&y).unwrap();
+                            y = if i + 1 < n {
+                                bn.forward_act(&z, None, true).unwrap()
+                            } else {
+                                let s = match &block.shortcut {
+                                    Shortcut::Projection { conv, bn } => {
+                                        bn.forward(&conv.forward(&x).unwrap()).unwrap()
+                                    }
+                                    _ => x.clone(),
+                                };
+                                bn.forward_act(&z, Some(&s), true).unwrap()
+                            };
+                        }
+                        y
+                    }
+                };
+                out.to_dtype(DType::F32)
+                    .unwrap()
+                    .mul(&g)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let mut v = vec![out.to_vec_f64(), x.grad().unwrap().to_vec_f64()];
+                for (_, p, kind, _) in block.tensors() {
+                    if kind == Kind::Parameter {
+                        v.push(p.grad().unwrap().to_vec_f64());
+                    }
+                }
+                v
+            };
+            let (f, c) = (run(true), run(false));
+            assert_eq!(f.len(), c.len());
+            for (k, (a, b)) in f.iter().zip(&c).enumerate() {
+                assert_eq!(a.len(), b.len());
+                let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+                let (n, max) = diff.fold((0, 0f64), |(n, m), (x, y)| (n + 1, m.max((x - y).abs())));
+                assert_eq!(
+                    n, 0,
+                    "block {j}, autocast {ac:?}, tensor {k}: {n} differ, by up to {max:e}"
+                );
+            }
+        }
+    }
+}

@@ -229,6 +229,20 @@ impl Block {
     }
 }
 
+/// A block's last convolution costing at most this many multiply-adds per output value has
+/// its output computed again in the backward instead of kept from the forward: the 1×1
+/// 64 → 256 convolutions that end a ResNet-50's first-stage bottlenecks. Their outputs are
+/// the network's largest activations (98 MiB each in F32 at batch 32, 224×224), and running
+/// the three again costs about 1 % of a training step; every other convolution costs at
+/// least twice as much per value and keeps its output.
+const RECOMPUTE_MAX_MACS: usize = 64;
+
+/// Whether `conv`'s output is computed again in the backward (`RECOMPUTE_MAX_MACS`).
+fn recomputed(conv: &Conv2d) -> bool {
+    let w = conv.weight.shape();
+    w.len() == 4 && w[1] * w[2] * w[3] <= RECOMPUTE_MAX_MACS && w[0] >= 2 * w[1]
+}
+
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // Each BN + ReLU with the next conv one fused op (the ReLU's output is not kept
@@ -239,7 +253,13 @@ impl Module for Block {
         };
         let mut y = conv.forward(x)?;
         let mut bn = &self.layers[0].1;
-        for (conv, next_bn) in rest {
+        for (i, (conv, next_bn)) in rest.iter().enumerate() {
+            if i + 1 == rest.len() && recomputed(conv) {
+                // The last conv + BN + shortcut + ReLU as one op that keeps the conv's
+                // input (a quarter of its output's size) and computes the output again.
+                let a = bn.forward_act(&y, None, true)?;
+                return next_bn.forward_conv_add_relu(&a, conv, &self.shortcut_forward(x)?);
+            }
             y = bn.forward_relu_conv(&y, conv)?;
             bn = next_bn;
         }

@@ -100,9 +100,26 @@ impl BatchNorm2d {
         x.conv2d_batch_norm(&conv.weight, conv.bias.as_ref(), conv.opts, &bn)
     }
 
+    /// `relu(self.forward(&conv.forward(x)) + residual)` as one fused op
+    /// (`Tensor::conv2d_batch_norm_add_relu`): the same values and gradients, without
+    /// keeping the convolution's output for the backward (it is computed again there). A
+    /// synchronised norm or a convolution with a forward hook runs the layers one by one.
+    pub fn forward_conv_add_relu(
+        &self,
+        x: &Tensor,
+        conv: &Conv2d,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        if !self.fuses_with(conv) {
+            return self.forward_act(&conv.forward(x)?, Some(residual), true);
+        }
+        let bn = self.params(self.count_batch()?);
+        x.conv2d_batch_norm_add_relu(&conv.weight, conv.bias.as_ref(), conv.opts, &bn, residual)
+    }
+
     /// `pool.forward(&relu(self.forward(&conv.forward(x))))` as one fused op
     /// (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem): the same values and
-    /// gradients, keeping only `x` and the pool's argmax for the backward.
+    /// gradients, keeping only `x` for the backward.
     pub fn forward_conv_relu_max_pool(
         &self,
         x: &Tensor,

@@ -273,6 +273,12 @@ impl Tensor {
         self.0.grad_fn.as_ref()
     }
 
+    /// The name of the recorded op that made this tensor (PyTorch's `grad_fn.name()`):
+    /// which fused op a module ran, for instance. `None` for a leaf.
+    pub fn grad_fn_name(&self) -> Option<&'static str> {
+        self.0.grad_fn.as_ref().map(|n| n.op)
+    }
+
     /// The accumulated gradient of a leaf (`None` before the first backward or after
     /// `zero_grad`).
     pub fn grad(&self) -> Option<Tensor> {
