@@ -531,12 +531,12 @@ impl Tensor {
             None => y.shape().to_vec(),
         };
         drop(y);
-        // The pool's argmax is not kept either: the backward pools the recomputed `z` again
-        // (the same values, so the same argmax), which costs one pass over `z` and saves
-        // 4 bytes per pooled value from the forward to the backward.
-        let out = match &pool_g {
-            Some(g) => Arc::new(z.storage().max_pool2d(z.layout(), g, false)?.out),
-            None => z.storage(),
+        let (out, argmax) = match &pool_g {
+            Some(g) => {
+                let r = z.storage().max_pool2d(z.layout(), g, false)?;
+                (Arc::new(r.out), Some(r.argmax))
+            }
+            None => (z.storage(), None),
         };
         drop(z);
         // With a residual the ReLU's mask is read from the output (as `batch_norm_act`
@@ -565,15 +565,12 @@ impl Tensor {
                 // The convolution's output again: the norm's input.
                 let y = conv(&x_saved, &w)?;
                 let gs = g.storage();
-                let (pooled, z) = match &pool_g {
-                    Some(pg) => {
-                        let z = bn_saved.recompute(&y)?;
-                        let zl = Layout::contiguous(y.shape());
-                        let am = z.max_pool2d(&zl, pg, false)?.argmax;
-                        let dz = gs.max_pool2d_backward(g.layout(), &am, pg, dtype)?;
-                        (Some(dz), Some(z))
+                let (pooled, z) = match (&pool_g, &argmax) {
+                    (Some(pg), Some(am)) => {
+                        let dz = gs.max_pool2d_backward(g.layout(), am, pg, dtype)?;
+                        (Some(dz), Some(bn_saved.recompute(&y)?))
                     }
-                    None => (None, None),
+                    _ => (None, None),
                 };
                 let dz = pooled.as_ref().unwrap_or(&gs);
                 let out_st = out_saved.as_ref().map(|o| o.storage());
