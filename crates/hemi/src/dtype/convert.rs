@@ -202,6 +202,11 @@ fn bf16_to_f32_portable(src: &[bf16], dst: &mut [f32]) {
 fn bf16_to_f32_kernel() -> fn(&[bf16], &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+        {
+            return x86::bf16_to_f32_avx512;
+        }
         if std::arch::is_x86_feature_detected!("avx2") {
             return x86::bf16_to_f32_avx2;
         }
@@ -345,6 +350,35 @@ mod x86 {
             f32_to_bf16_portable(src, dst)
         }
         // SAFETY: selected only after `is_x86_feature_detected!("avx2")`.
+        unsafe { inner(src, dst) }
+    }
+
+    /// BF16 -> F32 sixteen lanes at a time: widen, shift into the high half, and set the
+    /// quiet bit of NaN lanes (`bf16_to_f32_bits`, the portable kernel's rule). Batch norm
+    /// reads every half activation through this four times a step; the AVX2 build of the
+    /// portable loop took 14 % of a ResNet-50 amp-bf16 step on Zen 5.
+    pub(super) fn bf16_to_f32_avx512(src: &[bf16], dst: &mut [f32]) {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn inner(src: &[bf16], dst: &mut [f32]) {
+            let n = src.len().min(dst.len());
+            let abs = _mm512_set1_epi32(0x7FFF_FFFF);
+            let inf = _mm512_set1_epi32(0x7F80_0000);
+            let quiet = _mm512_set1_epi32(1 << 22);
+            let mut i = 0;
+            while i + 16 <= n {
+                // SAFETY: lanes i..i + 16 lie inside both slices.
+                unsafe {
+                    let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+                    let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                    let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(w, abs), inf);
+                    let w = _mm512_mask_or_epi32(w, nan, w, quiet);
+                    _mm512_storeu_si512(dst.as_mut_ptr().add(i).cast(), w);
+                }
+                i += 16;
+            }
+            bf16_to_f32_portable(&src[i..n], &mut dst[i..n]);
+        }
+        // SAFETY: selected only after `is_x86_feature_detected!` found AVX-512 F and BW.
         unsafe { inner(src, dst) }
     }
 
@@ -721,6 +755,52 @@ mod tests {
         let mut w = [0f32];
         bf16_to_f32(&[bf16::from_bits(0xFF81)], &mut w);
         assert_eq!(w[0].to_bits(), 0xFFC1_0000);
+    }
+
+    /// Each BF16 -> F32 kernel this CPU runs gives the portable kernel's bits on every
+    /// pattern, at every length up to 40 and at unaligned starts (the 16-lane loop and its
+    /// tail). Machines without AVX-512 run the kernels they have.
+    #[test]
+    fn bf16_to_f32_kernels_match_the_portable_kernel() {
+        #[allow(unused_mut)]
+        let mut kernels: Vec<(&str, fn(&[bf16], &mut [f32]))> = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") {
+                kernels.push(("avx512", super::x86::bf16_to_f32_avx512));
+            }
+            if has!("avx2") {
+                kernels.push(("avx2", super::x86::bf16_to_f32_avx2));
+            }
+        }
+        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut want = vec![0f32; all.len()];
+        bf16_to_f32_portable(&all, &mut want);
+        for (name, k) in kernels {
+            let mut got = vec![0f32; all.len()];
+            k(&all, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{name}: pattern {i:#06x}");
+            }
+            for start in 0..3 {
+                for len in 0..=40 {
+                    // NaNs, infinities and ordinary values side by side.
+                    let src: Vec<bf16> = (0..len)
+                        .map(|j| all[(start * 977 + j * 4099 + 0x7F7E) % all.len()])
+                        .collect();
+                    let mut got = vec![0f32; len];
+                    k(&src, &mut got);
+                    for (j, (g, h)) in got.iter().zip(&src).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            want[h.to_bits() as usize].to_bits(),
+                            "{name}: start {start}, len {len}, at {j}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Checks the four F32 <-> F16/BF16 paths against `half`'s scalar conversion on `src`.
