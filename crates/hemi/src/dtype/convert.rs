@@ -762,8 +762,9 @@ mod tests {
     /// tail). Machines without AVX-512 run the kernels they have.
     #[test]
     fn bf16_to_f32_kernels_match_the_portable_kernel() {
+        type Kernel = fn(&[bf16], &mut [f32]);
         #[allow(unused_mut)]
-        let mut kernels: Vec<(&str, fn(&[bf16], &mut [f32]))> = vec![];
+        let mut kernels: Vec<(&str, Kernel)> = vec![];
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
