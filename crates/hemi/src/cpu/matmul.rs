@@ -163,7 +163,15 @@ pub(crate) fn matmul<C: FloatDType>(
     let (m, k, n) = (la.shape()[ra - 2], la.shape()[ra - 1], lb.shape()[rb - 1]);
     let count: usize = batch.iter().product();
     let mut out = match bias {
-        Some(bias) => bias.iter().copied().cycle().take(count * m * n).collect(),
+        // The bias row copied onto every output row (`cycle().take().collect()` built this
+        // an element at a time: 5 % of a BERT amp-bf16 training step).
+        Some(bias) => {
+            let mut v = Vec::with_capacity(count * m * n);
+            for _ in 0..count * m {
+                v.extend_from_slice(&bias[..n]);
+            }
+            v
+        }
         None => vec![C::zero(); count * m * n],
     };
     if out.is_empty() || k == 0 {
