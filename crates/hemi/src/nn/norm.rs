@@ -119,7 +119,7 @@ impl BatchNorm2d {
 
     /// `pool.forward(&relu(self.forward(&conv.forward(x))))` as one fused op
     /// (`Tensor::conv2d_batch_norm_relu_max_pool2d`, the ImageNet stem): the same values and
-    /// gradients, keeping only `x` for the backward.
+    /// gradients, keeping only `x` and the pool's argmax for the backward.
     pub fn forward_conv_relu_max_pool(
         &self,
         x: &Tensor,

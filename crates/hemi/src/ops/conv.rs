@@ -415,9 +415,10 @@ impl Tensor {
     }
 
     /// `conv2d`, `batch_norm`, ReLU, then `max_pool2d(kernel, stride, padding)` — the
-    /// ImageNet ResNets' stem — as one op that keeps only the convolution's input: the
-    /// backward computes the convolution's output, the ReLU's output and the pool's argmax
-    /// again (the same bits). The same values, running statistics and gradients as the
+    /// ImageNet ResNets' stem — as one op that keeps only the convolution's input and the
+    /// pool's argmax: the backward computes the convolution's output and the ReLU's output
+    /// again (the same bits). (Finding the argmax again too saved its 24.5 MiB at ResNet-50
+    /// batch 32 but cost 1.7 % of an amp-bf16 step in the unvectorised 3×3/2 pool.) The same values, running statistics and gradients as the
     /// composition, bit for bit (as `conv2d_batch_norm` otherwise).
     #[allow(clippy::too_many_arguments)]
     pub fn conv2d_batch_norm_relu_max_pool2d(
