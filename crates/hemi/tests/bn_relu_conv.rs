@@ -129,7 +129,7 @@ fn run(
         momentum: 0.1,
         eps: 1e-5,
     };
-    let norm = |t: &Tensor, relu: bool| {
+    let norm_res = |t: &Tensor, residual: Option<&Tensor>, relu: bool| {
         t.batch_norm_act(
             Some(&rm),
             Some(&rv),
@@ -138,11 +138,12 @@ fn run(
             true,
             0.1,
             1e-5,
-            None,
+            residual,
             relu,
         )
         .unwrap()
     };
+    let norm = |t: &Tensor, relu: bool| norm_res(t, None, relu);
     let window = ((3, 3), (2, 2), (1, 1));
     // The residual of `ConvBnAddRelu`: the conv output's shape, in the dtype the conv
     // computes in (a previous block's output), wanting a gradient.
@@ -174,21 +175,9 @@ fn run(
             (Op::ConvBnAddRelu, true) => x
                 .conv2d_batch_norm_add_relu(&w, b, opts, &bn, &res)
                 .unwrap(),
-            (Op::ConvBnAddRelu, false) => x
-                .conv2d(&w, b, opts)
-                .unwrap()
-                .batch_norm_act(
-                    Some(&rm),
-                    Some(&rv),
-                    Some(&gamma),
-                    Some(&beta),
-                    true,
-                    0.1,
-                    1e-5,
-                    Some(&res),
-                    true,
-                )
-                .unwrap(),
+            (Op::ConvBnAddRelu, false) => {
+                norm_res(&x.conv2d(&w, b, opts).unwrap(), Some(&res), true)
+            }
         }
     };
     let out_n: usize = out.shape().iter().product();
