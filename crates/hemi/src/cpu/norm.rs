@@ -263,6 +263,56 @@ mod wide {
     }
     at!("avx512f", ln_row_avx512);
     at!("avx2", ln_row_avx2);
+
+    /// `relu_sums` with its eight accumulators in one AVX2 register each: the same products,
+    /// sums and order per lane as `relu_sums_impl` (the compiler had left that loop mostly
+    /// scalar), so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `y` (when given) and `x` are at least as long as `g`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn relu_sums_avx2(
+        g: &[f32],
+        y: Option<&[f32]>,
+        x: &[f32],
+        mu: f32,
+        rs: f32,
+    ) -> (f32, f32) {
+        use std::arch::x86_64::*;
+        let full = g.len() / 8 * 8;
+        assert!(x.len() >= g.len() && y.is_none_or(|y| y.len() >= g.len()));
+        let (vmu, vrs) = (_mm256_set1_ps(mu), _mm256_set1_ps(rs));
+        let (one, zero) = (_mm256_set1_ps(1.0), _mm256_setzero_ps());
+        let (mut aw, mut ab) = (zero, zero);
+        let mut j = 0;
+        while j < full {
+            // SAFETY: j + 8 <= full <= the length of every slice read (asserted above).
+            unsafe {
+                let gv = _mm256_loadu_ps(g.as_ptr().add(j));
+                let z = match y {
+                    Some(y) => {
+                        // `y > 0.0` is false for NaN: the ordered compare.
+                        let pos =
+                            _mm256_cmp_ps::<_CMP_GT_OQ>(_mm256_loadu_ps(y.as_ptr().add(j)), zero);
+                        _mm256_mul_ps(gv, _mm256_blendv_ps(zero, one, pos))
+                    }
+                    None => gv,
+                };
+                ab = _mm256_add_ps(ab, z);
+                let xhat =
+                    _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(j)), vmu), vrs);
+                aw = _mm256_add_ps(aw, _mm256_mul_ps(z, xhat));
+            }
+            j += 8;
+        }
+        let (mut lw, mut lb) = ([0f32; 8], [0f32; 8]);
+        // SAFETY: each array holds eight F32.
+        unsafe {
+            _mm256_storeu_ps(lw.as_mut_ptr(), aw);
+            _mm256_storeu_ps(lb.as_mut_ptr(), ab);
+        }
+        super::relu_sums_finish(lw, lb, g, y, &x[..g.len()], mu, rs)
+    }
 }
 
 /// `ln_row_impl`, on the widest vector unit for F32.
@@ -545,29 +595,71 @@ fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b 
 /// each sum keeps its own eight accumulators, so the bits are those of `through_relu`
 /// followed by `sum_map2` and `sum_slice`, without a buffer for `gz`.
 fn relu_sums(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
-    let gz = |j: usize| match y {
-        Some(y) => g[j] * if y[j] > 0.0 { 1.0 } else { 0.0 },
-        None => g[j],
-    };
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::cpu::map::{vector_level, VectorLevel};
+        // SAFETY: the CPU has the features (`vector_level`).
+        if vector_level() != VectorLevel::Baseline {
+            return unsafe { wide::relu_sums_avx2(g, y, x, mu, rs) };
+        }
+    }
+    relu_sums_impl(g, y, x, mu, rs)
+}
+
+/// `relu_sums` in plain Rust: lane `i` of the eight accumulators takes elements `i`, `i + 8`,
+/// … in order (the AVX2 kernel's lanes), then `relu_sums_finish`.
+fn relu_sums_impl(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
     let (mut aw, mut ab) = ([0f32; 8], [0f32; 8]);
     let full = g.len() / 8 * 8;
     let x = &x[..g.len()];
     if let Some(y) = y {
         assert_eq!(y.len(), g.len());
     }
-    for j0 in (0..full).step_by(8) {
-        for i in 0..8 {
-            let z = gz(j0 + i);
-            ab[i] += z;
-            aw[i] += z * ((x[j0 + i] - mu) * rs);
+    // Fixed-size chunks: no bounds checks inside.
+    let xs = x[..full].chunks_exact(8);
+    match y {
+        Some(y) => {
+            for ((g8, y8), x8) in g[..full].chunks_exact(8).zip(y.chunks_exact(8)).zip(xs) {
+                for i in 0..8 {
+                    let z = g8[i] * if y8[i] > 0.0 { 1.0 } else { 0.0 };
+                    ab[i] += z;
+                    aw[i] += z * ((x8[i] - mu) * rs);
+                }
+            }
+        }
+        None => {
+            for (g8, x8) in g[..full].chunks_exact(8).zip(xs) {
+                for i in 0..8 {
+                    let z = g8[i];
+                    ab[i] += z;
+                    aw[i] += z * ((x8[i] - mu) * rs);
+                }
+            }
         }
     }
+    relu_sums_finish(aw, ab, g, y, x, mu, rs)
+}
+
+/// The eight lanes folded pairwise, then the elements past the last multiple of eight.
+#[inline(always)]
+fn relu_sums_finish(
+    aw: [f32; 8],
+    ab: [f32; 8],
+    g: &[f32],
+    y: Option<&[f32]>,
+    x: &[f32],
+    mu: f32,
+    rs: f32,
+) -> (f32, f32) {
     let fold = |a: [f32; 8]| ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
     let (mut sw, mut sb) = (fold(aw), fold(ab));
-    for (j, &v) in x.iter().enumerate().skip(full) {
-        let z = gz(j);
+    for j in g.len() / 8 * 8..g.len() {
+        let z = match y {
+            Some(y) => g[j] * if y[j] > 0.0 { 1.0 } else { 0.0 },
+            None => g[j],
+        };
         sb += z;
-        sw += z * ((v - mu) * rs);
+        sw += z * ((x[j] - mu) * rs);
     }
     (sw, sb)
 }
@@ -742,6 +834,48 @@ mod tests {
                     assert!(
                         (f64::from(wide[j]) - want).abs() <= 1e-5 * (1.0 + want.abs()),
                         "y[{j}], d={d}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The AVX2 `relu_sums` gives `relu_sums_impl`'s bits, with and without the ReLU's
+    /// output, at every tail length: exactly on finite data with signed zeros and
+    /// subnormals, and NaN for NaN where infinities and NaN come in.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn relu_sums_avx2_equals_the_portable_loop() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for special in [
+            &[0.0, -0.0, 1e-40, -3.5][..],
+            &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+        ] {
+            let val = |i: usize, salt: usize| -> f32 {
+                if (i * 7 + salt).is_multiple_of(23) {
+                    special[(i + salt) % special.len()]
+                } else {
+                    (((i * 37 + salt * 11) % 101) as f32 - 50.0) * 0.173
+                }
+            };
+            for n in (0..40).chain([1000, 1027]) {
+                let g: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+                let y: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+                let x: Vec<f32> = (0..n).map(|i| val(i, 3)).collect();
+                for yy in [None, Some(&y[..])] {
+                    let want = relu_sums_impl(&g, yy, &x, 0.3, 1.7);
+                    // SAFETY: AVX2 checked above; y and x are as long as g.
+                    let got = unsafe { wide::relu_sums_avx2(&g, yy, &x, 0.3, 1.7) };
+                    // Any NaN matches any NaN: Rust leaves a NaN result's sign and payload
+                    // to the compiler, which may swap an addition's operands.
+                    let same =
+                        |a: f32, b: f32| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
+                    assert!(
+                        same(got.0, want.0) && same(got.1, want.1),
+                        "n {n}, relu {}: {got:?} vs {want:?}",
+                        yy.is_some()
                     );
                 }
             }
