@@ -264,6 +264,26 @@ mod wide {
     at!("avx512f", ln_row_avx512);
     at!("avx2", ln_row_avx2);
 
+    macro_rules! elementwise_at {
+        ($feat:literal, $mask:ident, $dx:ident) => {
+            /// # Safety
+            /// The CPU has the feature.
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $mask(o: &mut [f32], g: &[f32], y: &[f32]) {
+                super::relu_mask_impl(o, g, y)
+            }
+
+            /// # Safety
+            /// The CPU has the feature.
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $dx(o: &mut [f32], g: &[f32], x: &[f32], k: super::DxTrain) {
+                super::dx_train_impl(o, g, x, k)
+            }
+        };
+    }
+    elementwise_at!("avx512f", relu_mask_avx512, dx_train_avx512);
+    elementwise_at!("avx2", relu_mask_avx2, dx_train_avx2);
+
     /// `relu_sums` with its eight accumulators in one AVX2 register each: the same products,
     /// sums and order per lane as `relu_sums_impl` (the compiler had left that loop mostly
     /// scalar), so the same bits.
@@ -585,10 +605,66 @@ pub(crate) struct BnActGrads<T> {
 fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b [f32] {
     let Some(y) = y else { return g };
     let buf = &mut buf[..g.len()];
-    for ((o, &g), &y) in buf.iter_mut().zip(g).zip(y) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::cpu::map::{vector_level, VectorLevel};
+        // SAFETY: the CPU has the features (`vector_level`).
+        match vector_level() {
+            VectorLevel::Avx512 => unsafe { wide::relu_mask_avx512(buf, g, y) },
+            VectorLevel::Avx2 => unsafe { wide::relu_mask_avx2(buf, g, y) },
+            VectorLevel::Baseline => relu_mask_impl(buf, g, y),
+        }
+        return buf;
+    }
+    #[allow(unreachable_code)]
+    {
+        relu_mask_impl(buf, g, y);
+        buf
+    }
+}
+
+/// `o = g · [y > 0]` elementwise (the compiler vectorises it at the width it is built for;
+/// elementwise, so every width gives the same bits).
+#[inline(always)]
+fn relu_mask_impl(o: &mut [f32], g: &[f32], y: &[f32]) {
+    for ((o, &g), &y) in o.iter_mut().zip(g).zip(y) {
         *o = g * if y > 0.0 { 1.0 } else { 0.0 };
     }
-    buf
+}
+
+/// The per-channel constants of the training-mode input gradient.
+#[derive(Clone, Copy)]
+struct DxTrain {
+    mu: f32,
+    rs: f32,
+    wc: f32,
+    dm: f32,
+    dn: f32,
+}
+
+/// `o = rs · (g·wc − dm − xhat·dn)` with `xhat = (x − mu)·rs`: batch norm's input gradient
+/// in training, one run (elementwise: the same bits at every vector width).
+fn dx_train(o: &mut [f32], g: &[f32], x: &[f32], k: DxTrain) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::cpu::map::{vector_level, VectorLevel};
+        // SAFETY: the CPU has the features (`vector_level`).
+        match vector_level() {
+            VectorLevel::Avx512 => return unsafe { wide::dx_train_avx512(o, g, x, k) },
+            VectorLevel::Avx2 => return unsafe { wide::dx_train_avx2(o, g, x, k) },
+            VectorLevel::Baseline => {}
+        }
+    }
+    dx_train_impl(o, g, x, k)
+}
+
+#[inline(always)]
+fn dx_train_impl(o: &mut [f32], g: &[f32], x: &[f32], k: DxTrain) {
+    let DxTrain { mu, rs, wc, dm, dn } = k;
+    for ((o, &g), &v) in o.iter_mut().zip(g).zip(x) {
+        let xhat = (v - mu) * rs;
+        *o = rs * (g * wc - dm - xhat * dn);
+    }
 }
 
 /// One run's `(Σ gz·xhat, Σ gz)` with `gz = g · [y > 0]` (`g` without `y`), in one loop:
@@ -738,12 +814,14 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                     let xr = run_f32(d, x, i, ch, bx);
                     let dnorm_mean = wc * dbias[ch] * inv_m;
                     let dnorm_norm_mean = wc * dweight[ch] * inv_m;
-                    emit(o, bo, |o| {
-                        for ((o, &g), &v) in o.iter_mut().zip(gz).zip(xr) {
-                            let xhat = (v - mu) * rs;
-                            *o = rs * (g * wc - dnorm_mean - xhat * dnorm_norm_mean);
-                        }
-                    });
+                    let k = DxTrain {
+                        mu,
+                        rs,
+                        wc,
+                        dm: dnorm_mean,
+                        dn: dnorm_norm_mean,
+                    };
+                    emit(o, bo, |o| dx_train(o, gz, xr, k));
                 } else {
                     emit(o, bo, |o| {
                         for (o, &g) in o.iter_mut().zip(gz) {
@@ -878,6 +956,59 @@ mod tests {
                         yy.is_some()
                     );
                 }
+            }
+        }
+    }
+
+    /// The AVX2 and AVX-512 builds of batch norm's elementwise backward loops (the ReLU
+    /// mask, the training input gradient) give the portable loop's bits, tails included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_norm_backward_loops_equal_the_portable_loop() {
+        use std::arch::is_x86_feature_detected as has;
+        let k = DxTrain {
+            mu: 0.3,
+            rs: 1.7,
+            wc: -0.9,
+            dm: 0.011,
+            dn: -0.37,
+        };
+        let val = |i: usize, salt: usize| match (i * 7 + salt) % 29 {
+            0 => -0.0,
+            1 => 1e-40,
+            2 => f32::INFINITY,
+            _ => (((i * 37 + salt * 11) % 101) as f32 - 50.0) * 0.173,
+        };
+        type Mask = unsafe fn(&mut [f32], &[f32], &[f32]);
+        type Dx = unsafe fn(&mut [f32], &[f32], &[f32], DxTrain);
+        let mut builds: Vec<(&str, Mask, Dx)> = vec![];
+        if has!("avx2") {
+            builds.push(("avx2", wide::relu_mask_avx2, wide::dx_train_avx2));
+        }
+        if has!("avx512f") {
+            builds.push(("avx512", wide::relu_mask_avx512, wide::dx_train_avx512));
+        }
+        for n in (0..50).chain([1027]) {
+            let g: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+            let y: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+            let x: Vec<f32> = (0..n).map(|i| val(i, 3)).collect();
+            let (mut want_m, mut want_d) = (vec![0f32; n], vec![0f32; n]);
+            relu_mask_impl(&mut want_m, &g, &y);
+            dx_train_impl(&mut want_d, &g, &x, k);
+            for &(name, mask, dx) in &builds {
+                let (mut m, mut d) = (vec![0f32; n], vec![0f32; n]);
+                // SAFETY: the features were detected above.
+                unsafe {
+                    mask(&mut m, &g, &y);
+                    dx(&mut d, &g, &x, k);
+                }
+                let same = |a: &[f32], b: &[f32]| {
+                    a.iter()
+                        .zip(b)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan())
+                };
+                assert!(same(&m, &want_m), "{name}: relu mask, n {n}");
+                assert!(same(&d, &want_d), "{name}: dx, n {n}");
             }
         }
     }
