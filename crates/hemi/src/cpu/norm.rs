@@ -284,6 +284,24 @@ mod wide {
     elementwise_at!("avx512f", relu_mask_avx512, dx_train_avx512);
     elementwise_at!("avx2", relu_mask_avx2, dx_train_avx2);
 
+    macro_rules! apply_at {
+        ($feat:literal, $name:ident) => {
+            /// # Safety
+            /// The CPU has the feature.
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $name(
+                o: &mut [f32],
+                x: &[f32],
+                r: Option<&[f32]>,
+                k: super::BnApply,
+            ) {
+                super::bn_apply_impl(o, x, r, k)
+            }
+        };
+    }
+    apply_at!("avx512f", bn_apply_avx512);
+    apply_at!("avx2", bn_apply_avx2);
+
     /// `relu_sums` with its eight accumulators in one AVX2 register each: the same products,
     /// sums and order per lane as `relu_sums_impl` (the compiler had left that loop mostly
     /// scalar), so the same bits.
@@ -569,21 +587,13 @@ pub(crate) fn bn_act_forward<T: WithDType>(
                     let mu = mean[ch];
                     let xr = run_f32(d, x, i, ch, bx);
                     let rr = residual.map(|r| run_f32(d, r, i, ch, br));
-                    emit(&mut ob[ch * d.s..][..d.s], bo, |o| {
-                        for (o, &v) in o.iter_mut().zip(xr) {
-                            *o = (v - mu) * scale + shift;
-                        }
-                        if let Some(rr) = rr {
-                            for (o, &r) in o.iter_mut().zip(rr) {
-                                *o += r;
-                            }
-                        }
-                        if relu {
-                            for o in o.iter_mut() {
-                                *o = relu_f32(*o);
-                            }
-                        }
-                    });
+                    let k = BnApply {
+                        mu,
+                        scale,
+                        shift,
+                        relu,
+                    };
+                    emit(&mut ob[ch * d.s..][..d.s], bo, |o| bn_apply(o, xr, rr, k));
                 }
             },
         );
@@ -629,6 +639,54 @@ fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b 
 fn relu_mask_impl(o: &mut [f32], g: &[f32], y: &[f32]) {
     for ((o, &g), &y) in o.iter_mut().zip(g).zip(y) {
         *o = g * if y > 0.0 { 1.0 } else { 0.0 };
+    }
+}
+
+/// The per-channel constants of the forward's elementwise pass.
+#[derive(Clone, Copy)]
+struct BnApply {
+    mu: f32,
+    scale: f32,
+    shift: f32,
+    relu: bool,
+}
+
+/// One run of the forward's output: `(x − mu)·scale + shift`, plus the residual, then the
+/// ReLU (elementwise: the same bits at every vector width).
+fn bn_apply(o: &mut [f32], x: &[f32], r: Option<&[f32]>, k: BnApply) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::cpu::map::{vector_level, VectorLevel};
+        // SAFETY: the CPU has the features (`vector_level`).
+        match vector_level() {
+            VectorLevel::Avx512 => return unsafe { wide::bn_apply_avx512(o, x, r, k) },
+            VectorLevel::Avx2 => return unsafe { wide::bn_apply_avx2(o, x, r, k) },
+            VectorLevel::Baseline => {}
+        }
+    }
+    bn_apply_impl(o, x, r, k)
+}
+
+#[inline(always)]
+fn bn_apply_impl(o: &mut [f32], x: &[f32], r: Option<&[f32]>, k: BnApply) {
+    let BnApply {
+        mu,
+        scale,
+        shift,
+        relu,
+    } = k;
+    for (o, &v) in o.iter_mut().zip(x) {
+        *o = (v - mu) * scale + shift;
+    }
+    if let Some(r) = r {
+        for (o, &r) in o.iter_mut().zip(r) {
+            *o += r;
+        }
+    }
+    if relu {
+        for o in o.iter_mut() {
+            *o = relu_f32(*o);
+        }
     }
 }
 
@@ -960,8 +1018,9 @@ mod tests {
         }
     }
 
-    /// The AVX2 and AVX-512 builds of batch norm's elementwise backward loops (the ReLU
-    /// mask, the training input gradient) give the portable loop's bits, tails included.
+    /// The AVX2 and AVX-512 builds of batch norm's elementwise loops (the forward's output,
+    /// the ReLU mask, the training input gradient) give the portable loop's bits, tails
+    /// included.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn wide_norm_backward_loops_equal_the_portable_loop() {
@@ -1009,6 +1068,36 @@ mod tests {
                 };
                 assert!(same(&m, &want_m), "{name}: relu mask, n {n}");
                 assert!(same(&d, &want_d), "{name}: dx, n {n}");
+            }
+            let k = |relu| BnApply {
+                mu: 0.3,
+                scale: -1.3,
+                shift: 0.2,
+                relu,
+            };
+            for (r, relu) in [(None, false), (Some(&y[..]), true), (None, true)] {
+                let mut want = vec![0f32; n];
+                bn_apply_impl(&mut want, &x, r, k(relu));
+                let mut wide: Vec<(&str, Vec<f32>)> = vec![];
+                if has!("avx2") {
+                    let mut o = vec![0f32; n];
+                    // SAFETY: AVX2 detected.
+                    unsafe { wide::bn_apply_avx2(&mut o, &x, r, k(relu)) };
+                    wide.push(("avx2", o));
+                }
+                if has!("avx512f") {
+                    let mut o = vec![0f32; n];
+                    // SAFETY: AVX-512 F detected.
+                    unsafe { wide::bn_apply_avx512(&mut o, &x, r, k(relu)) };
+                    wide.push(("avx512", o));
+                }
+                for (name, o) in wide {
+                    let same = o
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan());
+                    assert!(same, "{name}: apply, n {n}, relu {relu}");
+                }
             }
         }
     }
