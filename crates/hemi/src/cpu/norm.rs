@@ -609,28 +609,40 @@ pub(crate) struct BnActGrads<T> {
     pub dbias: Vec<f32>,
 }
 
+/// Calls the AVX-512 or AVX2 build of an elementwise loop where the CPU has it (one
+/// detection, cached), else the portable loop: `widest!(avx512, avx2, portable, (args))`.
+macro_rules! widest {
+    ($avx512:path, $avx2:path, $portable:path, ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::cpu::map::{vector_level, VectorLevel};
+            // SAFETY: the CPU has the features the build needs (`vector_level`).
+            match vector_level() {
+                VectorLevel::Avx512 => unsafe { $avx512($($arg),*) },
+                VectorLevel::Avx2 => unsafe { $avx2($($arg),*) },
+                VectorLevel::Baseline => $portable($($arg),*),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $portable($($arg),*)
+        }
+    }};
+}
+
 /// The output gradient through the ReLU (`g · [y > 0]`, as the ReLU's backward) into `buf`,
 /// or `g` itself without one.
 #[inline]
 fn through_relu<'b>(g: &'b [f32], y: Option<&[f32]>, buf: &'b mut [f32]) -> &'b [f32] {
     let Some(y) = y else { return g };
     let buf = &mut buf[..g.len()];
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::cpu::map::{vector_level, VectorLevel};
-        // SAFETY: the CPU has the features (`vector_level`).
-        match vector_level() {
-            VectorLevel::Avx512 => unsafe { wide::relu_mask_avx512(buf, g, y) },
-            VectorLevel::Avx2 => unsafe { wide::relu_mask_avx2(buf, g, y) },
-            VectorLevel::Baseline => relu_mask_impl(buf, g, y),
-        }
-        return buf;
-    }
-    #[allow(unreachable_code)]
-    {
-        relu_mask_impl(buf, g, y);
-        buf
-    }
+    widest!(
+        wide::relu_mask_avx512,
+        wide::relu_mask_avx2,
+        relu_mask_impl,
+        (buf, g, y)
+    );
+    buf
 }
 
 /// `o = g · [y > 0]` elementwise (the compiler vectorises it at the width it is built for;
@@ -654,17 +666,12 @@ struct BnApply {
 /// One run of the forward's output: `(x − mu)·scale + shift`, plus the residual, then the
 /// ReLU (elementwise: the same bits at every vector width).
 fn bn_apply(o: &mut [f32], x: &[f32], r: Option<&[f32]>, k: BnApply) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::cpu::map::{vector_level, VectorLevel};
-        // SAFETY: the CPU has the features (`vector_level`).
-        match vector_level() {
-            VectorLevel::Avx512 => return unsafe { wide::bn_apply_avx512(o, x, r, k) },
-            VectorLevel::Avx2 => return unsafe { wide::bn_apply_avx2(o, x, r, k) },
-            VectorLevel::Baseline => {}
-        }
-    }
-    bn_apply_impl(o, x, r, k)
+    widest!(
+        wide::bn_apply_avx512,
+        wide::bn_apply_avx2,
+        bn_apply_impl,
+        (o, x, r, k)
+    )
 }
 
 #[inline(always)]
@@ -703,17 +710,12 @@ struct DxTrain {
 /// `o = rs · (g·wc − dm − xhat·dn)` with `xhat = (x − mu)·rs`: batch norm's input gradient
 /// in training, one run (elementwise: the same bits at every vector width).
 fn dx_train(o: &mut [f32], g: &[f32], x: &[f32], k: DxTrain) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use crate::cpu::map::{vector_level, VectorLevel};
-        // SAFETY: the CPU has the features (`vector_level`).
-        match vector_level() {
-            VectorLevel::Avx512 => return unsafe { wide::dx_train_avx512(o, g, x, k) },
-            VectorLevel::Avx2 => return unsafe { wide::dx_train_avx2(o, g, x, k) },
-            VectorLevel::Baseline => {}
-        }
-    }
-    dx_train_impl(o, g, x, k)
+    widest!(
+        wide::dx_train_avx512,
+        wide::dx_train_avx2,
+        dx_train_impl,
+        (o, g, x, k)
+    )
 }
 
 #[inline(always)]
