@@ -412,8 +412,7 @@ impl UnaryOp {
 
 impl MapOps for CpuStorage {
     fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
-        let whole = la.contiguous_range() == Some(0..self.len()) && la.numel() == self.len();
-        if whole {
+        if la.contiguous_range() == Some(0..self.len()) {
             if let Some(b) = Src::of(rhs, lb) {
                 if update2(self, b, move |x, y, o| binary_chunk(op, x, y, o)).is_some() {
                     return Ok(());

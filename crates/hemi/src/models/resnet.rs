@@ -229,9 +229,10 @@ impl Block {
     }
 }
 
-/// A block's last convolution costing at most this many multiply-adds per output value has
-/// its output computed again in the backward instead of kept from the forward: the 1×1
-/// 64 → 256 convolutions that end a ResNet-50's first-stage bottlenecks. Their outputs are
+/// A block's last convolution costing at most this many multiply-adds per output value, and
+/// writing at least twice as many channels as it reads, has its output computed again in
+/// the backward instead of kept from the forward: the 1×1 64 → 256 convolutions that end a
+/// ResNet-50's first-stage bottlenecks. Their outputs are
 /// the network's largest activations (98 MiB each in F32 at batch 32, 224×224), and running
 /// the three again costs about 1 % of a training step; every other convolution costs at
 /// least twice as much per value and keeps its output.

@@ -418,8 +418,9 @@ impl Tensor {
     /// ImageNet ResNets' stem — as one op that keeps only the convolution's input and the
     /// pool's argmax: the backward computes the convolution's output and the ReLU's output
     /// again (the same bits). (Finding the argmax again too saved its 24.5 MiB at ResNet-50
-    /// batch 32 but cost 1.7 % of an amp-bf16 step in the unvectorised 3×3/2 pool.) The same values, running statistics and gradients as the
-    /// composition, bit for bit (as `conv2d_batch_norm` otherwise).
+    /// batch 32 but cost 1.7 % of an amp-bf16 step in the unvectorised 3×3/2 pool.) The
+    /// same values, running statistics and gradients as the composition, bit for bit (as
+    /// `conv2d_batch_norm` otherwise).
     #[allow(clippy::too_many_arguments)]
     pub fn conv2d_batch_norm_relu_max_pool2d(
         &self,
@@ -554,7 +555,6 @@ impl Tensor {
         let w_saved = SavedWeight::new(&w_fwd, weight);
         let want = (x.requires_grad(), w.requires_grad());
         let b_dtype = b.as_ref().map(|b| b.dtype());
-        let has_res = residual.is_some();
         Ok(Tensor::from_op(
             out,
             Layout::contiguous(&out_shape),
@@ -577,6 +577,7 @@ impl Tensor {
                 let out_st = out_saved.as_ref().map(|o| o.storage());
                 let z_or_out = z.as_ref().or(out_st.as_deref());
                 let (mut grads, dres) = bn_saved.backward_residual(&y, dz, z_or_out, want_res)?;
+                let has_res = out_st.is_some();
                 drop((y, z, out_st, pooled, gs));
                 let dy = grads
                     .remove(0)
