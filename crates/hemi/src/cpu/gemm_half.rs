@@ -801,12 +801,13 @@ fn pack_f32<const W: usize, T: WithDType>(
         // One row at a time along k (contiguous for row-major A), scattered with stride W;
         // with AVX, eight rows at a time through 8×8 register transposes (a B panel of a
         // transposed B, e.g. a convolution's weight gradient `dy · colᵀ`, packed 4× faster).
-        // Row buffers for sources that are not F32 rows contiguous along k, made (and
-        // zeroed, 18 KiB) once per call and only then: zeroing them for every panel was a
-        // seventh of a BERT attention forward, whose panels are 32 k indices deep.
-        let mut buf: Option<[f32; MAX_KC]> = None;
+        // Row buffers for sources that are not F32 rows contiguous along k, zeroed as far as
+        // this call reads them (kc values a row): zeroing all 18 KiB for every panel was a
+        // seventh of a BERT attention forward, whose panels are 32 k indices deep, and once
+        // a call still 16 KiB per 32-deep panel block.
+        let mut buf = Scratch::<MAX_KC>::new();
         #[cfg(target_arch = "x86_64")]
-        let mut rows_store: Option<[[f32; MAX_KC]; 8]> = None;
+        let mut rows_store = Scratch::<{ 8 * MAX_KC }>::new();
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
@@ -820,13 +821,11 @@ fn pack_f32<const W: usize, T: WithDType>(
                         // F32 rows contiguous along k: transposed straight from the source.
                         (1, Some(s)) => std::array::from_fn(|i| &s[at(i) as usize..][..kc]),
                         _ => {
-                            // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
-                            #[allow(clippy::unnecessary_lazy_evaluations)]
-                            let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
-                            for (i, row) in rows.iter_mut().enumerate() {
-                                load_run(x.data, at(i), x.cs, &mut row[..kc], simd);
+                            let rows = rows_store.take(8 * kc);
+                            for i in 0..8 {
+                                load_run(x.data, at(i), x.cs, &mut rows[i * kc..][..kc], simd);
                             }
-                            std::array::from_fn(|i| &rows[i][..kc])
+                            std::array::from_fn(|i| &rows[i * kc..][..kc])
                         }
                     };
                     // SAFETY: `simd` is set only by the avx2-fma and avx512f kernels (AVX); the
@@ -845,11 +844,9 @@ fn pack_f32<const W: usize, T: WithDType>(
                 let run: &[f32] = match same_slice::<T, f32>(x.data) {
                     Some(s) if x.cs == 1 => &s[at as usize..][..kc],
                     _ => {
-                        // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
-                        #[allow(clippy::unnecessary_lazy_evaluations)]
-                        let buf = buf.get_or_insert_with(|| [0f32; MAX_KC]);
-                        load_run(x.data, at, x.cs, &mut buf[..kc], simd);
-                        &buf[..kc]
+                        let buf = buf.take(kc);
+                        load_run(x.data, at, x.cs, buf, simd);
+                        buf
                     }
                 };
                 for (step, &v) in panel.chunks_exact_mut(W).zip(run) {
@@ -862,6 +859,38 @@ fn pack_f32<const W: usize, T: WithDType>(
                 }
             }
         }
+    }
+}
+
+/// Up to `N` F32 on the stack, left uninitialised until a call takes a prefix of them, which
+/// is zeroed then (once: a longer prefix later zeroes only the rest).
+struct Scratch<const N: usize> {
+    store: [std::mem::MaybeUninit<f32>; N],
+    zeroed: usize,
+}
+
+impl<const N: usize> Scratch<N> {
+    #[inline(always)]
+    fn new() -> Self {
+        Scratch {
+            store: [std::mem::MaybeUninit::uninit(); N],
+            zeroed: 0,
+        }
+    }
+
+    /// The first `len` values (at most `N`), zero where no earlier call wrote them.
+    #[inline(always)]
+    fn take(&mut self, len: usize) -> &mut [f32] {
+        assert!(len <= N, "scratch of {N} values: {len} asked");
+        if self.zeroed < len {
+            for v in &mut self.store[self.zeroed..len] {
+                v.write(0.0);
+            }
+            self.zeroed = len;
+        }
+        // SAFETY: the first `zeroed >= len` values are initialised; `MaybeUninit<f32>` has
+        // f32's layout; the slice borrows `self` mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.store.as_mut_ptr().cast(), len) }
     }
 }
 
@@ -976,48 +1005,37 @@ fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType
         // read as u32 (x86 is little-endian: k index 2q in the low half), so the panel is an
         // 8×8 transpose of 32-bit values, as in `pack_f32` (a convolution's weight gradient
         // `dy · colᵀ` packs both operands this way).
-        // The eight rows' pairs, zeroed once per call rather than once per panel.
-        #[cfg(target_arch = "x86_64")]
-        let mut rows_store: Option<[[f32; MAX_KC]; 8]> = None;
         for (t, panel) in out.chunks_exact_mut(plen).enumerate() {
             let w = (h - t * W).min(W);
             #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut first = 0;
             #[cfg(target_arch = "x86_64")]
             if SIMD && x.cs == 1 && W.is_multiple_of(8) {
-                // Lazy on purpose: the array is 16 KiB of zeros, made at most once a call.
-                #[allow(clippy::unnecessary_lazy_evaluations)]
-                let rows = rows_store.get_or_insert_with(|| [[0f32; MAX_KC]; 8]);
-                let n8 = real / 8 * 8;
+                // Read in place: the whole pairs of each row (kc / 2 of them), no copy. (A
+                // copy into eight zeroed row buffers was 5 % of a ResNet-20 amp-bf16 step:
+                // the weight gradient packs a few dozen k indices a call, the zeroing was
+                // 16 KiB.)
+                let n8 = kc / 2 / 8 * 8;
+                // SAFETY: u32 and f32 have the same size, and every bit pattern is valid for
+                // both.
+                let panel32: &mut [f32] = unsafe {
+                    std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast(), panel.len())
+                };
                 while first + 8 <= w {
-                    for (i, row) in rows.iter_mut().enumerate() {
-                        let at = x.offset(i0 + t * W + first + i, p0) as usize;
-                        let run = &s[at..at + kc];
-                        // SAFETY: `run` holds kc BF16 = kc / 2 u32 pairs (plus one odd
-                        // element, below), `row` MAX_KC >= real floats; both are plain bits.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                run.as_ptr().cast::<u8>(),
-                                row.as_mut_ptr().cast::<u8>(),
-                                kc / 2 * 4,
-                            )
-                        };
-                        if kc % 2 == 1 {
-                            row[real - 1] = f32::from_bits(run[kc - 1].to_bits() as u32);
-                        }
-                    }
-                    // SAFETY: u32 and f32 have the same size and alignment, and every bit
-                    // pattern is valid for both.
-                    let panel32: &mut [f32] = unsafe {
-                        std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast(), panel.len())
-                    };
-                    let src: [&[f32]; 8] = std::array::from_fn(|i| &rows[i][..real]);
-                    // SAFETY: SIMD is set only by the AVX-512 kernels (AVX); the function
-                    // checks that the panel holds the n8 steps it writes.
-                    unsafe { x86::transpose_rows_8(&src, n8, panel32, W, first) };
+                    let at = |i: usize| x.offset(i0 + t * W + first + i, p0) as usize;
+                    // Bounds: each row's run of kc BF16 lies inside `s` (indexing checks).
+                    let rows: [*const f32; 8] =
+                        std::array::from_fn(|i| s[at(i)..at(i) + kc].as_ptr().cast::<f32>());
+                    // SAFETY: SIMD is set only by the AVX-512 kernels (AVX); each pointer
+                    // starts a run of kc BF16, so n8 <= kc / 2 u32 pairs are readable; the
+                    // function checks that the panel holds the n8 steps it writes.
+                    unsafe { x86::transpose_ptrs_8(&rows, n8, panel32, W, first) };
                     for q in n8..real {
-                        for (i, row) in rows.iter().enumerate() {
-                            panel[q * W + first + i] = row[q].to_bits();
+                        for i in 0..8 {
+                            let run = &s[at(i)..at(i) + kc];
+                            let hi = run.get(2 * q + 1).map_or(0, |h| h.to_bits() as u32);
+                            let pair = run[2 * q].to_bits() as u32 | hi << 16;
+                            panel32[q * W + first + i] = f32::from_bits(pair);
                         }
                     }
                     first += 8;
@@ -1573,11 +1591,33 @@ mod x86 {
     ) {
         assert!(n8.is_multiple_of(8) && rows.iter().all(|r| r.len() >= n8));
         assert!(n8 == 0 || (n8 - 1) * stride + r0 + 8 <= panel.len());
+        // SAFETY: every row holds n8 floats (asserted); AVX as the caller promises.
+        unsafe { transpose_ptrs_8(&rows.map(<[f32]>::as_ptr), n8, panel, stride, r0) }
+    }
+
+    /// `transpose_rows_8` from eight pointers, each to `n8` readable 32-bit values at any
+    /// alignment (BF16 pairs read in place: a run of BF16 starting at an odd element is not
+    /// 4-byte aligned, so it cannot be a `&[f32]`).
+    ///
+    /// # Safety
+    /// The CPU has AVX; `rows[i]` points to `n8` readable 4-byte values (any alignment).
+    #[inline]
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn transpose_ptrs_8(
+        rows: &[*const f32; 8],
+        n8: usize,
+        panel: &mut [f32],
+        stride: usize,
+        r0: usize,
+    ) {
+        assert!(n8.is_multiple_of(8));
+        assert!(n8 == 0 || (n8 - 1) * stride + r0 + 8 <= panel.len());
         for p in (0..n8).step_by(8) {
-            // SAFETY: p + 8 <= n8 <= every row's length (asserted); the stores write
-            // panel[(p + j) * stride + r0 .. + 8] for j < 8, inside the panel (asserted).
+            // SAFETY: p + 8 <= n8 values behind every pointer (the caller's promise), read
+            // unaligned; the stores write panel[(p + j) * stride + r0 .. + 8] for j < 8,
+            // inside the panel (asserted).
             unsafe {
-                let a = |i: usize| _mm256_loadu_ps(rows[i].as_ptr().add(p));
+                let a = |i: usize| _mm256_loadu_ps(rows[i].add(p));
                 let t0 = _mm256_unpacklo_ps(a(0), a(1));
                 let t1 = _mm256_unpackhi_ps(a(0), a(1));
                 let t2 = _mm256_unpacklo_ps(a(2), a(3));
