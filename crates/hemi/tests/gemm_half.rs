@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::cpu::gemm_half::{
-    gemm, gemm_unfold, gemm_with, kernel_name, select_kernel, Kernel, Unfold,
+    gemm, gemm_unfold, gemm_unfold_pairs, gemm_with, kernel_name, select_kernel, Kernel, Unfold,
 };
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
@@ -747,6 +747,109 @@ fn unfolded_columns_equal_im2col_bit_for_bit() {
         ran >= 2 * 3 * 2 * cases.len(),
         "only {ran} products compared"
     );
+}
+
+/// A BF16 convolution's column matrix in channel pairs, read straight from the image's
+/// planes interleaved in pairs (`gemm_unfold_pairs`), gives the bits of `gemm_with` on the
+/// explicit matrix with its rows in that order (k = 2·(channel pair, kernel offset) +
+/// parity, a zero row for the channel that pads an odd count): on `portable-bf16-pairs`
+/// always and `avx512bf16` where the CPU has it, accumulate on and off, odd channel counts,
+/// padding on one side only, dilation, rows entirely in the padding, ResNet-20's planes,
+/// widths around the 32-lane panels, and k past one k block (KC).
+#[test]
+fn channel_pair_unfold_equals_the_explicit_pair_matrix_bit_for_bit() {
+    let mut rng = Generator::new(43);
+    // (c_in, h, w, kh, kw, (pad_h, pad_w), dilation, c_out); w_out == w.
+    let cases = [
+        (3, 7, 9, 3, 3, (1, 1), 1, 5),
+        (4, 5, 33, 3, 3, (0, 1), 1, 6),
+        (5, 6, 11, 5, 3, (2, 1), 1, 3),
+        (5, 9, 8, 3, 3, (2, 2), 2, 17),
+        (2, 3, 5, 3, 5, (3, 2), 1, 4),
+        (1, 2, 1, 3, 1, (1, 0), 1, 3),
+        (16, 32, 32, 3, 3, (1, 1), 1, 16),
+        (64, 8, 8, 3, 3, (1, 1), 1, 13),
+        (7, 5, 31, 3, 7, (1, 3), 1, 8),
+    ];
+    let kernels: Vec<Kernel> = kernels()
+        .into_iter()
+        .filter(|k| k.unfolds_pairs())
+        .collect();
+    assert!(kernels.contains(&Kernel::PortableBf16Pairs));
+    let mut ran = 0;
+    for kernel in kernels {
+        for (c_in, h, w, kh, kw, (ph, pw), d, c_out) in cases {
+            let g = Conv2dGeom {
+                n: 1,
+                c_in,
+                h,
+                w,
+                c_out,
+                kh,
+                kw,
+                stride: (1, 1),
+                padding: (ph, pw),
+                dilation: (d, d),
+                groups: 1,
+                h_out: conv_out_size(h, kh, 1, ph, d).unwrap(),
+                w_out: conv_out_size(w, kw, 1, pw, d).unwrap(),
+            };
+            assert_eq!(g.w_out, g.w, "{g:?}");
+            let (cp, kk, l, hw) = (c_in.div_ceil(2), kh * kw, g.l(), h * w);
+            let random = |len, rng: &mut Generator| -> Vec<bf16> {
+                (0..len)
+                    .map(|_| bf16::from_f64(rng.uniform(-2.0, 2.0)))
+                    .collect()
+            };
+            let (x, wt) = (
+                random(g.in_image(), &mut rng),
+                random(g.weight_len(), &mut rng),
+            );
+            let mut col = vec![bf16::ZERO; g.col_len()];
+            im2col(&x, &mut col, &g);
+            // Row 2·(cp·kk + r) + e of the pair order is im2col's row (2cp + e)·kk + r.
+            let k2 = 2 * cp * kk;
+            let (mut colp, mut wp) = (vec![bf16::ZERO; k2 * l], vec![bf16::ZERO; c_out * k2]);
+            for c in 0..c_in {
+                for r in 0..kk {
+                    let to = 2 * ((c / 2) * kk + r) + c % 2;
+                    colp[to * l..(to + 1) * l].copy_from_slice(&col[(c * kk + r) * l..][..l]);
+                    for o in 0..c_out {
+                        wp[o * k2 + to] = wt[(o * c_in + c) * kk + r];
+                    }
+                }
+            }
+            let planes: Vec<f32> = (0..cp * hw)
+                .map(|i| {
+                    let (p, at) = (i / hw, i % hw);
+                    let lo = x[2 * p * hw + at].to_bits() as u32;
+                    let hi = x.get((2 * p + 1) * hw + at).filter(|_| 2 * p + 1 < c_in);
+                    f32::from_bits(lo | (hi.map_or(0, |h| h.to_bits()) as u32) << 16)
+                })
+                .collect();
+            let pg = Conv2dGeom { c_in: cp, ..g };
+            let u = Unfold::conv(&planes, &pg, 0).expect("stride 1, same width");
+            let a = MatRef::row_major(&wp, c_out, k2);
+            let b = MatRef::row_major(&colp, k2, l);
+            let init: Vec<f32> = (0..c_out * l)
+                .map(|_| rng.uniform(-1.0, 1.0) as f32)
+                .collect();
+            for acc in [false, true] {
+                let (mut explicit, mut implicit) = (init.clone(), init.clone());
+                gemm_with(kernel, &mut explicit, a, b, acc, false);
+                gemm_unfold_pairs(kernel, &mut implicit, a, u, acc, false);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(
+                    bits(&explicit),
+                    bits(&implicit),
+                    "{} acc={acc} {g:?}",
+                    kernel.name()
+                );
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 2 * cases.len(), "only {ran} products compared");
 }
 
 /// Where the shortcut does not apply: strides other than 1, output rows of another length

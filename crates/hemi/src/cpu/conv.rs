@@ -20,10 +20,12 @@ use rayon::prelude::*;
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
-use crate::cpu::gemm_half::{gemm_unfold, Unfold};
+use crate::cpu::gemm_half::{gemm_unfold, gemm_unfold_pairs, kernel_for, Kernel, Unfold};
 use crate::cpu::runs::Runs;
-use crate::dtype::{FloatDType, WithDType};
+use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
+use crate::DType;
+use half::bf16;
 
 /// The outputs `o` in `[0, out)` whose input coordinate `o*stride + off` lies in `[0, size)`,
 /// as a half-open range (so the copy loops need no bounds tests).
@@ -417,6 +419,80 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
 // straight into the output buffer, so the batch never exists in F32 (at batch 512 the F32
 // copy of CifarNet's first activation gradient alone was 128 MiB).
 
+// ----- BF16 convolutions in channel pairs ------------------------------------------------------
+//
+// The BF16-pair kernels read B as steps of NR u32, each the BF16 of two consecutive k indices.
+// im2col's k order (channel, kernel row, kernel column) pairs two kernel offsets of one
+// channel, two differently shifted runs of the plane, so the column matrix is built first
+// and then packed (two passes over a matrix kh·kw times the image). Taking k in the order
+// (channel pair, kernel row, kernel column, channel parity) instead pairs two channels at
+// one offset: with the image's planes interleaved in pairs once (one pass over the image),
+// each packed step is one shifted run of u32, the F32 unfold's copy (`gemm_unfold_pairs`).
+// The weights are reordered to match (a zero channel pads an odd count). The products are
+// the same; the pairs summed together differ, so the bits differ from im2col's within the
+// F32 summation bound.
+
+/// The plan of a BF16 convolution in channel pairs: the kernel, the weights in pair order
+/// `[c_out, 2·ceil(c_in/2)·kh·kw]`, and the geometry over the pair planes.
+struct PairConv {
+    kernel: Kernel,
+    w: Vec<bf16>,
+    pg: Conv2dGeom,
+}
+
+impl PairConv {
+    /// `None` unless `g` is a stride-1 'same'-width, non-pointwise, ungrouped convolution
+    /// whose product would run on a kernel that unfolds pairs (`avx512bf16`, or the forced
+    /// portable twin).
+    fn new(w: &[bf16], g: &Conv2dGeom) -> Option<Self> {
+        let cp = g.c_in.div_ceil(2);
+        let pg = Conv2dGeom { c_in: cp, ..*g };
+        let (m, kk) = (g.c_out, g.kh * g.kw);
+        let kernel = kernel_for(DType::BF16, DType::BF16, m, 2 * cp * kk, g.l());
+        if g.groups != 1 || !kernel.unfolds_pairs() || !Unfold::<f32>::reads(&pg) {
+            return None;
+        }
+        let mut wp = vec![bf16::ZERO; m * 2 * cp * kk];
+        for (o, row) in wp.chunks_exact_mut(2 * cp * kk).enumerate() {
+            for c in 0..g.c_in {
+                for r in 0..kk {
+                    row[2 * ((c / 2) * kk + r) + c % 2] = w[(o * g.c_in + c) * kk + r];
+                }
+            }
+        }
+        Some(PairConv { kernel, w: wp, pg })
+    }
+
+    /// One image: `x [c_in, h, w]` interleaved into `pairs`, then `y [c_out, L] (+)= w · col`.
+    fn image(&self, x: &[bf16], y: &mut [f32], pairs: &mut Vec<f32>, acc: bool, par: bool) {
+        let hw = self.pg.h * self.pg.w;
+        pair_planes(x, hw, pairs, self.pg.c_in);
+        let u = Unfold::conv(pairs, &self.pg, 0).expect("checked by PairConv::new");
+        let a = MatRef::row_major(&self.w, self.pg.c_out, self.w.len() / self.pg.c_out);
+        gemm_unfold_pairs(self.kernel, y, a, u, acc, par);
+    }
+}
+
+/// `out[cp·hw + i]` = the bits of `x[2cp][i]` (low half) and `x[2cp + 1][i]` (high half, zero
+/// past the last channel) as one u32, read as F32 bits (only moved, never computed with).
+fn pair_planes(x: &[bf16], hw: usize, out: &mut Vec<f32>, cp: usize) {
+    out.resize(cp * hw, 0.0);
+    let c = x.len() / hw.max(1);
+    for (p, dst) in out.chunks_exact_mut(hw).enumerate() {
+        let lo = &x[2 * p * hw..][..hw];
+        if 2 * p + 1 < c {
+            let hi = &x[(2 * p + 1) * hw..][..hw];
+            for ((d, l), h) in dst.iter_mut().zip(lo).zip(hi) {
+                *d = f32::from_bits(l.to_bits() as u32 | (h.to_bits() as u32) << 16);
+            }
+        } else {
+            for (d, l) in dst.iter_mut().zip(lo) {
+                *d = f32::from_bits(l.to_bits() as u32);
+            }
+        }
+    }
+}
+
 /// `conv2d_forward` over contiguous `x` and `w` of one dtype `T` (F32/F16/BF16), F32
 /// bias: the output in `T`, each image's F32 result rounded into it.
 pub fn conv2d_forward_blocks<T: WithDType>(
@@ -425,6 +501,20 @@ pub fn conv2d_forward_blocks<T: WithDType>(
     bias: Option<&[f32]>,
     g: &Conv2dGeom,
 ) -> CpuStorage {
+    if let (Some(xb), Some(wb)) = (same_slice::<T, bf16>(x), same_slice::<T, bf16>(w)) {
+        if let Some(plan) = PairConv::new(wb, g) {
+            return per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |pairs, i, y| {
+                let (l, xi) = (g.l(), &xb[i * g.in_image()..(i + 1) * g.in_image()]);
+                if let Some(bias) = bias {
+                    for (row, &b) in y.chunks_exact_mut(l).zip(bias) {
+                        row.fill(b);
+                    }
+                }
+                plan.image(xi, y, pairs, bias.is_some(), g.n == 1);
+            })
+            .expect("BF16");
+        }
+    }
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {
         let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
         image_forward(xi, w, bias, y, col, g, g.n == 1);

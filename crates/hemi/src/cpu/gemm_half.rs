@@ -162,6 +162,13 @@ impl Kernel {
         )
     }
 
+    /// The kernel packs BF16 pairs one step of NR u32 at a time, unpadded: the panels
+    /// `gemm_unfold_pairs` can fill (`avx512bf16` and its portable twin; not the AMX ones,
+    /// whose steps are padded to 16).
+    pub fn unfolds_pairs(self) -> bool {
+        matches!(self, Kernel::PortableBf16Pairs | Kernel::Avx512Bf16)
+    }
+
     /// The kernel's name as `hemi bench matmul` prints it (`"avx512bf16"`,
     /// `"portable"`...).
     pub fn name(self) -> &'static str {
@@ -404,6 +411,38 @@ pub fn gemm_unfold<A: WithDType, B: WithDType>(
     run_product(kernel, dst, a, Rhs::Unfold(u), n, accumulate, parallel)
 }
 
+/// `gemm_with` on a BF16-pair kernel (`Kernel::unfolds_pairs`) where B is a convolution's
+/// column matrix with its k indices in channel pairs, packed straight from the image's
+/// channel pairs: `u` unfolds planes of u32 (as F32 bit patterns, moved, never computed
+/// with) whose element `[cp, y, x]` holds the BF16 bits of channel `2cp` in its low half and
+/// of channel `2cp + 1` in its high half, so each packed step (pair row `r` of the unfold,
+/// NR output pixels) is one shifted run of those pairs, the pair format the kernel reads.
+/// A's k index `2r + e` is channel `2cp + e` at the kernel offset of row `r`
+/// (`cpu::conv` reorders the weights so). The same bits as `gemm_with` on the explicit
+/// matrix in that k order (`tests/gemm_half.rs`).
+pub fn gemm_unfold_pairs(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: MatRef<'_, bf16>,
+    u: Unfold<'_, f32>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, u.cols());
+    assert_eq!(
+        2 * u.rows(),
+        k,
+        "gemm_unfold_pairs: inner dims ({m}x{k} · 2·{}x{n})",
+        u.rows()
+    );
+    assert!(
+        kernel.unfolds_pairs(),
+        "gemm_unfold_pairs: {} does not pack unpadded BF16 pairs",
+        kernel.name()
+    );
+    run_product::<bf16, bf16>(kernel, dst, a, Rhs::Pairs(u), n, accumulate, parallel)
+}
+
 /// The checks and the run both entry points share: `dst [m, n] = [dst +] a · b`.
 fn run_product<A: WithDType, B: WithDType>(
     kernel: Kernel,
@@ -523,6 +562,8 @@ struct Job<'a, A, B> {
 enum Rhs<'a, B> {
     Mat(MatRef<'a, B>),
     Unfold(Unfold<'a, B>),
+    /// A column matrix in channel pairs (`gemm_unfold_pairs`).
+    Pairs(Unfold<'a, f32>),
 }
 
 /// The output buffer, written by several tasks at once.
@@ -650,7 +691,7 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
     let (apack, bpack) = ws.buffers::<M::P>(mc_max * steps_max, nc_max * steps_max);
     let bt = match job.b {
         Rhs::Mat(b) => Some(b.t()),
-        Rhs::Unfold(_) => None,
+        Rhs::Unfold(_) | Rhs::Pairs(_) => None,
     };
     let mut edge = [0f32; MAX_TILE];
 
@@ -665,6 +706,7 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             match (&bt, &job.b) {
                 (Some(bt), _) => M::pack_b(bt, jc, nc, pc, kc, bp),
                 (None, Rhs::Unfold(u)) => pack_b_unfold::<M, B>(u, jc, nc, pc, kc, bp),
+                (None, Rhs::Pairs(u)) => pack_b_pairs::<M>(u, jc, nc, pc, kc, bp),
                 (None, Rhs::Mat(_)) => unreachable!("bt is set for matrices"),
             }
             // Tile order: down a column of tiles (the B micro-panel stays in L1 while the A
@@ -735,6 +777,29 @@ fn pack_b_unfold<M: Micro, B: WithDType>(
         (1, 16) => unfold::unfold_f32::<16, B>(u, j0, w, p0, kc, unfold::as_f32s(out), M::SIMD),
         (1, 32) => unfold::unfold_f32::<32, B>(u, j0, w, p0, kc, unfold::as_f32s(out), M::SIMD),
         (s, nr) => unreachable!("gemm_unfold checks for F32 panels ({s}-step, {nr} wide here)"),
+    }
+}
+
+/// `M::pack_b` of a column matrix in channel pairs: pair steps `p0 / 2..` are rows of `u`
+/// (k blocks start and end on even k: KC and the alignment are even, and so is k).
+#[inline(always)]
+fn pack_b_pairs<M: Micro>(
+    u: &Unfold<'_, f32>,
+    j0: usize,
+    w: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut [M::P],
+) {
+    match (M::KSTEP, M::NR, M::STEP_ALIGN) {
+        (2, 32, 1) => {
+            debug_assert!(p0.is_multiple_of(2) && kc.is_multiple_of(2));
+            let out = unfold::as_f32s(out);
+            unfold::unfold_f32::<32, f32>(u, j0, w, p0 / 2, kc / 2, out, false)
+        }
+        (s, nr, a) => unreachable!(
+            "gemm_unfold_pairs checks for unpadded pairs ({s}-step, {nr} wide, {a}-aligned here)"
+        ),
     }
 }
 

@@ -13,9 +13,12 @@
 //!
 //! The panels are exactly those `pack_f32` makes from the explicit column matrix (same
 //! values, same zeros), so products give the same bits either way (`tests/gemm_half.rs`
-//! holds every F32-panel kernel to that). Kernels on BF16 pairs keep the explicit matrix:
-//! a pair step interleaves two shifted runs, and the versions of it tried here
-//! (2026-12-04, Zen 5) made ResNet-20's amp-bf16 step 2–30 % slower than im2col + pack.
+//! holds every F32-panel kernel to that). Kernels on BF16 pairs cannot read im2col's k
+//! order this way (a pair step would interleave two shifted runs; the versions of that tried
+//! made ResNet-20's amp-bf16 step 2–30 % slower than im2col + pack), but with k taken in
+//! channel pairs and the image's planes interleaved in pairs, a pair step is again one
+//! shifted run, of u32: `cpu::conv`'s `PairConv` unfolds those planes as F32 bit patterns
+//! (`gemm_unfold_pairs`).
 
 use super::{load_run, Packed, PACK_STEPS};
 use crate::backend::nn::Conv2dGeom;
@@ -55,7 +58,7 @@ impl<'a, T: WithDType> Unfold<'a, T> {
     /// read this way (strides other than 1, output rows shorter or longer than input rows,
     /// pointwise convolutions, which use the image itself).
     pub fn conv(x: &'a [T], g: &Conv2dGeom, group: usize) -> Option<Self> {
-        if g.stride != (1, 1) || g.w_out != g.w || g.is_pointwise() || g.l() == 0 {
+        if !Self::reads(g) {
             return None;
         }
         let k = g.k();
@@ -72,6 +75,12 @@ impl<'a, T: WithDType> Unfold<'a, T> {
             row0: group * k,
             rows: k,
         })
+    }
+
+    /// Whether `conv` can read the column matrix of `g` from the image: stride 1, output
+    /// rows as long as input rows, not pointwise, some output.
+    pub fn reads(g: &Conv2dGeom) -> bool {
+        g.stride == (1, 1) && g.w_out == g.w && !g.is_pointwise() && g.l() > 0
     }
 
     /// Rows of B (the product's inner dimension).
