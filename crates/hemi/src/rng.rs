@@ -6,6 +6,24 @@ use rand::{Rng as _, RngCore, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 use rand_xoshiro::Xoshiro256PlusPlus;
 
+/// The dropout decision of element `idx` under `seed`, counter-based so that any element
+/// can be decided alone (in parallel, or again in a backward): a splitmix64 hash of the seed
+/// and the index, its top 53 bits compared with `threshold = p · 2^53` (kept when not
+/// below it, so with probability 1 - p).
+#[inline(always)]
+pub(crate) fn keep53(seed: u64, idx: u64, threshold: u64) -> bool {
+    let mut z = seed.wrapping_add(idx.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) >= threshold
+}
+
+/// `p · 2^53`, the threshold `keep53` compares with.
+pub(crate) fn threshold53(p: f64) -> u64 {
+    (p * (1u64 << 53) as f64) as u64
+}
+
 /// A seeded pseudo-random generator (xoshiro256++).
 #[derive(Clone, Debug)]
 pub struct Generator {

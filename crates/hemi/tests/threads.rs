@@ -196,6 +196,25 @@ fn sum_and_mean_are_bit_identical_across_thread_counts() {
     }
 }
 
+/// Dropout decides its elements in parallel (one draw from the generator, then a
+/// counter-based hash per element): the mask and the gradient are the same on any number of
+/// threads, over many parallel chunks; a second call on the same generator draws another
+/// mask.
+#[test]
+fn dropout_is_bit_identical_across_thread_counts() {
+    for dtype in DTYPES {
+        assert_same_bits(&format!("dropout {dtype:?}"), &THREADS, || {
+            let x = leaf(&[5, 41_003], dtype, 3);
+            let mut rng = Generator::new(8);
+            let y = x.dropout(0.3, true, &mut rng).unwrap();
+            let z = x.dropout(0.3, true, &mut rng).unwrap();
+            assert_ne!(y.to_vec_f32(), z.to_vec_f32(), "the generator advances");
+            backward_random(&y, 4);
+            vec![bits_of("y", &y), bits_of("dx", &x.grad().unwrap())]
+        });
+    }
+}
+
 #[test]
 fn matmul_with_large_k_is_bit_identical_across_thread_counts() {
     for dtype in DTYPES {

@@ -189,9 +189,11 @@ pub trait MapOps: BackendStorage {
     ) -> Result<(Self, Self)>;
 
     /// The scale factors of inverted dropout, on this backend: `n` values of `dtype` (a
-    /// compute type, F32 or F64), each `1 / (1 - p)` if `rng.uniform_f64() >= p` else 0,
-    /// drawn one per element in order (all 0 without drawing when `p == 1`). The caller
-    /// checked `0 < p <= 1`; the output is `x * mask` by `binary`.
+    /// compute type, F32 or F64), element `i` `1 / (1 - p)` where
+    /// `keep53(seed, i, threshold53(p))` (a counter-based hash, as attention's dropout uses)
+    /// else 0, with `seed = rng.next_u64()`, one draw for the whole mask (all 0 without
+    /// drawing when `p == 1`). The caller checked `0 < p <= 1`; the output is `x * mask` by
+    /// `binary`.
     fn dropout_mask(n: usize, p: f64, rng: &mut Generator, dtype: DType) -> Result<Self>;
 }
 

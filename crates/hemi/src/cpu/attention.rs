@@ -125,20 +125,14 @@ impl Dropout {
     fn new(g: &AttentionGeom) -> Option<Dropout> {
         g.dropout.map(|(p, seed)| Dropout {
             seed,
-            threshold: (p * (1u64 << 53) as f64) as u64,
+            threshold: crate::rng::threshold53(p),
             scale: 1.0 / (1.0 - p),
         })
     }
 
     #[inline]
     fn keep(&self, idx: u64) -> bool {
-        let mut z = self
-            .seed
-            .wrapping_add(idx.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) >= self.threshold
+        crate::rng::keep53(self.seed, idx, self.threshold)
     }
 
     /// The factor of probability `(h, i, j)`: `1/(1-p)` or 0, for a row of `lk`.
