@@ -200,18 +200,26 @@ impl CpuStorage {
     pub fn from_f32(v: Vec<f32>, dtype: DType) -> CpuStorage {
         match dtype {
             DType::F32 => CpuStorage::F32(v),
+            DType::F16 | DType::BF16 => CpuStorage::from_f32_slice(&v, dtype),
+            DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
+            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
+        }
+    }
+
+    /// `from_f32` of borrowed values, for the half dtypes (others copy, then `from_f32`).
+    fn from_f32_slice(v: &[f32], dtype: DType) -> CpuStorage {
+        match dtype {
             DType::F16 => {
                 let mut out = vec![f16::ZERO; v.len()];
-                convert::f32_to_f16(&v, &mut out);
+                convert::f32_to_f16(v, &mut out);
                 CpuStorage::F16(out)
             }
             DType::BF16 => {
                 let mut out = vec![bf16::ZERO; v.len()];
-                convert::f32_to_bf16(&v, &mut out);
+                convert::f32_to_bf16(v, &mut out);
                 CpuStorage::BF16(out)
             }
-            DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
-            DType::I64 => CpuStorage::I64(v.into_iter().map(|x| x as i64).collect()),
+            _ => CpuStorage::from_f32(v.to_vec(), dtype),
         }
     }
 
@@ -244,7 +252,12 @@ impl CpuStorage {
             | (_, DType::I64)
             | (CpuStorage::F64(_), _)
             | (_, DType::F64) => CpuStorage::from_f64(self.to_f64(layout).into_owned(), dtype),
-            _ => CpuStorage::from_f32(self.to_f32(layout).into_owned(), dtype),
+            // Converted straight from the source where it is contiguous F32 (autocast casts
+            // every weight each forward; a copy first was 1 % of a BERT amp-bf16 step).
+            _ => match self.to_f32(layout) {
+                Cow::Borrowed(v) if dtype != DType::F32 => CpuStorage::from_f32_slice(v, dtype),
+                v => CpuStorage::from_f32(v.into_owned(), dtype),
+            },
         }
     }
 }
