@@ -640,6 +640,36 @@ fn bench_gemm_half() {
     }
 }
 
+/// One image's stride-1 convolution geometry whose padding and dilation keep output rows as
+/// long as input rows (asserted): the cases the unfolds read.
+fn stride1_geom(
+    c_in: usize,
+    (h, w): (usize, usize),
+    (kh, kw): (usize, usize),
+    (ph, pw): (usize, usize),
+    d: usize,
+    groups: usize,
+    c_out: usize,
+) -> Conv2dGeom {
+    let g = Conv2dGeom {
+        n: 1,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh,
+        kw,
+        stride: (1, 1),
+        padding: (ph, pw),
+        dilation: (d, d),
+        groups,
+        h_out: conv_out_size(h, kh, 1, ph, d).unwrap(),
+        w_out: conv_out_size(w, kw, 1, pw, d).unwrap(),
+    };
+    assert_eq!(g.w_out, g.w, "{g:?}");
+    g
+}
+
 /// `gemm_unfold` on one group of one image against `gemm_with` on `im2col`'s explicit column
 /// matrix, both into copies of `init` (accumulating when `acc`): the bits of the results.
 fn unfold_vs_im2col<T: WithDType>(
@@ -689,23 +719,8 @@ fn unfolded_columns_equal_im2col_bit_for_bit() {
     ];
     let mut ran = 0;
     for kernel in kernels().into_iter().filter(|k| k.packs_f32()) {
-        for (c_in, h, w, kh, kw, (ph, pw), d, groups, c_out) in cases {
-            let g = Conv2dGeom {
-                n: 1,
-                c_in,
-                h,
-                w,
-                c_out,
-                kh,
-                kw,
-                stride: (1, 1),
-                padding: (ph, pw),
-                dilation: (d, d),
-                groups,
-                h_out: conv_out_size(h, kh, 1, ph, d).unwrap(),
-                w_out: conv_out_size(w, kw, 1, pw, d).unwrap(),
-            };
-            assert_eq!(g.w_out, g.w, "{g:?}");
+        for (c_in, h, w, kh, kw, pad, d, groups, c_out) in cases {
+            let g = stride1_geom(c_in, (h, w), (kh, kw), pad, d, groups, c_out);
             for dtype in DTYPES {
                 let random = |len, rng: &mut Generator| {
                     Mat::random(1, len, dtype, Layout::RowMajor, rng).store
@@ -778,23 +793,8 @@ fn channel_pair_unfold_equals_the_explicit_pair_matrix_bit_for_bit() {
     assert!(kernels.contains(&Kernel::PortableBf16Pairs));
     let mut ran = 0;
     for kernel in kernels {
-        for (c_in, h, w, kh, kw, (ph, pw), d, c_out) in cases {
-            let g = Conv2dGeom {
-                n: 1,
-                c_in,
-                h,
-                w,
-                c_out,
-                kh,
-                kw,
-                stride: (1, 1),
-                padding: (ph, pw),
-                dilation: (d, d),
-                groups: 1,
-                h_out: conv_out_size(h, kh, 1, ph, d).unwrap(),
-                w_out: conv_out_size(w, kw, 1, pw, d).unwrap(),
-            };
-            assert_eq!(g.w_out, g.w, "{g:?}");
+        for (c_in, h, w, kh, kw, pad, d, c_out) in cases {
+            let g = stride1_geom(c_in, (h, w), (kh, kw), pad, d, 1, c_out);
             let (cp, kk, l, hw) = (c_in.div_ceil(2), kh * kw, g.l(), h * w);
             let random = |len, rng: &mut Generator| -> Vec<bf16> {
                 (0..len)

@@ -137,7 +137,7 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
 /// image (`gemm_half::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
 /// `gemm_half::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
 /// step in the unfold made ResNet-20's amp-fp16 step 5 % slower than im2col + pack, and
-/// BF16-pair panels are not unfolded (`gemm_half::unfold`).
+/// BF16 on a pair kernel is unfolded in channel pairs instead (`cpu::conv`'s `PairConv`).
 pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
     m: usize,
     k: usize,
