@@ -168,6 +168,14 @@ fn columns<'a, T: Copy + Default>(x: &'a [T], scratch: &'a mut Vec<T>, g: &Conv2
     scratch
 }
 
+/// Row `r` of `dst` (rows of `l` values) set to `bias[r]`: a convolution's output before the
+/// product accumulates into it.
+fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
+    for (row, &b) in dst.chunks_exact_mut(l).zip(bias) {
+        row.fill(b);
+    }
+}
+
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
 fn image_forward<T: WithDType, C: FloatDType>(
     x: &[T],
@@ -191,9 +199,7 @@ fn image_forward<T: WithDType, C: FloatDType>(
         let a = MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k);
         let dst = &mut y[grp * m * l..(grp + 1) * m * l];
         if let Some(bias) = bias {
-            for (row, &b) in dst.chunks_exact_mut(l).zip(&bias[grp * m..(grp + 1) * m]) {
-                row.fill(b);
-            }
+            fill_rows(dst, l, &bias[grp * m..(grp + 1) * m]);
         }
         if let (Some(kernel), Some(u)) = (unfold, Unfold::conv(x, g, grp)) {
             let dst = C::as_f32_mut(dst).expect("unfold_kernel: F32 results");
@@ -466,7 +472,7 @@ impl PairConv {
     /// One image: `x [c_in, h, w]` interleaved into `pairs`, then `y [c_out, L] (+)= w · col`.
     fn image(&self, x: &[bf16], y: &mut [f32], pairs: &mut Vec<f32>, acc: bool, par: bool) {
         let hw = self.pg.h * self.pg.w;
-        pair_planes(x, hw, pairs, self.pg.c_in);
+        pair_planes(x, hw, self.pg.c_in, pairs);
         let u = Unfold::conv(pairs, &self.pg, 0).expect("checked by PairConv::new");
         let a = MatRef::row_major(&self.w, self.pg.c_out, self.w.len() / self.pg.c_out);
         gemm_unfold_pairs(self.kernel, y, a, u, acc, par);
@@ -475,7 +481,7 @@ impl PairConv {
 
 /// `out[cp·hw + i]` = the bits of `x[2cp][i]` (low half) and `x[2cp + 1][i]` (high half, zero
 /// past the last channel) as one u32, read as F32 bits (only moved, never computed with).
-fn pair_planes(x: &[bf16], hw: usize, out: &mut Vec<f32>, cp: usize) {
+fn pair_planes(x: &[bf16], hw: usize, cp: usize, out: &mut Vec<f32>) {
     out.resize(cp * hw, 0.0);
     let c = x.len() / hw.max(1);
     for (p, dst) in out.chunks_exact_mut(hw).enumerate() {
@@ -504,12 +510,10 @@ pub fn conv2d_forward_blocks<T: WithDType>(
     if let (Some(xb), Some(wb)) = (same_slice::<T, bf16>(x), same_slice::<T, bf16>(w)) {
         if let Some(plan) = PairConv::new(wb, g) {
             return per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |pairs, i, y| {
-                let (l, xi) = (g.l(), &xb[i * g.in_image()..(i + 1) * g.in_image()]);
                 if let Some(bias) = bias {
-                    for (row, &b) in y.chunks_exact_mut(l).zip(bias) {
-                        row.fill(b);
-                    }
+                    fill_rows(y, g.l(), bias);
                 }
+                let xi = &xb[i * g.in_image()..(i + 1) * g.in_image()];
                 plan.image(xi, y, pairs, bias.is_some(), g.n == 1);
             })
             .expect("BF16");

@@ -255,7 +255,7 @@ impl CpuStorage {
             // Converted straight from the source where it is contiguous F32 (autocast casts
             // every weight each forward; a copy first was 1 % of a BERT amp-bf16 step).
             _ => match self.to_f32(layout) {
-                Cow::Borrowed(v) if dtype != DType::F32 => CpuStorage::from_f32_slice(v, dtype),
+                Cow::Borrowed(v) => CpuStorage::from_f32_slice(v, dtype),
                 v => CpuStorage::from_f32(v.into_owned(), dtype),
             },
         }
