@@ -130,21 +130,10 @@ impl Dropout {
         })
     }
 
-    #[inline]
-    fn keep(&self, idx: u64) -> bool {
-        crate::rng::keep53(self.seed, idx, self.threshold)
-    }
-
     /// The factor of probability `(h, i, j)`: `1/(1-p)` or 0, for a row of `lk`.
     fn factors<C: FloatDType>(&self, base: u64, out: &mut [C]) {
         let s = C::from_f64(self.scale);
-        for (j, z) in out.iter_mut().enumerate() {
-            *z = if self.keep(base + j as u64) {
-                s
-            } else {
-                C::zero()
-            };
-        }
+        crate::rng::keep_factors(self.seed, base, self.threshold, s, C::zero(), out)
     }
 }
 

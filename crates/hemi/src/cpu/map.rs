@@ -585,17 +585,12 @@ impl MapOps for CpuStorage {
                 // one thread).
                 let (seed, threshold) = (rng.next_u64(), crate::rng::threshold53(p));
                 let scale = C::from_f64(1.0 / (1.0 - p));
-                (0..n)
-                    .into_par_iter()
-                    .with_min_len(PAR_THRESHOLD)
-                    .map(|i| {
-                        if crate::rng::keep53(seed, i as u64, threshold) {
-                            scale
-                        } else {
-                            C::zero()
-                        }
-                    })
-                    .collect()
+                let mut f = vec![C::zero(); n];
+                f.par_chunks_mut(PAR_THRESHOLD).enumerate().for_each(|(c, out)| {
+                    let base = (c * PAR_THRESHOLD) as u64;
+                    crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)
+                });
+                f
             };
             CpuStorage::store::<C>(factor, dtype)
         }))
