@@ -1387,3 +1387,74 @@ fn weight_decay_mask_leaves_biases_and_norms_undecayed() {
         assert!(e.contains("1 flags for 3 parameters"), "{e}");
     }
 }
+
+/// Parameters are updated in place, in parallel parts of 32768 elements: a parameter of
+/// 100 003 elements (four parts, a short last one) steps to the same bits as the same values
+/// cut into slices across the part boundaries and stepped as separate parameters.
+#[test]
+fn large_parameters_update_in_parallel_with_the_bits_of_small_ones() {
+    let n = 100_003;
+    let cuts = [0, 1000, 32_760, 32_777, 65_536, 98_000, n];
+    let mut rng = Generator::new(5);
+    let init = rand_values(n, -1.0, 1.0, DType::F32, &mut rng);
+    let grads: Vec<Vec<f64>> = (0..3)
+        .map(|_| rand_values(n, -1.0, 1.0, DType::F32, &mut rng))
+        .collect();
+    let big = vec![Tensor::from_f64_vec(init.clone(), &[n], DType::F32)
+        .unwrap()
+        .requires_grad_()];
+    let small: Vec<Tensor> = cuts
+        .windows(2)
+        .map(|w| {
+            Tensor::from_f64_vec(init[w[0]..w[1]].to_vec(), &[w[1] - w[0]], DType::F32)
+                .unwrap()
+                .requires_grad_()
+        })
+        .collect();
+    for ((name, mut whole), (_, mut parts)) in
+        all_optimizers(&big).into_iter().zip(all_optimizers(&small))
+    {
+        for g in &grads {
+            whole.params()[0].set_grad(Some(
+                Tensor::from_f64_vec(g.clone(), &[n], DType::F32).unwrap(),
+            ));
+            for (p, w) in parts.params().iter().zip(cuts.windows(2)) {
+                let gs = g[w[0]..w[1]].to_vec();
+                p.set_grad(Some(
+                    Tensor::from_f64_vec(gs, &[w[1] - w[0]], DType::F32).unwrap(),
+                ));
+            }
+            whole.step().unwrap();
+            parts.step().unwrap();
+        }
+        let got = whole.params()[0].to_vec_f64();
+        let want: Vec<f64> = parts.params().iter().flat_map(|p| p.to_vec_f64()).collect();
+        assert_ne!(got, init, "{name}: the parameter moved");
+        let first = got
+            .iter()
+            .zip(&want)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(first, None, "{name}: first differing element");
+    }
+}
+
+/// The update is in place, but a handle that shares the parameter's buffer (a `detach`ed
+/// snapshot) keeps the values it saw: the buffer is copied first when it is shared.
+#[test]
+fn a_detached_snapshot_keeps_its_values_through_a_step() {
+    let init = vec![1.0, -2.0, 3.0, 0.5];
+    let p = Tensor::from_f64_vec(init.clone(), &[4], DType::F32)
+        .unwrap()
+        .requires_grad_();
+    for (name, mut opt) in all_optimizers(&[p]) {
+        let p = opt.params()[0].clone();
+        let snapshot = p.detach();
+        p.set_grad(Some(Tensor::ones(&[4], DType::F32).unwrap()));
+        opt.step().unwrap();
+        assert_eq!(snapshot.to_vec_f64(), init, "{name}: the snapshot");
+        assert!(
+            p.to_vec_f64().iter().zip(&init).all(|(a, b)| a < b),
+            "{name}: the step"
+        );
+    }
+}

@@ -76,26 +76,26 @@ pub struct AdamScalars {
 /// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
 /// buffers updated in place.
 pub trait OptimOps: BackendStorage {
-    /// One SGD step of the parameter `self` (read through `lp`, F32/F16/BF16) with gradient
-    /// `grad` (any float dtype, read through `lg`, same element count) and, with momentum,
-    /// the F32 momentum buffer updated in place. Returns the new parameter values in the
-    /// parameter's dtype, rounded once. The update is PyTorch's, bit for bit in F32.
+    /// One SGD step of the parameter `self` (the whole buffer, contiguous through `lp`;
+    /// F32/F16/BF16) with gradient `grad` (any float dtype, read through `lg`, same element
+    /// count) and, with momentum, the F32 momentum buffer. Everything is updated in place; a
+    /// half parameter is rounded once. The update is PyTorch's, bit for bit in F32.
     #[allow(clippy::too_many_arguments)]
     fn sgd_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Self,
         lg: &Layout,
         buf: Option<&mut Self>,
         s: &SgdScalars,
         f: SgdFlags,
-    ) -> Result<Self>;
+    ) -> Result<()>;
 
-    /// One Adam(W) step: `exp_avg`, `exp_avg_sq` and (AMSGrad) `max_exp_avg_sq` are F32
-    /// buffers updated in place; returns the new parameter values in its dtype.
+    /// One Adam(W) step: the parameter (as for `sgd_step`), `exp_avg`, `exp_avg_sq` and
+    /// (AMSGrad) `max_exp_avg_sq` (F32) updated in place.
     #[allow(clippy::too_many_arguments)]
     fn adam_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Self,
         lg: &Layout,
@@ -104,7 +104,7 @@ pub trait OptimOps: BackendStorage {
         max_exp_avg_sq: Option<&mut Self>,
         k: &AdamScalars,
         decay: AdamDecay,
-    ) -> Result<Self>;
+    ) -> Result<()>;
 }
 
 /// `floor(log2 |x|)` of F32 values, counted: F32's whole range, from the smallest
@@ -298,24 +298,23 @@ impl Storage {
         )
     }
 
-    /// `OptimOps::sgd_step` on this storage's backend; every buffer on the same device.
+    /// `OptimOps::sgd_step` on this storage's backend, in place; every buffer on the same
+    /// device.
     pub fn sgd_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Storage,
         lg: &Layout,
         buf: Option<&mut Storage>,
         s: &SgdScalars,
         f: SgdFlags,
-    ) -> Result<Storage> {
+    ) -> Result<()> {
         const OP: &str = "sgd_step";
         #[allow(unreachable_patterns)]
         match (self, grad, buf) {
-            (Storage::Cpu(p), Storage::Cpu(g), None) => {
-                Ok(Storage::Cpu(p.sgd_step(lp, g, lg, None, s, f)?))
-            }
+            (Storage::Cpu(p), Storage::Cpu(g), None) => p.sgd_step(lp, g, lg, None, s, f),
             (Storage::Cpu(p), Storage::Cpu(g), Some(Storage::Cpu(b))) => {
-                Ok(Storage::Cpu(p.sgd_step(lp, g, lg, Some(b), s, f)?))
+                p.sgd_step(lp, g, lg, Some(b), s, f)
             }
             (p, g, _) if p.device() != g.device() => Err(mixed(OP, p, g)),
             (p, _, Some(b)) => Err(mixed(OP, p, b)),
@@ -323,10 +322,11 @@ impl Storage {
         }
     }
 
-    /// `OptimOps::adam_step` on this storage's backend; every buffer on the same device.
+    /// `OptimOps::adam_step` on this storage's backend, in place; every buffer on the same
+    /// device.
     #[allow(clippy::too_many_arguments)]
     pub fn adam_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Storage,
         lg: &Layout,
@@ -335,12 +335,12 @@ impl Storage {
         max_exp_avg_sq: Option<&mut Storage>,
         k: &AdamScalars,
         decay: AdamDecay,
-    ) -> Result<Storage> {
+    ) -> Result<()> {
         const OP: &str = "adam_step";
         #[allow(unreachable_patterns)]
         match (self, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) {
             (Storage::Cpu(p), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(v), None) => {
-                Ok(Storage::Cpu(p.adam_step(lp, g, lg, m, v, None, k, decay)?))
+                p.adam_step(lp, g, lg, m, v, None, k, decay)
             }
             (
                 Storage::Cpu(p),
@@ -348,16 +348,7 @@ impl Storage {
                 Storage::Cpu(m),
                 Storage::Cpu(v),
                 Some(Storage::Cpu(x)),
-            ) => Ok(Storage::Cpu(p.adam_step(
-                lp,
-                g,
-                lg,
-                m,
-                v,
-                Some(x),
-                k,
-                decay,
-            )?)),
+            ) => p.adam_step(lp, g, lg, m, v, Some(x), k, decay),
             (p, g, ..) if p.device() != g.device() => Err(mixed(OP, p, g)),
             (p, _, m, ..) => Err(mixed(OP, p, m)),
         }

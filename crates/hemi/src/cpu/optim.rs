@@ -2,6 +2,8 @@
 //! element by element in F32, rounding where ATen's CPU kernels round, each loop built
 //! twice (with FMA where the CPU has it, and portable) and chosen at run time.
 
+use rayon::prelude::*;
+
 use super::storage::CpuStorage;
 use crate::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
 use crate::error::{Error, Result};
@@ -42,41 +44,99 @@ fn state_f32<'a>(op: &'static str, what: &str, s: &'a mut CpuStorage) -> Result<
     }
 }
 
+/// Elements per parallel job of an update: the loops are a few operations per element and
+/// bound by memory, so jobs are large.
+const CHUNK: usize = 1 << 15;
+
+/// The parameter's F32 values to update: its buffer itself when it is F32 (updated in place,
+/// no copy and no fresh allocation: a BERT word embedding is 47 MB, and a new buffer per step
+/// cost page faults and the kernel's zeroing), else a widened copy. The parameter must be its
+/// whole storage, contiguous.
+fn param_f32<'a>(op: &'static str, p: &'a mut CpuStorage, lp: &Layout) -> Result<ParamF32<'a>> {
+    if lp.contiguous_range() != Some(0..p.len()) {
+        return Err(Error::arg(
+            op,
+            format!(
+                "the parameter must be a whole contiguous buffer, not a view of {} of its {} elements",
+                lp.numel(),
+                p.len()
+            ),
+        ));
+    }
+    if let CpuStorage::F32(v) = p {
+        return Ok(ParamF32::InPlace(v));
+    }
+    let wide = p.to_f32(lp).into_owned();
+    Ok(ParamF32::Widened(p, wide))
+}
+
+enum ParamF32<'a> {
+    InPlace(&'a mut [f32]),
+    /// The parameter, and its values widened to F32 (rounded back by `finish`).
+    Widened(&'a mut CpuStorage, Vec<f32>),
+}
+
+impl ParamF32<'_> {
+    fn values(&mut self) -> &mut [f32] {
+        match self {
+            ParamF32::InPlace(v) => v,
+            ParamF32::Widened(_, w) => w,
+        }
+    }
+
+    /// Rounds the updated values once into the parameter's dtype.
+    fn finish(self) {
+        if let ParamF32::Widened(p, w) = self {
+            let dtype = p.dtype();
+            *p = CpuStorage::from_f32(w, dtype);
+        }
+    }
+}
+
 impl OptimOps for CpuStorage {
     fn sgd_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Self,
         lg: &Layout,
         buf: Option<&mut Self>,
         s: &SgdScalars,
         f: SgdFlags,
-    ) -> Result<Self> {
-        let mut p = self.to_f32(lp).into_owned();
-        let g = grad.to_f32(lg);
+    ) -> Result<()> {
+        const OP: &str = "sgd_step";
         let b: &mut [f32] = match buf {
-            Some(b) => state_f32("sgd_step", "the momentum buffer", b)?,
-            None if f.momentum => {
-                return Err(Error::arg("sgd_step", "momentum needs a momentum buffer"))
-            }
+            Some(b) => state_f32(OP, "the momentum buffer", b)?,
+            None if f.momentum => return Err(Error::arg(OP, "momentum needs a momentum buffer")),
             None => &mut [],
         };
-        if f.momentum && b.len() != p.len() {
+        let mut param = param_f32(OP, self, lp)?;
+        let p = param.values();
+        let g = grad.to_f32(lg);
+        if g.len() != p.len() || (f.momentum && b.len() != p.len()) {
             return Err(Error::shape(
-                "sgd_step",
+                OP,
                 format!(
-                    "momentum buffer of {} values for {} parameters",
+                    "{} gradients and a momentum buffer of {} values for {} parameters",
+                    g.len(),
                     b.len(),
                     p.len()
                 ),
             ));
         }
-        sgd_dispatch(&mut p, &g, b, *s, f);
-        Ok(CpuStorage::from_f32(p, self.dtype()))
+        let parts = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK));
+        if f.momentum {
+            parts
+                .zip(b.par_chunks_mut(CHUNK))
+                .for_each(|((p, g), b)| sgd_dispatch(p, g, b, *s, f));
+        } else {
+            parts.for_each(|(p, g)| sgd_dispatch(p, g, &mut [], *s, f));
+        }
+        param.finish();
+        Ok(())
     }
 
     fn adam_step(
-        &self,
+        &mut self,
         lp: &Layout,
         grad: &Self,
         lg: &Layout,
@@ -85,37 +145,60 @@ impl OptimOps for CpuStorage {
         max_exp_avg_sq: Option<&mut Self>,
         k: &AdamScalars,
         decay: AdamDecay,
-    ) -> Result<Self> {
+    ) -> Result<()> {
         const OP: &str = "adam_step";
-        let mut p = self.to_f32(lp).into_owned();
-        let g = grad.to_f32(lg);
         let m = state_f32(OP, "exp_avg", exp_avg)?;
         let v = state_f32(OP, "exp_avg_sq", exp_avg_sq)?;
         let max = match max_exp_avg_sq {
             Some(x) => Some(state_f32(OP, "max_exp_avg_sq", x)?),
             None => None,
         };
+        let mut param = param_f32(OP, self, lp)?;
+        let p = param.values();
+        let g = grad.to_f32(lg);
         let n = p.len();
-        if m.len() != n || v.len() != n || max.as_ref().is_some_and(|x| x.len() != n) {
+        if g.len() != n
+            || m.len() != n
+            || v.len() != n
+            || max.as_ref().is_some_and(|x| x.len() != n)
+        {
             return Err(Error::shape(
                 OP,
-                format!("state buffers do not hold {n} values"),
+                format!("the gradient or the state buffers do not hold {n} values"),
             ));
         }
-        let k = *k;
-        match (decay, max) {
-            (AdamDecay::None, None) => adam_loop::<NO_DECAY, false>(&mut p, &g, m, v, &mut [], k),
-            (AdamDecay::None, Some(mx)) => adam_loop::<NO_DECAY, true>(&mut p, &g, m, v, mx, k),
-            (AdamDecay::L2, None) => adam_loop::<L2, false>(&mut p, &g, m, v, &mut [], k),
-            (AdamDecay::L2, Some(mx)) => adam_loop::<L2, true>(&mut p, &g, m, v, mx, k),
-            (AdamDecay::Decoupled, None) => {
-                adam_loop::<DECOUPLED, false>(&mut p, &g, m, v, &mut [], k)
-            }
-            (AdamDecay::Decoupled, Some(mx)) => {
-                adam_loop::<DECOUPLED, true>(&mut p, &g, m, v, mx, k)
-            }
+        match decay {
+            AdamDecay::None => adam_par::<NO_DECAY>(p, &g, m, v, max, *k),
+            AdamDecay::L2 => adam_par::<L2>(p, &g, m, v, max, *k),
+            AdamDecay::Decoupled => adam_par::<DECOUPLED>(p, &g, m, v, max, *k),
         }
-        Ok(CpuStorage::from_f32(p, self.dtype()))
+        param.finish();
+        Ok(())
+    }
+}
+
+/// `adam_loop` over `CHUNK`-element parts in parallel (each element's update depends on that
+/// element alone, so the bits do not depend on the split).
+fn adam_par<const DECAY: u8>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    max: Option<&mut [f32]>,
+    k: AdamScalars,
+) {
+    let parts = p
+        .par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK));
+    match max {
+        Some(x) => parts
+            .zip(x.par_chunks_mut(CHUNK))
+            .for_each(|((((p, g), m), v), x)| adam_loop::<DECAY, true>(p, g, m, v, x, k)),
+        None => {
+            parts.for_each(|(((p, g), m), v)| adam_loop::<DECAY, false>(p, g, m, v, &mut [], k))
+        }
     }
 }
 

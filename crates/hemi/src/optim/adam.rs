@@ -178,17 +178,20 @@ impl AdamCore {
                 (true, false) => AdamDecay::L2,
                 (true, true) => AdamDecay::Decoupled,
             };
-            let (ps, gs) = (p.storage(), g.storage());
+            // In place: the parameter's buffer is copied first only when another handle
+            // shares it (`with_storage_mut`).
+            let gs = g.storage();
             let (pl, gl) = (p.layout(), g.layout());
-            let new = s.exp_avg.with_storage_mut(|m| {
-                s.exp_avg_sq.with_storage_mut(|v| match &s.max_exp_avg_sq {
-                    Some(x) => {
-                        x.with_storage_mut(|x| ps.adam_step(pl, &gs, gl, m, v, Some(x), &k, decay))
-                    }
-                    None => ps.adam_step(pl, &gs, gl, m, v, None, &k, decay),
+            s.exp_avg.with_storage_mut(|m| {
+                s.exp_avg_sq.with_storage_mut(|v| {
+                    p.with_storage_mut(|ps| match &s.max_exp_avg_sq {
+                        Some(x) => x.with_storage_mut(|x| {
+                            ps.adam_step(pl, &gs, gl, m, v, Some(x), &k, decay)
+                        }),
+                        None => ps.adam_step(pl, &gs, gl, m, v, None, &k, decay),
+                    })
                 })
             })?;
-            p.set_storage(new)?;
         }
         Ok(())
     }

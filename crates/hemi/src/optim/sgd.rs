@@ -140,14 +140,16 @@ impl Optimizer for Sgd {
                 first,
                 nesterov: c.nesterov,
             };
-            let (ps, gs) = (p.storage(), g.storage());
-            let new = match &self.momentum_buffers[i] {
+            // In place: the parameter's buffer is copied first only when another handle
+            // shares it (`with_storage_mut`).
+            let gs = g.storage();
+            let (pl, gl) = (p.layout(), g.layout());
+            match &self.momentum_buffers[i] {
                 Some(b) if momentum => b.with_storage_mut(|b| {
-                    ps.sgd_step(p.layout(), &gs, g.layout(), Some(b), &scalars, f)
+                    p.with_storage_mut(|ps| ps.sgd_step(pl, &gs, gl, Some(b), &scalars, f))
                 })?,
-                _ => ps.sgd_step(p.layout(), &gs, g.layout(), None, &scalars, f)?,
-            };
-            p.set_storage(new)?;
+                _ => p.with_storage_mut(|ps| ps.sgd_step(pl, &gs, gl, None, &scalars, f))?,
+            }
         }
         Ok(())
     }

@@ -390,32 +390,6 @@ impl Tensor {
         f(Arc::make_mut(&mut guard))
     }
 
-    /// Replaces this (whole, contiguous) tensor's buffer with `new`, in place, as `set_data`
-    /// does with a tensor: same element count, dtype and device.
-    pub(crate) fn set_storage(&self, new: Storage) -> Result<()> {
-        let whole = self.0.layout.contiguous_range() == Some(0..self.numel())
-            && self.storage().len() == self.numel();
-        if !whole
-            || new.len() != self.numel()
-            || new.dtype() != self.dtype()
-            || new.device() != self.device()
-        {
-            return Err(Error::arg(
-                "set_storage",
-                format!(
-                    "a {} buffer of {} elements on {} cannot replace {:?} on {}",
-                    new.dtype(),
-                    new.len(),
-                    new.device(),
-                    self,
-                    self.device()
-                ),
-            ));
-        }
-        *self.0.storage.write().expect("storage lock poisoned") = Arc::new(new);
-        Ok(())
-    }
-
     // ----- reading values back -----------------------------------------------------------
 
     /// All elements in row-major order, converted to F32.
