@@ -51,7 +51,9 @@ fn reference(
 
 /// The output's tolerance: scores are sums of `d` products and the output a sum over `lk`
 /// keys, both in the compute type; the output is rounded once into the dtype. Values are
-/// O(1) (inputs in [-1, 1)), so the compute type's error is O((d + lk)·u) absolute.
+/// O(1) (inputs in [-1, 1)), so the compute type's error is O((d + lk)·u) absolute. BF16
+/// rounds the probabilities before `P·V` (as PyTorch's CPU flash attention): since they sum
+/// to 1, that adds at most `u · max|v|`, inside the second `u` of `rtol`/`atol`.
 fn attn_tol(dtype: DType, d: usize, lk: usize) -> Tol {
     let c = if dtype == DType::F64 {
         u(DType::F64)
@@ -435,8 +437,9 @@ fn gradients_over_several_query_blocks_f32() {
 }
 
 fn half_gradients(dtype: DType) {
-    // Half inputs: the fused op's gradients come from F32 sums rounded once, so they sit
-    // within the dtype's rounding (plus F32 error over the lengths) of the F64 gradients;
+    // Half inputs: the fused op's gradients come from F32 sums rounded once (BF16 also
+    // rounds P and dS before their products, each within a rounding of the dtype), so they
+    // sit within the dtype's rounding (plus F32 error over the lengths) of the F64 gradients;
     // the composed ops round the scores, probabilities and each product into the dtype.
     let (fused, comp, exact) = grads_both(dtype, 23);
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {

@@ -12,6 +12,8 @@
 //! stored elements as strided views (F32 accumulation; F16/BF16 converted inside its
 //! packing), so the `[B, H, L, D]` permutation of a `[B, L, H·D]` projection is read in
 //! place, with no copy of the whole tensor. Results are rounded once into the inputs' dtype.
+//! For BF16 inputs the probabilities (and, in the backward, `dS`) are rounded to BF16 before
+//! their products (`rounds_probs`), as PyTorch's CPU flash attention does.
 //!
 //! Fully masked rows: a row whose scores are all -inf has no softmax; its output and its
 //! gradients are zeros (as PyTorch's math path since 2.5, `_safe_softmax`). A large finite
@@ -159,6 +161,15 @@ impl<'a, C: FloatDType> MaskRows<'a, C> {
         }
         Some(&self.buf)
     }
+}
+
+/// Whether the probabilities `P` (forward) and `P`, `dS` (backward) are rounded to the inputs'
+/// dtype before their products, as PyTorch's CPU flash attention does for reduced-precision
+/// inputs: for BF16, so that every product of the op is BF16 × BF16 and runs on the pair
+/// kernels (`vdpbf16ps`) instead of widening V, dO, K and Q to F32 in the packing. The
+/// softmax, its sums and every product's accumulation stay in F32.
+fn rounds_probs<T: WithDType>() -> bool {
+    T::DTYPE == DType::BF16
 }
 
 /// Query rows per block: up to 128, fewer for long keys so that a block's scores
@@ -448,13 +459,14 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
             vec![C::zero(); bq_max * lk],
             vec![C::zero(); bq_max * dv],
             vec![C::zero(); if drop.is_some() { lk } else { 0 }],
+            vec![T::default(); if rounds_probs::<T>() { bq_max * lk } else { 0 }],
         )
     };
     out.par_chunks_mut((lq * dv).max(1))
         .zip(lse.par_chunks_mut(lq.max(1)))
         .enumerate()
         .with_min_len((PAR_THRESHOLD / work).max(1))
-        .for_each_init(scratch, |(masks, s, o, z), (h, (out, lse))| {
+        .for_each_init(scratch, |(masks, s, o, z, sr), (h, (out, lse))| {
             let (kt, vm) = (kh.mat(h, 0, lk, d).t(), vh.mat(h, 0, lk, dv));
             for i0 in (0..lq).step_by(bq_max) {
                 let bq = bq_max.min(lq - i0);
@@ -469,7 +481,13 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
                         row.iter_mut().zip(z.iter()).for_each(|(p, &zj)| *p *= zj);
                     }
                 }
-                product(o, MatRef::row_major(&s[..], bq, lk), vm, false, false);
+                if rounds_probs::<T>() {
+                    let sr = &mut sr[..bq * lk];
+                    store_row(s, sr);
+                    product(o, MatRef::row_major(&sr[..], bq, lk), vm, false, false);
+                } else {
+                    product(o, MatRef::row_major(&s[..], bq, lk), vm, false, false);
+                }
                 if dv > 0 {
                     for (r, orow) in o.chunks_exact(dv).enumerate() {
                         store_row(orow, &mut out[(i0 + r) * dv..][..dv]);
@@ -520,6 +538,7 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
             (vec![C::zero(); nb * lk], vec![C::zero(); nb * lk]),
             vec![C::zero(); nb * d],
             vec![C::zero(); if drop.is_some() { lk } else { 0 }],
+            vec![T::default(); if rounds_probs::<T>() { 2 * nb * lk } else { 0 }],
         )
     };
     dq_all
@@ -529,7 +548,7 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
         .enumerate()
         .with_min_len((PAR_THRESHOLD / work).max(1))
         .for_each_init(scratch, |scr, (h, ((dq, dk_t), dv_t))| {
-            let (masks, (dk, dvacc), (p, dp), dqb, z) = scr;
+            let (masks, (dk, dvacc), (p, dp), dqb, z, rounded) = scr;
             let (km, vm) = (kh.mat(h, 0, lk, d), vh.mat(h, 0, lk, dv));
             for i0 in (0..lq).step_by(nb) {
                 let bq = nb.min(lq - i0);
@@ -551,14 +570,27 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
                         pr.iter_mut().zip(z.iter()).for_each(|(x, &zj)| *x *= zj);
                     }
                 }
-                let (pm, dsm) = (
-                    MatRef::row_major(&p[..], bq, lk),
-                    MatRef::row_major(&dp[..], bq, lk),
-                );
                 // The first block overwrites the accumulators left by the previous head.
-                product(dvacc, pm.t(), dom, i0 > 0, false);
-                product(dqb, dsm, km, false, false);
-                product(dk, dsm.t(), qm, i0 > 0, false);
+                if rounds_probs::<T>() {
+                    let (pr, dsr) = rounded[..2 * bq * lk].split_at_mut(bq * lk);
+                    store_row(p, pr);
+                    store_row(dp, dsr);
+                    let (pm, dsm) = (
+                        MatRef::row_major(&pr[..], bq, lk),
+                        MatRef::row_major(&dsr[..], bq, lk),
+                    );
+                    product(dvacc, pm.t(), dom, i0 > 0, false);
+                    product(dqb, dsm, km, false, false);
+                    product(dk, dsm.t(), qm, i0 > 0, false);
+                } else {
+                    let (pm, dsm) = (
+                        MatRef::row_major(&p[..], bq, lk),
+                        MatRef::row_major(&dp[..], bq, lk),
+                    );
+                    product(dvacc, pm.t(), dom, i0 > 0, false);
+                    product(dqb, dsm, km, false, false);
+                    product(dk, dsm.t(), qm, i0 > 0, false);
+                }
                 if d > 0 {
                     for (r, row) in dqb.chunks_exact(d).enumerate() {
                         store_row(row, &mut dq[(i0 + r) * d..][..d]);
