@@ -1052,17 +1052,7 @@ fn pack_pairs<const W: usize, const ALIGN: usize, const SIMD: bool, T: WithDType
                     let lo = &s[x.offset(i0 + t * W, p) as usize..][..w];
                     if 2 * q + 1 < kc {
                         let hi = &s[x.offset(i0 + t * W, p + 1) as usize..][..w];
-                        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-                        let mut done = 0;
-                        #[cfg(target_arch = "x86_64")]
-                        if SIMD {
-                            // SAFETY: SIMD is set only by the AVX-512 pair kernels (AVX-512
-                            // BW); the three runs hold w values each.
-                            done = unsafe { x86::interleave_pairs(lo, hi, step) };
-                        }
-                        for ((o, l), h) in
-                            step[done..w].iter_mut().zip(&lo[done..]).zip(&hi[done..])
-                        {
+                        for ((o, l), h) in step.iter_mut().zip(lo).zip(hi) {
                             *o = l.to_bits() as u32 | (h.to_bits() as u32) << 16;
                         }
                     } else {
@@ -1672,34 +1662,6 @@ mod x86 {
         assert!(n8 == 0 || (n8 - 1) * stride + r0 + 8 <= panel.len());
         // SAFETY: every row holds n8 floats (asserted); AVX as the caller promises.
         unsafe { transpose_ptrs_8(&rows.map(<[f32]>::as_ptr), n8, panel, stride, r0) }
-    }
-
-    /// `out[i] = lo[i] | hi[i] << 16` (the BF16 pair of two k indices) for the whole sixteens
-    /// of `lo.len()`, one two-source word permute (`vpermt2w`) per sixteen instead of two
-    /// widenings, a shift and an or (the pair packing of row-major operands was 4 % of a BERT
-    /// amp-bf16 step). Returns how many it wrote.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F and BW.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn interleave_pairs(lo: &[bf16], hi: &[bf16], out: &mut [u32]) -> usize {
-        let n = lo.len().min(hi.len()).min(out.len()) / 16 * 16;
-        // Word 2i of the result is word i of `lo`, word 2i + 1 word i of `hi` (index 32 + i
-        // selects from the second source).
-        let idx: [u16; 32] = std::array::from_fn(|w| (w / 2 + 32 * (w % 2)) as u16);
-        // SAFETY: the AVX-512 features are enabled; every load reads 16 BF16 at i < n of a
-        // slice of at least n, every store writes 16 u32 at i < n of `out`.
-        unsafe {
-            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
-            for i in (0..n).step_by(16) {
-                let l = _mm512_castsi256_si512(_mm256_loadu_si256(lo.as_ptr().add(i).cast()));
-                let h = _mm512_castsi256_si512(_mm256_loadu_si256(hi.as_ptr().add(i).cast()));
-                let pairs = _mm512_permutex2var_epi16(l, idx, h);
-                _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), pairs);
-            }
-        }
-        n
     }
 
     /// `transpose_rows_8` from eight pointers, each to `n8` readable 32-bit values at any
