@@ -8,6 +8,9 @@
 //! backward of a ReLU over a [512, 64, 32, 32] F16 activation used to build three
 //! 128 MiB F32 vectors (gradient, saved input, result) before rounding.
 
+use std::cell::RefCell;
+use std::mem::MaybeUninit;
+
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -129,41 +132,85 @@ impl<'a> Src<'a> {
     }
 }
 
-/// `out[i] = f(a[i])` for a chunk: `f` fills its second argument from its first.
+/// Three CHUNK-long F32 buffers of this thread (a chunk's result and its two inputs),
+/// allocated once: stack arrays were zeroed for every chunk, three 32 KiB memsets per 8192
+/// elements.
+fn with_scratch<R>(f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R {
+    thread_local! {
+        static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    fn split(v: &mut [f32]) -> (&mut [f32], &mut [f32], &mut [f32]) {
+        let (r, rest) = v.split_at_mut(CHUNK);
+        let (a, b) = rest.split_at_mut(CHUNK);
+        (r, a, &mut b[..CHUNK])
+    }
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut v) => {
+            if v.len() < 3 * CHUNK {
+                v.resize(3 * CHUNK, 0.0);
+            }
+            let (r, a, b) = split(&mut v);
+            f(r, a, b)
+        }
+        // A chunked kernel started from inside another one's chunk.
+        Err(_) => {
+            let mut v = vec![0f32; 3 * CHUNK];
+            let (r, a, b) = split(&mut v);
+            f(r, a, b)
+        }
+    })
+}
+
+/// `src` rounded into `dst` (F32 copied), initialising it: half types a kilo-element at a
+/// time through a small stack buffer.
+fn write_uninit<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+    if let Some(d) = same_slice_mut::<MaybeUninit<T>, MaybeUninit<f32>>(dst) {
+        d.write_copy_of_slice(src);
+        return;
+    }
+    let mut tmp = [T::default(); 1024];
+    for (s, d) in src.chunks(1024).zip(dst.chunks_mut(1024)) {
+        let t = &mut tmp[..s.len()];
+        write(s, t);
+        d.write_copy_of_slice(t);
+    }
+}
+
+/// A new buffer of `n` values of `T`, chunk `i` (`CHUNK` values from `i·CHUNK`) computed in
+/// F32 by `kernel(start, result, scratch_a, scratch_b)` and rounded once into it; chunks
+/// run in parallel. The buffer is never zero-filled first (that memset was a pass over
+/// every elementwise op's output).
+fn collect<T: WithDType + Send, K>(n: usize, kernel: &K) -> Vec<T>
+where
+    K: Fn(usize, &mut [f32], &mut [f32], &mut [f32]) + Sync,
+{
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, o)| {
+            with_scratch(|r, a, b| {
+                let r = &mut r[..o.len()];
+                kernel(i * CHUNK, r, a, b);
+                write_uninit(r, o);
+            })
+        });
+    // SAFETY: the chunks cover the first n elements, and `write_uninit` initialised each
+    // chunk whole (a panic in a kernel propagates before this line, dropping `out` at
+    // length 0).
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// `out[i] = f(a[i])` for a chunk: `kernel(start, out, scratch_a, scratch_b)` fills `out`.
 fn run<K>(n: usize, dtype: DType, kernel: K) -> Option<CpuStorage>
 where
-    K: Fn(usize, &mut [f32]) + Sync,
+    K: Fn(usize, &mut [f32], &mut [f32], &mut [f32]) + Sync,
 {
-    // Each output chunk is computed into an F32 buffer (the output itself for F32) and
-    // rounded once into the output dtype.
     Some(match dtype {
-        DType::F32 => {
-            let mut out = vec![0f32; n];
-            out.par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(i, o)| kernel(i * CHUNK, o));
-            CpuStorage::F32(out)
-        }
-        DType::F16 => {
-            let mut out = vec![f16::ZERO; n];
-            out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
-                let mut buf = [0f32; CHUNK];
-                let buf = &mut buf[..o.len()];
-                kernel(i * CHUNK, buf);
-                convert::f32_to_f16(buf, o);
-            });
-            CpuStorage::F16(out)
-        }
-        DType::BF16 => {
-            let mut out = vec![bf16::ZERO; n];
-            out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
-                let mut buf = [0f32; CHUNK];
-                let buf = &mut buf[..o.len()];
-                kernel(i * CHUNK, buf);
-                convert::f32_to_bf16(buf, o);
-            });
-            CpuStorage::BF16(out)
-        }
+        DType::F32 => CpuStorage::F32(collect(n, &kernel)),
+        DType::F16 => CpuStorage::F16(collect(n, &kernel)),
+        DType::BF16 => CpuStorage::BF16(collect(n, &kernel)),
         _ => return None,
     })
 }
@@ -171,8 +218,7 @@ where
 /// `out = f(a)` elementwise into a new buffer of `dtype` (F32, F16 or BF16); `f` maps a
 /// chunk of inputs to a chunk of outputs of the same length.
 pub fn map1(a: Src<'_>, dtype: DType, f: impl Fn(&[f32], &mut [f32]) + Sync) -> Option<CpuStorage> {
-    run(a.len(), dtype, |start, out| {
-        let mut ab = [0f32; CHUNK];
+    run(a.len(), dtype, |start, out, ab, _| {
         let av = a.read(start, &mut ab[..out.len()]);
         f(av, out);
     })
@@ -188,8 +234,7 @@ pub fn map2(
     if a.len() != b.len() {
         return None;
     }
-    run(a.len(), dtype, |start, out| {
-        let (mut ab, mut bb) = ([0f32; CHUNK], [0f32; CHUNK]);
+    run(a.len(), dtype, |start, out, ab, bb| {
         let av = a.read(start, &mut ab[..out.len()]);
         let bv = b.read(start, &mut bb[..out.len()]);
         f(av, bv, out);
@@ -210,15 +255,17 @@ pub fn update2(
         f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
     ) {
         dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
-            let (mut ab, mut bb, mut ob) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
-            let n = o.len();
-            // `a` is read into its own buffer first, so `f` never sees its output aliased.
-            let av = &mut ab[..n];
-            av.copy_from_slice(read(o, 0, &mut ob[..n]));
-            let bv = b.read(i * CHUNK, &mut bb[..n]);
-            let out = &mut ob[..n];
-            f(av, bv, out);
-            write(out, o);
+            with_scratch(|ob, ab, bb| {
+                let n = o.len();
+                // `a` is read into its own buffer first, so `f` never sees its output
+                // aliased.
+                let av = &mut ab[..n];
+                av.copy_from_slice(read(o, 0, &mut ob[..n]));
+                let bv = b.read(i * CHUNK, &mut bb[..n]);
+                let out = &mut ob[..n];
+                f(av, bv, out);
+                write(out, o);
+            })
         });
     }
     let len = match dst {
