@@ -164,15 +164,21 @@ fn with_scratch<R>(f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R
 /// `src` rounded into `dst` (F32 copied), initialising it: half types a kilo-element at a
 /// time through a small stack buffer.
 fn write_uninit<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+    // (`<[MaybeUninit<T>]>::write_copy_of_slice` is newer than the crate's MSRV; these loops
+    // compile to copies.)
     if let Some(d) = same_slice_mut::<MaybeUninit<T>, MaybeUninit<f32>>(dst) {
-        d.write_copy_of_slice(src);
+        d.iter_mut().zip(src).for_each(|(d, &s)| {
+            d.write(s);
+        });
         return;
     }
     let mut tmp = [T::default(); 1024];
     for (s, d) in src.chunks(1024).zip(dst.chunks_mut(1024)) {
         let t = &mut tmp[..s.len()];
         write(s, t);
-        d.write_copy_of_slice(t);
+        d.iter_mut().zip(t.iter()).for_each(|(d, &v)| {
+            d.write(v);
+        });
     }
 }
 
