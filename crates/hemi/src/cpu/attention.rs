@@ -571,6 +571,7 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
                     }
                 }
                 // The first block overwrites the accumulators left by the previous head.
+                let (outs, ins) = ((&mut dvacc[..], &mut dqb[..], &mut dk[..]), (dom, km, qm));
                 if rounds_probs::<T>() {
                     let (pr, dsr) = rounded[..2 * bq * lk].split_at_mut(bq * lk);
                     store_row(p, pr);
@@ -579,17 +580,13 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
                         MatRef::row_major(&pr[..], bq, lk),
                         MatRef::row_major(&dsr[..], bq, lk),
                     );
-                    product(dvacc, pm.t(), dom, i0 > 0, false);
-                    product(dqb, dsm, km, false, false);
-                    product(dk, dsm.t(), qm, i0 > 0, false);
+                    block_grads(outs, (pm, dsm), ins, i0 > 0);
                 } else {
                     let (pm, dsm) = (
                         MatRef::row_major(&p[..], bq, lk),
                         MatRef::row_major(&dp[..], bq, lk),
                     );
-                    product(dvacc, pm.t(), dom, i0 > 0, false);
-                    product(dqb, dsm, km, false, false);
-                    product(dk, dsm.t(), qm, i0 > 0, false);
+                    block_grads(outs, (pm, dsm), ins, i0 > 0);
                 }
                 if d > 0 {
                     for (r, row) in dqb.chunks_exact(d).enumerate() {
@@ -605,6 +602,21 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
             store_row(dvacc, dv_t);
         });
     (dq_all, dk_all, dv_all)
+}
+
+/// One query block's share of the backward's products: `dV (+)= Pᵀ dO`, `dQ_blk = dS K`,
+/// `dK (+)= dSᵀ Q` (`acc`: add to the earlier blocks'), with `P` and `dS` stored as `U` (F32,
+/// or rounded to BF16 by `rounds_probs`).
+#[allow(clippy::type_complexity)]
+fn block_grads<C: FloatDType, U: WithDType, T: WithDType>(
+    (dv, dq, dk): (&mut [C], &mut [C], &mut [C]),
+    (p, ds): (MatRef<'_, U>, MatRef<'_, U>),
+    (dout, k, q): (MatRef<'_, T>, MatRef<'_, T>, MatRef<'_, T>),
+    acc: bool,
+) {
+    product(dv, p.t(), dout, acc, false);
+    product(dq, ds, k, false, false);
+    product(dk, ds.t(), q, acc, false);
 }
 
 // ----- the `NnOps` primitives over `CpuStorage` (dtype dispatch) ----------------------------
