@@ -164,8 +164,8 @@ fn with_scratch<R>(f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R
 /// `src` rounded into `dst` (F32 copied), initialising it: half types a kilo-element at a
 /// time through a small stack buffer.
 fn write_uninit<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
-    // (`<[MaybeUninit<T>]>::write_copy_of_slice` is newer than the crate's MSRV; these loops
-    // compile to copies.)
+    // (`<[MaybeUninit<T>]>::write_copy_of_slice` is newer than the crate's MSRV, hence the
+    // plain loops.)
     if let Some(d) = same_slice_mut::<MaybeUninit<T>, MaybeUninit<f32>>(dst) {
         d.iter_mut().zip(src).for_each(|(d, &s)| {
             d.write(s);
