@@ -11,7 +11,8 @@
 //! Bottom to top, each using only the ones below it:
 //!
 //! - [`dtype`] (F16, BF16, F32, F64, I64; the element trait, finfo, promotion, conversions)
-//!   and [`device`];
+//!   and [`device`]; [`threads`] (keeps rayon's workers awake between the kernels of a
+//!   step);
 //! - the backends: [`cpu`] (and `cuda` behind the `cuda` feature), whose buffers implement
 //!   the primitives declared in [`backend`];
 //! - [`tensor`] (the [`Tensor`] handle: a storage on one device, a layout, a dtype) and
@@ -158,6 +159,7 @@ pub mod optim;
 pub mod quant;
 pub mod rng;
 pub mod tensor;
+pub mod threads;
 pub mod train;
 
 pub use autograd::{no_grad, NoGradGuard};

@@ -462,6 +462,7 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
             vec![T::default(); if rounds_probs::<T>() { bq_max * lk } else { 0 }],
         )
     };
+    crate::threads::nudge();
     out.par_chunks_mut((lq * dv).max(1))
         .zip(lse.par_chunks_mut(lq.max(1)))
         .enumerate()
@@ -541,6 +542,7 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
             vec![T::default(); if rounds_probs::<T>() { 2 * nb * lk } else { 0 }],
         )
     };
+    crate::threads::nudge();
     dq_all
         .par_chunks_mut((lq * d).max(1))
         .zip(dk_all.par_chunks_mut((lk * d).max(1)))

@@ -191,6 +191,7 @@ where
     K: Fn(usize, &mut [f32], &mut [f32], &mut [f32]) + Sync,
 {
     let mut out: Vec<T> = Vec::with_capacity(n);
+    crate::threads::nudge();
     out.spare_capacity_mut()[..n]
         .par_chunks_mut(CHUNK)
         .enumerate()
@@ -260,6 +261,7 @@ pub fn update2(
         b: Src<'_>,
         f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
     ) {
+        crate::threads::nudge();
         dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
             with_scratch(|ob, ab, bb| {
                 let n = o.len();
@@ -327,6 +329,7 @@ pub fn per_block_with<S>(
     Some(match dtype {
         DType::F32 => {
             let mut out = vec![0f32; n];
+            crate::threads::nudge();
             out.par_chunks_mut(block_len)
                 .enumerate()
                 .for_each_init(&init, |s, (i, o)| kernel(s, i, o));
@@ -360,6 +363,7 @@ fn rounded_blocks<S, T: Copy + Default + Send>(
     round: fn(&[f32], &mut [T]),
 ) -> Vec<T> {
     let mut out = vec![T::default(); n];
+    crate::threads::nudge();
     out.par_chunks_mut(block_len).enumerate().for_each_init(
         || (init(), vec![0f32; block_len]),
         |(s, buf), (i, o)| {

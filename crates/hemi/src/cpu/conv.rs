@@ -228,6 +228,7 @@ pub fn conv2d_forward<C: FloatDType>(
         image_forward(x, w, bias, &mut y, &mut Vec::new(), g, true);
         return y;
     }
+    crate::threads::nudge();
     y.par_chunks_mut(g.out_image())
         .zip(x.par_chunks(g.in_image()))
         .for_each_init(Vec::new, |scratch, (yi, xi)| {
@@ -329,6 +330,7 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
         image_backward_input(dy, w, &mut dx, &mut Vec::new(), g, true);
         return dx;
     }
+    crate::threads::nudge();
     dx.par_chunks_mut(g.in_image())
         .zip(dy.par_chunks(g.out_image()))
         .for_each_init(Vec::new, |scratch, (dxi, dyi)| {

@@ -299,6 +299,7 @@ fn forward_into<T: WithDType>(
     }
     let (l, gs) = (g.l(), group_size(g));
     let single = g.n <= gs;
+    crate::threads::nudge();
     out.par_chunks_mut(gs * pooled)
         .zip(idx.par_chunks_mut(gs * pooled))
         .enumerate()
@@ -480,6 +481,7 @@ fn backward_runs<T: WithDType>(
         }
         (dw, db)
     };
+    crate::threads::nudge();
     match dx {
         Some(dx) if g.in_image() > 0 => dx
             .par_chunks_mut(runs.len * g.in_image())

@@ -516,6 +516,7 @@ fn run_job<A: WithDType, B: WithDType>(
                 .map(move |j| (i..m.min(i + tm), j..n.min(j + tn)))
         })
         .collect();
+    crate::threads::nudge();
     tasks
         .into_par_iter()
         .for_each(|(rows, cols)| run_task(kernel, job, rows, cols));

@@ -82,6 +82,7 @@ impl LossOps for CpuStorage {
                 let mut buf = Vec::new();
                 (0..n).map(|r| loss_at(r, &mut buf)).collect()
             } else {
+                crate::threads::nudge();
                 (0..n).into_par_iter().map_init(Vec::new, |buf, r| loss_at(r, buf)).collect()
             };
             let reduced = match loss.reduction {
@@ -145,6 +146,7 @@ impl LossOps for CpuStorage {
             if gi.len() < PAR_THRESHOLD {
                 gi.chunks_mut(block).enumerate().for_each(|(o, gb)| fill(o, gb));
             } else {
+                crate::threads::nudge();
                 gi.par_chunks_mut(block).enumerate().for_each(|(o, gb)| fill(o, gb));
             }
             CpuStorage::store::<C>(gi, out)

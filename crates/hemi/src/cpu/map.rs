@@ -24,6 +24,7 @@ pub(crate) fn zip_map<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + S
         return a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect();
     }
     let mut out = vec![C::zero(); a.len()];
+    crate::threads::nudge();
     out.par_chunks_mut(PAR_THRESHOLD)
         .zip(a.par_chunks(PAR_THRESHOLD).zip(b.par_chunks(PAR_THRESHOLD)))
         .for_each(|(o, (x, y))| {
@@ -40,6 +41,7 @@ pub(crate) fn map<C: FloatDType>(a: &[C], f: impl Fn(C) -> C + Sync) -> Vec<C> {
         return a.iter().map(|&x| f(x)).collect();
     }
     let mut out = vec![C::zero(); a.len()];
+    crate::threads::nudge();
     out.par_chunks_mut(PAR_THRESHOLD)
         .zip(a.par_chunks(PAR_THRESHOLD))
         .for_each(|(o, x)| {
@@ -586,6 +588,7 @@ impl MapOps for CpuStorage {
                 let (seed, threshold) = (rng.next_u64(), crate::rng::threshold53(p));
                 let scale = C::from_f64(1.0 / (1.0 - p));
                 let mut f = vec![C::zero(); n];
+                crate::threads::nudge();
                 f.par_chunks_mut(PAR_THRESHOLD).enumerate().for_each(|(c, out)| {
                     let base = (c * PAR_THRESHOLD) as u64;
                     crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)

@@ -62,6 +62,7 @@ fn par_map<T: Send>(
     f: impl Fn(usize) -> T + Sync + Send,
 ) -> Vec<T> {
     let min_len = (PAR_THRESHOLD / work_each.max(1)).max(1);
+    crate::threads::nudge();
     (0..count)
         .into_par_iter()
         .with_min_len(min_len)
@@ -95,6 +96,7 @@ pub(crate) fn bn_forward<C: FloatDType>(
 ) -> Vec<C> {
     let mut out = vec![C::zero(); x.len()];
     let block = (d.c * d.s).max(1);
+    crate::threads::nudge();
     out.par_chunks_mut(block)
         .zip(x.par_chunks(block))
         .with_min_len((PAR_THRESHOLD / block).max(1))
@@ -149,6 +151,7 @@ pub(crate) fn bn_backward<C: FloatDType>(
     let inv_m = C::one() / C::from_f64(d.m() as f64);
     let mut dx = vec![C::zero(); x.len()];
     let block = (d.c * d.s).max(1);
+    crate::threads::nudge();
     dx.par_chunks_mut(block)
         .zip(g.par_chunks(block).zip(x.par_chunks(block)))
         .with_min_len((PAR_THRESHOLD / block).max(1))
@@ -195,6 +198,7 @@ pub(crate) fn ln_forward<C: FloatDType>(
     let mut out = vec![C::zero(); x.len()];
     let (mut mean, mut rstd) = (vec![C::zero(); rows], vec![C::zero(); rows]);
     let chunk = d.max(1);
+    crate::threads::nudge();
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
@@ -446,6 +450,7 @@ pub(crate) fn ln_backward<C: FloatDType>(
         }
         acc
     };
+    crate::threads::nudge();
     let partials: Vec<Vec<C>> = if need_dx && d > 0 {
         dx.par_chunks_mut(runs.len * d)
             .enumerate()
@@ -505,6 +510,7 @@ fn per_run<R: Copy + Default + Send, S>(
         return out;
     }
     let block = (d.c * d.s).max(1);
+    crate::threads::nudge();
     out.par_chunks_mut(d.c)
         .enumerate()
         .with_min_len((PAR_THRESHOLD / block).max(1))
@@ -575,6 +581,7 @@ pub(crate) fn bn_act_forward<T: WithDType>(
 ) -> Vec<T> {
     let mut out = vec![T::default(); x.len()];
     let block = (d.c * d.s).max(1);
+    crate::threads::nudge();
     out.par_chunks_mut(block)
         .enumerate()
         .with_min_len((PAR_THRESHOLD / block).max(1))
@@ -893,6 +900,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
         };
     let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; d.s]);
     let min_len = (PAR_THRESHOLD / block).max(1);
+    crate::threads::nudge();
     match (need_dx, need_dres) {
         (true, true) => dx
             .par_chunks_mut(block)

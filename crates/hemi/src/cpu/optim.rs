@@ -123,6 +123,7 @@ impl OptimOps for CpuStorage {
                 ),
             ));
         }
+        crate::threads::nudge();
         let parts = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK));
         if f.momentum {
             parts
@@ -187,6 +188,7 @@ fn adam_par<const DECAY: u8>(
     max: Option<&mut [f32]>,
     k: AdamScalars,
 ) {
+    crate::threads::nudge();
     let parts = p
         .par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK))

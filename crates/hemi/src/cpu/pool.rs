@@ -57,6 +57,7 @@ fn for_each_plane<C: FloatDType, T: Send>(
             .zip(inp.chunks(in_plane))
             .for_each(|(o, i)| f(o, i));
     } else {
+        crate::threads::nudge();
         out.par_chunks_mut(out_plane)
             .zip(inp.par_chunks(in_plane))
             .for_each(|(o, i)| f(o, i));
@@ -116,6 +117,7 @@ pub fn max_pool2d_forward<C: FloatDType>(x: &[C], g: &Pool2dGeom) -> (Vec<C>, Ve
             .zip(x.chunks(n_in))
             .for_each(body);
     } else {
+        crate::threads::nudge();
         out.par_chunks_mut(n_out)
             .zip(idx.par_chunks_mut(n_out))
             .zip(x.par_chunks(n_in))
@@ -199,6 +201,7 @@ pub fn max_pool2d_backward<C: FloatDType>(dy: &[C], idx: &[u32], g: &Pool2dGeom)
     if dx.len() < PAR_MIN {
         dx.chunks_mut(g.in_plane()).enumerate().for_each(body);
     } else {
+        crate::threads::nudge();
         dx.par_chunks_mut(g.in_plane()).enumerate().for_each(body);
     }
     dx

@@ -612,6 +612,7 @@ pub fn qgemm(a: &[u8], m: usize, lda: usize, b: &PackedB, epi: Epilogue<'_>) -> 
     if tasks.len() == 1 {
         run_task(kernel, &job, 0..m, 0..n);
     } else {
+        crate::threads::nudge();
         tasks
             .into_par_iter()
             .for_each(|(rows, cols)| run_task(kernel, &job, rows, cols));

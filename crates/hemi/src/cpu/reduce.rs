@@ -94,6 +94,7 @@ fn column_sums<C: FloatDType>(x: &CpuStorage, base: usize, outer: usize, inner: 
     if outer * inner < PAR_THRESHOLD {
         out.chunks_mut(COLS).enumerate().for_each(block);
     } else {
+        crate::threads::nudge();
         out.par_chunks_mut(COLS).enumerate().for_each(block);
     }
     out
@@ -136,6 +137,7 @@ pub(crate) fn reduce_rows<C: FloatDType>(
     if v.len() < PAR_THRESHOLD {
         v.chunks(inner).map(&f).collect()
     } else {
+        crate::threads::nudge();
         v.par_chunks(inner).map(&f).collect()
     }
 }
@@ -175,6 +177,7 @@ impl Rows {
                 .zip(x.chunks(block))
                 .for_each(|(o, xb)| body(o, xb));
         } else {
+            crate::threads::nudge();
             out.par_chunks_mut(self.inner)
                 .zip(x.par_chunks(block))
                 .for_each(|(o, xb)| body(o, xb));
@@ -221,6 +224,7 @@ impl Rows {
                 .enumerate()
                 .for_each(|(b, ob)| body(b, ob));
         } else {
+            crate::threads::nudge();
             out.par_chunks_mut(block)
                 .enumerate()
                 .for_each(|(b, ob)| body(b, ob));

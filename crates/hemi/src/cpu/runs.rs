@@ -51,6 +51,7 @@ impl Runs {
 
     /// `f(r)` for every run, in parallel, the results in run order.
     pub fn map<T: Send>(&self, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+        crate::threads::nudge();
         (0..self.count).into_par_iter().map(f).collect()
     }
 
@@ -62,6 +63,7 @@ impl Runs {
         init: impl Fn() -> S + Sync + Send,
         f: impl Fn(&mut S, usize) -> T + Sync + Send,
     ) -> Vec<T> {
+        crate::threads::nudge();
         (0..self.count).into_par_iter().map_init(init, f).collect()
     }
 
@@ -85,6 +87,7 @@ impl Runs {
         let mut total: Option<Vec<C>> = None;
         for start in (0..self.count).step_by(wave) {
             let end = (start + wave).min(self.count);
+            crate::threads::nudge();
             let parts: Vec<Vec<C>> = (start..end).into_par_iter().map_init(&init, &f).collect();
             total = Some(add_in_order(total.into_iter().chain(parts).collect(), len));
         }
@@ -121,6 +124,7 @@ where
     if len * rest.len() < 4 * ADD_CHUNK {
         add(0, &mut out);
     } else {
+        crate::threads::nudge();
         out.par_chunks_mut(ADD_CHUNK)
             .enumerate()
             .for_each(|(i, o)| add(i * ADD_CHUNK, o));
