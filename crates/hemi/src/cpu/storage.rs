@@ -147,15 +147,13 @@ impl CpuStorage {
             return Cow::Owned(layout.gather(v));
         }
         let g = self.gather_cow(layout);
-        let mut out = vec![0f32; layout.numel()];
-        match &*g {
-            CpuStorage::F16(v) => convert::f16_to_f32(v, &mut out),
-            CpuStorage::BF16(v) => convert::bf16_to_f32(v, &mut out),
-            CpuStorage::F64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
-            CpuStorage::I64(v) => out.iter_mut().zip(v).for_each(|(o, x)| *o = *x as f32),
+        Cow::Owned(match &*g {
+            CpuStorage::F16(v) => convert::f16_to_f32_vec(v),
+            CpuStorage::BF16(v) => convert::bf16_to_f32_vec(v),
+            CpuStorage::F64(v) => v.iter().map(|&x| x as f32).collect(),
+            CpuStorage::I64(v) => v.iter().map(|&x| x as f32).collect(),
             CpuStorage::F32(_) => unreachable!(),
-        }
-        Cow::Owned(out)
+        })
     }
 
     /// The elements addressed by `layout` converted to F64.
@@ -209,16 +207,8 @@ impl CpuStorage {
     /// `from_f32` of borrowed values, for the half dtypes (others copy, then `from_f32`).
     fn from_f32_slice(v: &[f32], dtype: DType) -> CpuStorage {
         match dtype {
-            DType::F16 => {
-                let mut out = vec![f16::ZERO; v.len()];
-                convert::f32_to_f16(v, &mut out);
-                CpuStorage::F16(out)
-            }
-            DType::BF16 => {
-                let mut out = vec![bf16::ZERO; v.len()];
-                convert::f32_to_bf16(v, &mut out);
-                CpuStorage::BF16(out)
-            }
+            DType::F16 => CpuStorage::F16(convert::f32_to_f16_vec(v)),
+            DType::BF16 => CpuStorage::BF16(convert::f32_to_bf16_vec(v)),
             _ => CpuStorage::from_f32(v.to_vec(), dtype),
         }
     }
