@@ -7,7 +7,8 @@ use half::{bf16, f16};
 use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::cpu::gemm_half::{
-    gemm, gemm_unfold, gemm_unfold_pairs, gemm_with, kernel_name, select_kernel, Kernel, Unfold,
+    gemm, gemm_round, gemm_unfold, gemm_unfold_pairs, gemm_with, kernel_name, rounds_in_tiles,
+    select_kernel, Kernel, Unfold,
 };
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
@@ -879,4 +880,113 @@ fn unfold_refuses_what_it_cannot_read() {
         "w_out = w - 2"
     );
     assert!(Unfold::conv(&x, &geom(1, 1, 0), 0).is_none(), "pointwise");
+}
+
+/// `gemm_round` into `O`: every element of the m × n output.
+fn round_into<A: WithDType, B: WithDType, O: WithDType>(
+    kernel: Kernel,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    bias: Option<&[f32]>,
+    par: bool,
+) -> Option<Vec<O>> {
+    let len = a.rows * b.cols;
+    let mut out: Vec<O> = Vec::with_capacity(len);
+    if !gemm_round(
+        kernel,
+        &mut out.spare_capacity_mut()[..len],
+        a,
+        b,
+        bias,
+        par,
+    ) {
+        return None;
+    }
+    // SAFETY: gemm_round returned true: it wrote all `len` elements.
+    unsafe { out.set_len(len) };
+    Some(out)
+}
+
+/// `gemm_round` (each tile summed from the bias in L1 and rounded into F16/BF16 at once)
+/// gives the bits of `gemm_with` into an F32 matrix filled with the bias rows, then rounded:
+/// every kernel, F16 and BF16 operands and outputs, odd shapes, strided and transposed
+/// operands, one thread and several; and declines (writing nothing) where k needs two
+/// blocks.
+#[test]
+fn rounded_tiles_equal_the_f32_product_rounded() {
+    let mut rng = Generator::new(41);
+    for kernel in kernels() {
+        for dtype in [DType::F16, DType::BF16] {
+            if !kernel.accepts(dtype, dtype) {
+                continue;
+            }
+            for &(m, k, n) in &[(37, 29, 45), (131, 96, 67), (1, 5, 1), (203, 17, 33)] {
+                for (la, lb) in [
+                    (Layout::RowMajor, Layout::Transposed),
+                    (Layout::Strided, Layout::RowMajor),
+                    (Layout::Transposed, Layout::Padded),
+                ] {
+                    let a = Mat::random(m, k, dtype, la, &mut rng);
+                    let b = Mat::random(k, n, dtype, lb, &mut rng);
+                    let bias: Vec<f32> = (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
+                    for (bias, par) in [
+                        (None, true),
+                        (Some(&bias[..]), true),
+                        (Some(&bias[..]), false),
+                    ] {
+                        let mut want = vec![0f32; m * n];
+                        if let Some(bias) = bias {
+                            for row in want.chunks_mut(n) {
+                                row.copy_from_slice(bias);
+                            }
+                        }
+                        a.gemm_with(&b, kernel, &mut want, bias.is_some(), par);
+                        let what = format!(
+                            "{} {dtype:?} {m}x{k}x{n} {la:?}·{lb:?} bias {}",
+                            kernel.name(),
+                            bias.is_some()
+                        );
+                        macro_rules! check {
+                            ($av:expr, $bv:expr) => {{
+                                let (av, bv) = (a.view($av), b.view($bv));
+                                let got: Vec<bf16> =
+                                    round_into(kernel, av, bv, bias, par).expect(&what);
+                                let mut exp = vec![bf16::ZERO; m * n];
+                                hemi::dtype::convert::f32_to_bf16(&want, &mut exp);
+                                let bits =
+                                    |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                                assert_eq!(bits(&got), bits(&exp), "BF16 out: {what}");
+                                let got: Vec<f16> =
+                                    round_into(kernel, av, bv, bias, par).expect(&what);
+                                let mut exp = vec![f16::ZERO; m * n];
+                                hemi::dtype::convert::f32_to_f16(&want, &mut exp);
+                                let bits =
+                                    |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                                assert_eq!(bits(&got), bits(&exp), "F16 out: {what}");
+                            }};
+                        }
+                        match (&a.store, &b.store) {
+                            (Store::F16(av), Store::F16(bv)) => check!(av, bv),
+                            (Store::BF16(av), Store::BF16(bv)) => check!(av, bv),
+                            _ => unreachable!(),
+                        }
+                    }
+                }
+            }
+        }
+        // Past one k block: declined, nothing written.
+        let k = (1..5000).find(|&k| !rounds_in_tiles(kernel, k)).unwrap();
+        let a = vec![bf16::ONE; 3 * k];
+        let b = vec![bf16::ONE; k * 2];
+        if kernel.accepts(DType::BF16, DType::BF16) {
+            let got: Option<Vec<bf16>> = round_into(
+                kernel,
+                MatRef::row_major(&a, 3, k),
+                MatRef::row_major(&b, k, 2),
+                None,
+                true,
+            );
+            assert!(got.is_none(), "{}: k = {k} taken", kernel.name());
+        }
+    }
 }

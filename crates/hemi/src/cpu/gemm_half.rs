@@ -231,6 +231,17 @@ impl Kernel {
         }
     }
 
+    /// The most k indices one block of this kernel sums (its `Micro::KC`; each x86 kernel
+    /// blocks as its portable twin does).
+    fn k_block(self) -> usize {
+        match self {
+            Kernel::PortableF32 | Kernel::Avx2Fma => PortableF32::KC,
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => PortablePairs::<8>::KC,
+            Kernel::PortableF32Wide | Kernel::Avx512F32 => PortableF32Wide::KC,
+            Kernel::PortableAmx | Kernel::AmxBf16 => PortableAmx::KC,
+        }
+    }
+
     /// (MR, NR): the tile of C one microkernel call computes in a product with `m` rows.
     fn tile_shape(self, m: usize) -> (usize, usize) {
         match self {
@@ -484,8 +495,100 @@ fn run_product<A: WithDType, B: WithDType>(
         ldc: n,
         k,
         accumulate,
+        round: None,
     };
     run_job(kernel, &job, m, n, k, parallel)
+}
+
+/// Whether `gemm_round` on `kernel` takes a product with inner dim `k`: it rounds each
+/// tile as it finishes, so the whole sum must come from one k block.
+pub fn rounds_in_tiles(kernel: Kernel, k: usize) -> bool {
+    k > 0 && k <= kernel.k_block()
+}
+
+/// `dst [m, n] = round(bias + a · b)` into F16 or BF16 (`O`), `bias` (`[n]`, F32) on every
+/// row, or zeros. Each MR × NR tile is summed in F32 into a buffer in L1, from the bias, and
+/// rounded once to nearest-even straight into `dst`. This gives the bits of `gemm_with` into
+/// an F32 matrix filled with the bias rows, followed by `CpuStorage::from_f32`. There is no
+/// `m × n` F32 matrix, no fill of it and no conversion pass over it; under autocast every
+/// linear layer's output was all three. Returns true once every one of the first `m × n`
+/// elements of `dst` is written; false, having written nothing, where the sum needs more
+/// than one k block (`rounds_in_tiles`). Panics as `gemm_with` does.
+pub fn gemm_round<A: WithDType, B: WithDType, O: WithDType>(
+    kernel: Kernel,
+    dst: &mut [std::mem::MaybeUninit<O>],
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    bias: Option<&[f32]>,
+    parallel: bool,
+) -> bool {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(
+        b.rows, k,
+        "gemm_round: inner dims ({m}x{k} · {}x{n})",
+        b.rows
+    );
+    assert!(dst.len() >= m * n, "gemm_round: dst too small for {m}x{n}");
+    assert!(
+        bias.is_none_or(|b| b.len() >= n),
+        "gemm_round: bias shorter than {n}"
+    );
+    let bf16_out = match O::DTYPE {
+        DType::BF16 => true,
+        DType::F16 => false,
+        other => panic!("gemm_round: rounds into F16 or BF16, not {other:?}"),
+    };
+    if !rounds_in_tiles(kernel, k) {
+        return false;
+    }
+    b.check_bounds("rhs");
+    a.check_bounds("lhs");
+    assert!(
+        kernel.is_available(),
+        "gemm_round: this CPU cannot run {}",
+        kernel.name()
+    );
+    assert!(
+        kernel.accepts(a.dtype(), B::DTYPE),
+        "gemm_round: {} does not take {:?} x {:?}",
+        kernel.name(),
+        a.dtype(),
+        B::DTYPE
+    );
+    if m == 0 || n == 0 {
+        return true;
+    }
+    let job = Job {
+        a,
+        b: Rhs::Mat(b),
+        c: DstPtr(std::ptr::null_mut()),
+        ldc: n,
+        k,
+        accumulate: false,
+        round: Some(Rounded {
+            ptr: dst.as_mut_ptr().cast(),
+            bf16: bf16_out,
+            bias,
+        }),
+    };
+    run_job(kernel, &job, m, n, k, parallel);
+    true
+}
+
+/// `src` rounded into the `src.len()` BF16 (`bf16_out`) or F16 values at `dst`.
+///
+/// # Safety
+/// `dst` points to `src.len()` writable 2-byte values that nothing else accesses meanwhile.
+#[inline(always)]
+unsafe fn round_run(src: &[f32], dst: *mut u16, bf16_out: bool) {
+    // SAFETY (both arms): the caller's contract; every bit pattern is a valid BF16/F16.
+    if bf16_out {
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.cast::<bf16>(), src.len()) };
+        crate::dtype::convert::f32_to_bf16(src, d);
+    } else {
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.cast::<half::f16>(), src.len()) };
+        crate::dtype::convert::f32_to_f16(src, d);
+    }
 }
 
 /// Splits the product among threads (or not) and runs its tasks.
@@ -556,7 +659,23 @@ struct Job<'a, A, B> {
     ldc: usize,
     k: usize,
     accumulate: bool,
+    /// `gemm_round`: each tile rounded into this F16/BF16 output instead of written to `c`.
+    round: Option<Rounded<'a>>,
 }
+
+/// The F16/BF16 output of `gemm_round`, written by several tasks at once, and the bias its
+/// F32 sums start from.
+#[derive(Clone, Copy)]
+struct Rounded<'a> {
+    ptr: *mut u16,
+    bf16: bool,
+    bias: Option<&'a [f32]>,
+}
+// SAFETY: as for `DstPtr`: `gemm_round` holds the `&mut [O]` for the whole product, and its
+// tasks write disjoint rectangles of it.
+unsafe impl Send for Rounded<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Rounded<'_> {}
 
 /// The right operand: a matrix, or a convolution's column matrix read from its image.
 #[derive(Clone, Copy)]
@@ -735,6 +854,27 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
                     let i = ic + ip * mr;
                     let h = (mc - ip * mr).min(mr);
                     let ap = apack[ip * a_len..].as_ptr();
+                    if let Some(out) = &job.round {
+                        // One k block (checked by `gemm_round`): the tile's sums are final.
+                        if let Some(bias) = out.bias {
+                            for row in edge.chunks_exact_mut(nr).take(h) {
+                                row[..w].copy_from_slice(&bias[j..j + w]);
+                            }
+                        }
+                        // SAFETY: as below, with `edge` (MR x NR, stride NR) as C.
+                        unsafe {
+                            M::tile(steps, ap, bp, edge.as_mut_ptr(), nr, out.bias.is_some())
+                        };
+                        for (r, tile_row) in edge.chunks_exact(nr).take(h).enumerate() {
+                            // SAFETY: row i+r, columns j..j+w of the m x n output lie inside
+                            // this task's rectangle, which no other task touches.
+                            unsafe {
+                                let d = out.ptr.add((i + r) * job.ldc + j);
+                                round_run(&tile_row[..w], d, out.bf16)
+                            };
+                        }
+                        continue;
+                    }
                     if h == mr && w == nr {
                         // SAFETY: the panels hold `steps` steps of MR and NR elements;
                         // rows i..i+MR and columns j..j+NR lie inside this task's
@@ -1748,6 +1888,14 @@ mod x86 {
 
     /// Blocking as `PortableF32`.
     struct Avx2Fma;
+
+    const _: () = assert!(
+        Avx2Fma::KC == super::PortableF32::KC
+            && Avx512Bf16::<8>::KC == super::PortablePairs::<8>::KC
+            && Avx512Bf16::<14>::KC == super::PortablePairs::<8>::KC
+            && Avx512F32::KC == super::PortableF32Wide::KC
+            && AmxBf16::KC == super::PortableAmx::KC
+    );
 
     impl Micro for Avx2Fma {
         type P = f32;

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use crate::backend::nn::merged_row_stride;
 use crate::cpu::gemm::{product, MatRef};
+use crate::cpu::gemm_half;
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::tensor::layout::contiguous_strides;
 use crate::tensor::{CpuStorage, Layout};
@@ -182,6 +183,46 @@ pub(crate) fn matmul<C: FloatDType>(
         )
     }));
     out
+}
+
+/// `a · b (+ bias)` rounded into the half dtype `O` as each tile is summed
+/// (`gemm_half::gemm_round`), when both operands are stored in `O`, the product is one tall
+/// matrix product (b has no batch dims and a's rows merge: a linear layer under autocast)
+/// and its inner dim fits one k block; `None` otherwise. The bits of `matmul::<f32>`
+/// followed by `CpuStorage::from_f32`.
+pub(crate) fn matmul_round<O: WithDType>(
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    batch: &[usize],
+    bias: Option<&[f32]>,
+) -> Option<Vec<O>> {
+    let (ra, rb) = (la.shape().len(), lb.shape().len());
+    let (m, k, n) = (la.shape()[ra - 2], la.shape()[ra - 1], lb.shape()[rb - 1]);
+    let count: usize = batch.iter().product();
+    let b_count: usize = lb.shape()[..rb - 2].iter().product();
+    let a_count: usize = la.shape()[..ra - 2].iter().product();
+    if b_count != 1 || a_count != count || a.dtype() != O::DTYPE || b.dtype() != O::DTYPE {
+        return None;
+    }
+    let rows = count * m;
+    let kernel = gemm_half::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
+    if !gemm_half::rounds_in_tiles(kernel, k) {
+        return None;
+    }
+    let rs = merged_row_stride(la.shape(), la.strides())?;
+    let (av, bv) = (a.as_slice::<O>()?, b.as_slice::<O>()?);
+    let (oa, ob) = (Operand::stored(av, la), Operand::stored(bv, lb));
+    let tall = oa.mat(oa.offset, rows, k).with_row_stride(rs as isize);
+    let mut out: Vec<O> = Vec::with_capacity(rows * n);
+    let dst = &mut out.spare_capacity_mut()[..rows * n];
+    if !gemm_half::gemm_round(kernel, dst, tall, ob.mat(ob.offset, k, n), bias, true) {
+        return None;
+    }
+    // SAFETY: `gemm_round` returned true: it wrote all rows * n elements.
+    unsafe { out.set_len(rows * n) };
+    Some(out)
 }
 
 /// `rows` copies of `row` (zeros where it is `None`), each `n` long, as one vector. Large

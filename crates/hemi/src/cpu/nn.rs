@@ -286,6 +286,17 @@ impl NnOps for CpuStorage {
         keep_freed_memory();
         let (ra, rb) = (la.shape().len(), lb.shape().len());
         let batch = broadcast_shapes("matmul", &la.shape()[..ra - 2], &lb.shape()[..rb - 2])?;
+        if out.is_half() && self.dtype() == out && rhs.dtype() == out {
+            // Rounded tile by tile where it can be: the same bits, no F32 output matrix.
+            let b = bias.map(|(b, l)| b.to_f32(l));
+            let rounded = with_f32_or_half!(out, O => {
+                matmul::matmul_round::<O>(self, la, rhs, lb, &batch, b.as_deref())
+                    .map(CpuStorage::from_vec)
+            }, _ => unreachable!("half dtype"));
+            if let Some(st) = rounded {
+                return Ok(st);
+            }
+        }
         Ok(crate::with_compute!(out, C => {
             let bias = bias.map(|(b, l)| b.load::<C>(l));
             let v = matmul::matmul::<C>(self, la, rhs, lb, &batch, bias.as_deref());
