@@ -228,7 +228,7 @@ pub(crate) fn matmul_round<O: WithDType>(
 /// `rows` copies of `row` (zeros where it is `None`), each `n` long, as one vector. Large
 /// outputs are written in parallel into the vector's uninitialised capacity. This fill of a
 /// linear layer's output (a memset, or the bias copied onto every row) ran on one thread
-/// while the other waited: 4 % of a BERT amp-bf16 step.
+/// while the other waited: 3.5 % of the main thread's time in a BERT amp-bf16 step.
 fn filled_rows<C: FloatDType>(rows: usize, n: usize, row: Option<&[C]>) -> Vec<C> {
     let len = rows * n;
     let mut out: Vec<C> = Vec::with_capacity(len);

@@ -139,8 +139,9 @@ where
 
 /// `src` converted by `convert` into a new vector, in parallel parts as in `run`. The
 /// vector is not zero-filled in one pass first: that memset ran on one thread while the
-/// other waited (3 % of a BERT amp-bf16 step). Each part sets a few kilobytes of its own
-/// uninitialised capacity to zero while they are in L1 and converts into them at once.
+/// other waited (3 % of the main thread's time in a BERT amp-bf16 step). Each part sets a
+/// few kilobytes of its own uninitialised capacity to zero while they are in L1 and
+/// converts into them at once.
 fn collect<A, B>(src: &[A], convert: impl Fn(&[A], &mut [B]) + Sync) -> Vec<B>
 where
     A: Sync,
