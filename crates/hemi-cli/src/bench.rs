@@ -18,7 +18,7 @@
 //!   images; images/s from the median step time after two warm-up steps, and the process's
 //!   peak resident memory. Run one preset per process so that the peak memory is that
 //!   preset's.
-//! - `hemi bench conv [--layers cifar-conv1,cifar-conv2,resnet-3x3] [--batch-size N]`:
+//! - `hemi bench conv [--layers cifar-conv1,cifar-conv2,resnet-3x3,resnet20-16,...] [--batch-size N]`:
 //!   median ms and GFLOP/s of `Tensor::conv2d`'s forward, input gradient and weight
 //!   gradient per layer, in F32, F16 and BF16.
 //! - `hemi bench pool [--batch-size 128]`: median ms and Gelem/s of 2×2 max pooling
@@ -35,7 +35,7 @@ use std::time::Instant;
 use clap::{Args, Subcommand, ValueEnum};
 use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
-use hemi::autograd::backward_with;
+use hemi::autograd::backward_with_retain_graph;
 use hemi::cpu::gemm_half;
 use hemi::data::{Batch, Inputs, TextInputs};
 use hemi::dtype::convert;
@@ -108,7 +108,7 @@ enum Which {
     ///
     /// Timed per pass (stride 1, no bias): `forward` is `x.conv2d(w)` with no graph;
     /// `backward-input` is the conv's backward from a given random dy with only x
-    /// requiring grad (so only dx is computed), run through `autograd::backward_with` on a
+    /// requiring grad (so only dx is computed), run through `autograd::backward_with_retain_graph` on a
     /// graph built once outside the timing; `backward-weight` likewise with only w
     /// requiring grad. Half passes include converting their inputs to F32 and rounding the
     /// result, as in training. GFLOP/s = 2·N·C_out·H_out·W_out·C_in·kh·kw per pass.
@@ -125,7 +125,7 @@ enum Which {
     /// ([N,64,30,30] and [N,128,13,13]), F32/F16/BF16.
     ///
     /// `forward` is `x.max_pool2d` with no graph; `backward` is its backward from a given dy
-    /// through `autograd::backward_with` on a graph built once. Gelem/s counts input
+    /// through `autograd::backward_with_retain_graph` on a graph built once. Gelem/s counts input
     /// elements.
     Pool {
         #[arg(long, default_value_t = 128)]
@@ -146,6 +146,15 @@ enum ConvLayer {
     /// A ResNet-style 3×3 layer: [32,64,56,56] * [64,64,3,3], padding 1.
     #[value(name = "resnet-3x3")]
     Resnet3x3,
+    /// ResNet-20's first stage: [128,16,32,32] * [16,16,3,3], padding 1.
+    #[value(name = "resnet20-16")]
+    Resnet20C16,
+    /// ResNet-20's second stage: [128,32,16,16] * [32,32,3,3], padding 1.
+    #[value(name = "resnet20-32")]
+    Resnet20C32,
+    /// ResNet-20's third stage: [128,64,8,8] * [64,64,3,3], padding 1.
+    #[value(name = "resnet20-64")]
+    Resnet20C64,
 }
 
 impl ConvLayer {
@@ -155,6 +164,9 @@ impl ConvLayer {
             ConvLayer::CifarConv1 => ([128, 3, 32, 32], [64, 3, 3, 3], 0),
             ConvLayer::CifarConv2 => ([128, 64, 15, 15], [128, 64, 3, 3], 0),
             ConvLayer::Resnet3x3 => ([32, 64, 56, 56], [64, 64, 3, 3], 1),
+            ConvLayer::Resnet20C16 => ([128, 16, 32, 32], [16, 16, 3, 3], 1),
+            ConvLayer::Resnet20C32 => ([128, 32, 16, 16], [32, 32, 3, 3], 1),
+            ConvLayer::Resnet20C64 => ([128, 64, 8, 8], [64, 64, 3, 3], 1),
         }
     }
 
@@ -163,6 +175,9 @@ impl ConvLayer {
             ConvLayer::CifarConv1 => "cifar-conv1",
             ConvLayer::CifarConv2 => "cifar-conv2",
             ConvLayer::Resnet3x3 => "resnet-3x3",
+            ConvLayer::Resnet20C16 => "resnet20-16",
+            ConvLayer::Resnet20C32 => "resnet20-32",
+            ConvLayer::Resnet20C64 => "resnet20-64",
         }
     }
 }
@@ -319,7 +334,7 @@ fn forward_job<'a>(f: impl Fn() -> Result<Tensor> + Send + 'a) -> Job<'a> {
 /// leaf `x` (its gradient is dropped after each run, so no run adds to an earlier one).
 fn backward_job<'a>(y: &'a Tensor, dy: &'a Tensor, x: &'a Tensor) -> Job<'a> {
     Box::new(move || {
-        backward_with(y, dy.clone())?;
+        backward_with_retain_graph(y, dy.clone())?;
         black_box(x.grad());
         x.zero_grad();
         Ok(())

@@ -150,6 +150,22 @@ fn backward_frees_the_graph_and_retain_graph_keeps_it() {
     assert_eq!(w.grad().unwrap().to_vec_f64(), vec![8.0, -64.0, 216.0]);
 }
 
+/// `backward_with_retain_graph` takes an output gradient and keeps the graph, as
+/// `torch.autograd.backward(y, g, retain_graph=True)`: a second call adds the same
+/// gradient again; `backward_with` then frees it.
+#[test]
+fn backward_with_a_given_gradient_can_retain_the_graph() {
+    let w = param(vec![1.0, -2.0, 3.0], DType::F32);
+    let y = w.mul(&w).unwrap();
+    let g = Tensor::from_f64_vec(vec![1.0, 0.5, -1.0], &[3], DType::F32).unwrap();
+    autograd::backward_with_retain_graph(&y, g.clone()).unwrap();
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![2.0, -2.0, -6.0]);
+    autograd::backward_with(&y, g.clone()).unwrap();
+    assert_eq!(w.grad().unwrap().to_vec_f64(), vec![4.0, -4.0, -12.0]);
+    let e = autograd::backward_with(&y, g).unwrap_err().to_string();
+    assert!(e.contains("second time"), "{e}");
+}
+
 /// The sweep adds gradients in place only into buffers nobody else holds: a backward that
 /// hands the same gradient to two inputs, a `.grad` the caller kept from an earlier
 /// backward, and a gradient `autograd::grad` captured all keep their values; the sums are

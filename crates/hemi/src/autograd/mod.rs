@@ -149,6 +149,12 @@ pub fn backward_with(root: &Tensor, grad: Tensor) -> Result<()> {
     sweep(root, grad, None, false).map(|_| ())
 }
 
+/// As `backward_with`, keeping the graph (PyTorch's `torch.autograd.backward(root, grad,
+/// retain_graph=True)`): a later backward may run through it again.
+pub fn backward_with_retain_graph(root: &Tensor, grad: Tensor) -> Result<()> {
+    sweep(root, grad, None, true).map(|_| ())
+}
+
 /// Gradients of the scalar `output` with respect to `inputs`, without touching any `.grad`
 /// (PyTorch's `torch.autograd.grad`): one tensor per input, zeros where it does not reach
 /// the output. The graph is kept.

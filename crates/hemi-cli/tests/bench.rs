@@ -1,0 +1,74 @@
+//! The kernel benchmarks through the CLI: every pass of `hemi bench conv` and `hemi bench
+//! pool` runs more than once (the backward passes reuse one graph built outside the timing)
+//! and reports a positive time for each dtype. Tiny sizes, so this checks that the
+//! benchmarks run, not how fast.
+
+mod common;
+use common::{hemi, ok};
+
+/// The JSON lines of a benchmark run, parsed.
+fn rows(out: &str) -> Vec<serde_json::Value> {
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// Each (pass, dtype) pair exactly once, with a positive, finite median.
+fn check(rows: &[serde_json::Value], passes: &[&str]) {
+    assert_eq!(rows.len(), passes.len() * 3, "{rows:?}");
+    for pass in passes {
+        for dt in ["float32", "float16", "bfloat16"] {
+            let r = rows
+                .iter()
+                .find(|r| r["pass"] == *pass && r["dtype"] == dt)
+                .unwrap_or_else(|| panic!("no {pass} {dt} in {rows:?}"));
+            let s = r["median_s"].as_f64().unwrap();
+            assert!(s.is_finite() && s > 0.0, "{r}");
+        }
+    }
+}
+
+#[test]
+fn conv_bench_times_every_pass_repeatedly() {
+    let t = tempfile::tempdir().unwrap();
+    let out = ok(&hemi(
+        t.path(),
+        &[
+            "bench",
+            "conv",
+            "--layers",
+            "resnet20-64",
+            "--batch-size",
+            "2",
+            "--reps",
+            "3",
+            "--json",
+        ],
+    ));
+    let rows = rows(&out);
+    check(&rows, &["forward", "backward-input", "backward-weight"]);
+    assert!(rows.iter().all(|r| r["layer"] == "resnet20-64"), "{rows:?}");
+    assert_eq!(rows[0]["input"], serde_json::json!([2, 64, 8, 8]));
+}
+
+#[test]
+fn pool_bench_times_forward_and_backward_repeatedly() {
+    let t = tempfile::tempdir().unwrap();
+    let out = ok(&hemi(
+        t.path(),
+        &[
+            "bench",
+            "pool",
+            "--batch-size",
+            "2",
+            "--reps",
+            "3",
+            "--json",
+        ],
+    ));
+    let rows = rows(&out);
+    assert_eq!(rows.len() % 6, 0, "{rows:?}");
+    for chunk in rows.chunks(6) {
+        check(chunk, &["forward", "backward"]);
+    }
+}
