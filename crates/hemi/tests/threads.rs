@@ -292,7 +292,15 @@ fn gemm_kernels_are_bit_identical_across_thread_counts() {
 fn conv2d_forward_and_gradients_are_bit_identical_across_thread_counts() {
     let o = Conv2dOptions::default();
     for dtype in DTYPES {
-        for (n, opts) in [(13, o), (7, o.stride(2).padding(1).groups(2))] {
+        // 'Same' padding: BF16 weight gradients from the image in pixel pairs
+        // (`cpu::conv_wgrad`), in runs (n = 9) and in parallel blocks of one image (n = 1).
+        let same = o.padding(1);
+        for (n, opts) in [
+            (13, o),
+            (7, o.stride(2).padding(1).groups(2)),
+            (9, same),
+            (1, same),
+        ] {
             assert_same_bits(&format!("conv2d {dtype:?} n={n}"), &THREADS, || {
                 let x = leaf(&[n, 6, 17, 15], dtype, 10);
                 let w = leaf(&[10, 6 / opts.groups, 3, 3], dtype, 11);

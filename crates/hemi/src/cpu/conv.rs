@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
+use crate::cpu::conv_wgrad::WgradPlan;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::gemm_half::{gemm_unfold, gemm_unfold_pairs, kernel_for, Kernel, Unfold};
 use crate::cpu::runs::Runs;
@@ -344,7 +345,9 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
 ///
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
-/// in run order, so the result is the same on any number of threads.
+/// in run order, so the result is the same on any number of threads. BF16 convolutions that
+/// `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, on a BF16-pair
+/// kernel) skip im2col and the GEMM: dot products straight from the image.
 /// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
 pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     x: &[T],
@@ -354,6 +357,27 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     let len = g.weight_len();
     if g.n == 0 || len == 0 || g.l() == 0 {
         return vec![C::zero(); len];
+    }
+    if let (Some(xb), Some(dyb)) = (same_slice::<T, bf16>(x), same_slice::<T, bf16>(dy)) {
+        if let Some(plan) = WgradPlan::new(g).filter(|_| C::DTYPE == DType::F32) {
+            // BF16 pairs read from the image as stored (`cpu::conv_wgrad`). Runs of at least
+            // 2048 pixels, so that small planes do not pay a run's sums every few chunks.
+            let runs = Runs::new(g.n, 1, 2048usize.div_ceil(g.l()));
+            let parallel = runs.count < rayon::current_num_threads();
+            let dw = runs.sum_init(
+                len,
+                || (),
+                |_, r| {
+                    let mut dw = vec![0f32; len];
+                    let images = runs.range(r, g.n);
+                    let xi = &xb[images.start * g.in_image()..images.end * g.in_image()];
+                    let dyi = &dyb[images.start * g.out_image()..images.end * g.out_image()];
+                    plan.add_images(xi, dyi, images.len(), &mut dw, parallel);
+                    dw
+                },
+            );
+            return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();
+        }
     }
     let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());

@@ -1,0 +1,171 @@
+//! The weight gradient of BF16 convolutions read straight from the image in pixel pairs
+//! (`cpu::conv_wgrad`): `portable-bf16-pairs` against F64 within the F32 summation bound,
+//! and `avx512bf16`, where the CPU has it, equal to its twin to the bit; on odd channel
+//! counts (partial blocks), planes whose pixel count is no multiple of the 32-pixel chunk,
+//! one-sided padding, dilation, rows entirely in the padding, pointwise kernels, ResNet-20's
+//! planes, and several images summed together. Convolutions it does not read (strided,
+//! grouped, output rows of another length) get no plan.
+
+use half::bf16;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
+use hemi::cpu::conv_wgrad::WgradPlan;
+use hemi::cpu::gemm_half::Kernel;
+use hemi::Generator;
+
+#[allow(clippy::too_many_arguments)]
+fn geom(
+    n: usize,
+    c_in: usize,
+    (h, w): (usize, usize),
+    (kh, kw): (usize, usize),
+    (ph, pw): (usize, usize),
+    d: usize,
+    stride: usize,
+    c_out: usize,
+) -> Conv2dGeom {
+    Conv2dGeom {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh,
+        kw,
+        stride: (stride, stride),
+        padding: (ph, pw),
+        dilation: (d, d),
+        groups: 1,
+        h_out: conv_out_size(h, kh, stride, ph, d).unwrap(),
+        w_out: conv_out_size(w, kw, stride, pw, d).unwrap(),
+    }
+}
+
+/// `dw` in F64 by the definition, and the sum of |terms| of each element.
+fn reference(x: &[bf16], dy: &[bf16], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
+    let (mut dw, mut abs) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
+    for n in 0..g.n {
+        for o in 0..g.c_out {
+            for c in 0..g.c_in {
+                for ki in 0..g.kh {
+                    for kj in 0..g.kw {
+                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
+                        for oh in 0..g.h_out {
+                            for ow in 0..g.w_out {
+                                let ih = (oh + ki * g.dilation.0) as isize - g.padding.0 as isize;
+                                let iw = (ow + kj * g.dilation.1) as isize - g.padding.1 as isize;
+                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
+                                    continue;
+                                }
+                                let xv = x
+                                    [((n * g.c_in + c) * g.h + ih as usize) * g.w + iw as usize]
+                                    .to_f64();
+                                let dv =
+                                    dy[((n * g.c_out + o) * g.h_out + oh) * g.w_out + ow].to_f64();
+                                dw[at] += xv * dv;
+                                abs[at] += (xv * dv).abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (dw, abs)
+}
+
+fn random(len: usize, rng: &mut Generator) -> Vec<bf16> {
+    (0..len)
+        .map(|_| bf16::from_f64(rng.uniform(-2.0, 2.0)))
+        .collect()
+}
+
+/// The plan's sum over all images of `g`, added into `start`.
+fn run(
+    plan: &WgradPlan,
+    x: &[bf16],
+    dy: &[bf16],
+    g: &Conv2dGeom,
+    start: &[f32],
+    par: bool,
+) -> Vec<f32> {
+    let mut dw = start.to_vec();
+    plan.add_images(x, dy, g.n, &mut dw, par);
+    dw
+}
+
+#[test]
+fn pixel_pair_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
+    let mut rng = Generator::new(91);
+    // (n, c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out); stride 1, w_out == w.
+    let cases = [
+        (1, 3, (7, 9), (3, 3), (1, 1), 1, 5),
+        (2, 4, (5, 33), (3, 3), (0, 1), 1, 6),
+        (1, 5, (6, 11), (5, 3), (2, 1), 1, 3),
+        (3, 5, (9, 8), (3, 3), (2, 2), 2, 17),
+        (1, 2, (3, 5), (3, 5), (3, 2), 1, 4),
+        (2, 1, (2, 1), (3, 1), (1, 0), 1, 3),
+        (2, 16, (32, 32), (3, 3), (1, 1), 1, 16),
+        (3, 64, (8, 8), (3, 3), (1, 1), 1, 13),
+        (1, 7, (5, 31), (3, 7), (1, 3), 1, 8),
+        (2, 9, (7, 7), (1, 1), (0, 0), 1, 10),
+        (1, 6, (4, 6), (3, 3), (4, 1), 1, 2),
+    ];
+    let avx = Kernel::Avx512Bf16.is_available();
+    println!("avx512bf16 checked against the twin: {avx}");
+    for (n, c_in, hw, k, pad, d, c_out) in cases {
+        let g = geom(n, c_in, hw, k, pad, d, 1, c_out);
+        assert_eq!(g.w_out, g.w, "{g:?}");
+        let (x, dy) = (
+            random(n * g.in_image(), &mut rng),
+            random(n * g.out_image(), &mut rng),
+        );
+        // A non-zero start: the plan adds into dw.
+        let start: Vec<f32> = (0..g.weight_len()).map(|i| (i % 7) as f32 - 3.0).collect();
+        let (want, abs) = reference(&x, &dy, &g);
+        let twin = WgradPlan::with_kernel(&g, Kernel::PortableBf16Pairs).expect("a plan");
+        let got = run(&twin, &x, &dy, &g, &start, false);
+        // Each lane sums n·l/32 pair steps, then 16 lanes and the start: all F32 adds.
+        let terms = (n * g.l()) as f64 + 20.0;
+        for (i, (&v, (&w, &a))) in got.iter().zip(want.iter().zip(&abs)).enumerate() {
+            let w = w + start[i] as f64;
+            let tol = 2.0 * terms * f64::powi(2.0, -24) * (a + start[i].abs() as f64);
+            assert!(
+                (v as f64 - w).abs() <= tol,
+                "{g:?} dw[{i}]: {v} vs {w} (tol {tol})"
+            );
+        }
+        assert_eq!(
+            run(&twin, &x, &dy, &g, &start, true),
+            got,
+            "{g:?}: threads change the sums"
+        );
+        if avx {
+            let simd = WgradPlan::with_kernel(&g, Kernel::Avx512Bf16).expect("a plan");
+            for par in [false, true] {
+                let s = run(&simd, &x, &dy, &g, &start, par);
+                let same = s.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{g:?} (parallel {par}): avx512bf16 differs from the twin"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn convolutions_read_otherwise_get_no_plan() {
+    let k = Kernel::PortableBf16Pairs;
+    assert!(WgradPlan::with_kernel(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 2, 4), k).is_none());
+    let grouped = Conv2dGeom {
+        groups: 2,
+        ..geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 4)
+    };
+    assert!(WgradPlan::with_kernel(&grouped, k).is_none());
+    // 'valid' width: output rows shorter than input rows.
+    assert!(WgradPlan::with_kernel(&geom(1, 4, (8, 8), (3, 3), (1, 0), 1, 1, 4), k).is_none());
+    // F32 kernels do not multiply BF16 pairs.
+    let same = geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 4);
+    assert!(WgradPlan::with_kernel(&same, Kernel::PortableF32).is_none());
+    assert!(WgradPlan::with_kernel(&same, k).is_some());
+}
