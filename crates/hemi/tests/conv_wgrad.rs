@@ -4,7 +4,8 @@
 //! counts (partial blocks), planes whose pixel count is no multiple of the 32-pixel chunk,
 //! one-sided padding, dilation, rows entirely in the padding, pointwise kernels, ResNet-20's
 //! planes, and several images summed together. Convolutions it does not read (strided,
-//! grouped, output rows of another length) get no plan.
+//! grouped, output rows of another length) get no plan, nor, automatically, those with more
+//! than 16 output channels.
 
 use half::bf16;
 use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
@@ -168,4 +169,6 @@ fn convolutions_read_otherwise_get_no_plan() {
     let same = geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 4);
     assert!(WgradPlan::with_kernel(&same, Kernel::PortableF32).is_none());
     assert!(WgradPlan::with_kernel(&same, k).is_some());
+    // Automatic choice: more than 16 output channels stay with the GEMM (faster there).
+    assert!(WgradPlan::new(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 17)).is_none());
 }

@@ -346,8 +346,9 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
 /// in run order, so the result is the same on any number of threads. BF16 convolutions that
-/// `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, on a BF16-pair
-/// kernel) skip im2col and the GEMM: dot products straight from the image.
+/// `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, at most 16 output
+/// channels, on a BF16-pair kernel) skip im2col and the GEMM: dot products straight from the
+/// image.
 /// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
 pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     x: &[T],

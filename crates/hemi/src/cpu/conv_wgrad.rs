@@ -6,7 +6,8 @@
 //! on ResNet-20's 16-channel stage (`hemi bench conv --layers resnet20-16 --threads 1`, one
 //! Zen 5 core) that route took 3.3 ms per weight gradient at batch 128, this one 2.3 ms; on
 //! the 32- and 64-channel stages both take 2.3 ms (about 270 GFLOP/s, what the GEMM reaches
-//! on large square products).
+//! on large square products), and on ResNet-50's 64 channels of 56×56 the GEMM is faster, so
+//! `WgradPlan::new` takes convolutions of at most `MAX_C_OUT` output channels.
 //!
 //! For a stride-1 convolution whose output rows are as long as its input rows (the 'same'
 //! 3×3 convolutions of ResNets, and every pointwise one), each weight is one dot product
@@ -43,6 +44,12 @@ const RB: usize = 4;
 const CB: usize = 4;
 /// Pixels per chunk: 16 lanes of one BF16 pair each.
 const CHUNK: usize = 32;
+/// The most output channels `WgradPlan::new` takes. Past 16 the GEMM's 8 × 32 tiles fill
+/// and its packing is shared by enough rows: at batch 128 on one Zen 5 core (`hemi bench conv
+/// --threads 1`, BF16 weight gradient), 16 channels on 32×32 took 3.3 ms by GEMM and 2.3 ms
+/// here, 32 on 16×16 2.3 ms both ways, 64 on 8×8 2.35 and 2.45 ms; 64 on 56×56 at batch 32
+/// (`resnet-3x3`) 19.3 and 23.8 ms (ResNet-50 amp-bf16 17 → 15 images/s with no limit).
+const MAX_C_OUT: usize = 16;
 /// The bytes of a block's rows a group of images may span (`WgradPlan::group_len`).
 const GROUP_BYTES: usize = 32 << 10;
 
@@ -63,10 +70,14 @@ pub struct WgradPlan {
 }
 
 impl WgradPlan {
-    /// The plan on the kernel a BF16 product of this convolution runs on, or `None` where
-    /// it does not multiply BF16 pairs or the convolution is not one this file reads
-    /// (`with_kernel`).
+    /// The plan on the kernel a BF16 product of this convolution runs on, where this file is
+    /// the faster route: `None` where the kernel does not multiply BF16 pairs, the
+    /// convolution is not one this file reads (`with_kernel`), or it has more than
+    /// `MAX_C_OUT` output channels.
     pub fn new(g: &Conv2dGeom) -> Option<Self> {
+        if g.c_out > MAX_C_OUT {
+            return None;
+        }
         let kernel = kernel_for(DType::BF16, DType::BF16, g.c_out, g.l(), g.k());
         Self::with_kernel(g, kernel)
     }
