@@ -6,8 +6,12 @@
 mod common;
 use common::{hemi, ok};
 
-/// The JSON lines of a benchmark run, parsed.
-fn rows(out: &str) -> Vec<serde_json::Value> {
+/// `hemi bench KIND --batch-size 2 --reps 3 --json ARGS`, its JSON lines parsed.
+fn bench_rows(kind: &str, args: &[&str]) -> Vec<serde_json::Value> {
+    let t = tempfile::tempdir().unwrap();
+    let base = ["bench", kind, "--batch-size", "2", "--reps", "3", "--json"];
+    let all: Vec<&str> = base.iter().chain(args).copied().collect();
+    let out = ok(&hemi(t.path(), &all));
     out.lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect()
@@ -30,22 +34,7 @@ fn check(rows: &[serde_json::Value], passes: &[&str]) {
 
 #[test]
 fn conv_bench_times_every_pass_repeatedly() {
-    let t = tempfile::tempdir().unwrap();
-    let out = ok(&hemi(
-        t.path(),
-        &[
-            "bench",
-            "conv",
-            "--layers",
-            "resnet20-64",
-            "--batch-size",
-            "2",
-            "--reps",
-            "3",
-            "--json",
-        ],
-    ));
-    let rows = rows(&out);
+    let rows = bench_rows("conv", &["--layers", "resnet20-64"]);
     check(&rows, &["forward", "backward-input", "backward-weight"]);
     assert!(rows.iter().all(|r| r["layer"] == "resnet20-64"), "{rows:?}");
     assert_eq!(rows[0]["input"], serde_json::json!([2, 64, 8, 8]));
@@ -53,20 +42,7 @@ fn conv_bench_times_every_pass_repeatedly() {
 
 #[test]
 fn pool_bench_times_forward_and_backward_repeatedly() {
-    let t = tempfile::tempdir().unwrap();
-    let out = ok(&hemi(
-        t.path(),
-        &[
-            "bench",
-            "pool",
-            "--batch-size",
-            "2",
-            "--reps",
-            "3",
-            "--json",
-        ],
-    ));
-    let rows = rows(&out);
+    let rows = bench_rows("pool", &[]);
     assert_eq!(rows.len() % 6, 0, "{rows:?}");
     for chunk in rows.chunks(6) {
         check(chunk, &["forward", "backward"]);
