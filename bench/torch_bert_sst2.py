@@ -15,7 +15,11 @@ weights, linear warm-up over 6 % of the steps then linear decay to 0, batch 32, 
 
     /tmp/torch-ref/bin/python bench/torch_bert_sst2.py --finetune --precision bf16 [--max-steps N]
 
-prints JSON lines: the mean train loss every 50 steps, the dev accuracy after each epoch.
+prints JSON lines: the mean train loss every --log-every (50) steps, the dev accuracy after
+each epoch. --pretrained DIR starts from another model directory (a classifier checkpoint
+keeps its head) and --no-shuffle trains in file order: with a shared starting checkpoint and
+dropout 0 in its config.json, hemi (`--pretrained DIR --no-shuffle`) and this script see the
+same batches and the same weights, so their losses can be compared step by step.
 
 --precision: fp32; bf16 = torch.autocast("cpu", torch.bfloat16) (hemi's amp-bf16); fp16 =
 torch.autocast("cpu", torch.float16) with a GradScaler (hemi's amp-fp16). Weights and
@@ -52,10 +56,10 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def model_and_optimizer(lr, weight_decay):
+def model_and_optimizer(lr, weight_decay, pretrained=MINILM):
     from transformers import BertForSequenceClassification
 
-    model = BertForSequenceClassification.from_pretrained(MINILM, num_labels=2)
+    model = BertForSequenceClassification.from_pretrained(pretrained, num_labels=2)
     # No decay for biases and LayerNorm weights (the BERT recipe).
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -141,10 +145,10 @@ def finetune(a):
     from transformers import AutoTokenizer, get_linear_schedule_with_warmup
 
     torch.manual_seed(a.seed)
-    tok = AutoTokenizer.from_pretrained(MINILM)
+    tok = AutoTokenizer.from_pretrained(a.pretrained)
     train_x, train_y = read_tsv(os.path.join(SST2, "train.tsv"))
     dev_x, dev_y = read_tsv(os.path.join(SST2, "dev.tsv"))
-    model, opt = model_and_optimizer(5e-5, 0.01)
+    model, opt = model_and_optimizer(5e-5, 0.01, a.pretrained)
     scaler = make_scaler(a.precision)
     steps_per_epoch = math.ceil(len(train_x) / a.batch_size)
     total = steps_per_epoch * a.epochs
@@ -170,7 +174,7 @@ def finetune(a):
     step, window, t0 = 0, [], time.perf_counter()
     for epoch in range(a.epochs):
         model.train()
-        order = torch.randperm(len(train_x), generator=g).tolist()
+        order = list(range(len(train_x))) if a.no_shuffle else torch.randperm(len(train_x), generator=g).tolist()
         for i in range(0, len(order), a.batch_size):
             if step >= total:
                 break
@@ -180,7 +184,7 @@ def finetune(a):
             window.append(train_step(model, opt, scaler, batch, a.precision))
             sched.step()
             step += 1
-            if step % 50 == 0:
+            if step % a.log_every == 0:
                 print(json.dumps({"step": step, "epoch": epoch, "train_loss": sum(window) / len(window),
                                   "lr": sched.get_last_lr()[0], "elapsed_s": time.perf_counter() - t0}), flush=True)
                 window = []
@@ -203,6 +207,10 @@ def main():
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pretrained", default=MINILM, help="--finetune: the model directory (a classifier "
+                   "checkpoint keeps its head: both frameworks can start from the same weights)")
+    p.add_argument("--no-shuffle", action="store_true", help="--finetune: train in file order")
+    p.add_argument("--log-every", type=int, default=50, help="--finetune: mean train loss every N steps")
     p.add_argument(
         "--seed", type=int, default=0, help="--finetune: head init, dropout and shuffling seed"
     )

@@ -243,12 +243,14 @@ pub struct TextLoading {
     pub batch_size: usize,
     pub max_length: usize,
     pub bucket: bool,
+    /// Shuffle the training texts every epoch (else file order).
+    pub shuffle: bool,
     pub mlm: Option<MlmConfig>,
     pub seed: u64,
     pub workers: usize,
 }
 
-/// Shuffled training batches and ordered held-out batches (the held-out masks of
+/// Training batches (shuffled unless `l.shuffle` is off) and ordered held-out batches (the held-out masks of
 /// masked-LM are the same every epoch: they depend on the seed and the sample only).
 pub fn text_loaders(
     data: &TextData,
@@ -265,7 +267,7 @@ pub fn text_loaders(
         tokenizer.clone(),
         LoaderConfig {
             batch_size: l.batch_size,
-            shuffle: true,
+            shuffle: l.shuffle,
             seed: l.seed,
             workers: l.workers,
             ..Default::default()

@@ -191,6 +191,10 @@ pub struct TrainArgs {
     /// Text: batch sequences of similar length together (less padding).
     #[arg(long)]
     bucket: bool,
+    /// Train on the samples in file order every epoch (PyTorch's `shuffle=False`): for
+    /// step-by-step comparisons with another framework fed the same batches.
+    #[arg(long)]
+    no_shuffle: bool,
     /// Text classification: the column holding the text (a header name, or a 0-based
     /// index for files without a header line).
     #[arg(long, default_value = "sentence")]
@@ -396,9 +400,11 @@ impl Normalize {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn loaders(
     data: &Data,
     batch_size: usize,
+    shuffle: bool,
     seed: u64,
     workers: usize,
     augment: bool,
@@ -410,7 +416,7 @@ fn loaders(
         data.train.clone(),
         LoaderConfig {
             batch_size,
-            shuffle: true,
+            shuffle,
             seed,
             workers,
             transform: train_tf,
@@ -578,8 +584,19 @@ fn prepare_images(
     let model = build_model(&args.model, shape, classes, args.seed)?;
     let (mean, std) = recipe.normalize_for(shape[0])?;
     let norm = Normalize { mean, std };
-    let (train, test) = loaders(&data, batch_size, args.seed, args.workers, augment, &norm)?;
+    let (train, test) = loaders(
+        &data,
+        batch_size,
+        !args.no_shuffle,
+        args.seed,
+        args.workers,
+        augment,
+        &norm,
+    )?;
     settings.insert("augment".to_string(), augment.to_string());
+    if args.no_shuffle {
+        settings.insert("shuffle".into(), "false".into());
+    }
     if !norm.is_half() {
         // Only when not the documents' (0.5, 0.5): older checkpoints still resume.
         settings.insert(
@@ -683,6 +700,7 @@ fn prepare_text(
             batch_size,
             max_length: args.max_length,
             bucket: args.bucket,
+            shuffle: !args.no_shuffle,
             mlm: mlm_config,
             seed: args.seed,
             workers: args.workers,
@@ -707,6 +725,10 @@ fn prepare_text(
     sources.record(settings);
     settings.insert("max_length".into(), args.max_length.to_string());
     settings.insert("bucket".into(), args.bucket.to_string());
+    if args.no_shuffle {
+        // Only when set: checkpoints of shuffled runs (all older ones) still resume.
+        settings.insert("shuffle".into(), "false".into());
+    }
     if mlm {
         settings.insert("mlm_probability".into(), args.mlm_probability.to_string());
     } else {
@@ -1527,7 +1549,7 @@ pub(crate) fn eval_setup(
         },
         _ => Normalize::half(),
     };
-    let (train, test) = loaders(&data, batch_size, ck.info.seed, 2, false, &norm)?;
+    let (train, test) = loaders(&data, batch_size, false, ck.info.seed, 2, false, &norm)?;
     Ok(EvalSetup {
         model,
         train,
@@ -1622,6 +1644,7 @@ fn eval_setup_text(
             batch_size,
             max_length: number("max_length")?,
             bucket: false,
+            shuffle: false,
             mlm: mlm_config,
             seed: ck.info.seed,
             workers: 2,

@@ -33,15 +33,20 @@ fn minilm() -> String {
 
 /// A two-layer BERT over the MiniLM vocabulary.
 fn tiny_config(dir: &Path) -> String {
+    tiny_config_with_dropout(dir, 0.1)
+}
+
+/// [`tiny_config`] with dropout probability `p` everywhere.
+fn tiny_config_with_dropout(dir: &Path, p: f64) -> String {
     let cfg = serde_json::json!({
         "model_type": "bert", "vocab_size": 30522, "hidden_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-        "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-        "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 64,
+        "hidden_act": "gelu", "hidden_dropout_prob": p,
+        "attention_probs_dropout_prob": p, "max_position_embeddings": 64,
         "type_vocab_size": 2, "initializer_range": 0.02, "layer_norm_eps": 1e-12,
         "pad_token_id": 0
     });
-    let p = dir.join("tiny.json");
+    let p = dir.join(format!("tiny-{p}.json"));
     std::fs::write(&p, cfg.to_string()).unwrap();
     p.display().to_string()
 }
@@ -170,6 +175,65 @@ fn a_tiny_bert_trains_on_tsv_saves_for_transformers_and_its_checkpoint_evaluates
         acc2.trim_end_matches(" %").parse::<f64>().unwrap() >= 85.0,
         "reloaded weights lost what was learnt: {again}"
     );
+}
+
+/// `--no-shuffle` feeds the training texts in file order: from a saved classifier without
+/// dropout, the seed then changes nothing (it only draws the order), while shuffled runs of
+/// two seeds see different batches. This is what lets a run be compared step by step with
+/// `bench/torch_bert_sst2.py --no-shuffle` from the same checkpoint.
+#[test]
+fn no_shuffle_trains_in_file_order_whatever_the_seed() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = tiny_config_with_dropout(t.path(), 0.0);
+    let data = sentiment_dir(t.path());
+    let tok = minilm();
+    // A classifier checkpoint (head included): one epoch at lr 0 changes no weight.
+    let common = [
+        "train",
+        "--model",
+        "bert-classifier",
+        "--dataset",
+        "text",
+        "--data-dir",
+        &data,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--precision",
+        "fp32",
+        "--threads",
+        "1",
+        "--log-every",
+        "1",
+    ];
+    let mut init = common.to_vec();
+    init.extend(["--config", &cfg, "--tokenizer", &tok, "--lr", "0"]);
+    init.extend(["--save-pretrained", "init"]);
+    ok(&hemi(t.path(), &init));
+    let losses = |seed: &str, shuffle: bool| -> Vec<f64> {
+        let metrics = format!("m-{seed}-{shuffle}.jsonl");
+        let mut args = common.to_vec();
+        args.extend(["--pretrained", "init", "--lr", "0.003", "--seed", seed]);
+        args.extend(["--metrics", &metrics]);
+        if !shuffle {
+            args.push("--no-shuffle");
+        }
+        ok(&hemi(t.path(), &args));
+        std::fs::read_to_string(t.path().join(&metrics))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["kind"] == "step")
+            .map(|v| v["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (a, b) = (losses("1", false), losses("2", false));
+    assert_eq!(a.len(), 8, "256 texts in batches of 32: {a:?}");
+    assert_eq!(a, b, "in file order the seed must not matter");
+    let (c, d) = (losses("1", true), losses("2", true));
+    assert_ne!(c, d, "shuffled runs of two seeds saw the same batches");
+    assert_ne!(a, c, "the shuffled run saw the batches in file order");
 }
 
 #[test]
