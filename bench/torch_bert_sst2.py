@@ -20,6 +20,9 @@ each epoch. --pretrained DIR starts from another model directory (a classifier c
 keeps its head) and --no-shuffle trains in file order: with a shared starting checkpoint and
 dropout 0 in its config.json, hemi (`--pretrained DIR --no-shuffle`) and this script see the
 same batches and the same weights, so their losses can be compared step by step.
+--save-init DIR writes such a checkpoint (--seed draws the head, --dropout 0 for none):
+
+    /tmp/torch-ref/bin/python bench/torch_bert_sst2.py --save-init /tmp/init0 --dropout 0
 
 --precision: fp32; bf16 = torch.autocast("cpu", torch.bfloat16) (hemi's amp-bf16); fp16 =
 torch.autocast("cpu", torch.float16) with a GradScaler (hemi's amp-fp16). Weights and
@@ -194,11 +197,28 @@ def finetune(a):
             break
 
 
+def save_init(a):
+    import shutil
+
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(a.seed)
+    model = BertForSequenceClassification.from_pretrained(
+        MINILM, num_labels=2, hidden_dropout_prob=a.dropout, attention_probs_dropout_prob=a.dropout
+    )
+    model.save_pretrained(a.save_init)
+    for f in ["tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"]:
+        shutil.copy(os.path.join(MINILM, f), a.save_init)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--bench", action="store_true")
     mode.add_argument("--finetune", action="store_true")
+    mode.add_argument("--save-init", metavar="DIR", help="write all-MiniLM-L6-v2 with a fresh head "
+                      "(--seed) and dropout --dropout as a classifier checkpoint, with its tokenizer")
+    p.add_argument("--dropout", type=float, default=0.1, help="--save-init: every dropout probability")
     p.add_argument("--precision", choices=list(DTYPES), default="fp32")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-length", type=int, default=64)
@@ -216,7 +236,10 @@ def main():
     )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    bench(a) if a.bench else finetune(a)
+    if a.save_init:
+        save_init(a)
+    else:
+        bench(a) if a.bench else finetune(a)
 
 
 if __name__ == "__main__":
