@@ -8,7 +8,7 @@ use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::cpu::gemm_half::{
     gemm, gemm_round, gemm_unfold, gemm_unfold_pairs, gemm_with, kernel_name, rounds_in_tiles,
-    select_kernel, Kernel, Unfold,
+    select_kernel, Bf16Route, Kernel, Unfold,
 };
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
@@ -472,7 +472,7 @@ fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     let amx = Kernel::AmxBf16.is_available();
     let bf16_kernel = if amx {
         "amx-bf16"
-    } else if bf16_dot {
+    } else if bf16_dot && Bf16Route::current() == Bf16Route::Pairs {
         "avx512bf16"
     } else {
         f32_kernel
@@ -492,6 +492,23 @@ fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     }
     assert_eq!(Kernel::Avx512Bf16.is_available(), bf16_dot);
     assert_eq!(Kernel::Avx2Fma.is_available(), avx2);
+}
+
+/// BF16 products take `vdpbf16ps` pairs on AMD and widen to F32 on Intel unless
+/// `HEMI_BF16_GEMM` says otherwise; a setting that names neither is an error that quotes it.
+#[test]
+fn bf16_route_follows_the_vendor_and_the_setting() {
+    assert_eq!(Bf16Route::choose(None, false), Ok(Bf16Route::Pairs));
+    assert_eq!(Bf16Route::choose(None, true), Ok(Bf16Route::Widen));
+    for intel in [false, true] {
+        assert_eq!(
+            Bf16Route::choose(Some("pairs"), intel),
+            Ok(Bf16Route::Pairs)
+        );
+        assert_eq!(Bf16Route::choose(Some("f32"), intel), Ok(Bf16Route::Widen));
+        let err = Bf16Route::choose(Some("fast"), intel).unwrap_err();
+        assert!(err.contains("HEMI_BF16_GEMM=\"fast\""), "{err}");
+    }
 }
 
 /// GFLOP/s at 1024³ on 2 threads, median of 5 (run with `--ignored --nocapture`): the gemm

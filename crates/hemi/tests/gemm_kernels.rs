@@ -425,7 +425,8 @@ fn f32_route_follows_the_measurements() {
 
 /// Products with F16 (or mixed F16/BF16/F32) operands run on `avx512f` where the CPU has it
 /// and the shape suits its tiles, else on `select_kernel`'s choice (`avx2-fma` or
-/// `portable`); BF16 × BF16 keeps its own kernel. `gemm` follows `kernel_for` bit for bit.
+/// `portable`); BF16 × BF16 keeps its own kernel where it multiplies pairs, else widens as
+/// F16 does (`Bf16Route`). `gemm` follows `kernel_for` bit for bit.
 #[test]
 fn half_products_take_the_wide_kernel_where_it_suits() {
     let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -444,9 +445,12 @@ fn half_products_take_the_wide_kernel_where_it_suits() {
         );
         assert_eq!(kernel_for(a, b, 32, 32, 32).name(), narrow, "{a:?} x {b:?}");
     }
+    // BF16 pairs (`avx512bf16`, AMX) keep their kernel; widened BF16 goes wide as F16 does.
+    let bf16 = kernel_name(DType::BF16, DType::BF16);
+    let widened = bf16 == narrow;
     assert_eq!(
         kernel_for(DType::BF16, DType::BF16, 64, 576, 1024).name(),
-        kernel_name(DType::BF16, DType::BF16)
+        if widened && wide { "avx512f" } else { bf16 }
     );
     let mut rng = Generator::new(76);
     for (m, k, n) in [(64, 300, 1000), (33, 40, 17)] {

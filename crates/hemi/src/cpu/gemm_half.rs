@@ -65,6 +65,7 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 mod unfold;
 pub use unfold::Unfold;
@@ -294,9 +295,72 @@ pub fn force_kernel(kernel: Option<Kernel>) {
     FORCED.store(index, Ordering::Relaxed);
 }
 
+/// How BF16 × BF16 products run on a CPU with AVX-512 BF16 and no usable AMX.
+///
+/// `vdpbf16ps` does twice the work of an F32 FMA per instruction, but not every CPU issues it
+/// as often. One core of each, independent chains (`bench/RESULTS.md`, "BF16 products on
+/// Intel"): Zen 5 runs 8.6 G `vdpbf16ps`/s, as many as F32 FMAs, so pairs are twice as fast;
+/// an Intel Xeon (Emerald Rapids, AMX not exposed) runs 1.28 G/s against 5.29 G F32 FMAs/s,
+/// so widening BF16 to F32 while packing and multiplying with F32 FMAs is 1.75× faster
+/// (matmul 80 → 140 GFLOP/s, ResNet-20 amp-bf16 1.18×, BERT amp-bf16 1.47×). The widened
+/// products are exact in F32 and summed in F32, as `vdpbf16ps` sums them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Route {
+    /// `vdpbf16ps` on BF16 pairs (`avx512bf16`): AMD's Zen 4 and Zen 5.
+    Pairs,
+    /// BF16 widened to F32 in packing, F32 FMA kernels (`avx512f`, `avx2-fma`): Intel's
+    /// AVX-512 BF16 cores (whose AMX, where usable, goes first anyway).
+    Widen,
+}
+
+impl Bf16Route {
+    /// The route for a CPU of this vendor, or the one `setting` names (`HEMI_BF16_GEMM`:
+    /// `pairs` or `f32`); an error names a setting that is neither.
+    pub fn choose(setting: Option<&str>, intel: bool) -> Result<Self, String> {
+        match setting {
+            None => Ok(if intel { Bf16Route::Widen } else { Bf16Route::Pairs }),
+            Some("pairs") => Ok(Bf16Route::Pairs),
+            Some("f32") => Ok(Bf16Route::Widen),
+            Some(other) => Err(format!(
+                "HEMI_BF16_GEMM={other:?} is neither \"pairs\" (vdpbf16ps) nor \"f32\" (widen to F32)"
+            )),
+        }
+    }
+
+    /// This process's route: `choose` on `HEMI_BF16_GEMM` and the CPU's vendor, read once
+    /// (a bad setting is reported on stderr once and the vendor's route kept).
+    pub fn current() -> Self {
+        static ROUTE: OnceLock<Bf16Route> = OnceLock::new();
+        *ROUTE.get_or_init(|| {
+            let setting = std::env::var("HEMI_BF16_GEMM").ok();
+            let intel = cpu_is_intel();
+            Self::choose(setting.as_deref(), intel).unwrap_or_else(|e| {
+                eprintln!("hemi: {e}; using this CPU's default");
+                Self::choose(None, intel).expect("no setting")
+            })
+        })
+    }
+}
+
+/// Whether CPUID's vendor string is `GenuineIntel`.
+fn cpu_is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let r = std::arch::x86_64::__cpuid(0);
+        // "Genu" "ineI" "ntel" in EBX, EDX, ECX.
+        r.ebx == 0x756e_6547 && r.edx == 0x4965_6e69 && r.ecx == 0x6c65_746e
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// The kernel `gemm` runs for operands of these dtypes on this CPU: the one `force_kernel`
-/// set where it takes them, else `avx512bf16` for BF16×BF16 where the CPU has it, else
-/// `avx2-fma` where it has AVX2 and FMA, else `portable`.
+/// set where it takes them, else for BF16×BF16 `amx-bf16` where the process may use AMX,
+/// then `avx512bf16` where the CPU has it and `Bf16Route::current` is `Pairs`; else
+/// `avx2-fma` where it has AVX2 and FMA (which `kernel_for` widens to `avx512f`), else
+/// `portable`.
 pub fn select_kernel(a: DType, b: DType) -> Kernel {
     if let Some(&k) = Kernel::ALL.get(FORCED.load(Ordering::Relaxed)) {
         if k.accepts(a, b) {
@@ -305,7 +369,11 @@ pub fn select_kernel(a: DType, b: DType) -> Kernel {
     }
     if a == DType::BF16 && b == DType::BF16 && Kernel::AmxBf16.is_available() {
         Kernel::AmxBf16
-    } else if a == DType::BF16 && b == DType::BF16 && Kernel::Avx512Bf16.is_available() {
+    } else if a == DType::BF16
+        && b == DType::BF16
+        && Kernel::Avx512Bf16.is_available()
+        && Bf16Route::current() == Bf16Route::Pairs
+    {
         Kernel::Avx512Bf16
     } else if Kernel::Avx2Fma.is_available() {
         Kernel::Avx2Fma
