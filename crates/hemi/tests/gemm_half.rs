@@ -7,8 +7,9 @@ use half::{bf16, f16};
 use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::cpu::gemm_half::{
-    gemm, gemm_round, gemm_unfold, gemm_unfold_pairs, gemm_with, kernel_name, rounds_in_tiles,
-    select_kernel, Bf16Route, Kernel, Unfold,
+    gemm, gemm_packed, gemm_round, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs,
+    gemm_unfold_pairs_packed, gemm_with, kernel_name, rounds_in_tiles, select_kernel, Bf16Route,
+    Kernel, PackedA, Unfold,
 };
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
@@ -127,6 +128,22 @@ impl Mat {
             Store::F32(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
             Store::F16(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
             Store::BF16(v) => gemm_with(kernel, dst, a, self.view(v), acc, par),
+        }
+    }
+
+    /// `gemm_packed` on `self` packed for `kernel` (`PackedA`) · `b` as stored.
+    fn gemm_packed(&self, b: &Self, kernel: Kernel, dst: &mut [f32], acc: bool, par: bool) {
+        let packed = match &self.store {
+            Store::F32(v) => PackedA::new(kernel, self.view(v)),
+            Store::F16(v) => PackedA::new(kernel, self.view(v)),
+            Store::BF16(v) => PackedA::new(kernel, self.view(v)),
+        };
+        assert_eq!(packed.shape(), (self.rows, self.cols));
+        assert_eq!(packed.kernel(), kernel);
+        match &b.store {
+            Store::F32(v) => gemm_packed(dst, &packed, b.view(v), acc, par),
+            Store::F16(v) => gemm_packed(dst, &packed, b.view(v), acc, par),
+            Store::BF16(v) => gemm_packed(dst, &packed, b.view(v), acc, par),
         }
     }
 
@@ -312,6 +329,61 @@ fn odd_sizes_across_block_edges() {
             }
         }
     }
+}
+
+/// A packed once (`PackedA`) and reused gives the bits of packing it in every product, which
+/// `check` holds to F64: every kernel and dtype pair, all four layouts of A, partial tiles,
+/// several k blocks (k > KC), m > MC, accumulate on and off, split among threads or not
+/// (rows split into tasks read panels from the middle of the packed blocks).
+#[test]
+fn packed_a_gives_the_bits_of_packing_per_product() {
+    let shapes = [
+        (1, 1, 1),
+        (17, 33, 67),
+        (67, 1100, 70),
+        (150, 513, 40),
+        (340, 31, 37),
+        (64, 576, 64),
+        (16, 144, 1024),
+    ];
+    let mut rng = Generator::new(5);
+    let mut ran = 0;
+    for kernel in kernels() {
+        for (d, (a_dtype, b_dtype)) in dtype_pairs(kernel).into_iter().enumerate() {
+            for (s, &(m, k, n)) in shapes.iter().enumerate() {
+                let case = Case {
+                    m,
+                    k,
+                    n,
+                    a_dtype,
+                    b_dtype,
+                    a_layout: LAYOUTS[(s + d) % 4],
+                    b_layout: LAYOUTS[(s / 2 + d) % 4],
+                    accumulate: (s + d) % 2 == 0,
+                    parallel: s % 3 != 1,
+                };
+                // The same random operands as `check` draws: replay its generator.
+                let mut replay = rng.clone();
+                let want = check(kernel, case, &mut rng);
+                let a = Mat::random(m, k, a_dtype, case.a_layout, &mut replay);
+                let b = Mat::random(k, n, b_dtype, case.b_layout, &mut replay);
+                let mut got: Vec<f32> = (0..m * n)
+                    .map(|_| {
+                        if case.accumulate {
+                            replay.uniform(-1.0, 1.0) as f32
+                        } else {
+                            f32::NAN
+                        }
+                    })
+                    .collect();
+                a.gemm_packed(&b, kernel, &mut got, case.accumulate, case.parallel);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(bits(&got), bits(&want), "{} {case:?}", kernel.name());
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 2 * 9 * shapes.len(), "only {ran} products compared");
 }
 
 #[test]
@@ -690,6 +762,8 @@ fn stride1_geom(
 
 /// `gemm_unfold` on one group of one image against `gemm_with` on `im2col`'s explicit column
 /// matrix, both into copies of `init` (accumulating when `acc`): the bits of the results.
+/// Asserts that `gemm_unfold_packed` (A packed beforehand, split among threads) gives the
+/// bits of `gemm_unfold`.
 fn unfold_vs_im2col<T: WithDType>(
     kernel: Kernel,
     x: &[T],
@@ -709,8 +783,12 @@ fn unfold_vs_im2col<T: WithDType>(
     let (mut explicit, mut implicit) = (init.to_vec(), init.to_vec());
     gemm_with(kernel, &mut explicit, a, b, acc, false);
     gemm_unfold(kernel, &mut implicit, a, u, acc, false);
-    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect();
-    (bits(explicit), bits(implicit))
+    let mut packed = init.to_vec();
+    gemm_unfold_packed(&mut packed, &PackedA::new(kernel, a), u, acc, true);
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<u32>>();
+    let implicit = bits(implicit);
+    assert_eq!(bits(packed), implicit, "{} {g:?}: packed A", kernel.name());
+    (bits(explicit), implicit)
 }
 
 /// The column matrix read straight from the image (`gemm_unfold`) gives the bits of
@@ -856,11 +934,19 @@ fn channel_pair_unfold_equals_the_explicit_pair_matrix_bit_for_bit() {
                 let (mut explicit, mut implicit) = (init.clone(), init.clone());
                 gemm_with(kernel, &mut explicit, a, b, acc, false);
                 gemm_unfold_pairs(kernel, &mut implicit, a, u, acc, false);
+                let mut packed = init.clone();
+                gemm_unfold_pairs_packed(&mut packed, &PackedA::new(kernel, a), u, acc, true);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
                 assert_eq!(
                     bits(&explicit),
                     bits(&implicit),
                     "{} acc={acc} {g:?}",
+                    kernel.name()
+                );
+                assert_eq!(
+                    bits(&packed),
+                    bits(&implicit),
+                    "{} acc={acc} {g:?}: packed A",
                     kernel.name()
                 );
                 ran += 1;

@@ -21,7 +21,10 @@ pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
 use crate::cpu::conv_wgrad::WgradPlan;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
-use crate::cpu::gemm_half::{gemm_unfold, gemm_unfold_pairs, kernel_for, Kernel, Unfold};
+use crate::cpu::gemm_half::{
+    f32_kernel, gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed, kernel_for,
+    PackedA, Unfold,
+};
 use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
@@ -177,10 +180,38 @@ fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
     }
 }
 
-/// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group.
+/// The weights of a convolution, one matrix `[c_out/groups, K]` per group, packed once for
+/// the kernel of hemi's GEMM that every image's product runs on (`gemm_half::PackedA`)
+/// instead of once per image: for ResNet-20's 64-channel layers (64×576 weights, 8×8
+/// images) packing them was a tenth of the convolution. `None` where the products run on
+/// the `gemm` crate (F64, and F32 shapes `f32_kernel` leaves to it). The kernel is the one
+/// `product` and `image_forward`'s unfold would pick, so the bits are the same.
+fn packed_weights<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<Vec<PackedA>> {
+    let (l, k, m) = (g.l(), g.k(), g.c_out_g());
+    if C::DTYPE != DType::F32 || m == 0 || k == 0 || l == 0 {
+        return None;
+    }
+    let kernel = match T::DTYPE {
+        DType::F32 => f32_kernel(m, k, l)?,
+        DType::F16 | DType::BF16 => kernel_for(T::DTYPE, T::DTYPE, m, k, l),
+        _ => return None,
+    };
+    let groups = (0..g.groups).map(|grp| {
+        PackedA::new(
+            kernel,
+            MatRef::row_major(&w[grp * m * k..(grp + 1) * m * k], m, k),
+        )
+    });
+    Some(groups.collect())
+}
+
+/// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group, with the
+/// weights packed beforehand where `packed` holds them (`packed_weights`).
+#[allow(clippy::too_many_arguments)]
 fn image_forward<T: WithDType, C: FloatDType>(
     x: &[T],
     w: &[T],
+    packed: Option<&[PackedA]>,
     bias: Option<&[C]>,
     y: &mut [C],
     scratch: &mut Vec<T>,
@@ -202,13 +233,23 @@ fn image_forward<T: WithDType, C: FloatDType>(
         if let Some(bias) = bias {
             fill_rows(dst, l, &bias[grp * m..(grp + 1) * m]);
         }
+        let pa = packed.map(|p| &p[grp]);
         if let (Some(kernel), Some(u)) = (unfold, Unfold::conv(x, g, grp)) {
             let dst = C::as_f32_mut(dst).expect("unfold_kernel: F32 results");
-            gemm_unfold(kernel, dst, a, u, bias.is_some(), par);
+            match pa {
+                Some(pa) => gemm_unfold_packed(dst, pa, u, bias.is_some(), par),
+                None => gemm_unfold(kernel, dst, a, u, bias.is_some(), par),
+            }
             continue;
         }
         let b = MatRef::row_major(&col[grp * k * l..(grp + 1) * k * l], k, l);
-        product(dst, a, b, bias.is_some(), par);
+        match pa {
+            Some(pa) => {
+                let dst = C::as_f32_mut(dst).expect("packed_weights: F32 results");
+                gemm_packed(dst, pa, b, bias.is_some(), par)
+            }
+            None => product(dst, a, b, bias.is_some(), par),
+        }
     }
 }
 
@@ -225,15 +266,17 @@ pub fn conv2d_forward<C: FloatDType>(
     if y.is_empty() {
         return y;
     }
+    let packed = packed_weights::<C, C>(w, g);
+    let packed = packed.as_deref();
     if g.n == 1 {
-        image_forward(x, w, bias, &mut y, &mut Vec::new(), g, true);
+        image_forward(x, w, packed, bias, &mut y, &mut Vec::new(), g, true);
         return y;
     }
     crate::threads::nudge();
     y.par_chunks_mut(g.out_image())
         .zip(x.par_chunks(g.in_image()))
         .for_each_init(Vec::new, |scratch, (yi, xi)| {
-            image_forward(xi, w, bias, yi, scratch, g, false)
+            image_forward(xi, w, packed, bias, yi, scratch, g, false)
         });
     y
 }
@@ -468,8 +511,8 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
 /// The plan of a BF16 convolution in channel pairs: the kernel, the weights in pair order
 /// `[c_out, 2·ceil(c_in/2)·kh·kw]`, and the geometry over the pair planes.
 struct PairConv {
-    kernel: Kernel,
-    w: Vec<bf16>,
+    /// The pair-order weights packed for the kernel, once for the batch.
+    packed: PackedA,
     pg: Conv2dGeom,
 }
 
@@ -493,7 +536,8 @@ impl PairConv {
                 }
             }
         }
-        Some(PairConv { kernel, w: wp, pg })
+        let packed = PackedA::new(kernel, MatRef::row_major(&wp, m, 2 * cp * kk));
+        Some(PairConv { packed, pg })
     }
 
     /// One image: `x [c_in, h, w]` interleaved into `pairs`, then `y [c_out, L] (+)= w · col`.
@@ -501,8 +545,7 @@ impl PairConv {
         let hw = self.pg.h * self.pg.w;
         pair_planes(x, hw, self.pg.c_in, pairs);
         let u = Unfold::conv(pairs, &self.pg, 0).expect("checked by PairConv::new");
-        let a = MatRef::row_major(&self.w, self.pg.c_out, self.w.len() / self.pg.c_out);
-        gemm_unfold_pairs(self.kernel, y, a, u, acc, par);
+        gemm_unfold_pairs_packed(y, &self.packed, u, acc, par);
     }
 }
 
@@ -546,9 +589,11 @@ pub fn conv2d_forward_blocks<T: WithDType>(
             .expect("BF16");
         }
     }
+    let packed = packed_weights::<T, f32>(w, g);
+    let packed = packed.as_deref();
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {
         let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
-        image_forward(xi, w, bias, y, col, g, g.n == 1);
+        image_forward(xi, w, packed, bias, y, col, g, g.n == 1);
     })
     .expect("F32, F16 or BF16")
 }

@@ -461,7 +461,15 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
         b.rows
     );
     b.check_bounds("rhs");
-    run_product(kernel, dst, a, Rhs::Mat(b), n, accumulate, parallel)
+    run_product(
+        kernel,
+        dst,
+        Lhs::Mat(a),
+        Rhs::Mat(b),
+        n,
+        accumulate,
+        parallel,
+    )
 }
 
 /// `gemm_with` where B is the column matrix `u` of a convolution, packed straight from its
@@ -487,7 +495,15 @@ pub fn gemm_unfold<A: WithDType, B: WithDType>(
         "gemm_unfold: {} packs BF16 pairs",
         kernel.name()
     );
-    run_product(kernel, dst, a, Rhs::Unfold(u), n, accumulate, parallel)
+    run_product(
+        kernel,
+        dst,
+        Lhs::Mat(a),
+        Rhs::Unfold(u),
+        n,
+        accumulate,
+        parallel,
+    )
 }
 
 /// `gemm_with` on a BF16-pair kernel (`Kernel::unfolds_pairs`) where B is a convolution's
@@ -519,32 +535,140 @@ pub fn gemm_unfold_pairs(
         "gemm_unfold_pairs: {} does not pack unpadded BF16 pairs",
         kernel.name()
     );
-    run_product::<bf16, bf16>(kernel, dst, a, Rhs::Pairs(u), n, accumulate, parallel)
+    run_product::<bf16, bf16>(
+        kernel,
+        dst,
+        Lhs::Mat(a),
+        Rhs::Pairs(u),
+        n,
+        accumulate,
+        parallel,
+    )
 }
 
-/// The checks and the run both entry points share: `dst [m, n] = [dst +] a · b`.
+/// `gemm_with` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_packed<B: WithDType>(
+    dst: &mut [f32],
+    a: &PackedA,
+    b: MatRef<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(
+        b.rows, k,
+        "gemm_packed: inner dims ({m}x{k} · {}x{n})",
+        b.rows
+    );
+    b.check_bounds("rhs");
+    let kernel = a.kernel;
+    run_product::<f32, B>(
+        kernel,
+        dst,
+        Lhs::Packed(a),
+        Rhs::Mat(b),
+        n,
+        accumulate,
+        parallel,
+    )
+}
+
+/// `gemm_unfold` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_unfold_packed<B: WithDType>(
+    dst: &mut [f32],
+    a: &PackedA,
+    u: Unfold<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, u.cols());
+    assert_eq!(
+        u.rows(),
+        k,
+        "gemm_unfold_packed: inner dims ({m}x{k} · {}x{n})",
+        u.rows()
+    );
+    assert!(
+        a.kernel.packs_f32(),
+        "gemm_unfold_packed: {} packs BF16 pairs",
+        a.kernel.name()
+    );
+    run_product::<f32, B>(
+        a.kernel,
+        dst,
+        Lhs::Packed(a),
+        Rhs::Unfold(u),
+        n,
+        accumulate,
+        parallel,
+    )
+}
+
+/// `gemm_unfold_pairs` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_unfold_pairs_packed(
+    dst: &mut [f32],
+    a: &PackedA,
+    u: Unfold<'_, f32>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, u.cols());
+    assert_eq!(
+        2 * u.rows(),
+        k,
+        "gemm_unfold_pairs_packed: inner dims ({m}x{k} · 2·{}x{n})",
+        u.rows()
+    );
+    assert!(
+        a.kernel.unfolds_pairs(),
+        "gemm_unfold_pairs_packed: {} does not pack unpadded BF16 pairs",
+        a.kernel.name()
+    );
+    run_product::<bf16, bf16>(
+        a.kernel,
+        dst,
+        Lhs::Packed(a),
+        Rhs::Pairs(u),
+        n,
+        accumulate,
+        parallel,
+    )
+}
+
+/// The checks and the run the entry points share: `dst [m, n] = [dst +] a · b`.
 fn run_product<A: WithDType, B: WithDType>(
     kernel: Kernel,
     dst: &mut [f32],
-    a: MatRef<'_, A>,
+    a: Lhs<'_, A>,
     b: Rhs<'_, B>,
     n: usize,
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k) = (a.rows, a.cols);
+    let (m, k, a_dtype) = match &a {
+        Lhs::Mat(a) => {
+            a.check_bounds("lhs");
+            (a.rows, a.cols, a.dtype())
+        }
+        Lhs::Packed(p) => {
+            assert_eq!(
+                p.kernel, kernel,
+                "gemm_half: A was packed for another kernel"
+            );
+            (p.rows, p.cols, p.dtype)
+        }
+    };
     assert!(dst.len() >= m * n, "gemm_half: dst too small for {m}x{n}");
-    a.check_bounds("lhs");
     assert!(
         kernel.is_available(),
         "gemm_half: this CPU cannot run {}",
         kernel.name()
     );
     assert!(
-        kernel.accepts(a.dtype(), B::DTYPE),
+        kernel.accepts(a_dtype, B::DTYPE),
         "gemm_half: {} does not take {:?} x {:?}",
         kernel.name(),
-        a.dtype(),
+        a_dtype,
         B::DTYPE
     );
     if m == 0 || n == 0 {
@@ -627,7 +751,7 @@ pub fn gemm_round<A: WithDType, B: WithDType, O: WithDType>(
         return true;
     }
     let job = Job {
-        a,
+        a: Lhs::Mat(a),
         b: Rhs::Mat(b),
         c: DstPtr(std::ptr::null_mut()),
         ldc: n,
@@ -721,7 +845,7 @@ fn split(m: usize, n: usize, k: usize, mr: usize, nr: usize, threads: usize) -> 
 
 /// One product, shared by the tasks that compute its tiles.
 struct Job<'a, A, B> {
-    a: MatRef<'a, A>,
+    a: Lhs<'a, A>,
     b: Rhs<'a, B>,
     c: DstPtr,
     ldc: usize,
@@ -744,6 +868,133 @@ struct Rounded<'a> {
 unsafe impl Send for Rounded<'_> {}
 // SAFETY: as above.
 unsafe impl Sync for Rounded<'_> {}
+
+/// The left operand: a matrix packed by each task, or one packed before the product
+/// (`PackedA`).
+#[derive(Clone, Copy)]
+enum Lhs<'a, A> {
+    Mat(MatRef<'a, A>),
+    Packed(&'a PackedA),
+}
+
+impl<A: WithDType> Lhs<'_, A> {
+    fn rows(&self) -> usize {
+        match self {
+            Lhs::Mat(a) => a.rows,
+            Lhs::Packed(p) => p.rows,
+        }
+    }
+}
+
+/// A left operand packed once for one kernel, for products that share it: a convolution's
+/// weights, multiplied with the column matrix of every image of the batch. Packing A is part
+/// of every product (`gemm_with` packs it per task); for ResNet-20's 64-channel layers,
+/// 64×576 weights times an 8×8 image, it was a tenth of the convolution. The panels are the
+/// kernel's own, so `gemm_packed` gives the bits of `gemm_with` on the matrix.
+pub struct PackedA {
+    kernel: Kernel,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    /// Start of each k block's panels (all rows), in 4-byte elements.
+    blocks: Vec<usize>,
+    data: Vec<Line>,
+}
+
+impl PackedA {
+    /// `a` packed for `kernel`. Panics where the CPU lacks the kernel or its format does not
+    /// take `a`'s dtype.
+    pub fn new<A: WithDType>(kernel: Kernel, a: MatRef<'_, A>) -> Self {
+        assert!(
+            kernel.is_available(),
+            "gemm_half: this CPU cannot run {}",
+            kernel.name()
+        );
+        assert!(
+            kernel.accepts(a.dtype(), a.dtype()),
+            "gemm_half: {} does not take {:?}",
+            kernel.name(),
+            a.dtype()
+        );
+        a.check_bounds("lhs");
+        // Each x86 kernel packs as its portable twin does (same panels, same blocking).
+        let (blocks, data) = match kernel {
+            Kernel::PortableF32 | Kernel::Avx2Fma => pack_whole::<PortableF32, A>(&a),
+            Kernel::PortableF32Wide | Kernel::Avx512F32 => pack_whole::<PortableF32Wide, A>(&a),
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 if pair_rows(a.rows) == 8 => {
+                pack_whole::<PortablePairs<8>, A>(&a)
+            }
+            Kernel::PortableBf16Pairs | Kernel::Avx512Bf16 => {
+                pack_whole::<PortablePairs<14>, A>(&a)
+            }
+            Kernel::PortableAmx | Kernel::AmxBf16 => pack_whole::<PortableAmx, A>(&a),
+        };
+        PackedA {
+            kernel,
+            dtype: a.dtype(),
+            rows: a.rows,
+            cols: a.cols,
+            blocks,
+            data,
+        }
+    }
+
+    /// The kernel the panels are for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// (rows, cols) of the packed matrix.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// `count` panels of `len` elements from panel `first` of k block `block`.
+    fn panels<P: Packed>(&self, block: usize, first: usize, count: usize, len: usize) -> &[P] {
+        let all = self.data.len() * 16;
+        // SAFETY: `data` holds `all` initialised 4-byte elements; `Packed` types are 4 bytes
+        // with every bit pattern valid; the slice borrows `data`.
+        let elems = unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<P>(), all) };
+        &elems[self.blocks[block] + first * len..][..count * len]
+    }
+}
+
+/// The k blocks of `a` for `M`, each with all its rows packed (`M::pack_a`), as `run_tile`
+/// cuts them.
+fn pack_whole<M: Micro, A: WithDType>(a: &MatRef<'_, A>) -> (Vec<usize>, Vec<Line>) {
+    let (m, k) = (a.rows, a.cols);
+    let kc_max = k_block_len::<M>(k);
+    let m_panels = m.div_ceil(M::MR);
+    let mut blocks = Vec::new();
+    let mut total = 0;
+    for pc in (0..k).step_by(kc_max.max(1)) {
+        blocks.push(total);
+        total += m_panels * packed_steps::<M>((k - pc).min(kc_max)) * M::MR;
+    }
+    let mut data = Vec::new();
+    let out = as_packed::<M::P>(&mut data, total);
+    for (b, pc) in (0..k).step_by(kc_max.max(1)).enumerate() {
+        let len = m_panels * packed_steps::<M>((k - pc).min(kc_max)) * M::MR;
+        M::pack_a(
+            a,
+            0,
+            m,
+            pc,
+            (k - pc).min(kc_max),
+            &mut out[blocks[b]..][..len],
+        );
+    }
+    (blocks, data)
+}
+
+/// The length of `run_tile`'s k blocks for inner dimension `k`: equal blocks, so that none is
+/// a sliver (k = 600 gives blocks of 304 and 296).
+fn k_block_len<M: Micro>(k: usize) -> usize {
+    let kc_align = (M::KSTEP * M::STEP_ALIGN).max(8);
+    k.div_ceil(k.div_ceil(M::KC))
+        .next_multiple_of(kc_align)
+        .min(M::KC)
+}
 
 /// The right operand: a matrix, or a convolution's column matrix read from its image.
 #[derive(Clone, Copy)]
@@ -771,7 +1022,7 @@ fn run_task<A: WithDType, B: WithDType>(
 ) {
     with_workspace(|ws| match kernel {
         Kernel::PortableF32 => run_tile::<PortableF32, A, B>(job, rows, cols, ws),
-        Kernel::PortableBf16Pairs if pair_rows(job.a.rows) == 8 => {
+        Kernel::PortableBf16Pairs if pair_rows(job.a.rows()) == 8 => {
             run_tile::<PortablePairs<8>, A, B>(job, rows, cols, ws)
         }
         Kernel::PortableBf16Pairs => run_tile::<PortablePairs<14>, A, B>(job, rows, cols, ws),
@@ -867,12 +1118,7 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
 ) {
     let (mr, nr) = (M::MR, M::NR);
     let k = job.k;
-    // Equal k blocks, so that no block is a sliver: k = 600 gives blocks of 304 and 296.
-    let kc_align = (M::KSTEP * M::STEP_ALIGN).max(8);
-    let kc_max = k
-        .div_ceil(k.div_ceil(M::KC))
-        .next_multiple_of(kc_align)
-        .min(M::KC);
+    let kc_max = k_block_len::<M>(k);
     let steps_max = packed_steps::<M>(kc_max);
     let mc_max = rows.len().min(M::MC).next_multiple_of(mr);
     let nc_max = cols.len().min(M::NC).next_multiple_of(nr);
@@ -909,7 +1155,16 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
             for ic in rows.clone().step_by(M::MC) {
                 let mc = (rows.end - ic).min(M::MC);
                 let m_panels = mc.div_ceil(mr);
-                M::pack_a(&job.a, ic, mc, pc, kc, &mut apack[..m_panels * a_len]);
+                let apanels: &[M::P] = match &job.a {
+                    Lhs::Mat(a) => {
+                        M::pack_a(a, ic, mc, pc, kc, &mut apack[..m_panels * a_len]);
+                        &apack[..m_panels * a_len]
+                    }
+                    Lhs::Packed(p) => {
+                        debug_assert!(ic.is_multiple_of(mr));
+                        p.panels(pc / kc_max, ic / mr, m_panels, a_len)
+                    }
+                };
                 for t in 0..n_panels * m_panels {
                     let (jp, ip) = if across {
                         (t % n_panels, t / n_panels)
@@ -921,7 +1176,7 @@ fn run_tile<M: Micro, A: WithDType, B: WithDType>(
                     let bp = bpack[jp * b_len..].as_ptr();
                     let i = ic + ip * mr;
                     let h = (mc - ip * mr).min(mr);
-                    let ap = apack[ip * a_len..].as_ptr();
+                    let ap = apanels[ip * a_len..].as_ptr();
                     if let Some(out) = &job.round {
                         // One k block (checked by `gemm_round`): the tile's sums are final.
                         if let Some(bias) = out.bias {
@@ -1831,7 +2086,7 @@ mod x86 {
         cols: Range<usize>,
         ws: &mut Workspace,
     ) {
-        if super::pair_rows(job.a.rows) == 8 {
+        if super::pair_rows(job.a.rows()) == 8 {
             run_tile::<Avx512Bf16<8>, A, B>(job, rows, cols, ws)
         } else {
             run_tile::<Avx512Bf16<14>, A, B>(job, rows, cols, ws)
