@@ -1,6 +1,7 @@
 //! The weight gradient of BF16 convolutions read straight from the image in pixel pairs
 //! (`cpu::conv_wgrad`): `portable-bf16-pairs` against F64 within the F32 summation bound,
-//! and `avx512bf16`, where the CPU has it, equal to its twin to the bit; on odd channel
+//! and `avx512bf16` and the widened `avx512f` route, where the CPU has them, equal to the twin
+//! to the bit (F32 planes likewise, on `portable-wide` and `avx512f`); on odd channel
 //! counts (partial blocks), planes whose pixel count is no multiple of the 32-pixel chunk,
 //! one-sided padding, dilation, rows entirely in the padding, pointwise kernels, ResNet-20's
 //! planes, and several images summed together. Convolutions it does not read (strided,
@@ -42,7 +43,7 @@ fn geom(
 }
 
 /// `dw` in F64 by the definition, and the sum of |terms| of each element.
-fn reference(x: &[bf16], dy: &[bf16], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
+fn reference<V: Copy + Into<f64>>(x: &[V], dy: &[V], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
     let (mut dw, mut abs) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
     for n in 0..g.n {
         for o in 0..g.c_out {
@@ -57,11 +58,11 @@ fn reference(x: &[bf16], dy: &[bf16], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
                                 if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
                                     continue;
                                 }
-                                let xv = x
+                                let xv: f64 = x
                                     [((n * g.c_in + c) * g.h + ih as usize) * g.w + iw as usize]
-                                    .to_f64();
-                                let dv =
-                                    dy[((n * g.c_out + o) * g.h_out + oh) * g.w_out + ow].to_f64();
+                                    .into();
+                                let dv: f64 =
+                                    dy[((n * g.c_out + o) * g.h_out + oh) * g.w_out + ow].into();
                                 dw[at] += xv * dv;
                                 abs[at] += (xv * dv).abs();
                             }
@@ -113,6 +114,7 @@ fn pixel_pair_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
     ];
     let avx = Kernel::Avx512Bf16.is_available();
     println!("avx512bf16 checked against the twin: {avx}");
+    let mut fma_checked = false;
     for (n, c_in, hw, k, pad, d, c_out) in cases {
         let g = geom(n, c_in, hw, k, pad, d, 1, c_out);
         assert_eq!(g.w_out, g.w, "{g:?}");
@@ -151,6 +153,83 @@ fn pixel_pair_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
                 );
             }
         }
+        // The widened route (`avx512f`: odd and even elements as F32, one FMA each).
+        if let Some(fma) = WgradPlan::with_kernel(&g, Kernel::Avx512F32) {
+            fma_checked = true;
+            for par in [false, true] {
+                let s = run(&fma, &x, &dy, &g, &start, par);
+                let same = s.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{g:?} (parallel {par}): avx512f differs from the twin"
+                );
+            }
+        }
+    }
+    println!("avx512f (widened BF16) checked against the twin: {fma_checked}");
+}
+
+/// F32 planes (`add_images_f32`): `portable-wide`'s block against F64 within the F32
+/// summation bound (each term one fused multiply-add: one rounding), and `avx512f`, where the
+/// CPU has it, equal to the twin to the bit, on the same geometries as the BF16 test, with
+/// values that are not BF16 (so the products round, and an unfused multiply would differ).
+#[test]
+fn f32_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
+    let mut rng = Generator::new(92);
+    let cases = [
+        (1, 3, (7, 9), (3, 3), (1, 1), 1, 5),
+        (2, 4, (5, 33), (3, 3), (0, 1), 1, 6),
+        (3, 5, (9, 8), (3, 3), (2, 2), 2, 17),
+        (1, 2, (3, 5), (3, 5), (3, 2), 1, 4),
+        (2, 16, (32, 32), (3, 3), (1, 1), 1, 16),
+        (3, 64, (8, 8), (3, 3), (1, 1), 1, 13),
+        (1, 7, (5, 31), (3, 7), (1, 3), 1, 8),
+        (2, 9, (7, 7), (1, 1), (0, 0), 1, 10),
+        (1, 6, (4, 6), (3, 3), (4, 1), 1, 2),
+    ];
+    let simd_runs =
+        Kernel::Avx512F32.is_available() && std::arch::is_x86_feature_detected!("avx512bw");
+    println!("avx512f checked against the twin: {simd_runs}");
+    for (n, c_in, hw, k, pad, d, c_out) in cases {
+        let g = geom(n, c_in, hw, k, pad, d, 1, c_out);
+        let random = |len, rng: &mut Generator| -> Vec<f32> {
+            (0..len).map(|_| rng.uniform(-2.0, 2.0) as f32).collect()
+        };
+        let (x, dy) = (
+            random(n * g.in_image(), &mut rng),
+            random(n * g.out_image(), &mut rng),
+        );
+        let start: Vec<f32> = (0..g.weight_len()).map(|i| (i % 7) as f32 - 3.0).collect();
+        let (want, abs) = reference(&x, &dy, &g);
+        let run = |plan: &WgradPlan, par: bool| -> Vec<f32> {
+            let mut dw = start.clone();
+            plan.add_images_f32(&x, &dy, g.n, &mut dw, par);
+            dw
+        };
+        let twin = WgradPlan::with_kernel(&g, Kernel::PortableF32Wide).expect("a plan");
+        let got = run(&twin, false);
+        let terms = (n * g.l()) as f64 + 20.0;
+        for (i, (&v, (&w, &a))) in got.iter().zip(want.iter().zip(&abs)).enumerate() {
+            let w = w + start[i] as f64;
+            let tol = 2.0 * terms * f64::powi(2.0, -24) * (a + start[i].abs() as f64);
+            assert!(
+                (v as f64 - w).abs() <= tol,
+                "{g:?} dw[{i}]: {v} vs {w} (tol {tol})"
+            );
+        }
+        assert_eq!(run(&twin, true), got, "{g:?}: threads change the sums");
+        let simd = WgradPlan::with_kernel(&g, Kernel::Avx512F32);
+        assert_eq!(simd.is_some(), simd_runs, "{g:?}");
+        if let Some(simd) = simd {
+            for par in [false, true] {
+                let s = run(&simd, par);
+                let same = s.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{g:?} (parallel {par}): avx512f differs from the twin"
+                );
+            }
+        }
     }
 }
 
@@ -171,4 +250,5 @@ fn convolutions_read_otherwise_get_no_plan() {
     assert!(WgradPlan::with_kernel(&same, k).is_some());
     // Automatic choice: more than 16 output channels stay with the GEMM (faster there).
     assert!(WgradPlan::new(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 17)).is_none());
+    assert!(WgradPlan::new_f32(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 17)).is_none());
 }

@@ -423,6 +423,26 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
             return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();
         }
     }
+    if let (Some(xf), Some(dyf)) = (same_slice::<T, f32>(x), same_slice::<T, f32>(dy)) {
+        if let Some(plan) = WgradPlan::new_f32(g).filter(|_| C::DTYPE == DType::F32) {
+            // F32 planes read as stored, as the BF16 ones above.
+            let runs = Runs::new(g.n, 1, 2048usize.div_ceil(g.l()));
+            let parallel = runs.count < rayon::current_num_threads();
+            let dw = runs.sum_init(
+                len,
+                || (),
+                |_, r| {
+                    let mut dw = vec![0f32; len];
+                    let images = runs.range(r, g.n);
+                    let xi = &xf[images.start * g.in_image()..images.end * g.in_image()];
+                    let dyi = &dyf[images.start * g.out_image()..images.end * g.out_image()];
+                    plan.add_images_f32(xi, dyi, images.len(), &mut dw, parallel);
+                    dw
+                },
+            );
+            return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();
+        }
+    }
     let runs = Runs::new(g.n, 1, 1);
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     runs.sum_init(len, Vec::new, |scratch, r| {

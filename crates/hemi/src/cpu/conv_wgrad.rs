@@ -35,7 +35,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::gemm_half::{kernel_for, Kernel};
+use crate::cpu::gemm_half::{f32_kernel, kernel_for, Kernel};
 use crate::DType;
 
 /// Output channels per block.
@@ -53,11 +53,25 @@ const MAX_C_OUT: usize = 16;
 /// The bytes of a block's rows a group of images may span (`WgradPlan::group_len`).
 const GROUP_BYTES: usize = 32 << 10;
 
+/// How a plan's blocks multiply: all three give the same bits (`Dot` on values whose sums are
+/// not subnormal, which `vdpbf16ps` flushes to zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Imp {
+    /// Plain F32 arithmetic, in `vdpbf16ps`' order for BF16 (`portable-bf16-pairs`), in
+    /// `x86::block_f32`'s for F32 (`portable-wide`).
+    Portable,
+    /// `vdpbf16ps` (`avx512bf16`).
+    Dot,
+    /// Each pair widened to two F32 vectors (its odd and its even elements) and two FMAs:
+    /// where BF16 products run widened to F32 (`avx512f`, `gemm_half::Bf16Route::Widen`).
+    Fma,
+}
+
 /// The plan of one convolution's weight gradient in pixel pairs: the kernel, the shift of
 /// each kernel offset, and the masks of its chunks.
 #[derive(Clone, Debug)]
 pub struct WgradPlan {
-    simd: bool,
+    imp: Imp,
     g: Conv2dGeom,
     chunks: usize,
     /// `shifts[r]`: input pixel `p + shifts[r]` of kernel offset `r = ki·kw + kj`.
@@ -71,9 +85,9 @@ pub struct WgradPlan {
 
 impl WgradPlan {
     /// The plan on the kernel a BF16 product of this convolution runs on, where this file is
-    /// the faster route: `None` where the kernel does not multiply BF16 pairs, the
-    /// convolution is not one this file reads (`with_kernel`), or it has more than
-    /// `MAX_C_OUT` output channels.
+    /// the faster route: `None` where that kernel has no block here (`with_kernel`), the
+    /// convolution is not one this file reads, or it has more than `MAX_C_OUT` output
+    /// channels.
     pub fn new(g: &Conv2dGeom) -> Option<Self> {
         if g.c_out > MAX_C_OUT {
             return None;
@@ -82,13 +96,24 @@ impl WgradPlan {
         Self::with_kernel(g, kernel)
     }
 
-    /// The plan on `kernel` (`avx512bf16` where the CPU has it, or `portable-bf16-pairs`),
-    /// or `None` for other kernels and for convolutions that are grouped, strided, have
-    /// output rows of another length than their input rows, or have no output.
+    /// `new` for F32 tensors (`add_images_f32`): the plan on the kernel an F32 product of this
+    /// convolution runs on, where that is hemi's `avx512f` (or a forced portable twin).
+    pub fn new_f32(g: &Conv2dGeom) -> Option<Self> {
+        if g.c_out > MAX_C_OUT {
+            return None;
+        }
+        Self::with_kernel(g, f32_kernel(g.c_out, g.l(), g.k())?)
+    }
+
+    /// The plan on `kernel`: `avx512bf16` (`vdpbf16ps`) and `avx512f` (FMAs) where the CPU has
+    /// them, or their portable twins `portable-bf16-pairs` and `portable-wide`; `None` for
+    /// other kernels and for convolutions that are grouped, strided, have output rows of
+    /// another length than their input rows, or have no output.
     pub fn with_kernel(g: &Conv2dGeom, kernel: Kernel) -> Option<Self> {
-        let simd = match kernel {
-            Kernel::Avx512Bf16 if kernel.is_available() => true,
-            Kernel::PortableBf16Pairs => false,
+        let imp = match kernel {
+            Kernel::Avx512Bf16 if kernel.is_available() => Imp::Dot,
+            Kernel::Avx512F32 if kernel.is_available() && has_avx512bw() => Imp::Fma,
+            Kernel::PortableBf16Pairs | Kernel::PortableF32Wide => Imp::Portable,
             _ => return None,
         };
         if g.groups != 1 || g.stride != (1, 1) || g.w_out != g.w || g.l() == 0 || g.c_in == 0 {
@@ -123,7 +148,7 @@ impl WgradPlan {
             })
             .collect();
         Some(WgradPlan {
-            simd,
+            imp,
             g: *g,
             chunks,
             shifts,
@@ -147,6 +172,46 @@ impl WgradPlan {
         dw: &mut [f32],
         parallel: bool,
     ) {
+        let block: Block<u16> = match self.imp {
+            #[cfg(target_arch = "x86_64")]
+            Imp::Dot => x86::block,
+            #[cfg(target_arch = "x86_64")]
+            Imp::Fma => x86::block_fma,
+            _ => portable_block,
+        };
+        // SAFETY: BF16 is 16 bits of any pattern, read as u16.
+        let (x, dy) = unsafe { (bits(x), bits(dy)) };
+        self.add_images_with(x, dy, images, dw, parallel, block)
+    }
+
+    /// `add_images` for F32 tensors: the same dot products over the same masked chunks, two
+    /// 16-pixel halves per chunk with an FMA each (`x86::block_f32`, on a plan of an AVX-512
+    /// kernel), or `f32::mul_add` in the same order (`portable_block_f32`): the same bits.
+    pub fn add_images_f32(
+        &self,
+        x: &[f32],
+        dy: &[f32],
+        images: usize,
+        dw: &mut [f32],
+        parallel: bool,
+    ) {
+        let block: Block<f32> = match self.imp {
+            #[cfg(target_arch = "x86_64")]
+            Imp::Dot | Imp::Fma => x86::block_f32,
+            _ => portable_block_f32,
+        };
+        self.add_images_with(x, dy, images, dw, parallel, block)
+    }
+
+    fn add_images_with<E: Copy + Sync>(
+        &self,
+        x: &[E],
+        dy: &[E],
+        images: usize,
+        dw: &mut [f32],
+        parallel: bool,
+        block: Block<E>,
+    ) {
         let g = &self.g;
         assert!(
             x.len() >= images * g.in_image()
@@ -154,12 +219,12 @@ impl WgradPlan {
                 && dw.len() >= g.weight_len(),
             "conv_wgrad: buffers too small for {images} images of {g:?}"
         );
-        let group = self.group_len();
+        let group = self.group_len(std::mem::size_of::<E>());
         for first in (0..images).step_by(group) {
             let count = group.min(images - first);
             let xs = &x[first * g.in_image()..(first + count) * g.in_image()];
             let dys = &dy[first * g.out_image()..(first + count) * g.out_image()];
-            self.add_group(xs, dys, count, dw, parallel);
+            self.add_group(xs, dys, count, dw, parallel, block);
         }
     }
 
@@ -167,29 +232,37 @@ impl WgradPlan {
     /// `GROUP_BYTES` (so the kernel offsets after the first read them from L1), at least one.
     /// More images per group add the lanes less often; 16–128 KiB measured the same within
     /// the noise on ResNet-20's layers (Zen 5, 48 KiB L1).
-    fn group_len(&self) -> usize {
-        let row_bytes = self.g.l() * std::mem::size_of::<bf16>();
+    fn group_len(&self, elem_bytes: usize) -> usize {
+        let row_bytes = self.g.l() * elem_bytes;
         (GROUP_BYTES / ((RB + CB) * row_bytes).max(1)).max(1)
     }
 
-    fn add_group(&self, x: &[bf16], dy: &[bf16], images: usize, dw: &mut [f32], parallel: bool) {
+    fn add_group<E: Copy + Sync>(
+        &self,
+        x: &[E],
+        dy: &[E],
+        images: usize,
+        dw: &mut [f32],
+        parallel: bool,
+        block: Block<E>,
+    ) {
         let g = &self.g;
         let (l, hw, kk) = (g.l(), g.h * g.w, g.kh * g.kw);
         let (row_blocks, col_blocks) = (g.c_out.div_ceil(RB), g.c_in.div_ceil(CB));
         let tasks = row_blocks * col_blocks * kk;
         let strides = (g.out_image(), g.in_image());
         // Task t: kernel offset t % kk of row block and column block t / kk.
-        let block = |t: usize| -> [[f32; CB]; RB] {
+        let run = |t: usize| -> [[f32; CB]; RB] {
             let (r, rc) = (t % kk, t / kk);
             let (o0, c0) = ((rc / col_blocks) * RB, (rc % col_blocks) * CB);
             // Rows and columns past the last are read again from the last and not stored.
-            let dy_rows: [*const u16; RB] = std::array::from_fn(|i| {
+            let dy_rows: [*const E; RB] = std::array::from_fn(|i| {
                 let o = (o0 + i).min(g.c_out - 1);
-                dy[o * l..].as_ptr().cast()
+                dy[o * l..].as_ptr()
             });
-            let x_rows: [*const u16; CB] = std::array::from_fn(|j| {
+            let x_rows: [*const E; CB] = std::array::from_fn(|j| {
                 let c = (c0 + j).min(g.c_in - 1);
-                x[c * hw..].as_ptr().cast()
+                x[c * hw..].as_ptr()
             });
             let rows = Rows {
                 dy: dy_rows,
@@ -200,23 +273,19 @@ impl WgradPlan {
                 masks: &self.masks[r * self.chunks..(r + 1) * self.chunks],
                 tail: &self.tail,
             };
-            if self.simd {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `simd` is set only where the CPU has AVX-512 F/BW/BF16
-                // (`Kernel::is_available`). Row pointers start planes of image 0; image `i`'s
-                // are `i` strides on, inside `x` and `dy` (checked by `add_images`); a set bit
-                // of `tail[q]` is a pixel `32q + e < l`, and a set bit of `masks[q]` one whose
-                // input `32q + e + shift` lies in `0..hw`.
-                return unsafe { x86::block(&rows) };
-            }
-            // SAFETY: as above; the portable block reads only the lanes whose bits are set.
-            unsafe { portable_block(&rows) }
+            // SAFETY: `block` is the portable block, or a SIMD one chosen only where the CPU
+            // has its features (`with_kernel`: `Kernel::is_available`, AVX-512 BW). Row
+            // pointers start planes of image 0; image `i`'s are `i` strides on, inside `x` and
+            // `dy` (checked by `add_images_with`); a set bit of `tail[q]` is a pixel
+            // `32q + e < l`, and a set bit of `masks[q]` one whose input `32q + e + shift`
+            // lies in `0..hw`; the blocks read no lane whose bit is clear.
+            unsafe { block(&rows) }
         };
         let sums: Vec<[[f32; CB]; RB]> = if parallel && tasks > 1 {
             crate::threads::nudge();
-            (0..tasks).into_par_iter().map(block).collect()
+            (0..tasks).into_par_iter().map(run).collect()
         } else {
-            (0..tasks).map(block).collect()
+            (0..tasks).map(run).collect()
         };
         for (t, s) in sums.iter().enumerate() {
             let (r, rc) = (t % kk, t / kk);
@@ -230,11 +299,35 @@ impl WgradPlan {
     }
 }
 
+/// A block's dot products (`portable_block`, `x86::block`...).
+type Block<E> = unsafe fn(&Rows<'_, E>) -> [[f32; CB]; RB];
+
+/// BF16 values as their bits.
+///
+/// # Safety
+/// None beyond the call: `bf16` is a `u16` with another name (`repr(transparent)`).
+unsafe fn bits(v: &[bf16]) -> &[u16] {
+    // SAFETY: same size and alignment, every bit pattern valid.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) }
+}
+
+/// Whether the CPU has AVX-512 BW (the masked 16-bit loads of `x86::block_fma`).
+fn has_avx512bw() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// What one block reads: `RB` rows of `dy` and `CB` planes of `x` (image 0's; image `i`'s
 /// are `i · strides` elements on), over `images` images, at one kernel offset.
-struct Rows<'a> {
-    dy: [*const u16; RB],
-    x: [*const u16; CB],
+struct Rows<'a, E> {
+    dy: [*const E; RB],
+    x: [*const E; CB],
     /// Elements from one image to the next in `dy` and in `x`.
     strides: (usize, usize),
     images: usize,
@@ -261,7 +354,7 @@ fn lane_sum(mut v: [f32; 16]) -> f32 {
 ///
 /// # Safety
 /// As `x86::block`, without the CPU features.
-unsafe fn portable_block(rows: &Rows<'_>) -> [[f32; CB]; RB] {
+unsafe fn portable_block(rows: &Rows<'_, u16>) -> [[f32; CB]; RB] {
     let mut acc = [[[0f32; 16]; CB]; RB];
     let lanes = |row: *const u16, off: isize, mask: u32| -> [f32; CHUNK] {
         std::array::from_fn(|e| {
@@ -299,6 +392,47 @@ unsafe fn portable_block(rows: &Rows<'_>) -> [[f32; CB]; RB] {
     acc.map(|row| row.map(lane_sum))
 }
 
+/// The F32 block, portable: `sums[i][j] = Σ_p dy[i][p] · x[j][p + shift]`, lane `e` of a
+/// chunk of 32 pixels adding pixel `e`, then pixel `16 + e`, each by one fused multiply-add
+/// (`f32::mul_add`), as `x86::block_f32` does.
+///
+/// # Safety
+/// As `x86::block_f32`, without the CPU features.
+unsafe fn portable_block_f32(rows: &Rows<'_, f32>) -> [[f32; CB]; RB] {
+    let mut acc = [[[0f32; 16]; CB]; RB];
+    let lanes = |row: *const f32, off: isize, mask: u32| -> [f32; CHUNK] {
+        std::array::from_fn(|e| {
+            if mask >> e & 1 == 1 {
+                // SAFETY: the caller guarantees that set bits address elements of the row.
+                unsafe { *row.wrapping_offset(off + e as isize) }
+            } else {
+                0.0
+            }
+        })
+    };
+    for img in 0..rows.images {
+        let (dy_at, x_at) = (img * rows.strides.0, img * rows.strides.1);
+        for (q, (&mx, &mt)) in rows.masks.iter().zip(rows.tail).enumerate() {
+            if mx == 0 {
+                continue;
+            }
+            let off = (q * CHUNK) as isize;
+            let d: [[f32; CHUNK]; RB] =
+                std::array::from_fn(|i| lanes(rows.dy[i].wrapping_add(dy_at), off, mt));
+            for (j, &xr) in rows.x.iter().enumerate() {
+                let xv = lanes(xr.wrapping_add(x_at), off + rows.shift, mx);
+                for (acc_row, dv) in acc.iter_mut().zip(&d) {
+                    for (e, a) in acc_row[j].iter_mut().enumerate() {
+                        *a = dv[e].mul_add(xv[e], *a);
+                        *a = dv[16 + e].mul_add(xv[16 + e], *a);
+                    }
+                }
+            }
+        }
+    }
+    acc.map(|row| row.map(lane_sum))
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{Rows, CB, CHUNK, RB};
@@ -313,7 +447,7 @@ mod x86 {
     /// `i · strides.1 + 32q + e + shift` inside each `x` row's; masked-off lanes are not read
     /// (AVX-512 masked loads suppress their faults), so their addresses need not be valid.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn block(rows: &Rows<'_>) -> [[f32; CB]; RB] {
+    pub(super) unsafe fn block(rows: &Rows<'_, u16>) -> [[f32; CB]; RB] {
         let mut acc = [[_mm512_setzero_ps(); CB]; RB];
         let chunks = rows.masks.len();
         assert_eq!(rows.tail.len(), chunks, "a tail mask per chunk");
@@ -352,6 +486,132 @@ mod x86 {
                         let xv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mx, p));
                         for i in 0..RB {
                             acc[i][j] = _mm512_dpbf16_ps(acc[i][j], d[i], xv);
+                        }
+                    }
+                }
+            }
+        }
+        let mut sums = [[0f32; CB]; RB];
+        for i in 0..RB {
+            for j in 0..CB {
+                sums[i][j] = lane_sum_zmm(acc[i][j]);
+            }
+        }
+        sums
+    }
+
+    /// `block` with F32 FMAs: each 32-bit lane of a 64-byte load holds a pair, its high half
+    /// (the odd element) is an F32 once the low half is cleared and its low half (the even
+    /// element) once shifted up, and the two products go in `vdpbf16ps`' order, odd first.
+    /// Products of BF16 values are exact in F32, so each FMA rounds once, as the twin's add
+    /// does: the same bits as `portable_block`, subnormals included.
+    ///
+    /// # Safety
+    /// As `block`, with AVX-512 F and BW instead of BF16.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn block_fma(rows: &Rows<'_, u16>) -> [[f32; CB]; RB] {
+        let mut acc = [[_mm512_setzero_ps(); CB]; RB];
+        let chunks = rows.masks.len();
+        assert_eq!(rows.tail.len(), chunks, "a tail mask per chunk");
+        let (dy0, x0) = (rows.dy[0], rows.x[0]);
+        let dy_off: [isize; RB] = std::array::from_fn(|i| (rows.dy[i] as isize - dy0 as isize) / 2);
+        let x_off: [isize; CB] = std::array::from_fn(|j| (rows.x[j] as isize - x0 as isize) / 2);
+        let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+        for img in 0..rows.images {
+            let dy_img = dy0.wrapping_add(img * rows.strides.0);
+            let x_img = x0
+                .wrapping_add(img * rows.strides.1)
+                .wrapping_offset(rows.shift);
+            for q in 0..chunks {
+                // SAFETY: q < chunks, the length of both (asserted above).
+                let (mx, mt) =
+                    unsafe { (*rows.masks.get_unchecked(q), *rows.tail.get_unchecked(q)) };
+                if mx == 0 {
+                    continue;
+                }
+                let (dp, xp) = (
+                    dy_img.wrapping_add(q * CHUNK),
+                    x_img.wrapping_add(q * CHUNK),
+                );
+                // SAFETY: the caller's contract on set bits.
+                unsafe {
+                    let mut d_odd = [_mm512_setzero_ps(); RB];
+                    let mut d_even = [_mm512_setzero_ps(); RB];
+                    for i in 0..RB {
+                        let p = dp.wrapping_offset(dy_off[i]).cast::<i16>();
+                        let v = _mm512_maskz_loadu_epi16(mt, p);
+                        d_odd[i] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                        d_even[i] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                    }
+                    for j in 0..CB {
+                        let p = xp.wrapping_offset(x_off[j]).cast::<i16>();
+                        let v = _mm512_maskz_loadu_epi16(mx, p);
+                        let x_odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                        let x_even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                        for i in 0..RB {
+                            acc[i][j] = _mm512_fmadd_ps(d_odd[i], x_odd, acc[i][j]);
+                            acc[i][j] = _mm512_fmadd_ps(d_even[i], x_even, acc[i][j]);
+                        }
+                    }
+                }
+            }
+        }
+        let mut sums = [[0f32; CB]; RB];
+        for i in 0..RB {
+            for j in 0..CB {
+                sums[i][j] = lane_sum_zmm(acc[i][j]);
+            }
+        }
+        sums
+    }
+
+    /// `block` on F32 planes: each 32-pixel chunk as two 16-lane halves, pixel `e` then
+    /// pixel `16 + e` into lane `e`, one FMA each.
+    ///
+    /// # Safety
+    /// As `block`, with AVX-512 F instead of BW and BF16, on F32 rows.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn block_f32(rows: &Rows<'_, f32>) -> [[f32; CB]; RB] {
+        let mut acc = [[_mm512_setzero_ps(); CB]; RB];
+        let chunks = rows.masks.len();
+        assert_eq!(rows.tail.len(), chunks, "a tail mask per chunk");
+        let (dy0, x0) = (rows.dy[0], rows.x[0]);
+        let dy_off: [isize; RB] = std::array::from_fn(|i| (rows.dy[i] as isize - dy0 as isize) / 4);
+        let x_off: [isize; CB] = std::array::from_fn(|j| (rows.x[j] as isize - x0 as isize) / 4);
+        for img in 0..rows.images {
+            let dy_img = dy0.wrapping_add(img * rows.strides.0);
+            let x_img = x0
+                .wrapping_add(img * rows.strides.1)
+                .wrapping_offset(rows.shift);
+            for q in 0..chunks {
+                // SAFETY: q < chunks, the length of both (asserted above).
+                let (mx, mt) =
+                    unsafe { (*rows.masks.get_unchecked(q), *rows.tail.get_unchecked(q)) };
+                if mx == 0 {
+                    continue;
+                }
+                let (dp, xp) = (
+                    dy_img.wrapping_add(q * CHUNK),
+                    x_img.wrapping_add(q * CHUNK),
+                );
+                let (mt_lo, mt_hi) = (mt as u16, (mt >> 16) as u16);
+                let (mx_lo, mx_hi) = (mx as u16, (mx >> 16) as u16);
+                // SAFETY: the caller's contract on set bits.
+                unsafe {
+                    let mut d_lo = [_mm512_setzero_ps(); RB];
+                    let mut d_hi = [_mm512_setzero_ps(); RB];
+                    for i in 0..RB {
+                        let p = dp.wrapping_offset(dy_off[i]);
+                        d_lo[i] = _mm512_maskz_loadu_ps(mt_lo, p);
+                        d_hi[i] = _mm512_maskz_loadu_ps(mt_hi, p.wrapping_add(16));
+                    }
+                    for j in 0..CB {
+                        let p = xp.wrapping_offset(x_off[j]);
+                        let x_lo = _mm512_maskz_loadu_ps(mx_lo, p);
+                        let x_hi = _mm512_maskz_loadu_ps(mx_hi, p.wrapping_add(16));
+                        for i in 0..RB {
+                            acc[i][j] = _mm512_fmadd_ps(d_lo[i], x_lo, acc[i][j]);
+                            acc[i][j] = _mm512_fmadd_ps(d_hi[i], x_hi, acc[i][j]);
                         }
                     }
                 }
