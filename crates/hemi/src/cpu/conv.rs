@@ -19,6 +19,7 @@ use rayon::prelude::*;
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
+use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::gemm_half::{
@@ -187,6 +188,9 @@ fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
 /// the `gemm` crate (F64, and F32 shapes `f32_kernel` leaves to it). The kernel is the one
 /// `product` and `image_forward`'s unfold would pick, so the bits are the same.
 fn packed_weights<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<Vec<PackedA>> {
+    if direct_plan::<T, C>(w, g).is_some() {
+        return None;
+    }
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     if C::DTYPE != DType::F32 || m == 0 || k == 0 || l == 0 {
         return None;
@@ -205,19 +209,71 @@ fn packed_weights<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Optio
     Some(groups.collect())
 }
 
+/// The plan of a forward convolution read straight from the image (`cpu::conv_direct`), for
+/// F32 or BF16 tensors with F32 results, where that route applies (few output channels,
+/// stride 1, 'same' width, AVX-512).
+fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<DirectPlan> {
+    if C::DTYPE != DType::F32 {
+        return None;
+    }
+    if let Some(w) = same_slice::<T, f32>(w) {
+        DirectPlan::new(g, w)
+    } else if let Some(w) = same_slice::<T, bf16>(w) {
+        // Only where BF16 products are widened to F32 anyway (not on a pair kernel).
+        let kernel = kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l());
+        kernel.packs_f32().then(|| DirectPlan::new(g, w)).flatten()
+    } else {
+        None
+    }
+}
+
+/// A convolution's weights prepared once for all its images: read from the image
+/// (`direct`), or packed for the GEMM (`packed`), or neither.
+#[derive(Default)]
+struct Prepared {
+    direct: Option<DirectPlan>,
+    packed: Option<Vec<PackedA>>,
+}
+
+impl Prepared {
+    fn new<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Self {
+        match direct_plan::<T, C>(w, g) {
+            Some(d) => Prepared {
+                direct: Some(d),
+                packed: None,
+            },
+            None => Prepared {
+                direct: None,
+                packed: packed_weights::<T, C>(w, g),
+            },
+        }
+    }
+}
+
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group, with the
 /// weights packed beforehand where `packed` holds them (`packed_weights`).
 #[allow(clippy::too_many_arguments)]
 fn image_forward<T: WithDType, C: FloatDType>(
     x: &[T],
     w: &[T],
-    packed: Option<&[PackedA]>,
+    prep: &Prepared,
     bias: Option<&[C]>,
     y: &mut [C],
     scratch: &mut Vec<T>,
     g: &Conv2dGeom,
     par: bool,
 ) {
+    if let Some(d) = &prep.direct {
+        let y = C::as_f32_mut(y).expect("direct_plan: F32 results");
+        let bias = bias.map(|b| C::as_f32(b).expect("direct_plan: F32 bias"));
+        if let Some(x) = same_slice::<T, f32>(x) {
+            return d.image(x, bias, y);
+        }
+        if let Some(x) = same_slice::<T, bf16>(x) {
+            return d.image(x, bias, y);
+        }
+    }
+    let packed = prep.packed.as_deref();
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     // Stride-1 'same'-width convolutions on hemi's GEMM read the column matrix straight from
     // the image (`gemm_half::Unfold`); the rest unfold it first.
@@ -266,17 +322,16 @@ pub fn conv2d_forward<C: FloatDType>(
     if y.is_empty() {
         return y;
     }
-    let packed = packed_weights::<C, C>(w, g);
-    let packed = packed.as_deref();
+    let prep = Prepared::new::<C, C>(w, g);
     if g.n == 1 {
-        image_forward(x, w, packed, bias, &mut y, &mut Vec::new(), g, true);
+        image_forward(x, w, &prep, bias, &mut y, &mut Vec::new(), g, true);
         return y;
     }
     crate::threads::nudge();
     y.par_chunks_mut(g.out_image())
         .zip(x.par_chunks(g.in_image()))
         .for_each_init(Vec::new, |scratch, (yi, xi)| {
-            image_forward(xi, w, packed, bias, yi, scratch, g, false)
+            image_forward(xi, w, &prep, bias, yi, scratch, g, false)
         });
     y
 }
@@ -609,11 +664,10 @@ pub fn conv2d_forward_blocks<T: WithDType>(
             .expect("BF16");
         }
     }
-    let packed = packed_weights::<T, f32>(w, g);
-    let packed = packed.as_deref();
+    let prep = Prepared::new::<T, f32>(w, g);
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {
         let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
-        image_forward(xi, w, packed, bias, y, col, g, g.n == 1);
+        image_forward(xi, w, &prep, bias, y, col, g, g.n == 1);
     })
     .expect("F32, F16 or BF16")
 }

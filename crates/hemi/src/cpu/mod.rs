@@ -8,6 +8,7 @@ pub mod attention;
 pub mod chunked;
 pub mod conv;
 pub mod conv_block;
+pub mod conv_direct;
 pub mod conv_wgrad;
 pub mod gemm;
 pub mod gemm_half;
