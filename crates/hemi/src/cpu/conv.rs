@@ -443,10 +443,10 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
 ///
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
-/// in run order, so the result is the same on any number of threads. BF16 convolutions that
-/// `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, at most 16 output
-/// channels, on a BF16-pair kernel) skip im2col and the GEMM: dot products straight from the
-/// image.
+/// in run order, so the result is the same on any number of threads. F32 and BF16
+/// convolutions that `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, at
+/// most 16 output channels, on an AVX-512 kernel) skip im2col and the GEMM: dot products
+/// straight from the image.
 /// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
 pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     x: &[T],
@@ -457,44 +457,28 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     if g.n == 0 || len == 0 || g.l() == 0 {
         return vec![C::zero(); len];
     }
-    if let (Some(xb), Some(dyb)) = (same_slice::<T, bf16>(x), same_slice::<T, bf16>(dy)) {
-        if let Some(plan) = WgradPlan::new(g).filter(|_| C::DTYPE == DType::F32) {
-            // BF16 pairs read from the image as stored (`cpu::conv_wgrad`). Runs of at least
-            // 2048 pixels, so that small planes do not pay a run's sums every few chunks.
-            let runs = Runs::new(g.n, 1, 2048usize.div_ceil(g.l()));
-            let parallel = runs.count < rayon::current_num_threads();
-            let dw = runs.sum_init(
-                len,
-                || (),
-                |_, r| {
-                    let mut dw = vec![0f32; len];
-                    let images = runs.range(r, g.n);
-                    let xi = &xb[images.start * g.in_image()..images.end * g.in_image()];
-                    let dyi = &dyb[images.start * g.out_image()..images.end * g.out_image()];
-                    plan.add_images(xi, dyi, images.len(), &mut dw, parallel);
-                    dw
-                },
-            );
-            return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();
-        }
-    }
-    if let (Some(xf), Some(dyf)) = (same_slice::<T, f32>(x), same_slice::<T, f32>(dy)) {
-        if let Some(plan) = WgradPlan::new_f32(g).filter(|_| C::DTYPE == DType::F32) {
-            // F32 planes read as stored, as the BF16 ones above.
-            let runs = Runs::new(g.n, 1, 2048usize.div_ceil(g.l()));
-            let parallel = runs.count < rayon::current_num_threads();
-            let dw = runs.sum_init(
-                len,
-                || (),
-                |_, r| {
-                    let mut dw = vec![0f32; len];
-                    let images = runs.range(r, g.n);
-                    let xi = &xf[images.start * g.in_image()..images.end * g.in_image()];
-                    let dyi = &dyf[images.start * g.out_image()..images.end * g.out_image()];
-                    plan.add_images_f32(xi, dyi, images.len(), &mut dw, parallel);
-                    dw
-                },
-            );
+    if C::DTYPE == DType::F32 {
+        // BF16 pairs or F32 planes read from the image as stored (`cpu::conv_wgrad`).
+        let dw = if let (Some(xb), Some(dyb), Some(plan)) = (
+            same_slice::<T, bf16>(x),
+            same_slice::<T, bf16>(dy),
+            WgradPlan::new(g),
+        ) {
+            Some(wgrad_runs(xb, dyb, g, |x, dy, n, dw, par| {
+                plan.add_images(x, dy, n, dw, par)
+            }))
+        } else if let (Some(xf), Some(dyf), Some(plan)) = (
+            same_slice::<T, f32>(x),
+            same_slice::<T, f32>(dy),
+            WgradPlan::new_f32(g),
+        ) {
+            Some(wgrad_runs(xf, dyf, g, |x, dy, n, dw, par| {
+                plan.add_images_f32(x, dy, n, dw, par)
+            }))
+        } else {
+            None
+        };
+        if let Some(dw) = dw {
             return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();
         }
     }
@@ -517,6 +501,33 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
         }
         dw
     })
+}
+
+/// A weight gradient from the image (`cpu::conv_wgrad`) over runs of images of at least 2048
+/// pixels (so that small planes do not pay a run's sums every few chunks), fixed by the batch,
+/// each summed by `add(x, dy, images, dw, parallel)` into its own buffer, the buffers added in
+/// run order.
+fn wgrad_runs<E: Sync>(
+    x: &[E],
+    dy: &[E],
+    g: &Conv2dGeom,
+    add: impl Fn(&[E], &[E], usize, &mut [f32], bool) + Sync,
+) -> Vec<f32> {
+    let len = g.weight_len();
+    let runs = Runs::new(g.n, 1, 2048usize.div_ceil(g.l()));
+    let parallel = runs.count < rayon::current_num_threads();
+    runs.sum_init(
+        len,
+        || (),
+        |_, r| {
+            let mut dw = vec![0f32; len];
+            let images = runs.range(r, g.n);
+            let xi = &x[images.start * g.in_image()..images.end * g.in_image()];
+            let dyi = &dy[images.start * g.out_image()..images.end * g.out_image()];
+            add(xi, dyi, images.len(), &mut dw, parallel);
+            dw
+        },
+    )
 }
 
 /// Plain direct convolution (f64), the reference the fast path is tested against.

@@ -454,22 +454,18 @@ pub fn gemm_with<A: WithDType, B: WithDType>(
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(
-        b.rows, k,
-        "gemm_half: inner dims ({m}x{k} · {}x{n})",
-        b.rows
-    );
-    b.check_bounds("rhs");
-    run_product(
-        kernel,
-        dst,
-        Lhs::Mat(a),
-        Rhs::Mat(b),
-        n,
-        accumulate,
-        parallel,
-    )
+    mat_product(kernel, dst, Lhs::Mat(a), b, accumulate, parallel)
+}
+
+/// `gemm_with` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_packed<B: WithDType>(
+    dst: &mut [f32],
+    a: &PackedA,
+    b: MatRef<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    mat_product::<f32, B>(a.kernel, dst, Lhs::Packed(a), b, accumulate, parallel)
 }
 
 /// `gemm_with` where B is the column matrix `u` of a convolution, packed straight from its
@@ -483,27 +479,18 @@ pub fn gemm_unfold<A: WithDType, B: WithDType>(
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, u.cols());
-    assert_eq!(
-        u.rows(),
-        k,
-        "gemm_unfold: inner dims ({m}x{k} · {}x{n})",
-        u.rows()
-    );
-    assert!(
-        kernel.packs_f32(),
-        "gemm_unfold: {} packs BF16 pairs",
-        kernel.name()
-    );
-    run_product(
-        kernel,
-        dst,
-        Lhs::Mat(a),
-        Rhs::Unfold(u),
-        n,
-        accumulate,
-        parallel,
-    )
+    unfold_product(kernel, dst, Lhs::Mat(a), u, accumulate, parallel)
+}
+
+/// `gemm_unfold` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_unfold_packed<B: WithDType>(
+    dst: &mut [f32],
+    a: &PackedA,
+    u: Unfold<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    unfold_product::<f32, B>(a.kernel, dst, Lhs::Packed(a), u, accumulate, parallel)
 }
 
 /// `gemm_with` on a BF16-pair kernel (`Kernel::unfolds_pairs`) where B is a convolution's
@@ -523,7 +510,73 @@ pub fn gemm_unfold_pairs(
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, u.cols());
+    pairs_product(kernel, dst, Lhs::Mat(a), u, accumulate, parallel)
+}
+
+/// `gemm_unfold_pairs` on A packed beforehand: its kernel, the same bits.
+pub fn gemm_unfold_pairs_packed(
+    dst: &mut [f32],
+    a: &PackedA,
+    u: Unfold<'_, f32>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    pairs_product(a.kernel, dst, Lhs::Packed(a), u, accumulate, parallel)
+}
+
+/// `gemm_with`'s and `gemm_packed`'s checks of B, then the product.
+fn mat_product<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: Lhs<'_, A>,
+    b: MatRef<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows(), a.cols(), b.cols);
+    assert_eq!(
+        b.rows, k,
+        "gemm_half: inner dims ({m}x{k} · {}x{n})",
+        b.rows
+    );
+    b.check_bounds("rhs");
+    run_product(kernel, dst, a, Rhs::Mat(b), n, accumulate, parallel)
+}
+
+/// `gemm_unfold`'s and `gemm_unfold_packed`'s checks, then the product.
+fn unfold_product<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: Lhs<'_, A>,
+    u: Unfold<'_, B>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows(), a.cols(), u.cols());
+    assert_eq!(
+        u.rows(),
+        k,
+        "gemm_unfold: inner dims ({m}x{k} · {}x{n})",
+        u.rows()
+    );
+    assert!(
+        kernel.packs_f32(),
+        "gemm_unfold: {} packs BF16 pairs",
+        kernel.name()
+    );
+    run_product(kernel, dst, a, Rhs::Unfold(u), n, accumulate, parallel)
+}
+
+/// `gemm_unfold_pairs`'s and `gemm_unfold_pairs_packed`'s checks, then the product.
+fn pairs_product(
+    kernel: Kernel,
+    dst: &mut [f32],
+    a: Lhs<'_, bf16>,
+    u: Unfold<'_, f32>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows(), a.cols(), u.cols());
     assert_eq!(
         2 * u.rows(),
         k,
@@ -535,104 +588,7 @@ pub fn gemm_unfold_pairs(
         "gemm_unfold_pairs: {} does not pack unpadded BF16 pairs",
         kernel.name()
     );
-    run_product::<bf16, bf16>(
-        kernel,
-        dst,
-        Lhs::Mat(a),
-        Rhs::Pairs(u),
-        n,
-        accumulate,
-        parallel,
-    )
-}
-
-/// `gemm_with` on A packed beforehand: its kernel, the same bits.
-pub fn gemm_packed<B: WithDType>(
-    dst: &mut [f32],
-    a: &PackedA,
-    b: MatRef<'_, B>,
-    accumulate: bool,
-    parallel: bool,
-) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert_eq!(
-        b.rows, k,
-        "gemm_packed: inner dims ({m}x{k} · {}x{n})",
-        b.rows
-    );
-    b.check_bounds("rhs");
-    let kernel = a.kernel;
-    run_product::<f32, B>(
-        kernel,
-        dst,
-        Lhs::Packed(a),
-        Rhs::Mat(b),
-        n,
-        accumulate,
-        parallel,
-    )
-}
-
-/// `gemm_unfold` on A packed beforehand: its kernel, the same bits.
-pub fn gemm_unfold_packed<B: WithDType>(
-    dst: &mut [f32],
-    a: &PackedA,
-    u: Unfold<'_, B>,
-    accumulate: bool,
-    parallel: bool,
-) {
-    let (m, k, n) = (a.rows, a.cols, u.cols());
-    assert_eq!(
-        u.rows(),
-        k,
-        "gemm_unfold_packed: inner dims ({m}x{k} · {}x{n})",
-        u.rows()
-    );
-    assert!(
-        a.kernel.packs_f32(),
-        "gemm_unfold_packed: {} packs BF16 pairs",
-        a.kernel.name()
-    );
-    run_product::<f32, B>(
-        a.kernel,
-        dst,
-        Lhs::Packed(a),
-        Rhs::Unfold(u),
-        n,
-        accumulate,
-        parallel,
-    )
-}
-
-/// `gemm_unfold_pairs` on A packed beforehand: its kernel, the same bits.
-pub fn gemm_unfold_pairs_packed(
-    dst: &mut [f32],
-    a: &PackedA,
-    u: Unfold<'_, f32>,
-    accumulate: bool,
-    parallel: bool,
-) {
-    let (m, k, n) = (a.rows, a.cols, u.cols());
-    assert_eq!(
-        2 * u.rows(),
-        k,
-        "gemm_unfold_pairs_packed: inner dims ({m}x{k} · 2·{}x{n})",
-        u.rows()
-    );
-    assert!(
-        a.kernel.unfolds_pairs(),
-        "gemm_unfold_pairs_packed: {} does not pack unpadded BF16 pairs",
-        a.kernel.name()
-    );
-    run_product::<bf16, bf16>(
-        a.kernel,
-        dst,
-        Lhs::Packed(a),
-        Rhs::Pairs(u),
-        n,
-        accumulate,
-        parallel,
-    )
+    run_product::<bf16, bf16>(kernel, dst, a, Rhs::Pairs(u), n, accumulate, parallel)
 }
 
 /// The checks and the run the entry points share: `dst [m, n] = [dst +] a · b`.
@@ -882,6 +838,13 @@ impl<A: WithDType> Lhs<'_, A> {
         match self {
             Lhs::Mat(a) => a.rows,
             Lhs::Packed(p) => p.rows,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        match self {
+            Lhs::Mat(a) => a.cols,
+            Lhs::Packed(p) => p.cols,
         }
     }
 }
