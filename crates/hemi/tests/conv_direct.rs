@@ -63,7 +63,8 @@ const CASES: [Geom6; 11] = [
 /// Checks one element type: `to` rounds an F64 into it, `back` reads it as F64.
 fn check<T: DirectElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
     let mut rng = Generator::new(seed);
-    let simd_runs = DirectPlan::with_simd(&CASES[0].geom(), &[to(0.0); 135], true).is_some();
+    let g0 = CASES[0].geom();
+    let simd_runs = DirectPlan::with_simd(&g0, &vec![to(0.0); g0.weight_len()], true).is_some();
     println!("AVX-512 block checked against the twin: {simd_runs}");
     for case in CASES {
         let g = case.geom();

@@ -188,9 +188,6 @@ fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
 /// the `gemm` crate (F64, and F32 shapes `f32_kernel` leaves to it). The kernel is the one
 /// `product` and `image_forward`'s unfold would pick, so the bits are the same.
 fn packed_weights<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<Vec<PackedA>> {
-    if direct_plan::<T, C>(w, g).is_some() {
-        return None;
-    }
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     if C::DTYPE != DType::F32 || m == 0 || k == 0 || l == 0 {
         return None;
@@ -228,8 +225,7 @@ fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<D
 }
 
 /// A convolution's weights prepared once for all its images: read from the image
-/// (`direct`), or packed for the GEMM (`packed`), or neither.
-#[derive(Default)]
+/// (`direct`), or else packed for the GEMM (`packed`), or neither.
 struct Prepared {
     direct: Option<DirectPlan>,
     packed: Option<Vec<PackedA>>,
@@ -237,21 +233,18 @@ struct Prepared {
 
 impl Prepared {
     fn new<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Self {
-        match direct_plan::<T, C>(w, g) {
-            Some(d) => Prepared {
-                direct: Some(d),
-                packed: None,
-            },
-            None => Prepared {
-                direct: None,
-                packed: packed_weights::<T, C>(w, g),
-            },
-        }
+        let direct = direct_plan::<T, C>(w, g);
+        let packed = match direct {
+            Some(_) => None,
+            None => packed_weights::<T, C>(w, g),
+        };
+        Prepared { direct, packed }
     }
 }
 
-/// Forward of one image: `y [c_out, L] = w x col (+ bias)`, group by group, with the
-/// weights packed beforehand where `packed` holds them (`packed_weights`).
+/// Forward of one image: `y [c_out, L] = w x col (+ bias)`: from the image where `prep` has
+/// a direct plan, else group by group on the GEMM, with the weights packed beforehand where
+/// `prep` holds them.
 #[allow(clippy::too_many_arguments)]
 fn image_forward<T: WithDType, C: FloatDType>(
     x: &[T],

@@ -23,6 +23,7 @@
 use half::bf16;
 
 use crate::backend::nn::Conv2dGeom;
+use crate::cpu::conv_wgrad::ShiftMasks;
 
 /// Output channels per block.
 const RO: usize = 8;
@@ -30,9 +31,9 @@ const RO: usize = 8;
 const PC: usize = 3;
 /// Pixels per chunk: one 16-lane F32 vector.
 const CHUNK: usize = 16;
-/// The most output channels `DirectPlan::new` takes. With more, the GEMM's packed panels
-/// are shared by enough rows (measured: bench/RESULTS.md, "Forward convolutions of 16
-/// channels from the image").
+/// The most output channels `DirectPlan::new` takes: the route was measured faster only at
+/// 16 (ResNet-20's first stage, bench/RESULTS.md); with more, each packed column value feeds
+/// more multiply-adds, and the GEMM keeps those layers until a measurement says otherwise.
 pub const MAX_C_OUT: usize = 16;
 
 /// One convolution's forward from the image: its geometry, the weights as F32 in k-major
@@ -99,7 +100,7 @@ impl DirectPlan {
             w.len() >= g.weight_len(),
             "conv_direct: weights too short for {g:?}"
         );
-        let (l, wd, h, kk, k) = (g.l(), g.w as isize, g.h as isize, g.kh * g.kw, g.k());
+        let k = g.k();
         let cop = g.c_out.next_multiple_of(RO);
         let mut wt = vec![0f32; k * cop];
         for o in 0..g.c_out {
@@ -107,33 +108,15 @@ impl DirectPlan {
                 wt[kx * cop + o] = v.to_f32();
             }
         }
-        let chunks = l.div_ceil(CHUNK);
-        let mut shifts = Vec::with_capacity(kk);
-        let mut masks = vec![0u16; kk * chunks];
-        for ki in 0..g.kh {
-            for kj in 0..g.kw {
-                let r = ki * g.kw + kj;
-                let off_h = (ki * g.dilation.0) as isize - g.padding.0 as isize;
-                let off_w = (kj * g.dilation.1) as isize - g.padding.1 as isize;
-                shifts.push(off_h * wd + off_w);
-                for p in 0..l {
-                    let (ih, iw) = ((p / g.w) as isize + off_h, (p % g.w) as isize + off_w);
-                    if (0..h).contains(&ih) && (0..wd).contains(&iw) {
-                        masks[r * chunks + p / CHUNK] |= 1 << (p % CHUNK);
-                    }
-                }
-            }
-        }
-        let tail = (0..chunks)
-            .map(|q| {
-                let lanes = (l - q * CHUNK).min(CHUNK);
-                if lanes == CHUNK {
-                    u16::MAX
-                } else {
-                    (1u16 << lanes) - 1
-                }
-            })
-            .collect();
+        let ShiftMasks {
+            chunks,
+            shifts,
+            masks,
+            tail,
+        } = ShiftMasks::new(g, CHUNK);
+        // 16-pixel chunks: every mask fits the 16 lanes of one F32 vector.
+        let lanes16 = |v: Vec<u32>| v.into_iter().map(|m| m as u16).collect();
+        let (masks, tail) = (lanes16(masks), lanes16(tail));
         Some(DirectPlan {
             simd,
             g: *g,

@@ -32,6 +32,7 @@
 //! bits (on values whose sums are not subnormal, which `vdpbf16ps` flushes to zero).
 
 use half::bf16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::backend::nn::Conv2dGeom;
@@ -119,34 +120,12 @@ impl WgradPlan {
         if g.groups != 1 || g.stride != (1, 1) || g.w_out != g.w || g.l() == 0 || g.c_in == 0 {
             return None;
         }
-        let (l, w, h) = (g.l(), g.w as isize, g.h as isize);
-        let chunks = l.div_ceil(CHUNK);
-        let mut shifts = Vec::with_capacity(g.kh * g.kw);
-        let mut masks = vec![0u32; g.kh * g.kw * chunks];
-        for ki in 0..g.kh {
-            for kj in 0..g.kw {
-                let r = ki * g.kw + kj;
-                let off_h = (ki * g.dilation.0) as isize - g.padding.0 as isize;
-                let off_w = (kj * g.dilation.1) as isize - g.padding.1 as isize;
-                shifts.push(off_h * w + off_w);
-                for p in 0..l {
-                    let (ih, iw) = ((p / g.w) as isize + off_h, (p % g.w) as isize + off_w);
-                    if (0..h).contains(&ih) && (0..w).contains(&iw) {
-                        masks[r * chunks + p / CHUNK] |= 1 << (p % CHUNK);
-                    }
-                }
-            }
-        }
-        let tail = (0..chunks)
-            .map(|q| {
-                let lanes = (l - q * CHUNK).min(CHUNK);
-                if lanes == CHUNK {
-                    u32::MAX
-                } else {
-                    (1u32 << lanes) - 1
-                }
-            })
-            .collect();
+        let ShiftMasks {
+            chunks,
+            shifts,
+            masks,
+            tail,
+        } = ShiftMasks::new(g, CHUNK);
         Some(WgradPlan {
             imp,
             g: *g,
@@ -179,9 +158,14 @@ impl WgradPlan {
             Imp::Fma => x86::block_fma,
             _ => portable_block,
         };
-        // SAFETY: BF16 is 16 bits of any pattern, read as u16.
-        let (x, dy) = unsafe { (bits(x), bits(dy)) };
-        self.add_images_with(x, dy, images, dw, parallel, block)
+        self.add_images_with(
+            x.reinterpret_cast(),
+            dy.reinterpret_cast(),
+            images,
+            dw,
+            parallel,
+            block,
+        )
     }
 
     /// `add_images` for F32 tensors: the same dot products over the same masked chunks, two
@@ -302,13 +286,52 @@ impl WgradPlan {
 /// A block's dot products (`portable_block`, `x86::block`...).
 type Block<E> = unsafe fn(&Rows<'_, E>) -> [[f32; CB]; RB];
 
-/// BF16 values as their bits.
-///
-/// # Safety
-/// None beyond the call: `bf16` is a `u16` with another name (`repr(transparent)`).
-unsafe fn bits(v: &[bf16]) -> &[u16] {
-    // SAFETY: same size and alignment, every bit pattern valid.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) }
+/// What a stride-1 convolution whose output rows are as long as its input rows reads, for
+/// code that walks its output pixels in chunks of `chunk` (≤ 32) straight from the image
+/// (`WgradPlan`, `conv_direct::DirectPlan`): output pixel `p` of kernel offset
+/// `r = ki·kw + kj` reads input pixel `p + shifts[r]` of each plane.
+pub(crate) struct ShiftMasks {
+    /// Chunks of output pixels: `ceil(L / chunk)`.
+    pub chunks: usize,
+    pub shifts: Vec<isize>,
+    /// `masks[r * chunks + q]`: bit `e` set where pixel `chunk·q + e` of kernel offset `r`
+    /// reads an input pixel (not padding, not past the output).
+    pub masks: Vec<u32>,
+    /// `tail[q]`: bit `e` set where pixel `chunk·q + e` is an output pixel.
+    pub tail: Vec<u32>,
+}
+
+impl ShiftMasks {
+    pub fn new(g: &Conv2dGeom, chunk: usize) -> Self {
+        assert!((1..=32).contains(&chunk), "a chunk's mask is a u32");
+        let (l, w, h) = (g.l(), g.w as isize, g.h as isize);
+        let chunks = l.div_ceil(chunk);
+        let mut shifts = Vec::with_capacity(g.kh * g.kw);
+        let mut masks = vec![0u32; g.kh * g.kw * chunks];
+        for ki in 0..g.kh {
+            for kj in 0..g.kw {
+                let r = ki * g.kw + kj;
+                let off_h = (ki * g.dilation.0) as isize - g.padding.0 as isize;
+                let off_w = (kj * g.dilation.1) as isize - g.padding.1 as isize;
+                shifts.push(off_h * w + off_w);
+                for p in 0..l {
+                    let (ih, iw) = ((p / g.w) as isize + off_h, (p % g.w) as isize + off_w);
+                    if (0..h).contains(&ih) && (0..w).contains(&iw) {
+                        masks[r * chunks + p / chunk] |= 1 << (p % chunk);
+                    }
+                }
+            }
+        }
+        let tail = (0..chunks)
+            .map(|q| u32::MAX >> (32 - (l - q * chunk).min(chunk)))
+            .collect();
+        ShiftMasks {
+            chunks,
+            shifts,
+            masks,
+            tail,
+        }
+    }
 }
 
 /// Whether the CPU has AVX-512 BW (the masked 16-bit loads of `x86::block_fma`).
