@@ -20,6 +20,7 @@ use rayon::prelude::*;
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::per_block_with;
 use crate::cpu::conv_direct::DirectPlan;
+use crate::cpu::conv_implicit::ImplicitPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::gemm_half::{
@@ -30,7 +31,7 @@ use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
 use crate::DType;
-use half::bf16;
+use half::{bf16, f16};
 
 /// The outputs `o` in `[0, out)` whose input coordinate `o*stride + off` lies in `[0, size)`,
 /// as a half-open range (so the copy loops need no bounds tests).
@@ -224,21 +225,51 @@ fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<D
     }
 }
 
+/// The plan of a forward convolution as an implicit GEMM from a padded copy of the image
+/// (`cpu::conv_implicit`), for F32, F16 or BF16 tensors with F32 results, where that route
+/// applies (output channels a multiple of 32, not pointwise, ungrouped, AVX-512) and the
+/// half products would be widened to F32 anyway (not BF16 on a pair kernel).
+fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<ImplicitPlan> {
+    if C::DTYPE != DType::F32 {
+        return None;
+    }
+    let widened = || kernel_for(T::DTYPE, T::DTYPE, g.c_out_g(), g.k(), g.l()).packs_f32();
+    if let Some(w) = same_slice::<T, f32>(w) {
+        ImplicitPlan::new(g, w)
+    } else if let Some(w) = same_slice::<T, bf16>(w) {
+        widened().then(|| ImplicitPlan::new(g, w)).flatten()
+    } else if let Some(w) = same_slice::<T, f16>(w) {
+        widened().then(|| ImplicitPlan::new(g, w)).flatten()
+    } else {
+        None
+    }
+}
+
 /// A convolution's weights prepared once for all its images: read from the image
-/// (`direct`), or else packed for the GEMM (`packed`), or neither.
+/// (`direct`), or as an implicit GEMM (`implicit`), or else packed for the GEMM (`packed`),
+/// or none of these.
 struct Prepared {
     direct: Option<DirectPlan>,
+    implicit: Option<ImplicitPlan>,
     packed: Option<Vec<PackedA>>,
 }
 
 impl Prepared {
     fn new<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Self {
         let direct = direct_plan::<T, C>(w, g);
-        let packed = match direct {
+        let implicit = match direct {
             Some(_) => None,
-            None => packed_weights::<T, C>(w, g),
+            None => implicit_plan::<T, C>(w, g),
         };
-        Prepared { direct, packed }
+        let packed = match (&direct, &implicit) {
+            (None, None) => packed_weights::<T, C>(w, g),
+            _ => None,
+        };
+        Prepared {
+            direct,
+            implicit,
+            packed,
+        }
     }
 }
 
@@ -264,6 +295,19 @@ fn image_forward<T: WithDType, C: FloatDType>(
         }
         if let Some(x) = same_slice::<T, bf16>(x) {
             return d.image(x, bias, y);
+        }
+    }
+    if let Some(plan) = &prep.implicit {
+        let y = C::as_f32_mut(y).expect("implicit_plan: F32 results");
+        let bias = bias.map(|b| C::as_f32(b).expect("implicit_plan: F32 bias"));
+        if let Some(x) = same_slice::<T, f32>(x) {
+            return plan.image(x, bias, y);
+        }
+        if let Some(x) = same_slice::<T, bf16>(x) {
+            return plan.image(x, bias, y);
+        }
+        if let Some(x) = same_slice::<T, f16>(x) {
+            return plan.image(x, bias, y);
         }
     }
     let packed = prep.packed.as_deref();

@@ -9,6 +9,7 @@ pub mod chunked;
 pub mod conv;
 pub mod conv_block;
 pub mod conv_direct;
+pub mod conv_implicit;
 pub mod conv_wgrad;
 pub mod gemm;
 pub mod gemm_half;

@@ -1,0 +1,425 @@
+//! Forward convolutions with output channels in multiples of 32 as an implicit GEMM: the
+//! weights are the vector operand, the image's pixels are broadcast from a padded copy, and
+//! no column matrix is built or packed.
+//!
+//! `conv::image_forward` otherwise computes `y [c_out, L] = w [c_out, K] · col [K, L]` on
+//! hemi's GEMM, which packs `col` (read from the image, or from im2col) into panels before
+//! multiplying. On ResNet-20's 32- and 64-channel layers each packed element then feeds only
+//! 32 or 64 multiply-adds, and the packing (about two passes over a matrix `kh·kw` times the
+//! image) held those convolutions to 86–98 GFLOP/s on one Emerald Rapids core, about half its
+//! F32 FMA peak (`hemi bench conv --layers resnet20-32,resnet20-64 --threads 1`).
+//!
+//! Here the product is taken the other way round, `y^T [L, c_out] = col^T [L, K] · w^T [K,
+//! c_out]`. The weights are packed once per call, in panels of `NW = 32` output channels
+//! (`panel[k · NW + o]`). The image is copied once into planes padded with zeros, so that
+//! output pixel `p` of k step `k = (c, ki, kj)` reads element `base(p) + off(k)` of the copy,
+//! with `base(p) = oh·sh·Wp + ow·sw` and `off(k) = (c·Hp + ki·dh)·Wp + kj·dw`: any stride,
+//! padding or dilation, and no masks. A tile of `MR = 8` consecutive output pixels × 32
+//! channels keeps 16 accumulators in registers; each k step loads two weight vectors,
+//! broadcasts 8 pixels and does 16 FMAs. The tile is then transposed in registers (8×16
+//! blocks) and stored as 8-pixel runs of each channel's output plane.
+//!
+//! Each output element sums its k steps in order from zero, one FMA (one rounding) each, then
+//! the bias is added: what the GEMM does where `K` fits one k block. The portable twin does
+//! the same with `f32::mul_add`, so the two give the same bits (`tests/conv_implicit.rs`).
+//! F16 and BF16 images are widened to F32 in the padded copy (exact), so their products are
+//! the F32 products of the same values.
+
+use std::cell::RefCell;
+
+use half::{bf16, f16};
+
+use crate::backend::nn::Conv2dGeom;
+use crate::dtype::convert;
+
+/// Output pixels per tile.
+const MR: usize = 8;
+/// Output channels per panel: two 16-lane F32 vectors.
+const NW: usize = 32;
+/// Vectors per panel row.
+const NV: usize = NW / 16;
+
+/// The element types a plan reads: F32, F16 and BF16 (widened to F32 in the padded copy).
+pub trait ImplicitElem: Copy + Sync + sealed::Sealed {}
+impl ImplicitElem for f32 {}
+impl ImplicitElem for f16 {}
+impl ImplicitElem for bf16 {}
+mod sealed {
+    use half::{bf16, f16};
+    pub trait Sealed: Sized {
+        /// `src` as F32 into `dst` (same length; exact).
+        fn widen(src: &[Self], dst: &mut [f32]);
+        /// One value as F32 (exact).
+        fn to_f32(self) -> f32;
+    }
+    impl Sealed for f32 {
+        fn widen(src: &[f32], dst: &mut [f32]) {
+            dst.copy_from_slice(src);
+        }
+        fn to_f32(self) -> f32 {
+            self
+        }
+    }
+    impl Sealed for f16 {
+        fn widen(src: &[f16], dst: &mut [f32]) {
+            super::convert::f16_to_f32(src, dst);
+        }
+        fn to_f32(self) -> f32 {
+            f16::to_f32(self)
+        }
+    }
+    impl Sealed for bf16 {
+        // Inline: the rows are short (8 pixels on ResNet-20's last stage), and a call to
+        // `convert::bf16_to_f32` per row cost more than the widening.
+        fn widen(src: &[bf16], dst: &mut [f32]) {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        }
+        fn to_f32(self) -> f32 {
+            bf16::to_f32(self)
+        }
+    }
+}
+
+/// One convolution's forward as an implicit GEMM: its geometry, the padded planes' size, the
+/// weights in panels of `NW` output channels and the offset of each k step.
+#[derive(Clone, Debug)]
+pub struct ImplicitPlan {
+    simd: bool,
+    g: Conv2dGeom,
+    /// Rows and columns of a padded plane: exactly those some output reads.
+    hp: usize,
+    wp: usize,
+    /// `panels[(p · K + k) · NW + o]`: weight of output channel `p·NW + o` at k step `k`.
+    panels: Vec<f32>,
+    /// `offs[k]`: where k step `k` reads, relative to an output pixel's base in the copy.
+    offs: Vec<isize>,
+}
+
+thread_local! {
+    /// The padded copy of the image a thread is convolving, kept between images and calls.
+    static PADDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl ImplicitPlan {
+    /// The plan where this file is the route: an ungrouped, non-pointwise convolution whose
+    /// output channels are a multiple of 32, on a CPU with AVX-512 F and VL; `None` otherwise.
+    /// `w` is `[c_out, c_in, kh, kw]`.
+    pub fn new<T: ImplicitElem>(g: &Conv2dGeom, w: &[T]) -> Option<Self> {
+        if g.is_pointwise() || !simd_available() {
+            return None;
+        }
+        Self::with_simd(g, w, true)
+    }
+
+    /// The plan on the AVX-512 tile (`simd`, where the CPU has it) or its portable twin;
+    /// `None` for convolutions it does not take (grouped, output channels not a multiple of
+    /// 32, no output or no input channel) and for `simd` on a CPU without AVX-512 F/VL.
+    pub fn with_simd<T: ImplicitElem>(g: &Conv2dGeom, w: &[T], simd: bool) -> Option<Self> {
+        if simd && !simd_available() {
+            return None;
+        }
+        if g.groups != 1 || g.c_out == 0 || !g.c_out.is_multiple_of(NW) || g.l() == 0 {
+            return None;
+        }
+        if g.c_in == 0 || g.kh == 0 || g.kw == 0 {
+            return None;
+        }
+        assert!(
+            w.len() >= g.weight_len(),
+            "conv_implicit: weights too short for {g:?}"
+        );
+        let span = |out: usize, s: usize, k: usize, d: usize| (out - 1) * s + (k - 1) * d + 1;
+        let hp = span(g.h_out, g.stride.0, g.kh, g.dilation.0);
+        let wp = span(g.w_out, g.stride.1, g.kw, g.dilation.1);
+        let k = g.k();
+        let mut panels = vec![0f32; g.c_out * k];
+        for o in 0..g.c_out {
+            let (p, lane) = (o / NW, o % NW);
+            for (kx, &v) in w[o * k..(o + 1) * k].iter().enumerate() {
+                panels[(p * k + kx) * NW + lane] = v.to_f32();
+            }
+        }
+        let mut offs = Vec::with_capacity(k);
+        for c in 0..g.c_in {
+            for ki in 0..g.kh {
+                for kj in 0..g.kw {
+                    let row = c * hp + ki * g.dilation.0;
+                    offs.push((row * wp + kj * g.dilation.1) as isize);
+                }
+            }
+        }
+        Some(ImplicitPlan {
+            simd,
+            g: *g,
+            hp,
+            wp,
+            panels,
+            offs,
+        })
+    }
+
+    /// One image: `y [c_out, L] = bias + w · col(x)`, `x [c_in, h, w]` as stored, `bias`
+    /// (`[c_out]`) or zeros.
+    pub fn image<T: ImplicitElem>(&self, x: &[T], bias: Option<&[f32]>, y: &mut [f32]) {
+        let g = &self.g;
+        assert!(
+            x.len() >= g.in_image() && y.len() >= g.out_image(),
+            "conv_implicit: buffers too small for one image of {g:?}"
+        );
+        assert!(
+            bias.is_none_or(|b| b.len() >= g.c_out),
+            "conv_implicit: bias too short"
+        );
+        PADDED.with_borrow_mut(|xp| {
+            self.pad(x, xp);
+            let l = g.l();
+            let k = g.k();
+            for p in 0..g.c_out / NW {
+                let panel = &self.panels[p * k * NW..(p + 1) * k * NW];
+                let bias = bias.map(|b| &b[p * NW..(p + 1) * NW]);
+                let y = &mut y[p * NW * l..(p + 1) * NW * l];
+                for p0 in (0..l).step_by(MR) {
+                    let tile = Tile {
+                        plan: self,
+                        p0,
+                        rows: (l - p0).min(MR),
+                    };
+                    // SAFETY: `simd` only where the CPU has AVX-512 F/VL (`with_simd`); `xp`
+                    // holds the padded image, where every base + offset lies (`pad`), and
+                    // `y` this panel's channels of one output.
+                    unsafe {
+                        match self.simd {
+                            #[cfg(target_arch = "x86_64")]
+                            true => x86::tile(&tile, xp, panel, bias, y),
+                            _ => portable_tile(&tile, xp, panel, bias, y),
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// `x` copied into `out` as `c_in` planes of `hp × wp` F32: input row `ih` at padded row
+    /// `ih + ph`, column `iw` at `iw + pw`, zeros around; input rows and columns no output
+    /// reads are left out. Every element of `out` is written.
+    fn pad<T: ImplicitElem>(&self, x: &[T], out: &mut Vec<f32>) {
+        let g = &self.g;
+        let (hp, wp) = (self.hp, self.wp);
+        out.resize(g.c_in * hp * wp, 0.0);
+        let (ph, pw) = g.padding;
+        // Input columns copied: iw in [0, cols), landing at pw..pw + cols.
+        let cols = g.w.min(wp.saturating_sub(pw));
+        for (plane, dst) in x.chunks_exact(g.h * g.w).zip(out.chunks_exact_mut(hp * wp)) {
+            for (r, row) in dst.chunks_exact_mut(wp).enumerate() {
+                let ih = r.wrapping_sub(ph);
+                if r < ph || ih >= g.h || cols == 0 {
+                    row.fill(0.0);
+                    continue;
+                }
+                row[..pw.min(wp)].fill(0.0);
+                T::widen(&plane[ih * g.w..ih * g.w + cols], &mut row[pw..pw + cols]);
+                row[pw + cols..].fill(0.0);
+            }
+        }
+    }
+
+    /// Where output pixel `p` reads its first k step in the padded copy.
+    fn base(&self, p: usize) -> isize {
+        let g = &self.g;
+        let (oh, ow) = (p / g.w_out, p % g.w_out);
+        (oh * g.stride.0 * self.wp + ow * g.stride.1) as isize
+    }
+}
+
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        has!("avx512f") && has!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `rows` (at most `MR`) consecutive output pixels from `p0`.
+struct Tile<'a> {
+    plan: &'a ImplicitPlan,
+    p0: usize,
+    rows: usize,
+}
+
+impl Tile<'_> {
+    /// The base of each of the `MR` rows; rows past `rows` repeat the first pixel's (read,
+    /// never stored).
+    fn bases(&self) -> [isize; MR] {
+        std::array::from_fn(|r| {
+            let p = if r < self.rows { self.p0 + r } else { self.p0 };
+            self.plan.base(p)
+        })
+    }
+}
+
+/// The portable tile: the SIMD tile's sums in their order, with `f32::mul_add`.
+fn portable_tile(t: &Tile<'_>, xp: &[f32], panel: &[f32], bias: Option<&[f32]>, y: &mut [f32]) {
+    let l = t.plan.g.l();
+    let bases = t.bases();
+    let mut acc = [[0f32; NW]; MR];
+    for (kx, &off) in t.plan.offs.iter().enumerate() {
+        let wrow = &panel[kx * NW..(kx + 1) * NW];
+        for (acc_r, &base) in acc.iter_mut().zip(&bases) {
+            let xv = xp[(base + off) as usize];
+            for (a, &wv) in acc_r.iter_mut().zip(wrow) {
+                *a = xv.mul_add(wv, *a);
+            }
+        }
+    }
+    for (r, acc_r) in acc.iter().enumerate().take(t.rows) {
+        for (o, &v) in acc_r.iter().enumerate() {
+            y[o * l + t.p0 + r] = bias.map_or(0.0, |b| b[o]) + v;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Tile, MR, NV, NW};
+    use std::arch::x86_64::*;
+
+    /// k steps ahead that the weights are prefetched.
+    const PF: usize = 4;
+
+    /// One tile: `MR × NV` accumulators over the k steps, then transposed into the output
+    /// planes. (Taking the k steps in blocks of 128 for groups of 4 tiles, so that each block
+    /// of weights is read from L1 by three of them, measured no faster on an Emerald Rapids
+    /// core: the weights are prefetched instead.)
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and VL; every `base + off` of the tile indexes `xp`; `panel`
+    /// holds `K · NW` weights; `y` holds `NW` output planes of the plan's `L` pixels; `bias`,
+    /// where given, `NW` values.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn tile(
+        t: &Tile<'_>,
+        xp: &[f32],
+        panel: &[f32],
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+        // SAFETY: forwarded.
+        unsafe {
+            steps(t, xp, panel.as_ptr(), &t.plan.offs, &mut acc);
+            store(t, &acc, bias, y);
+        }
+    }
+
+    /// The k steps `offs` of one tile, weights from `w`, added to `acc`.
+    ///
+    /// # Safety
+    /// As `tile`; `w` holds `offs.len() · NW` weights.
+    #[inline(always)]
+    unsafe fn steps(
+        t: &Tile<'_>,
+        xp: &[f32],
+        mut w: *const f32,
+        offs: &[isize],
+        acc_out: &mut [[__m512; NV]; MR],
+    ) {
+        let bases = t.bases();
+        let ptrs: [*const f32; MR] = std::array::from_fn(|r| xp.as_ptr().wrapping_offset(bases[r]));
+        let mut acc = *acc_out;
+        for &off in offs {
+            // SAFETY: the caller guarantees NW weights per k step and in-bounds reads.
+            unsafe {
+                for v in 0..NV {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PF * NW + 16 * v).cast());
+                }
+                let wv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(16 * v)));
+                for (acc_r, &ptr) in acc.iter_mut().zip(&ptrs) {
+                    let xv = _mm512_set1_ps(*ptr.offset(off));
+                    for (a, &wv) in acc_r.iter_mut().zip(&wv) {
+                        *a = _mm512_fmadd_ps(xv, wv, *a);
+                    }
+                }
+                w = w.add(NW);
+            }
+        }
+        *acc_out = acc;
+    }
+
+    /// A tile's sums plus the bias, transposed into pixel runs of each channel's plane.
+    ///
+    /// # Safety
+    /// As `tile`.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // acc[r][v] indexed by both
+    unsafe fn store(t: &Tile<'_>, acc: &[[__m512; NV]; MR], bias: Option<&[f32]>, y: &mut [f32]) {
+        let l = t.plan.g.l();
+        let mask: __mmask8 = if t.rows == MR {
+            0xff
+        } else {
+            (1u8 << t.rows) - 1
+        };
+        for v in 0..NV {
+            let b = bias.map_or(_mm512_setzero_ps(), |b| {
+                // SAFETY: `bias` holds NW values (caller).
+                unsafe { _mm512_loadu_ps(b.as_ptr().add(16 * v)) }
+            });
+            let rows: [__m512; MR] = std::array::from_fn(|r| _mm512_add_ps(b, acc[r][v]));
+            let cols = transpose_8x16(rows);
+            for (i, z) in cols.iter().enumerate() {
+                // Channel pair of output vector i: its low half is channel `lo`, its high
+                // half channel `lo + 4` (`transpose_8x16`).
+                let lo = 16 * v + (i / 4) * 8 + i % 4;
+                debug_assert!(lo + 4 < NW);
+                let halves = [
+                    _mm512_castps512_ps256(*z),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*z))),
+                ];
+                for (h, half) in halves.into_iter().enumerate() {
+                    let o = lo + 4 * h;
+                    // SAFETY: the masked lanes are pixels p0..p0 + rows of plane `o` < NW,
+                    // inside `y` (caller).
+                    unsafe { _mm256_mask_storeu_ps(y.as_mut_ptr().add(o * l + t.p0), mask, half) };
+                }
+            }
+        }
+    }
+
+    /// Eight rows of 16 (`rows[r]` lane `c`) as eight vectors of channel pairs: vector `i`
+    /// holds rows 0–7 of channel `(i/4)·8 + i%4` in its low half and of channel
+    /// `(i/4)·8 + i%4 + 4` in its high half.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn transpose_8x16(rows: [__m512; MR]) -> [__m512; 8] {
+        let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
+        // In each 128-bit lane j: t0 = r0[0] r1[0] r0[1] r1[1], t1 = r0[2] r1[2] r0[3] r1[3] …
+        let (t0, t1) = (_mm512_unpacklo_ps(r0, r1), _mm512_unpackhi_ps(r0, r1));
+        let (t2, t3) = (_mm512_unpacklo_ps(r2, r3), _mm512_unpackhi_ps(r2, r3));
+        let (t4, t5) = (_mm512_unpacklo_ps(r4, r5), _mm512_unpackhi_ps(r4, r5));
+        let (t6, t7) = (_mm512_unpacklo_ps(r6, r7), _mm512_unpackhi_ps(r6, r7));
+        // u[i] lane j: rows 0–3 of channel 4j + i; u[4 + i] lane j: rows 4–7 of it.
+        let u = [
+            _mm512_shuffle_ps::<0x44>(t0, t2),
+            _mm512_shuffle_ps::<0xEE>(t0, t2),
+            _mm512_shuffle_ps::<0x44>(t1, t3),
+            _mm512_shuffle_ps::<0xEE>(t1, t3),
+            _mm512_shuffle_ps::<0x44>(t4, t6),
+            _mm512_shuffle_ps::<0xEE>(t4, t6),
+            _mm512_shuffle_ps::<0x44>(t5, t7),
+            _mm512_shuffle_ps::<0xEE>(t5, t7),
+        ];
+        // Lanes 0 and 1 (channels i and 4 + i), then lanes 2 and 3 (8 + i and 12 + i),
+        // rows 0–3 from u[i] and 4–7 from u[4 + i].
+        let lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        let hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        std::array::from_fn(|i| {
+            let idx = if i < 4 { lo } else { hi };
+            _mm512_permutex2var_ps(u[i % 4], idx, u[4 + i % 4])
+        })
+    }
+}
