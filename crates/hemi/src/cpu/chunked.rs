@@ -182,6 +182,85 @@ fn write_uninit<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     }
 }
 
+/// A new buffer of `n_blocks` blocks of `block` values, block `i` zeroed by the task that
+/// then runs `kernel(state, i, block)` on it (`state` from `init`, once per task); blocks run
+/// in parallel, at least `min_len` per task.
+///
+/// For outputs that kernels write block by block: `vec![0; len]` first was a serial memset of
+/// the whole output (with the page faults of a fresh buffer) while the other workers spun, and
+/// zeroing it in a separate parallel pass still sent every line to memory and back: 4–7 % of
+/// the samples of a ResNet-20 training step on 2 Emerald Rapids cores either way. A block
+/// zeroed just before its kernel stays in cache.
+pub fn blocks_zeroed<T: Copy + Default + Send, S>(
+    n_blocks: usize,
+    block: usize,
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    kernel: impl Fn(&mut S, usize, &mut [T]) + Sync,
+) -> Vec<T> {
+    let (out, _) = blocks_zeroed2(
+        n_blocks,
+        block,
+        (true, false),
+        min_len,
+        init,
+        |s, i, o, _| kernel(s, i, o.expect("the first output is wanted")),
+    );
+    out
+}
+
+/// `blocks_zeroed` for two outputs of the same blocks, each wanted or not (an output not
+/// wanted is empty and its blocks `None`).
+pub fn blocks_zeroed2<T: Copy + Default + Send, S>(
+    n_blocks: usize,
+    block: usize,
+    (want_a, want_b): (bool, bool),
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    kernel: impl Fn(&mut S, usize, Option<&mut [T]>, Option<&mut [T]>) + Sync,
+) -> (Vec<T>, Vec<T>) {
+    let len = n_blocks * block;
+    let (la, lb) = (if want_a { len } else { 0 }, if want_b { len } else { 0 });
+    let (mut a, mut b): (Vec<T>, Vec<T>) = (Vec::with_capacity(la), Vec::with_capacity(lb));
+    if len > 0 && (want_a || want_b) {
+        let pa = SendPtr(a.spare_capacity_mut().as_mut_ptr());
+        let pb = SendPtr(b.spare_capacity_mut().as_mut_ptr());
+        crate::threads::nudge();
+        (0..n_blocks)
+            .into_par_iter()
+            .with_min_len(min_len.max(1))
+            .for_each_init(init, |state, i| {
+                let part = |p: &SendPtr<T>, wanted: bool| {
+                    wanted.then(|| {
+                        // SAFETY: block i of a buffer with capacity for `n_blocks` blocks;
+                        // each index is taken by one task only, so the blocks are disjoint.
+                        let d =
+                            unsafe { std::slice::from_raw_parts_mut(p.0.add(i * block), block) };
+                        d.iter_mut().for_each(|d| {
+                            d.write(T::default());
+                        });
+                        // SAFETY: every element of `d` was just written.
+                        unsafe { &mut *(d as *mut [MaybeUninit<T>] as *mut [T]) }
+                    })
+                };
+                kernel(state, i, part(&pa, want_a), part(&pb, want_b));
+            });
+    }
+    // SAFETY: every block of each wanted output was written above (none when `len` is 0).
+    unsafe {
+        a.set_len(la);
+        b.set_len(lb);
+    }
+    (a, b)
+}
+
+/// A buffer's start, shared by the tasks that write its disjoint blocks.
+struct SendPtr<T>(*mut MaybeUninit<T>);
+// SAFETY: the tasks write disjoint blocks through it (`blocks_zeroed2`).
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
 /// A new buffer of `n` values of `T`, chunk `i` (`CHUNK` values from `i·CHUNK`) computed in
 /// F32 by `kernel(start, result, scratch_a, scratch_b)` and rounded once into it; chunks
 /// run in parallel. The buffer is never zero-filled first (that memset was a pass over
@@ -327,14 +406,7 @@ pub fn per_block_with<S>(
         return CpuStorage::from_f32(Vec::new(), dtype).into();
     }
     Some(match dtype {
-        DType::F32 => {
-            let mut out = vec![0f32; n];
-            crate::threads::nudge();
-            out.par_chunks_mut(block_len)
-                .enumerate()
-                .for_each_init(&init, |s, (i, o)| kernel(s, i, o));
-            CpuStorage::F32(out)
-        }
+        DType::F32 => CpuStorage::F32(blocks_zeroed(n_blocks, block_len, 1, &init, &kernel)),
         DType::F16 => CpuStorage::F16(rounded_blocks(
             n,
             block_len,
@@ -362,15 +434,15 @@ fn rounded_blocks<S, T: Copy + Default + Send>(
     kernel: &(impl Fn(&mut S, usize, &mut [f32]) + Sync),
     round: fn(&[f32], &mut [T]),
 ) -> Vec<T> {
-    let mut out = vec![T::default(); n];
-    crate::threads::nudge();
-    out.par_chunks_mut(block_len).enumerate().for_each_init(
+    blocks_zeroed(
+        n / block_len,
+        block_len,
+        1,
         || (init(), vec![0f32; block_len]),
-        |(s, buf), (i, o)| {
+        |(s, buf), i, o| {
             buf.fill(0.0);
             kernel(s, i, buf);
             round(buf, o);
         },
-    );
-    out
+    )
 }

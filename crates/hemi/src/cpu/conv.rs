@@ -15,10 +15,8 @@
 //! with the flipped kernels (`transposed_input_conv`); other strides as `w^T x dy` and
 //! col2im.
 
-use rayon::prelude::*;
-
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
-use crate::cpu::chunked::per_block_with;
+use crate::cpu::chunked::{blocks_zeroed, per_block_with};
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
@@ -355,22 +353,15 @@ pub fn conv2d_forward<C: FloatDType>(
     bias: Option<&[C]>,
     g: &Conv2dGeom,
 ) -> Vec<C> {
-    let mut y = vec![C::zero(); g.n * g.out_image()];
-    if y.is_empty() {
-        return y;
+    if g.n == 0 || g.out_image() == 0 {
+        return Vec::new();
     }
     let prep = Prepared::new::<C, C>(w, g);
-    if g.n == 1 {
-        image_forward(x, w, &prep, bias, &mut y, &mut Vec::new(), g, true);
-        return y;
-    }
-    crate::threads::nudge();
-    y.par_chunks_mut(g.out_image())
-        .zip(x.par_chunks(g.in_image()))
-        .for_each_init(Vec::new, |scratch, (yi, xi)| {
-            image_forward(xi, w, &prep, bias, yi, scratch, g, false)
-        });
-    y
+    let par = g.n == 1;
+    blocks_zeroed(g.n, g.out_image(), 1, Vec::new, |scratch, i, yi| {
+        let xi = &x[i * g.in_image()..(i + 1) * g.in_image()];
+        image_forward(xi, w, &prep, bias, yi, scratch, g, par)
+    })
 }
 
 /// The input gradient of a stride-1 convolution as a convolution of `dy`: with
@@ -455,24 +446,17 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
     if let Some((wt, tg)) = transposed_input_conv(w, g) {
         return conv2d_forward(dy, &wt, None, &tg);
     }
-    let mut dx = vec![C::zero(); g.n * g.in_image()];
-    if dx.is_empty() {
-        return dx;
+    if g.n == 0 || g.in_image() == 0 {
+        return Vec::new();
     }
     if g.out_image() == 0 {
-        return dx;
+        return vec![C::zero(); g.n * g.in_image()];
     }
-    if g.n == 1 {
-        image_backward_input(dy, w, &mut dx, &mut Vec::new(), g, true);
-        return dx;
-    }
-    crate::threads::nudge();
-    dx.par_chunks_mut(g.in_image())
-        .zip(dy.par_chunks(g.out_image()))
-        .for_each_init(Vec::new, |scratch, (dxi, dyi)| {
-            image_backward_input(dyi, w, dxi, scratch, g, false)
-        });
-    dx
+    let par = g.n == 1;
+    blocks_zeroed(g.n, g.in_image(), 1, Vec::new, |scratch, i, dxi| {
+        let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+        image_backward_input(dyi, w, dxi, scratch, g, par)
+    })
 }
 
 /// Gradient of the convolution with respect to its weight:

@@ -579,32 +579,29 @@ pub(crate) fn bn_act_forward<T: WithDType>(
     b: Option<&[f32]>,
     relu: bool,
 ) -> Vec<T> {
-    let mut out = vec![T::default(); x.len()];
     let block = (d.c * d.s).max(1);
-    crate::threads::nudge();
-    out.par_chunks_mut(block)
-        .enumerate()
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each_init(
-            || (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]),
-            |(bx, br, bo), (i, ob)| {
-                for ch in 0..d.c {
-                    let scale = rstd[ch] * w.map_or(1.0, |w| w[ch]);
-                    let shift = b.map_or(0.0, |b| b[ch]);
-                    let mu = mean[ch];
-                    let xr = run_f32(d, x, i, ch, bx);
-                    let rr = residual.map(|r| run_f32(d, r, i, ch, br));
-                    let k = BnApply {
-                        mu,
-                        scale,
-                        shift,
-                        relu,
-                    };
-                    emit(&mut ob[ch * d.s..][..d.s], bo, |o| bn_apply(o, xr, rr, k));
-                }
-            },
-        );
-    out
+    chunked::blocks_zeroed(
+        x.len() / block,
+        block,
+        (PAR_THRESHOLD / block).max(1),
+        || (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]),
+        |(bx, br, bo), i, ob| {
+            for ch in 0..d.c {
+                let scale = rstd[ch] * w.map_or(1.0, |w| w[ch]);
+                let shift = b.map_or(0.0, |b| b[ch]);
+                let mu = mean[ch];
+                let xr = run_f32(d, x, i, ch, bx);
+                let rr = residual.map(|r| run_f32(d, r, i, ch, br));
+                let k = BnApply {
+                    mu,
+                    scale,
+                    shift,
+                    relu,
+                };
+                emit(&mut ob[ch * d.s..][..d.s], bo, |o| bn_apply(o, xr, rr, k));
+            }
+        },
+    )
 }
 
 /// The gradients of `bn_act_forward`.
@@ -855,9 +852,6 @@ pub(crate) fn bn_act_backward<T: WithDType>(
         };
     }
     let inv_m = 1.0 / d.m() as f32;
-    let len = if need_dx { x.len() } else { 0 };
-    let mut dx = vec![T::default(); len];
-    let mut dres = vec![T::default(); if need_dres { x.len() } else { 0 }];
     let block = (d.c * d.s).max(1);
     let n = d.n;
     let image =
@@ -900,26 +894,15 @@ pub(crate) fn bn_act_backward<T: WithDType>(
         };
     let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; d.s]);
     let min_len = (PAR_THRESHOLD / block).max(1);
-    crate::threads::nudge();
-    match (need_dx, need_dres) {
-        (true, true) => dx
-            .par_chunks_mut(block)
-            .zip(dres.par_chunks_mut(block))
-            .enumerate()
-            .with_min_len(min_len)
-            .for_each_init(init, |b, (i, (o, r))| image(i, Some(o), Some(r), b)),
-        (true, false) => dx
-            .par_chunks_mut(block)
-            .enumerate()
-            .with_min_len(min_len)
-            .for_each_init(init, |b, (i, o)| image(i, Some(o), None, b)),
-        _ => dres
-            .par_chunks_mut(block)
-            .enumerate()
-            .with_min_len(min_len)
-            .for_each_init(init, |b, (i, r)| image(i, None, Some(r), b)),
-    }
-    debug_assert!(n == 0 || len == 0 || len / block == n);
+    let n_blocks = if d.c * d.s == 0 { 0 } else { n };
+    let (dx, dres) = chunked::blocks_zeroed2(
+        n_blocks,
+        block,
+        (need_dx, need_dres),
+        min_len,
+        init,
+        |b, i, o, r| image(i, o, r, b),
+    );
     BnActGrads {
         dx: need_dx.then_some(dx),
         dres: need_dres.then_some(dres),
