@@ -1,7 +1,8 @@
 //! Forward convolutions as an implicit GEMM from a padded copy of the image
 //! (`cpu::conv_implicit`): the portable tile against F64 within the F32 summation bound, and
 //! the AVX-512 tile, where the CPU has it, equal to the twin to the bit; F32, F16 and BF16
-//! images, with and without bias, on pixel counts that are no multiple of the 8-pixel tile,
+//! images, with and without bias, one after another on one thread (the padded copy is kept
+//! between them), on pixel counts that are no multiple of the 8-pixel tile,
 //! strides, one-sided and wide padding, dilation, rectangular kernels, pointwise kernels, 96
 //! output channels (three panels) and ResNet's shapes. Convolutions it does not take get no
 //! plan, nor, automatically, pointwise ones.
@@ -40,7 +41,11 @@ fn geom(&(c_in, (h, w), (kh, kw), padding, stride, d, c_out): &Geom7) -> Conv2dG
     }
 }
 
-const CASES: [Geom7; 12] = [
+const CASES: [Geom7; 14] = [
+    // The same padded plane size (8×8), input at another place: the copy kept between
+    // images must not keep the first one's values where the second has its zeros.
+    (4, (8, 8), (3, 3), (0, 0), (1, 1), 1, 32),
+    (4, (6, 6), (3, 3), (1, 1), (1, 1), 1, 32),
     (3, (7, 9), (3, 3), (1, 1), (1, 1), 1, 32),
     (5, (5, 13), (3, 3), (0, 1), (1, 1), 1, 64),
     (4, (6, 11), (5, 3), (2, 1), (1, 1), 1, 32),

@@ -98,8 +98,9 @@ pub struct ImplicitPlan {
 }
 
 thread_local! {
-    /// The padded copy of the image a thread is convolving, kept between images and calls.
-    static PADDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The padded copy of the image a thread is convolving, kept between images and calls,
+    /// with the layout its zeros were written for.
+    static PADDED: RefCell<(Vec<f32>, Option<PadLayout>)> = const { RefCell::new((Vec::new(), None)) };
 }
 
 impl ImplicitPlan {
@@ -172,8 +173,8 @@ impl ImplicitPlan {
             bias.is_none_or(|b| b.len() >= g.c_out),
             "conv_implicit: bias too short"
         );
-        PADDED.with_borrow_mut(|xp| {
-            self.pad(x, xp);
+        PADDED.with_borrow_mut(|(xp, layout)| {
+            self.pad(x, xp, layout);
             let l = g.l();
             let k = g.k();
             for p in 0..g.c_out / NW {
@@ -203,24 +204,37 @@ impl ImplicitPlan {
 
     /// `x` copied into `out` as `c_in` planes of `hp × wp` F32: input row `ih` at padded row
     /// `ih + ph`, column `iw` at `iw + pw`, zeros around; input rows and columns no output
-    /// reads are left out. Every element of `out` is written.
-    fn pad<T: ImplicitElem>(&self, x: &[T], out: &mut Vec<f32>) {
+    /// reads are left out. The zeros are written only where `out` does not already hold
+    /// them for this layout (`layout`, updated): the next image of a batch copies its rows
+    /// and nothing else (on ResNet-20's 8×8 planes the border is a third of the copy).
+    fn pad<T: ImplicitElem>(&self, x: &[T], out: &mut Vec<f32>, layout: &mut Option<PadLayout>) {
         let g = &self.g;
         let (hp, wp) = (self.hp, self.wp);
-        out.resize(g.c_in * hp * wp, 0.0);
         let (ph, pw) = g.padding;
-        // Input columns copied: iw in [0, cols), landing at pw..pw + cols.
+        // Input rows and columns copied: ih in [0, rows), iw in [0, cols).
+        let rows = g.h.min(hp.saturating_sub(ph));
         let cols = g.w.min(wp.saturating_sub(pw));
+        let want = PadLayout {
+            planes: g.c_in,
+            hp,
+            wp,
+            ph,
+            pw,
+            rows,
+            cols,
+        };
+        if *layout != Some(want) {
+            out.clear();
+            out.resize(g.c_in * hp * wp, 0.0);
+            *layout = Some(want);
+        }
+        if cols == 0 {
+            return;
+        }
         for (plane, dst) in x.chunks_exact(g.h * g.w).zip(out.chunks_exact_mut(hp * wp)) {
-            for (r, row) in dst.chunks_exact_mut(wp).enumerate() {
-                let ih = r.wrapping_sub(ph);
-                if r < ph || ih >= g.h || cols == 0 {
-                    row.fill(0.0);
-                    continue;
-                }
-                row[..pw.min(wp)].fill(0.0);
-                T::widen(&plane[ih * g.w..ih * g.w + cols], &mut row[pw..pw + cols]);
-                row[pw + cols..].fill(0.0);
+            for ih in 0..rows {
+                let at = (ih + ph) * wp + pw;
+                T::widen(&plane[ih * g.w..ih * g.w + cols], &mut dst[at..at + cols]);
             }
         }
     }
@@ -243,6 +257,19 @@ fn simd_available() -> bool {
     {
         false
     }
+}
+
+/// Where a padded copy's values lie: `planes` planes of `hp × wp`, input rows `0..rows` and
+/// columns `0..cols` at `(ph, pw)`, zeros elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PadLayout {
+    planes: usize,
+    hp: usize,
+    wp: usize,
+    ph: usize,
+    pw: usize,
+    rows: usize,
+    cols: usize,
 }
 
 /// `rows` (at most `MR`) consecutive output pixels from `p0`.
