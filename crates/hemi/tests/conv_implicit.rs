@@ -4,8 +4,9 @@
 //! images, with and without bias, one after another on one thread (the padded copy is kept
 //! between them), on pixel counts that are no multiple of the 8-pixel tile,
 //! strides, one-sided and wide padding, dilation, rectangular kernels, pointwise kernels, 96
-//! output channels (three panels) and ResNet's shapes. Convolutions it does not take get no
-//! plan, nor, automatically, pointwise ones.
+//! output channels (three panels) and ResNet's shapes. The weight gradient of two images
+//! added onto a gradient already there, the same way against F64 and the twin. Convolutions
+//! it does not take get no plan, nor, automatically, pointwise ones.
 
 use half::{bf16, f16};
 use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
@@ -113,6 +114,93 @@ fn check<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> 
     }
 }
 
+/// `dw[o][c][ki][kj] = Σ_images Σ_pixels dy · x` (F64), and the same sum of magnitudes.
+fn weight_grad_reference(x: &[f64], dy: &[f64], n: usize, g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
+    let (mut dw, mut mag) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
+    for i in 0..n {
+        for o in 0..g.c_out {
+            for c in 0..g.c_in {
+                for ki in 0..g.kh {
+                    for kj in 0..g.kw {
+                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
+                        for oh in 0..g.h_out {
+                            for ow in 0..g.w_out {
+                                let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
+                                    - g.padding.0 as isize;
+                                let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
+                                    - g.padding.1 as isize;
+                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
+                                    continue;
+                                }
+                                let xv = x[i * g.in_image()
+                                    + (c * g.h + ih as usize) * g.w
+                                    + iw as usize];
+                                let dv = dy[i * g.out_image() + (o * g.h_out + oh) * g.w_out + ow];
+                                dw[at] += xv * dv;
+                                mag[at] += (xv * dv).abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (dw, mag)
+}
+
+/// The weight gradient of two images for one element type, as `check`.
+fn check_weight_grad<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
+    let mut rng = Generator::new(seed);
+    let n = 2;
+    for case in &CASES {
+        let g = geom(case);
+        let x: Vec<T> = (0..n * g.in_image())
+            .map(|_| to(rng.uniform(-2.0, 2.0)))
+            .collect();
+        let dy: Vec<T> = (0..n * g.out_image())
+            .map(|_| to(rng.uniform(-1.0, 1.0)))
+            .collect();
+        let dw0: Vec<f32> = (0..g.weight_len())
+            .map(|_| rng.uniform(-1.0, 1.0) as f32)
+            .collect();
+        let x64: Vec<f64> = x.iter().map(|&v| back(v)).collect();
+        let dy64: Vec<f64> = dy.iter().map(|&v| back(v)).collect();
+        let (want, mag) = weight_grad_reference(&x64, &dy64, n, &g);
+        let twin = ImplicitPlan::weight_grad_with_simd(&g, false).expect("a plan");
+        let mut got = dw0.clone();
+        got.push(f32::NAN);
+        twin.add_weight_grad(&x, &dy, n, &mut got);
+        assert!(got[g.weight_len()].is_nan(), "{g:?}: wrote past dw");
+        // Each image's L terms summed from zero, then added: γ_{n(L+1)+1} · Σ|terms| + |dw0|.
+        let terms = (n * (g.l() + 1) + 2) as f64;
+        for (i, ((&v, &w), &m)) in got.iter().zip(&want).zip(&mag).enumerate() {
+            let w = w + dw0[i] as f64;
+            let tol = 2.0 * terms * f64::powi(2.0, -24) * (m + dw0[i].abs() as f64);
+            assert!(
+                (v as f64 - w).abs() <= tol,
+                "{g:?}: dw[{i}] = {v}, want {w}"
+            );
+        }
+        if let Some(simd) = ImplicitPlan::weight_grad_with_simd(&g, true) {
+            let mut s = dw0.clone();
+            s.push(f32::NAN);
+            simd.add_weight_grad(&x, &dy, n, &mut s);
+            let same = s.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same && s[g.weight_len()].is_nan(),
+                "{g:?}: the AVX-512 weight gradient differs from the twin"
+            );
+        }
+    }
+}
+
+#[test]
+fn weight_grads_match_f64_and_the_twin_bit_for_bit() {
+    check_weight_grad(104, |v| v as f32, |v: f32| v as f64);
+    check_weight_grad(105, f16::from_f64, |v: f16| v.to_f64());
+    check_weight_grad(106, bf16::from_f64, |v: bf16| v.to_f64());
+}
+
 #[test]
 fn f32_images_match_f64_and_the_twin_bit_for_bit() {
     check(101, |v| v as f32, |v: f32| v as f64);
@@ -146,4 +234,7 @@ fn convolutions_it_does_not_take_get_no_plan() {
     // Automatically: pointwise convolutions stay with the GEMM, which reads them in place.
     let pointwise = geom(&(4, (8, 8), (1, 1), (0, 0), (1, 1), 1, 32));
     assert!(ImplicitPlan::new(&pointwise, &w).is_none());
+    assert!(ImplicitPlan::weight_grad(&pointwise).is_none());
+    assert!(ImplicitPlan::weight_grad_with_simd(&geom(&plain), false).is_some());
+    assert!(ImplicitPlan::weight_grad_with_simd(&grouped, false).is_none());
 }

@@ -243,6 +243,30 @@ fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option
     }
 }
 
+/// The weight-gradient plan of an implicit GEMM (`cpu::conv_implicit`) for F32, F16 or BF16
+/// tensors, where `implicit_plan` would take the forward.
+fn implicit_wgrad_plan<T: WithDType>(g: &Conv2dGeom) -> Option<ImplicitPlan> {
+    let widened = || kernel_for(T::DTYPE, T::DTYPE, g.c_out_g(), g.l(), g.k()).packs_f32();
+    match T::DTYPE {
+        DType::F32 => ImplicitPlan::weight_grad(g),
+        DType::F16 | DType::BF16 => widened().then(|| ImplicitPlan::weight_grad(g)).flatten(),
+        _ => None,
+    }
+}
+
+/// `plan.add_weight_grad` on F32, F16 or BF16 tensors.
+fn implicit_wgrad<T: WithDType>(plan: &ImplicitPlan, x: &[T], dy: &[T], n: usize, dw: &mut [f32]) {
+    if let (Some(x), Some(dy)) = (same_slice::<T, f32>(x), same_slice::<T, f32>(dy)) {
+        plan.add_weight_grad(x, dy, n, dw)
+    } else if let (Some(x), Some(dy)) = (same_slice::<T, bf16>(x), same_slice::<T, bf16>(dy)) {
+        plan.add_weight_grad(x, dy, n, dw)
+    } else if let (Some(x), Some(dy)) = (same_slice::<T, f16>(x), same_slice::<T, f16>(dy)) {
+        plan.add_weight_grad(x, dy, n, dw)
+    } else {
+        unreachable!("implicit_wgrad_plan: F32, F16 or BF16")
+    }
+}
+
 /// A convolution's weights prepared once for all its images: read from the image
 /// (`direct`), or as an implicit GEMM (`implicit`), or else packed for the GEMM (`packed`),
 /// or none of these.
@@ -497,7 +521,12 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
                 plan.add_images_f32(x, dy, n, dw, par)
             }))
         } else {
-            None
+            // Output channels a multiple of 32: an implicit GEMM (`cpu::conv_implicit`).
+            implicit_wgrad_plan::<T>(g).map(|plan| {
+                wgrad_runs(x, dy, g, |x, dy, n, dw, _| {
+                    implicit_wgrad(&plan, x, dy, n, dw)
+                })
+            })
         };
         if let Some(dw) = dw {
             return dw.into_iter().map(|v| C::from_f64(f64::from(v))).collect();

@@ -82,8 +82,9 @@ mod sealed {
     }
 }
 
-/// One convolution's forward as an implicit GEMM: its geometry, the padded planes' size, the
-/// weights in panels of `NW` output channels and the offset of each k step.
+/// One convolution as an implicit GEMM: its geometry, the padded planes' size, the weights
+/// in panels of `NW` output channels (for the forward), the offset of each k step and the
+/// base of each output pixel.
 #[derive(Clone, Debug)]
 pub struct ImplicitPlan {
     simd: bool,
@@ -91,16 +92,21 @@ pub struct ImplicitPlan {
     /// Rows and columns of a padded plane: exactly those some output reads.
     hp: usize,
     wp: usize,
-    /// `panels[(p · K + k) · NW + o]`: weight of output channel `p·NW + o` at k step `k`.
+    /// `panels[(p · K + k) · NW + o]`: weight of output channel `p·NW + o` at k step `k`
+    /// (empty in a plan for weight gradients).
     panels: Vec<f32>,
     /// `offs[k]`: where k step `k` reads, relative to an output pixel's base in the copy.
     offs: Vec<isize>,
+    /// `bases[p]`: where output pixel `p` reads its first k step in the copy.
+    bases: Vec<isize>,
 }
 
 thread_local! {
     /// The padded copy of the image a thread is convolving, kept between images and calls,
     /// with the layout its zeros were written for.
     static PADDED: RefCell<(Vec<f32>, Option<PadLayout>)> = const { RefCell::new((Vec::new(), None)) };
+    /// An output gradient by pixel (`[c_out/NW][L][NW]`, F32), for weight gradients.
+    static BY_PIXEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 impl ImplicitPlan {
@@ -118,6 +124,34 @@ impl ImplicitPlan {
     /// `None` for convolutions it does not take (grouped, output channels not a multiple of
     /// 32, no output or no input channel) and for `simd` on a CPU without AVX-512 F/VL.
     pub fn with_simd<T: ImplicitElem>(g: &Conv2dGeom, w: &[T], simd: bool) -> Option<Self> {
+        let mut plan = Self::weight_grad_with_simd(g, simd)?;
+        assert!(
+            w.len() >= g.weight_len(),
+            "conv_implicit: weights too short for {g:?}"
+        );
+        let k = g.k();
+        plan.panels = vec![0f32; g.c_out * k];
+        for o in 0..g.c_out {
+            let (p, lane) = (o / NW, o % NW);
+            for (kx, &v) in w[o * k..(o + 1) * k].iter().enumerate() {
+                plan.panels[(p * k + kx) * NW + lane] = v.to_f32();
+            }
+        }
+        Some(plan)
+    }
+
+    /// The plan of weight gradients (`add_weight_grad`) where this file is the route: the
+    /// convolutions `new` takes.
+    pub fn weight_grad(g: &Conv2dGeom) -> Option<Self> {
+        if g.is_pointwise() || !simd_available() {
+            return None;
+        }
+        Self::weight_grad_with_simd(g, true)
+    }
+
+    /// The plan of weight gradients on the AVX-512 tile (`simd`) or its portable twin, for
+    /// the convolutions `with_simd` takes.
+    pub fn weight_grad_with_simd(g: &Conv2dGeom, simd: bool) -> Option<Self> {
         if simd && !simd_available() {
             return None;
         }
@@ -127,22 +161,10 @@ impl ImplicitPlan {
         if g.c_in == 0 || g.kh == 0 || g.kw == 0 {
             return None;
         }
-        assert!(
-            w.len() >= g.weight_len(),
-            "conv_implicit: weights too short for {g:?}"
-        );
         let span = |out: usize, s: usize, k: usize, d: usize| (out - 1) * s + (k - 1) * d + 1;
         let hp = span(g.h_out, g.stride.0, g.kh, g.dilation.0);
         let wp = span(g.w_out, g.stride.1, g.kw, g.dilation.1);
-        let k = g.k();
-        let mut panels = vec![0f32; g.c_out * k];
-        for o in 0..g.c_out {
-            let (p, lane) = (o / NW, o % NW);
-            for (kx, &v) in w[o * k..(o + 1) * k].iter().enumerate() {
-                panels[(p * k + kx) * NW + lane] = v.to_f32();
-            }
-        }
-        let mut offs = Vec::with_capacity(k);
+        let mut offs = Vec::with_capacity(g.k());
         for c in 0..g.c_in {
             for ki in 0..g.kh {
                 for kj in 0..g.kw {
@@ -151,20 +173,31 @@ impl ImplicitPlan {
                 }
             }
         }
+        let bases = (0..g.l())
+            .map(|p| {
+                let (oh, ow) = (p / g.w_out, p % g.w_out);
+                (oh * g.stride.0 * wp + ow * g.stride.1) as isize
+            })
+            .collect();
         Some(ImplicitPlan {
             simd,
             g: *g,
             hp,
             wp,
-            panels,
+            panels: Vec::new(),
             offs,
+            bases,
         })
     }
 
     /// One image: `y [c_out, L] = bias + w · col(x)`, `x [c_in, h, w]` as stored, `bias`
-    /// (`[c_out]`) or zeros.
+    /// (`[c_out]`) or zeros. Panics on a plan for weight gradients.
     pub fn image<T: ImplicitElem>(&self, x: &[T], bias: Option<&[f32]>, y: &mut [f32]) {
         let g = &self.g;
+        assert!(
+            !self.panels.is_empty(),
+            "conv_implicit: a weight-gradient plan has no weights"
+        );
         assert!(
             x.len() >= g.in_image() && y.len() >= g.out_image(),
             "conv_implicit: buffers too small for one image of {g:?}"
@@ -173,32 +206,71 @@ impl ImplicitPlan {
             bias.is_none_or(|b| b.len() >= g.c_out),
             "conv_implicit: bias too short"
         );
+        let (l, k) = (g.l(), g.k());
         PADDED.with_borrow_mut(|(xp, layout)| {
             self.pad(x, xp, layout);
-            let l = g.l();
-            let k = g.k();
             for p in 0..g.c_out / NW {
                 let panel = &self.panels[p * k * NW..(p + 1) * k * NW];
-                let bias = bias.map(|b| &b[p * NW..(p + 1) * NW]);
+                let out = Out::Bias(bias.map(|b| &b[p * NW..(p + 1) * NW]));
                 let y = &mut y[p * NW * l..(p + 1) * NW * l];
                 for p0 in (0..l).step_by(MR) {
-                    let tile = Tile {
-                        plan: self,
-                        p0,
-                        rows: (l - p0).min(MR),
-                    };
+                    let rows = (l - p0).min(MR);
+                    let tile = Tile::new(p0, rows, |i| self.bases[i], &self.offs, panel, l);
                     // SAFETY: `simd` only where the CPU has AVX-512 F/VL (`with_simd`); `xp`
-                    // holds the padded image, where every base + offset lies (`pad`), and
-                    // `y` this panel's channels of one output.
-                    unsafe {
-                        match self.simd {
-                            #[cfg(target_arch = "x86_64")]
-                            true => x86::tile(&tile, xp, panel, bias, y),
-                            _ => portable_tile(&tile, xp, panel, bias, y),
+                    // holds the padded image, where every base + offset lies (`pad`); the
+                    // panel has K steps of NW; `y` holds this panel's NW output planes.
+                    unsafe { tile.run(self.simd, xp, out, y) };
+                }
+            }
+        });
+    }
+
+    /// The weight gradient of `n` images added to `dw [c_out, K]`: image by image in order,
+    /// each `Σ_p dy[o][p] · col(x)[k][p]` summed over its pixels in order from zero, then
+    /// added (`x [n, c_in, h, w]`, `dy [n, c_out, h_out, w_out]` as stored).
+    ///
+    /// The forward's tile with the roles turned: `MR` k steps × `NW` output channels, the
+    /// output gradient by pixel (`[L][NW]` per panel, transposed once per image) as the vector
+    /// operand, and the padded image broadcast at each pixel's base.
+    pub fn add_weight_grad<T: ImplicitElem>(&self, x: &[T], dy: &[T], n: usize, dw: &mut [f32]) {
+        let g = &self.g;
+        let (l, k) = (g.l(), g.k());
+        assert!(
+            x.len() >= n * g.in_image() && dy.len() >= n * g.out_image(),
+            "conv_implicit: buffers too small for {n} images of {g:?}"
+        );
+        assert!(dw.len() >= g.weight_len(), "conv_implicit: dw too short");
+        PADDED.with_borrow_mut(|(xp, layout)| {
+            BY_PIXEL.with_borrow_mut(|dyt| {
+                dyt.resize(g.c_out * l, 0.0);
+                // One row widened at a time (`widen` converts F16 with F16C; one
+                // `f16::to_f32` per element was a quarter of the F16 weight gradient).
+                let mut row32 = vec![0f32; l];
+                for i in 0..n {
+                    self.pad(&x[i * g.in_image()..(i + 1) * g.in_image()], xp, layout);
+                    let dyi = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+                    for (o, row) in dyi.chunks_exact(l).enumerate() {
+                        let (p, lane) = (o / NW, o % NW);
+                        let panel = &mut dyt[p * l * NW..(p + 1) * l * NW];
+                        T::widen(row, &mut row32);
+                        for (d, &v) in panel[lane..].iter_mut().step_by(NW).zip(&row32) {
+                            *d = v;
+                        }
+                    }
+                    for p in 0..g.c_out / NW {
+                        let panel = &dyt[p * l * NW..(p + 1) * l * NW];
+                        let dw = &mut dw[p * NW * k..(p + 1) * NW * k];
+                        for k0 in (0..k).step_by(MR) {
+                            let rows = (k - k0).min(MR);
+                            let tile = Tile::new(k0, rows, |j| self.offs[j], &self.bases, panel, k);
+                            // SAFETY: as in `image`, with the roles of `offs` and `bases`
+                            // turned; the panel has L steps of NW; `dw` holds this panel's NW
+                            // rows of K.
+                            unsafe { tile.run(self.simd, xp, Out::Add, dw) };
                         }
                     }
                 }
-            }
+            })
         });
     }
 
@@ -238,13 +310,6 @@ impl ImplicitPlan {
             }
         }
     }
-
-    /// Where output pixel `p` reads its first k step in the padded copy.
-    fn base(&self, p: usize) -> isize {
-        let g = &self.g;
-        let (oh, ow) = (p / g.w_out, p % g.w_out);
-        (oh * g.stride.0 * self.wp + ow * g.stride.1) as isize
-    }
 }
 
 fn simd_available() -> bool {
@@ -272,102 +337,124 @@ struct PadLayout {
     cols: usize,
 }
 
-/// `rows` (at most `MR`) consecutive output pixels from `p0`.
+/// One tile: `MR` rows, each reading the padded copy from its own start (`starts[r]`,
+/// rows past `rows` repeating row 0's: read, never stored), stepping together through `idx`
+/// with `NW` vector values per step from `vec`; the sums go to `rows` consecutive positions
+/// `at..at + rows` of `NW` rows of `dst` a `stride` apart, with the bias added
+/// (`Out::Bias`) or onto what is there (`Out::Add`).
+///
+/// The forward's tiles are `MR` output pixels (`starts` their bases, `idx` the k steps'
+/// offsets, `vec` the weights); the weight gradient's are `MR` k steps (`starts` their
+/// offsets, `idx` the pixels' bases, `vec` the output gradient by pixel).
 struct Tile<'a> {
-    plan: &'a ImplicitPlan,
-    p0: usize,
+    starts: [isize; MR],
+    idx: &'a [isize],
+    vec: &'a [f32],
     rows: usize,
+    at: usize,
+    stride: usize,
 }
 
-impl Tile<'_> {
-    /// The base of each of the `MR` rows; rows past `rows` repeat the first pixel's (read,
-    /// never stored).
-    fn bases(&self) -> [isize; MR] {
-        std::array::from_fn(|r| {
-            let p = if r < self.rows { self.p0 + r } else { self.p0 };
-            self.plan.base(p)
-        })
+/// What a tile's sums are stored as.
+#[derive(Clone, Copy)]
+enum Out<'a> {
+    /// `bias[o] + sum` (zero where `None`).
+    Bias(Option<&'a [f32]>),
+    /// `dst + sum`.
+    Add,
+}
+
+impl<'a> Tile<'a> {
+    /// The tile of `rows` of `starts` from `at`, each row's start `start(i)` for its index
+    /// `i` in `at..at + rows`.
+    fn new(
+        at: usize,
+        rows: usize,
+        start: impl Fn(usize) -> isize,
+        idx: &'a [isize],
+        vec: &'a [f32],
+        stride: usize,
+    ) -> Self {
+        let starts = std::array::from_fn(|r| start(if r < rows { at + r } else { at }));
+        Tile {
+            starts,
+            idx,
+            vec,
+            rows,
+            at,
+            stride,
+        }
+    }
+
+    /// The tile on the AVX-512 code (`simd`) or the portable twin.
+    ///
+    /// # Safety
+    /// `simd` only where the CPU has AVX-512 F/VL; every `start + idx` indexes `xp`; `vec`
+    /// holds `idx.len() · NW` values; `dst` holds `NW` rows of `stride` with the tile's
+    /// positions in them; a bias, where given, `NW` values.
+    unsafe fn run(&self, simd: bool, xp: &[f32], out: Out<'_>, dst: &mut [f32]) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: forwarded.
+            true => unsafe { x86::tile(self, xp, out, dst) },
+            _ => portable_tile(self, xp, out, dst),
+        }
     }
 }
 
 /// The portable tile: the SIMD tile's sums in their order, with `f32::mul_add`.
-fn portable_tile(t: &Tile<'_>, xp: &[f32], panel: &[f32], bias: Option<&[f32]>, y: &mut [f32]) {
-    let l = t.plan.g.l();
-    let bases = t.bases();
+fn portable_tile(t: &Tile<'_>, xp: &[f32], out: Out<'_>, dst: &mut [f32]) {
     let mut acc = [[0f32; NW]; MR];
-    for (kx, &off) in t.plan.offs.iter().enumerate() {
-        let wrow = &panel[kx * NW..(kx + 1) * NW];
-        for (acc_r, &base) in acc.iter_mut().zip(&bases) {
-            let xv = xp[(base + off) as usize];
-            for (a, &wv) in acc_r.iter_mut().zip(wrow) {
-                *a = xv.mul_add(wv, *a);
+    for (step, &i) in t.idx.iter().enumerate() {
+        let vrow = &t.vec[step * NW..(step + 1) * NW];
+        for (acc_r, &start) in acc.iter_mut().zip(&t.starts) {
+            let xv = xp[(start + i) as usize];
+            for (a, &v) in acc_r.iter_mut().zip(vrow) {
+                *a = xv.mul_add(v, *a);
             }
         }
     }
     for (r, acc_r) in acc.iter().enumerate().take(t.rows) {
         for (o, &v) in acc_r.iter().enumerate() {
-            y[o * l + t.p0 + r] = bias.map_or(0.0, |b| b[o]) + v;
+            let d = &mut dst[o * t.stride + t.at + r];
+            *d = match out {
+                Out::Bias(bias) => bias.map_or(0.0, |b| b[o]) + v,
+                Out::Add => *d + v,
+            };
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Tile, MR, NV, NW};
+    use super::{Out, Tile, MR, NV, NW};
     use std::arch::x86_64::*;
 
-    /// k steps ahead that the weights are prefetched.
+    /// Steps ahead that the vector operand is prefetched.
     const PF: usize = 4;
 
-    /// One tile: `MR × NV` accumulators over the k steps, then transposed into the output
-    /// planes. (Taking the k steps in blocks of 128 for groups of 4 tiles, so that each block
-    /// of weights is read from L1 by three of them, measured no faster on an Emerald Rapids
+    /// One tile: `MR × NV` accumulators over the steps, then transposed into `dst`. (Taking
+    /// the forward's k steps in blocks of 128 for groups of 4 tiles, so that each block of
+    /// weights is read from L1 by three of them, measured no faster on an Emerald Rapids
     /// core: the weights are prefetched instead.)
     ///
     /// # Safety
-    /// The CPU has AVX-512 F and VL; every `base + off` of the tile indexes `xp`; `panel`
-    /// holds `K · NW` weights; `y` holds `NW` output planes of the plan's `L` pixels; `bias`,
-    /// where given, `NW` values.
+    /// As `Tile::run`, on a CPU with AVX-512 F and VL.
     #[target_feature(enable = "avx512f,avx512vl")]
-    pub(super) unsafe fn tile(
-        t: &Tile<'_>,
-        xp: &[f32],
-        panel: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-    ) {
+    pub(super) unsafe fn tile(t: &Tile<'_>, xp: &[f32], out: Out<'_>, dst: &mut [f32]) {
+        let ptrs: [*const f32; MR] =
+            std::array::from_fn(|r| xp.as_ptr().wrapping_offset(t.starts[r]));
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
-        // SAFETY: forwarded.
-        unsafe {
-            steps(t, xp, panel.as_ptr(), &t.plan.offs, &mut acc);
-            store(t, &acc, bias, y);
-        }
-    }
-
-    /// The k steps `offs` of one tile, weights from `w`, added to `acc`.
-    ///
-    /// # Safety
-    /// As `tile`; `w` holds `offs.len() · NW` weights.
-    #[inline(always)]
-    unsafe fn steps(
-        t: &Tile<'_>,
-        xp: &[f32],
-        mut w: *const f32,
-        offs: &[isize],
-        acc_out: &mut [[__m512; NV]; MR],
-    ) {
-        let bases = t.bases();
-        let ptrs: [*const f32; MR] = std::array::from_fn(|r| xp.as_ptr().wrapping_offset(bases[r]));
-        let mut acc = *acc_out;
-        for &off in offs {
-            // SAFETY: the caller guarantees NW weights per k step and in-bounds reads.
+        let mut w = t.vec.as_ptr();
+        for &i in t.idx {
+            // SAFETY: the caller guarantees NW values per step and in-bounds reads.
             unsafe {
                 for v in 0..NV {
                     _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(PF * NW + 16 * v).cast());
                 }
                 let wv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(w.add(16 * v)));
                 for (acc_r, &ptr) in acc.iter_mut().zip(&ptrs) {
-                    let xv = _mm512_set1_ps(*ptr.offset(off));
+                    let xv = _mm512_set1_ps(*ptr.offset(i));
                     for (a, &wv) in acc_r.iter_mut().zip(&wv) {
                         *a = _mm512_fmadd_ps(xv, wv, *a);
                     }
@@ -375,32 +462,36 @@ mod x86 {
                 w = w.add(NW);
             }
         }
-        *acc_out = acc;
+        // SAFETY: forwarded.
+        unsafe { store(t, &acc, out, dst) };
     }
 
-    /// A tile's sums plus the bias, transposed into pixel runs of each channel's plane.
+    /// A tile's sums, transposed into runs of `rows` positions of each of the `NW` rows.
     ///
     /// # Safety
     /// As `tile`.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // acc[r][v] indexed by both
-    unsafe fn store(t: &Tile<'_>, acc: &[[__m512; NV]; MR], bias: Option<&[f32]>, y: &mut [f32]) {
-        let l = t.plan.g.l();
+    unsafe fn store(t: &Tile<'_>, acc: &[[__m512; NV]; MR], out: Out<'_>, dst: &mut [f32]) {
         let mask: __mmask8 = if t.rows == MR {
             0xff
         } else {
             (1u8 << t.rows) - 1
         };
         for v in 0..NV {
-            let b = bias.map_or(_mm512_setzero_ps(), |b| {
-                // SAFETY: `bias` holds NW values (caller).
-                unsafe { _mm512_loadu_ps(b.as_ptr().add(16 * v)) }
+            let b = match out {
+                // SAFETY: the bias holds NW values (caller).
+                Out::Bias(Some(b)) => unsafe { _mm512_loadu_ps(b.as_ptr().add(16 * v)) },
+                _ => _mm512_setzero_ps(),
+            };
+            let rows: [__m512; MR] = std::array::from_fn(|r| match out {
+                Out::Bias(_) => _mm512_add_ps(b, acc[r][v]),
+                Out::Add => acc[r][v],
             });
-            let rows: [__m512; MR] = std::array::from_fn(|r| _mm512_add_ps(b, acc[r][v]));
             let cols = transpose_8x16(rows);
             for (i, z) in cols.iter().enumerate() {
-                // Channel pair of output vector i: its low half is channel `lo`, its high
-                // half channel `lo + 4` (`transpose_8x16`).
+                // Channel pair of output vector i: its low half is row `lo` of `dst`, its high
+                // half row `lo + 4` (`transpose_8x16`).
                 let lo = 16 * v + (i / 4) * 8 + i % 4;
                 debug_assert!(lo + 4 < NW);
                 let halves = [
@@ -409,9 +500,16 @@ mod x86 {
                 ];
                 for (h, half) in halves.into_iter().enumerate() {
                     let o = lo + 4 * h;
-                    // SAFETY: the masked lanes are pixels p0..p0 + rows of plane `o` < NW,
-                    // inside `y` (caller).
-                    unsafe { _mm256_mask_storeu_ps(y.as_mut_ptr().add(o * l + t.p0), mask, half) };
+                    // SAFETY: the masked lanes are positions at..at + rows of row `o` < NW,
+                    // inside `dst` (caller).
+                    unsafe {
+                        let p = dst.as_mut_ptr().add(o * t.stride + t.at);
+                        let half = match out {
+                            Out::Add => _mm256_add_ps(_mm256_maskz_loadu_ps(mask, p), half),
+                            Out::Bias(_) => half,
+                        };
+                        _mm256_mask_storeu_ps(p, mask, half)
+                    };
                 }
             }
         }
