@@ -10,7 +10,7 @@
 
 use half::{bf16, f16};
 use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_implicit::{ImplicitElem, ImplicitPlan};
+use hemi::cpu::conv_implicit::{ImplicitElem, ImplicitPlan, MIN_WGRAD_K};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), (stride_h, stride_w), dilation, c_out).
@@ -235,6 +235,10 @@ fn convolutions_it_does_not_take_get_no_plan() {
     let pointwise = geom(&(4, (8, 8), (1, 1), (0, 0), (1, 1), 1, 32));
     assert!(ImplicitPlan::new(&pointwise, &w).is_none());
     assert!(ImplicitPlan::weight_grad(&pointwise).is_none());
+    // Automatically: weight gradients of few k steps stay with the GEMM.
+    let shallow = geom(&(3, (8, 8), (3, 3), (1, 1), (1, 1), 1, 32));
+    assert!(shallow.k() < MIN_WGRAD_K);
+    assert!(ImplicitPlan::weight_grad(&shallow).is_none());
     assert!(ImplicitPlan::weight_grad_with_simd(&geom(&plain), false).is_some());
     assert!(ImplicitPlan::weight_grad_with_simd(&grouped, false).is_none());
 }
