@@ -1,12 +1,12 @@
 //! Forward convolutions read straight from the image (`cpu::conv_direct`): the portable
 //! block against F64 within the F32 summation bound, and the AVX-512 block, where the CPU
-//! has it, equal to the twin to the bit; F32 and BF16 planes, with and without bias, on odd
+//! has it, equal to the twin to the bit; F32, F16 and BF16 planes, with and without bias, on odd
 //! channel counts (partial blocks of 8), planes whose pixel count is no multiple of the
 //! 16-pixel chunk or of a block's 48 pixels, one-sided padding, dilation, rows entirely in
 //! the padding, pointwise kernels and ResNet-20's planes. Convolutions it does not read get
 //! no plan, nor, automatically, those with more than 16 output channels.
 
-use half::bf16;
+use half::{bf16, f16};
 use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
 use hemi::cpu::conv_direct::{DirectElem, DirectPlan, MAX_C_OUT};
 use hemi::Generator;
@@ -136,6 +136,11 @@ impl Case
 #[test]
 fn f32_planes_match_f64_and_the_twin_bit_for_bit() {
     check(93, |v| v as f32, |v: f32| v as f64);
+}
+
+#[test]
+fn f16_planes_match_f64_and_the_twin_bit_for_bit() {
+    check(95, f16::from_f64, |v: f16| v.to_f64());
 }
 
 #[test]

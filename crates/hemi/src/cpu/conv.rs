@@ -212,12 +212,15 @@ fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<D
     if C::DTYPE != DType::F32 {
         return None;
     }
+    // Half planes only where their products are widened to F32 anyway (not BF16 on a pair
+    // kernel).
+    let widened = || kernel_for(T::DTYPE, T::DTYPE, g.c_out_g(), g.k(), g.l()).packs_f32();
     if let Some(w) = same_slice::<T, f32>(w) {
         DirectPlan::new(g, w)
     } else if let Some(w) = same_slice::<T, bf16>(w) {
-        // Only where BF16 products are widened to F32 anyway (not on a pair kernel).
-        let kernel = kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l());
-        kernel.packs_f32().then(|| DirectPlan::new(g, w)).flatten()
+        widened().then(|| DirectPlan::new(g, w)).flatten()
+    } else if let Some(w) = same_slice::<T, f16>(w) {
+        widened().then(|| DirectPlan::new(g, w)).flatten()
     } else {
         None
     }
@@ -316,6 +319,9 @@ fn image_forward<T: WithDType, C: FloatDType>(
             return d.image(x, bias, y);
         }
         if let Some(x) = same_slice::<T, bf16>(x) {
+            return d.image(x, bias, y);
+        }
+        if let Some(x) = same_slice::<T, f16>(x) {
             return d.image(x, bias, y);
         }
     }

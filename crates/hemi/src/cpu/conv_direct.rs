@@ -10,7 +10,7 @@
 //! convolutions of ResNets), output pixel `p` of kernel offset `r = ki·kw + kj` reads input
 //! pixel `p + s_r` of each channel, `s_r = (ki·dh − ph)·W + kj·dw − pw`, unless that input
 //! lies in the padding. So a run of 16 output pixels reads a run of 16 input pixels, one
-//! masked 64-byte load (32 bytes for BF16, widened), whatever the shift; a 16-lane mask per
+//! masked 64-byte load (32 bytes for F16 and BF16, widened), whatever the shift; a 16-lane mask per
 //! kernel offset and chunk of 16 pixels zeroes the pixels whose input is padding. Blocks of
 //! `RO` output channels × `PC` chunks keep `RO·PC` accumulators in registers; each k step
 //! (channel, kernel offset) loads `PC` input vectors, broadcasts `RO` weights and does
@@ -20,7 +20,7 @@
 //! the bias is added: what the GEMM does where `K` fits one k block. The portable twin does
 //! the same with `f32::mul_add`, so the two give the same bits (`tests/conv_direct.rs`).
 
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::backend::nn::Conv2dGeom;
 use crate::cpu::conv_wgrad::ShiftMasks;
@@ -54,26 +54,44 @@ pub struct DirectPlan {
     tail: Vec<u16>,
 }
 
-/// The element types a plan reads: F32, and BF16 (widened to F32 as it is loaded).
+/// The element types a plan reads: F32, and F16 and BF16 (widened to F32 as loaded).
 pub trait DirectElem: Copy + Sync + sealed::Sealed {}
 impl DirectElem for f32 {}
+impl DirectElem for f16 {}
 impl DirectElem for bf16 {}
 mod sealed {
+    /// How the SIMD block loads an element type.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        F32,
+        F16,
+        Bf16,
+    }
     pub trait Sealed {
+        const KIND: Kind;
         /// The element as F32 (exact).
         fn to_f32(self) -> f32;
     }
     impl Sealed for f32 {
+        const KIND: Kind = Kind::F32;
         fn to_f32(self) -> f32 {
             self
         }
     }
+    impl Sealed for half::f16 {
+        const KIND: Kind = Kind::F16;
+        fn to_f32(self) -> f32 {
+            half::f16::to_f32(self)
+        }
+    }
     impl Sealed for half::bf16 {
+        const KIND: Kind = Kind::Bf16;
         fn to_f32(self) -> f32 {
             half::bf16::to_f32(self)
         }
     }
 }
+use sealed::Kind;
 
 impl DirectPlan {
     /// The plan where this file is the faster route: a stride-1, ungrouped convolution with
@@ -148,21 +166,19 @@ impl DirectPlan {
                 // holds one image and `y` one output (asserted); a set mask bit addresses an
                 // input pixel inside its plane (`with_simd`) and a set tail bit an output pixel.
                 unsafe {
-                    match (self.simd, element_is_bf16::<T>()) {
+                    match (self.simd, T::KIND) {
                         #[cfg(target_arch = "x86_64")]
-                        (true, false) => x86::block_f32(&block, x.as_ptr().cast(), bias, y),
+                        (true, Kind::F32) => x86::block_f32(&block, x.as_ptr().cast(), bias, y),
                         #[cfg(target_arch = "x86_64")]
-                        (true, true) => x86::block_bf16(&block, x.as_ptr().cast(), bias, y),
+                        (true, Kind::F16) => x86::block_f16(&block, x.as_ptr().cast(), bias, y),
+                        #[cfg(target_arch = "x86_64")]
+                        (true, Kind::Bf16) => x86::block_bf16(&block, x.as_ptr().cast(), bias, y),
                         _ => portable_block(&block, x, bias, y),
                     }
                 }
             }
         }
     }
-}
-
-fn element_is_bf16<T: DirectElem>() -> bool {
-    std::mem::size_of::<T>() == 2
 }
 
 fn simd_available() -> bool {
@@ -274,6 +290,26 @@ mod x86 {
             block(b, bias, y, |c_off: isize, m: u16| {
                 let h = _mm256_maskz_loadu_epi16(m, x.wrapping_offset(c_off).cast());
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            })
+        }
+    }
+
+    /// The block on F16 planes: 16 F16 under the mask, each widened to F32 (`vcvtph2ps`:
+    /// exact).
+    ///
+    /// # Safety
+    /// As `block_f32`, with F16 planes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn block_f16(
+        b: &Block<'_>,
+        x: *const u16,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+    ) {
+        // SAFETY: forwarded; the loader reads 16 F16 under the mask.
+        unsafe {
+            block(b, bias, y, |c_off: isize, m: u16| {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x.wrapping_offset(c_off).cast()))
             })
         }
     }
