@@ -9,8 +9,9 @@
 //! it does not take get no plan, nor, automatically, pointwise ones.
 
 use half::{bf16, f16};
-use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_implicit::{ImplicitElem, ImplicitPlan, MIN_WGRAD_K};
+use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv_direct::DirectElem;
+use hemi::cpu::conv_implicit::{ImplicitPlan, MIN_WGRAD_K};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), (stride_h, stride_w), dilation, c_out).
@@ -62,7 +63,7 @@ const CASES: [Geom7; 14] = [
 ];
 
 /// Checks one element type: `to` rounds an F64 into it, `back` reads it as F64.
-fn check<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
+fn check<T: DirectElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
     let mut rng = Generator::new(seed);
     let g0 = geom(&CASES[0]);
     let simd_runs = ImplicitPlan::with_simd(&g0, &vec![to(0.0); g0.weight_len()], true).is_some();
@@ -114,42 +115,8 @@ fn check<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> 
     }
 }
 
-/// `dw[o][c][ki][kj] = Σ_images Σ_pixels dy · x` (F64), and the same sum of magnitudes.
-fn weight_grad_reference(x: &[f64], dy: &[f64], n: usize, g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
-    let (mut dw, mut mag) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
-    for i in 0..n {
-        for o in 0..g.c_out {
-            for c in 0..g.c_in {
-                for ki in 0..g.kh {
-                    for kj in 0..g.kw {
-                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
-                        for oh in 0..g.h_out {
-                            for ow in 0..g.w_out {
-                                let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
-                                    - g.padding.0 as isize;
-                                let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
-                                    - g.padding.1 as isize;
-                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
-                                    continue;
-                                }
-                                let xv = x[i * g.in_image()
-                                    + (c * g.h + ih as usize) * g.w
-                                    + iw as usize];
-                                let dv = dy[i * g.out_image() + (o * g.h_out + oh) * g.w_out + ow];
-                                dw[at] += xv * dv;
-                                mag[at] += (xv * dv).abs();
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    (dw, mag)
-}
-
 /// The weight gradient of two images for one element type, as `check`.
-fn check_weight_grad<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
+fn check_weight_grad<T: DirectElem>(seed: u64, to: impl Fn(f64) -> T, back: impl Fn(T) -> f64) {
     let mut rng = Generator::new(seed);
     let n = 2;
     for case in &CASES {
@@ -165,7 +132,7 @@ fn check_weight_grad<T: ImplicitElem>(seed: u64, to: impl Fn(f64) -> T, back: im
             .collect();
         let x64: Vec<f64> = x.iter().map(|&v| back(v)).collect();
         let dy64: Vec<f64> = dy.iter().map(|&v| back(v)).collect();
-        let (want, mag) = weight_grad_reference(&x64, &dy64, n, &g);
+        let (want, mag) = conv2d_weight_grad_reference(&x64, &dy64, &Conv2dGeom { n, ..g });
         let twin = ImplicitPlan::weight_grad_with_simd(&g, false).expect("a plan");
         let mut got = dw0.clone();
         got.push(f32::NAN);

@@ -9,7 +9,7 @@
 //! than 16 output channels.
 
 use half::bf16;
-use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
+use hemi::cpu::conv::{conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
 use hemi::cpu::conv_wgrad::WgradPlan;
 use hemi::cpu::gemm_half::Kernel;
 use hemi::Generator;
@@ -40,39 +40,6 @@ fn geom(
         h_out: conv_out_size(h, kh, stride, ph, d).unwrap(),
         w_out: conv_out_size(w, kw, stride, pw, d).unwrap(),
     }
-}
-
-/// `dw` in F64 by the definition, and the sum of |terms| of each element.
-fn reference<V: Copy + Into<f64>>(x: &[V], dy: &[V], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
-    let (mut dw, mut abs) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
-    for n in 0..g.n {
-        for o in 0..g.c_out {
-            for c in 0..g.c_in {
-                for ki in 0..g.kh {
-                    for kj in 0..g.kw {
-                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
-                        for oh in 0..g.h_out {
-                            for ow in 0..g.w_out {
-                                let ih = (oh + ki * g.dilation.0) as isize - g.padding.0 as isize;
-                                let iw = (ow + kj * g.dilation.1) as isize - g.padding.1 as isize;
-                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
-                                    continue;
-                                }
-                                let xv: f64 = x
-                                    [((n * g.c_in + c) * g.h + ih as usize) * g.w + iw as usize]
-                                    .into();
-                                let dv: f64 =
-                                    dy[((n * g.c_out + o) * g.h_out + oh) * g.w_out + ow].into();
-                                dw[at] += xv * dv;
-                                abs[at] += (xv * dv).abs();
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    (dw, abs)
 }
 
 fn random(len: usize, rng: &mut Generator) -> Vec<bf16> {
@@ -124,7 +91,7 @@ fn pixel_pair_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
         );
         // A non-zero start: the plan adds into dw.
         let start: Vec<f32> = (0..g.weight_len()).map(|i| (i % 7) as f32 - 3.0).collect();
-        let (want, abs) = reference(&x, &dy, &g);
+        let (want, abs) = conv2d_weight_grad_reference(&x, &dy, &g);
         let twin = WgradPlan::with_kernel(&g, Kernel::PortableBf16Pairs).expect("a plan");
         let got = run(&twin, &x, &dy, &g, &start, false);
         // Each lane sums n·l/32 pair steps, then 16 lanes and the start: all F32 adds.
@@ -200,7 +167,7 @@ fn f32_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
             random(n * g.out_image(), &mut rng),
         );
         let start: Vec<f32> = (0..g.weight_len()).map(|i| (i % 7) as f32 - 3.0).collect();
-        let (want, abs) = reference(&x, &dy, &g);
+        let (want, abs) = conv2d_weight_grad_reference(&x, &dy, &g);
         let run = |plan: &WgradPlan, par: bool| -> Vec<f32> {
             let mut dw = start.clone();
             plan.add_images_f32(&x, &dy, g.n, &mut dw, par);

@@ -622,6 +622,50 @@ pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGe
     y
 }
 
+/// The weight gradient by its definition in F64, `dw[o][c][ki][kj] = Σ_images Σ_pixels
+/// dy · x`, and the sum of the terms' magnitudes of each element (for error bounds): the
+/// reference the fast weight gradients are tested against. Ungrouped convolutions.
+pub fn conv2d_weight_grad_reference<V: Copy + Into<f64>>(
+    x: &[V],
+    dy: &[V],
+    g: &Conv2dGeom,
+) -> (Vec<f64>, Vec<f64>) {
+    assert_eq!(g.groups, 1, "conv2d_weight_grad_reference: ungrouped only");
+    let (mut dw, mut mag) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
+    for i in 0..g.n {
+        for o in 0..g.c_out {
+            for c in 0..g.c_in {
+                for ki in 0..g.kh {
+                    for kj in 0..g.kw {
+                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
+                        for oh in 0..g.h_out {
+                            for ow in 0..g.w_out {
+                                let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
+                                    - g.padding.0 as isize;
+                                let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
+                                    - g.padding.1 as isize;
+                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
+                                    continue;
+                                }
+                                let xv: f64 = x[i * g.in_image()
+                                    + (c * g.h + ih as usize) * g.w
+                                    + iw as usize]
+                                    .into();
+                                let dv: f64 = dy
+                                    [i * g.out_image() + (o * g.h_out + oh) * g.w_out + ow]
+                                    .into();
+                                dw[at] += xv * dv;
+                                mag[at] += (xv * dv).abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (dw, mag)
+}
+
 // F16/BF16 tensors are unfolded and multiplied as stored, without an F32 copy of the batch:
 // the column matrix is unfolded in the tensor's own dtype (a gather, exact) and multiplied by
 // `gemm_half`, which converts inside its packing (or, for BF16 on CPUs with AVX-512 BF16,

@@ -54,12 +54,15 @@ pub struct DirectPlan {
     tail: Vec<u16>,
 }
 
-/// The element types a plan reads: F32, and F16 and BF16 (widened to F32 as loaded).
+/// The element types the convolutions read from the image (`DirectPlan` here,
+/// `conv_implicit::ImplicitPlan`) take: F32, and F16 and BF16 (widened to F32 as loaded).
 pub trait DirectElem: Copy + Sync + sealed::Sealed {}
 impl DirectElem for f32 {}
 impl DirectElem for f16 {}
 impl DirectElem for bf16 {}
 mod sealed {
+    use half::{bf16, f16};
+
     /// How the SIMD block loads an element type.
     #[derive(Clone, Copy, PartialEq, Eq)]
     pub enum Kind {
@@ -67,27 +70,42 @@ mod sealed {
         F16,
         Bf16,
     }
-    pub trait Sealed {
+    pub trait Sealed: Sized {
         const KIND: Kind;
         /// The element as F32 (exact).
         fn to_f32(self) -> f32;
+        /// `src` as F32 into `dst` (same length; exact).
+        fn widen(src: &[Self], dst: &mut [f32]);
     }
     impl Sealed for f32 {
         const KIND: Kind = Kind::F32;
         fn to_f32(self) -> f32 {
             self
         }
-    }
-    impl Sealed for half::f16 {
-        const KIND: Kind = Kind::F16;
-        fn to_f32(self) -> f32 {
-            half::f16::to_f32(self)
+        fn widen(src: &[f32], dst: &mut [f32]) {
+            dst.copy_from_slice(src);
         }
     }
-    impl Sealed for half::bf16 {
+    impl Sealed for f16 {
+        const KIND: Kind = Kind::F16;
+        fn to_f32(self) -> f32 {
+            f16::to_f32(self)
+        }
+        fn widen(src: &[f16], dst: &mut [f32]) {
+            crate::dtype::convert::f16_to_f32(src, dst);
+        }
+    }
+    impl Sealed for bf16 {
         const KIND: Kind = Kind::Bf16;
         fn to_f32(self) -> f32 {
-            half::bf16::to_f32(self)
+            bf16::to_f32(self)
+        }
+        // Inline: the rows widened are short (8 pixels on ResNet-20's last stage), where a
+        // call to `convert::bf16_to_f32` per row would cost about as much as the widening.
+        fn widen(src: &[bf16], dst: &mut [f32]) {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
         }
     }
 }
