@@ -401,21 +401,20 @@ pub fn per_block_with<S>(
     init: impl Fn() -> S + Sync + Send,
     kernel: impl Fn(&mut S, usize, &mut [f32]) + Sync,
 ) -> Option<CpuStorage> {
-    let n = n_blocks * block_len;
     if block_len == 0 {
         return CpuStorage::from_f32(Vec::new(), dtype).into();
     }
     Some(match dtype {
         DType::F32 => CpuStorage::F32(blocks_zeroed(n_blocks, block_len, 1, &init, &kernel)),
         DType::F16 => CpuStorage::F16(rounded_blocks(
-            n,
+            n_blocks,
             block_len,
             &init,
             &kernel,
             convert::f32_to_f16,
         )),
         DType::BF16 => CpuStorage::BF16(rounded_blocks(
-            n,
+            n_blocks,
             block_len,
             &init,
             &kernel,
@@ -428,14 +427,14 @@ pub fn per_block_with<S>(
 /// The blocks of `per_block_with` for a half output `T`: each computed into a zeroed F32
 /// buffer kept with the task's scratch, then rounded into the output.
 fn rounded_blocks<S, T: Copy + Default + Send>(
-    n: usize,
+    n_blocks: usize,
     block_len: usize,
     init: &(impl Fn() -> S + Sync + Send),
     kernel: &(impl Fn(&mut S, usize, &mut [f32]) + Sync),
     round: fn(&[f32], &mut [T]),
 ) -> Vec<T> {
     blocks_zeroed(
-        n / block_len,
+        n_blocks,
         block_len,
         1,
         || (init(), vec![0f32; block_len]),
