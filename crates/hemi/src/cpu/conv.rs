@@ -17,13 +17,14 @@
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::{blocks_zeroed, per_block_with};
+use crate::cpu::conv_amx::AmxConvPlan;
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::gemm_half::{
     f32_kernel, gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed, kernel_for,
-    PackedA, Unfold,
+    Kernel, PackedA, Unfold,
 };
 use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
@@ -276,6 +277,7 @@ fn implicit_wgrad<T: WithDType>(plan: &ImplicitPlan, x: &[T], dy: &[T], n: usize
 struct Prepared {
     direct: Option<DirectPlan>,
     implicit: Option<ImplicitPlan>,
+    amx: Option<AmxConvPlan>,
     packed: Option<Vec<PackedA>>,
 }
 
@@ -286,16 +288,35 @@ impl Prepared {
             Some(_) => None,
             None => implicit_plan::<T, C>(w, g),
         };
-        let packed = match (&direct, &implicit) {
-            (None, None) => packed_weights::<T, C>(w, g),
+        let amx = match (&direct, &implicit) {
+            (None, None) => amx_plan::<T, C>(w, g),
+            _ => None,
+        };
+        let packed = match (&direct, &implicit, &amx) {
+            (None, None, None) => packed_weights::<T, C>(w, g),
             _ => None,
         };
         Prepared {
             direct,
             implicit,
+            amx,
             packed,
         }
     }
+}
+
+/// The plan of a BF16 forward convolution on AMX tiles read from the image
+/// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
+/// keeps its say) and the convolution suits it.
+fn amx_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<AmxConvPlan> {
+    if C::DTYPE != DType::F32 {
+        return None;
+    }
+    let w = same_slice::<T, bf16>(w)?;
+    if kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l()) != Kernel::AmxBf16 {
+        return None;
+    }
+    AmxConvPlan::new(g, w)
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`: from the image where `prep` has
@@ -337,6 +358,12 @@ fn image_forward<T: WithDType, C: FloatDType>(
         if let Some(x) = same_slice::<T, f16>(x) {
             return plan.image(x, bias, y);
         }
+    }
+    if let Some(plan) = &prep.amx {
+        let y = C::as_f32_mut(y).expect("amx_plan: F32 results");
+        let bias = bias.map(|b| C::as_f32(b).expect("amx_plan: F32 bias"));
+        let x = same_slice::<T, bf16>(x).expect("amx_plan: BF16 images");
+        return plan.image(x, bias, y);
     }
     let packed = prep.packed.as_deref();
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());

@@ -7,6 +7,7 @@ pub(crate) mod amx;
 pub mod attention;
 pub mod chunked;
 pub mod conv;
+pub mod conv_amx;
 pub mod conv_block;
 pub mod conv_direct;
 pub mod conv_implicit;

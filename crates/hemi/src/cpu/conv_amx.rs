@@ -1,0 +1,487 @@
+//! BF16 forward convolutions on Intel AMX straight from the image: no column matrix, no
+//! packing of it, whole `tdpbf16ps` tiles read from a copy of the image.
+//!
+//! `conv::image_forward` otherwise runs a BF16 convolution on AMX as a GEMM
+//! (`gemm_half`'s `amx-bf16`): im2col, then the column matrix packed into BF16 pairs, then
+//! 32×32 tiles of small per-image products. On ResNet-20 at batch 128 (a 2-core Xeon with
+//! AMX) that im2col and packing took more time than the tile products themselves.
+//!
+//! Here `y [c_out, L] = w [c_out, K] · col [K, L]` keeps the GEMM's orientation, with
+//! `K = (tap, channel)`: for each tap `(ki, kj)` and chunk of 32 input channels, one A tile
+//! (16 output channels × 32 channels of that tap, packed once per call) and one B tile of 16
+//! output pixels × 16 channel pairs. The B tile is read as it lies in a copy of the image,
+//! made once per image:
+//! - channels interleaved in pairs (`u32` = channel `2q` low, `2q+1` high: the VNNI layout
+//!   `tdpbf16ps` takes), one plane per pair: a B row (16 pixels of one pair) is 64
+//!   contiguous bytes, and consecutive rows are one plane apart;
+//! - padded with zeros (`hp × wp`, the rows and columns the outputs read), and the output
+//!   computed over the padded width: output pixel `p' = oh·wp + ow` reads `p' + off(tap)`
+//!   with `off = ki·dh·wp + kj·dw`, so 16 consecutive `p'` are 16 consecutive elements of
+//!   every plane. The `wp - w_out` columns per row this computes in vain are dropped when
+//!   the tile is stored (a quarter more work on ResNet-20's 8×8 planes, an eighth on 16×16).
+//!
+//! Stride 1, any padding and dilation, input channels a multiple of 32, output channels a
+//! multiple of 16. Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
+//! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
+//!
+//! Numerics: every product of two BF16 values is exact in F32; each output sums them in
+//! F32 over (tap, chunk) steps in order, the bias added at the end. Within one `tdpbf16ps`
+//! the hardware's order is its own (see `gemm_half::Kernel::PortableAmx`), so the portable
+//! twin (the Intel SDM's sequential order) agrees with the AMX tiles to the bit only where
+//! the sums are exact; both are checked against F64 with the F32 summation bound
+//! (`tests/conv_amx.rs`).
+
+use std::cell::RefCell;
+
+use half::bf16;
+
+use crate::backend::nn::Conv2dGeom;
+
+/// Rows of every tile: output channels of an A/C tile, channel pairs of a B tile.
+const T16: usize = 16;
+/// Input channels per chunk: one `tdpbf16ps` (16 pairs).
+const CHUNK: usize = 32;
+/// Elements of one packed A tile (16 rows × 32 BF16).
+const A_TILE: usize = T16 * CHUNK;
+/// Output pixels per block: the widest block (1 × 4 tiles of 16).
+const PX: usize = 64;
+
+/// A forward convolution on AMX tiles read from the image (see the module's text).
+#[derive(Clone, Debug)]
+pub struct AmxConvPlan {
+    amx: bool,
+    g: Conv2dGeom,
+    hp: usize,
+    wp: usize,
+    /// Length of one plane of the copy (`u32` pairs): the padded plane and the zeros past
+    /// it that the last blocks read.
+    q_len: usize,
+    /// (tap, chunk) steps of every block.
+    steps: usize,
+    /// `offs[s]`: where step `s` reads, in `u32` elements from a block's first pixel.
+    offs: Vec<usize>,
+    /// Packed A tiles, group by group: a full group (32 channels) is `[step][2][16][32]`,
+    /// a last half group (16) `[step][16][32]`; BF16 bits.
+    wpk: Vec<u16>,
+    /// Output pixels computed (over the padded width): `(h_out - 1)·wp + w_out`.
+    p_len: usize,
+}
+
+thread_local! {
+    /// The pair-interleaved padded copy a thread convolves, kept between images and calls,
+    /// with the layout its zeros were written for.
+    static COPY: RefCell<(Vec<u32>, Option<CopyLayout>)> = const { RefCell::new((Vec::new(), None)) };
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CopyLayout {
+    pairs: usize,
+    q_len: usize,
+    wp: usize,
+    ph: usize,
+    pw: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl AmxConvPlan {
+    /// The plan where this file is the route: BF16 weights `w [c_out, c_in, kh, kw]`, a
+    /// convolution `with_amx` takes, on a CPU and OS that run AMX-BF16.
+    pub fn new(g: &Conv2dGeom, w: &[bf16]) -> Option<Self> {
+        if !amx_available() {
+            return None;
+        }
+        Self::with_amx(g, w, true)
+    }
+
+    /// The plan on AMX tiles (`amx`, where usable) or on their portable twin; `None` for
+    /// convolutions it does not take: strides other than 1, groups, input channels not a
+    /// multiple of 32, output channels not a multiple of 16, no output.
+    pub fn with_amx(g: &Conv2dGeom, w: &[bf16], amx: bool) -> Option<Self> {
+        if amx && !amx_available() {
+            return None;
+        }
+        if g.stride != (1, 1) || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
+            return None;
+        }
+        if g.c_in == 0 || !g.c_in.is_multiple_of(CHUNK) {
+            return None;
+        }
+        if g.c_out == 0 || !g.c_out.is_multiple_of(T16) {
+            return None;
+        }
+        assert!(
+            w.len() >= g.weight_len(),
+            "conv_amx: weights too short for {g:?}"
+        );
+        let (dh, dw) = g.dilation;
+        let hp = g.h_out + (g.kh - 1) * dh;
+        let wp = g.w_out + (g.kw - 1) * dw;
+        let p_len = (g.h_out - 1) * wp + g.w_out;
+        let chunks = g.c_in / CHUNK;
+        let max_off = (g.kh - 1) * dh * wp + (g.kw - 1) * dw;
+        let mut q_len = (hp * wp).max(p_len.next_multiple_of(PX) + max_off);
+        q_len = q_len.next_multiple_of(16);
+        // Planes a multiple of 4 KiB apart would put a B tile's 16 rows in one cache set.
+        if (q_len * 4).is_multiple_of(4096) {
+            q_len += 16;
+        }
+        let taps = g.kh * g.kw;
+        let steps = taps * chunks;
+        let mut offs = Vec::with_capacity(steps);
+        for ki in 0..g.kh {
+            for kj in 0..g.kw {
+                for c in 0..chunks {
+                    offs.push(c * T16 * q_len + ki * dh * wp + kj * dw);
+                }
+            }
+        }
+        // A tiles: row r of tile (group, step, mt) is output channel o = group·32 + mt·16 + r,
+        // its 32 columns channels c·32.. of tap (ki, kj).
+        let k = g.k();
+        let mut wpk = vec![0u16; g.c_out * steps * CHUNK];
+        let mut at = 0;
+        for o0 in (0..g.c_out).step_by(2 * T16) {
+            let mts = (g.c_out - o0).min(2 * T16) / T16;
+            for ki in 0..g.kh {
+                for kj in 0..g.kw {
+                    for c in 0..chunks {
+                        for mt in 0..mts {
+                            for r in 0..T16 {
+                                let o = o0 + mt * T16 + r;
+                                for e in 0..CHUNK {
+                                    let ci = c * CHUNK + e;
+                                    wpk[at] = w[o * k + (ci * g.kh + ki) * g.kw + kj].to_bits();
+                                    at += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        debug_assert_eq!(at, wpk.len());
+        Some(AmxConvPlan {
+            amx,
+            g: *g,
+            hp,
+            wp,
+            q_len,
+            steps,
+            offs,
+            wpk,
+            p_len,
+        })
+    }
+
+    /// Whether the plan runs on AMX tiles (else on the portable twin).
+    pub fn uses_amx(&self) -> bool {
+        self.amx
+    }
+
+    /// One image: `y [c_out, L] = bias + w · col(x)`, `x [c_in, h, w]`, `bias` (`[c_out]`)
+    /// or zeros. Every element of `y` is written.
+    pub fn image(&self, x: &[bf16], bias: Option<&[f32]>, y: &mut [f32]) {
+        let g = &self.g;
+        assert!(
+            x.len() >= g.in_image() && y.len() >= g.out_image(),
+            "conv_amx: buffers too small for one image of {g:?}"
+        );
+        assert!(
+            bias.is_none_or(|b| b.len() >= g.c_out),
+            "conv_amx: bias too short"
+        );
+        COPY.with_borrow_mut(|(xq, layout)| {
+            self.copy(x, xq, layout);
+            #[cfg(target_arch = "x86_64")]
+            if self.amx {
+                // SAFETY: `amx` only where AMX-BF16 is usable (`with_amx`).
+                let _release = unsafe { crate::cpu::amx::TileConfig::all_16x64().load() };
+                return self.blocks(xq, bias, y);
+            }
+            self.blocks(xq, bias, y)
+        })
+    }
+
+    /// Every (channel group, pixel block) of one image from its copy `xq`.
+    fn blocks(&self, xq: &[u32], bias: Option<&[f32]>, y: &mut [f32]) {
+        let g = &self.g;
+        let l = g.l();
+        let group_len = 2 * self.steps * A_TILE;
+        #[repr(C, align(64))]
+        struct Buf([f32; 2 * T16 * 2 * T16]);
+        let mut buf = Buf([0.0; 2 * T16 * 2 * T16]);
+        for (gi, o0) in (0..g.c_out).step_by(2 * T16).enumerate() {
+            let mts = (g.c_out - o0).min(2 * T16) / T16;
+            let a = &self.wpk[gi * group_len..];
+            // Pixels per block: 32 (2 × 2 tiles) or 64 (1 × 4).
+            let px = if mts == 2 { 2 * T16 } else { 4 * T16 };
+            for p0 in (0..self.p_len).step_by(px) {
+                // SAFETY (both arms): `a` holds `steps` steps of `mts` A tiles; the copy
+                // holds every element `p0 + offs[s] + 16·r·q_len + j` (r < 16, j < px) a
+                // block reads (`with_amx` sized `q_len` for the last block); `buf` holds
+                // `mts·16` rows of `px` F32.
+                #[cfg(target_arch = "x86_64")]
+                if self.amx {
+                    unsafe {
+                        let x = xq.as_ptr().add(p0).cast::<u8>();
+                        let bufp = buf.0.as_mut_ptr();
+                        if mts == 2 {
+                            x86::block_2x2(self.steps, a.as_ptr(), x, &self.offs, self.q_len, bufp)
+                        } else {
+                            x86::block_1x4(self.steps, a.as_ptr(), x, &self.offs, self.q_len, bufp)
+                        }
+                    }
+                    self.store(&buf.0, px, o0, mts * T16, p0, bias, y, l);
+                    continue;
+                }
+                portable_block(self, a, xq, p0, mts, px / T16, &mut buf.0);
+                self.store(&buf.0, px, o0, mts * T16, p0, bias, y, l);
+            }
+        }
+    }
+
+    /// Block `buf` (`rows` output channels from `o0`, `px` pixels over the padded width from
+    /// `p0`) into `y`: the pixels of real columns, with the bias.
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &self,
+        buf: &[f32],
+        px: usize,
+        o0: usize,
+        rows: usize,
+        p0: usize,
+        bias: Option<&[f32]>,
+        y: &mut [f32],
+        l: usize,
+    ) {
+        let (wp, wo) = (self.wp, self.g.w_out);
+        let end = (p0 + px).min(self.p_len);
+        for r in 0..rows {
+            let o = o0 + r;
+            let b = bias.map_or(0.0, |b| b[o]);
+            let src = &buf[r * px..(r + 1) * px];
+            let dst = &mut y[o * l..(o + 1) * l];
+            let mut p = p0;
+            while p < end {
+                let (oh, ow) = (p / wp, p % wp);
+                if ow >= wo {
+                    p = (oh + 1) * wp;
+                    continue;
+                }
+                let run = (oh * wp + wo).min(end) - p;
+                let out = &mut dst[oh * wo + ow..oh * wo + ow + run];
+                for (d, &s) in out.iter_mut().zip(&src[p - p0..p - p0 + run]) {
+                    *d = s + b;
+                }
+                p += run;
+            }
+        }
+    }
+
+    /// `x` into `xq` as `c_in / 2` planes of channel pairs (`q_len` each): input pixel
+    /// `(ih, iw)` at `(ih + ph)·wp + iw + pw`, zeros around and past the padded plane. The
+    /// zeros are written only where `xq` does not hold them for this layout already.
+    fn copy(&self, x: &[bf16], xq: &mut Vec<u32>, layout: &mut Option<CopyLayout>) {
+        let g = &self.g;
+        let (hp, wp) = (self.hp, self.wp);
+        let (ph, pw) = g.padding;
+        let rows = g.h.min(hp.saturating_sub(ph));
+        let cols = g.w.min(wp.saturating_sub(pw));
+        let pairs = g.c_in / 2;
+        let want = CopyLayout {
+            pairs,
+            q_len: self.q_len,
+            wp,
+            ph,
+            pw,
+            rows,
+            cols,
+        };
+        if *layout != Some(want) {
+            xq.clear();
+            xq.resize(pairs * self.q_len, 0);
+            *layout = Some(want);
+        }
+        if cols == 0 {
+            return;
+        }
+        let plane = g.h * g.w;
+        for (q, dst) in xq.chunks_exact_mut(self.q_len).enumerate() {
+            let lo = &x[2 * q * plane..(2 * q + 1) * plane];
+            let hi = &x[(2 * q + 1) * plane..(2 * q + 2) * plane];
+            for ih in 0..rows {
+                let at = (ih + ph) * wp + pw;
+                let src = ih * g.w..ih * g.w + cols;
+                for ((d, a), b) in dst[at..at + cols]
+                    .iter_mut()
+                    .zip(&lo[src.clone()])
+                    .zip(&hi[src])
+                {
+                    *d = u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16;
+                }
+            }
+        }
+    }
+}
+
+/// The twin of the AMX blocks in plain Rust: the same tiles, each `tdpbf16ps` summed as the
+/// Intel SDM's pseudocode does (per pair, the even channel's product, then the odd one's).
+fn portable_block(
+    plan: &AmxConvPlan,
+    a: &[u16],
+    xq: &[u32],
+    p0: usize,
+    mts: usize,
+    nts: usize,
+    buf: &mut [f32],
+) {
+    let px = nts * T16;
+    buf[..mts * T16 * px].fill(0.0);
+    let f = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+    for (s, &off) in plan.offs.iter().enumerate() {
+        for mt in 0..mts {
+            let tile = &a[(s * mts + mt) * A_TILE..(s * mts + mt + 1) * A_TILE];
+            for r in 0..T16 {
+                let arow = &tile[r * CHUNK..(r + 1) * CHUNK];
+                let crow = &mut buf[(mt * T16 + r) * px..(mt * T16 + r + 1) * px];
+                for (n, acc) in crow.iter_mut().enumerate() {
+                    for j in 0..T16 {
+                        let b = xq[p0 + off + j * plan.q_len + n];
+                        *acc += f(arow[2 * j]) * f(b as u16);
+                        *acc += f(arow[2 * j + 1]) * f((b >> 16) as u16);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether this process may run AMX-BF16 code.
+pub fn amx_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::cpu::amx::usable(crate::cpu::amx::AmxType::Bf16)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    /// 2 output-channel tiles × 2 pixel tiles: per step, A tiles `a` and `a + 1 KiB` (tmm4,
+    /// tmm5), B tiles at `x + 4·offs[s]` and 64 bytes on (tmm6, tmm7, rows `4·q_len` bytes
+    /// apart), four `tdpbf16ps` into tmm0–3; then stored to `buf` as 32 rows of 32 F32.
+    ///
+    /// # Safety
+    /// Tiles configured as 16 × 64 bytes (AMX usable); `a` holds `2·steps` A tiles; every
+    /// B row read lies in the copy; `buf` holds 32 × 32 F32.
+    pub(super) unsafe fn block_2x2(
+        steps: usize,
+        a: *const u16,
+        x: *const u8,
+        offs: &[usize],
+        q_len: usize,
+        buf: *mut f32,
+    ) {
+        debug_assert!(offs.len() == steps && steps > 0);
+        // SAFETY: per the caller's guarantee; only tile registers, the pointer copies and the
+        // flags are changed.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "mov {p}, [{o}]",
+                "lea {p}, [{x} + {p}*4]",
+                "tileloadd tmm4, [{a} + {sa}]",
+                "tileloadd tmm5, [{a} + {sa} + 1024]",
+                "tileloadd tmm6, [{p} + {sb}]",
+                "tileloadd tmm7, [{p} + {sb} + 64]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a}, 2048",
+                "add {o}, 8",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{d} + {sd}], tmm0",
+                "tilestored [{d} + {sd} + 64], tmm1",
+                "tilestored [{d2} + {sd}], tmm2",
+                "tilestored [{d2} + {sd} + 64], tmm3",
+                a = inout(reg) a => _,
+                o = inout(reg) offs.as_ptr() => _,
+                n = inout(reg) steps => _,
+                p = out(reg) _,
+                x = in(reg) x,
+                sa = in(reg) 64usize,
+                sb = in(reg) 4 * q_len,
+                d = in(reg) buf,
+                d2 = in(reg) buf.add(16 * 32),
+                sd = in(reg) 128usize,
+                options(nostack),
+            );
+        }
+    }
+
+    /// 1 output-channel tile × 4 pixel tiles: per step, A tile `a` (tmm4), B tiles at
+    /// `x + 4·offs[s]` + 0, 64, 128, 192 bytes (tmm5–7, tmm5 reloaded), four `tdpbf16ps`
+    /// into tmm0–3; then stored to `buf` as 16 rows of 64 F32.
+    ///
+    /// # Safety
+    /// As `block_2x2`, with `steps` A tiles and `buf` 16 × 64 F32.
+    pub(super) unsafe fn block_1x4(
+        steps: usize,
+        a: *const u16,
+        x: *const u8,
+        offs: &[usize],
+        q_len: usize,
+        buf: *mut f32,
+    ) {
+        debug_assert!(offs.len() == steps && steps > 0);
+        // SAFETY: as in `block_2x2`.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "2:",
+                "mov {p}, [{o}]",
+                "lea {p}, [{x} + {p}*4]",
+                "tileloadd tmm4, [{a} + {sa}]",
+                "tileloadd tmm5, [{p} + {sb}]",
+                "tileloadd tmm6, [{p} + {sb} + 64]",
+                "tileloadd tmm7, [{p} + {sb} + 128]",
+                "tdpbf16ps tmm0, tmm4, tmm5",
+                "tileloadd tmm5, [{p} + {sb} + 192]",
+                "tdpbf16ps tmm1, tmm4, tmm6",
+                "tdpbf16ps tmm2, tmm4, tmm7",
+                "tdpbf16ps tmm3, tmm4, tmm5",
+                "add {a}, 1024",
+                "add {o}, 8",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{d} + {sd}], tmm0",
+                "tilestored [{d} + {sd} + 64], tmm1",
+                "tilestored [{d} + {sd} + 128], tmm2",
+                "tilestored [{d} + {sd} + 192], tmm3",
+                a = inout(reg) a => _,
+                o = inout(reg) offs.as_ptr() => _,
+                n = inout(reg) steps => _,
+                p = out(reg) _,
+                x = in(reg) x,
+                sa = in(reg) 64usize,
+                sb = in(reg) 4 * q_len,
+                d = in(reg) buf,
+                sd = in(reg) 256usize,
+                options(nostack),
+            );
+        }
+    }
+}

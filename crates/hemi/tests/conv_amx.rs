@@ -1,0 +1,177 @@
+//! BF16 forward convolutions on AMX tiles read from the image (`cpu::conv_amx`): the
+//! portable twin against F64 within the F32 summation bound on every CPU, and the AMX tiles,
+//! where the process may use them, against F64 the same way and against the twin (equal to
+//! the bit on sums that are exact). Images one after another on one thread (the copy is
+//! kept between them), pixel counts that are no multiple of a block, both tile shapes (2×2
+//! and, for an odd multiple of 16 output channels, 1×4), padding from none to wide and
+//! one-sided, dilation, rectangular and pointwise kernels, and ResNet's shapes.
+//! Convolutions it does not take get no plan.
+
+use half::bf16;
+use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv_amx::AmxConvPlan;
+use hemi::Generator;
+
+/// (c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out).
+type Geom6 = (
+    usize,
+    (usize, usize),
+    (usize, usize),
+    (usize, usize),
+    usize,
+    usize,
+);
+
+fn geom(&(c_in, (h, w), (kh, kw), padding, d, c_out): &Geom6) -> Conv2dGeom {
+    Conv2dGeom {
+        n: 1,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh,
+        kw,
+        stride: (1, 1),
+        padding,
+        dilation: (d, d),
+        groups: 1,
+        h_out: conv_out_size(h, kh, 1, padding.0, d).unwrap(),
+        w_out: conv_out_size(w, kw, 1, padding.1, d).unwrap(),
+    }
+}
+
+const CASES: [Geom6; 12] = [
+    // Same copy layout, input at another place: the kept copy must not keep the first
+    // image's values where the second has zeros.
+    (32, (8, 8), (3, 3), (0, 0), 1, 32),
+    (32, (6, 6), (3, 3), (1, 1), 1, 32),
+    (32, (7, 9), (3, 3), (1, 1), 1, 16),
+    (64, (5, 13), (3, 3), (0, 1), 1, 48),
+    (32, (6, 11), (5, 3), (2, 1), 1, 32),
+    (32, (9, 8), (3, 3), (2, 2), 2, 64),
+    (32, (3, 5), (3, 5), (3, 2), 1, 16),
+    (96, (7, 7), (1, 1), (0, 0), 1, 32),
+    (64, (9, 9), (1, 1), (0, 0), 1, 80),
+    (32, (16, 16), (3, 3), (1, 1), 1, 32),
+    (64, (8, 8), (3, 3), (1, 1), 1, 64),
+    (32, (11, 1), (3, 1), (1, 0), 1, 16),
+];
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Checks `plan` (twin or AMX) on image `x`: every output within the F32 summation bound
+/// of F64, and nothing written past the output. Returns the outputs.
+fn check_plan(
+    plan: &AmxConvPlan,
+    g: &Conv2dGeom,
+    x: &[bf16],
+    w: &[bf16],
+    b: Option<&[f32]>,
+) -> Vec<f32> {
+    let f = |v: &[bf16]| v.iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
+    let abs = |v: &[f64]| v.iter().map(|a| a.abs()).collect::<Vec<f64>>();
+    let (x64, w64) = (f(x), f(w));
+    let b64: Option<Vec<f64>> = b.map(|b| b.iter().map(|&v| v as f64).collect());
+    let want = conv2d_reference(&x64, &w64, b64.as_deref(), g);
+    let mag = conv2d_reference(&abs(&x64), &abs(&w64), b64.map(|b| abs(&b)).as_deref(), g);
+    let mut got = vec![f32::NAN; g.out_image() + 1];
+    plan.image(x, b, &mut got);
+    assert!(got[g.out_image()].is_nan(), "{g:?}: wrote past the output");
+    // Each output sums K exact products in F32 (one rounding each), then the bias.
+    let tol_of = |m: f64| 2.0 * (g.k() as f64 + 2.0) * f64::powi(2.0, -24) * m;
+    for (i, ((&v, &w), &m)) in got.iter().zip(&want).zip(&mag).enumerate() {
+        assert!(
+            (v as f64 - w).abs() <= tol_of(m),
+            "{g:?} amx {} bias {}: y[{i}] = {v}, want {w}",
+            plan.uses_amx(),
+            b.is_some()
+        );
+    }
+    got.pop();
+    got
+}
+
+#[test]
+fn matches_f64_on_the_twin_and_on_amx() {
+    let mut rng = Generator::new(301);
+    let amx =
+        AmxConvPlan::with_amx(&geom(&CASES[0]), &vec![bf16::ZERO; 32 * 32 * 9], true).is_some();
+    println!("AMX tiles checked: {amx}");
+    for case in &CASES {
+        let g = geom(case);
+        let w: Vec<bf16> = (0..g.weight_len())
+            .map(|_| bf16::from_f64(rng.uniform(-1.0, 1.0)))
+            .collect();
+        let bias: Vec<f32> = (0..g.c_out)
+            .map(|_| rng.uniform(-1.0, 1.0) as f32)
+            .collect();
+        let twin = AmxConvPlan::with_amx(&g, &w, false).expect("a plan");
+        let tiles = AmxConvPlan::with_amx(&g, &w, true);
+        // Two images per case (the second reuses the copy's zeros), one with bias.
+        for with_bias in [false, true] {
+            let x: Vec<bf16> = (0..g.in_image())
+                .map(|_| bf16::from_f64(rng.uniform(-2.0, 2.0)))
+                .collect();
+            let b = with_bias.then_some(&bias[..]);
+            let t = check_plan(&twin, &g, &x, &w, b);
+            if let Some(tiles) = &tiles {
+                let a = check_plan(tiles, &g, &x, &w, b);
+                assert!(a.len() == t.len());
+            }
+        }
+    }
+}
+
+/// On small integers every partial sum is exact, so the AMX tiles and the twin must agree
+/// to the bit whatever order each sums in.
+#[test]
+fn amx_equals_the_twin_on_exact_sums() {
+    let mut rng = Generator::new(302);
+    for case in &CASES {
+        let g = geom(case);
+        let int = |rng: &mut Generator, r: f64| bf16::from_f64(rng.uniform(-r, r).round());
+        let w: Vec<bf16> = (0..g.weight_len()).map(|_| int(&mut rng, 4.0)).collect();
+        let x: Vec<bf16> = (0..g.in_image()).map(|_| int(&mut rng, 8.0)).collect();
+        let bias: Vec<f32> = (0..g.c_out)
+            .map(|_| rng.uniform(-9.0, 9.0).round() as f32)
+            .collect();
+        let twin = AmxConvPlan::with_amx(&g, &w, false).expect("a plan");
+        let t = check_plan(&twin, &g, &x, &w, Some(&bias));
+        if let Some(tiles) = AmxConvPlan::with_amx(&g, &w, true) {
+            let a = check_plan(&tiles, &g, &x, &w, Some(&bias));
+            assert_eq!(
+                bits(&a),
+                bits(&t),
+                "{g:?}: AMX differs from the twin on exact sums"
+            );
+        }
+    }
+}
+
+#[test]
+fn convolutions_it_does_not_take_get_no_plan() {
+    let w = vec![bf16::ZERO; 64 * 64 * 9];
+    let plain = (32, (8, 8), (3, 3), (1, 1), 1, 32);
+    assert!(AmxConvPlan::with_amx(&geom(&plain), &w, false).is_some());
+    for (c_in, c_out) in [(16, 32), (48, 32), (3, 32), (32, 8), (32, 24)] {
+        let g = geom(&(c_in, (8, 8), (3, 3), (1, 1), 1, c_out));
+        assert!(
+            AmxConvPlan::with_amx(&g, &w, false).is_none(),
+            "{c_in} -> {c_out}"
+        );
+    }
+    let strided = Conv2dGeom {
+        stride: (2, 2),
+        h_out: 4,
+        w_out: 4,
+        ..geom(&plain)
+    };
+    assert!(AmxConvPlan::with_amx(&strided, &w, false).is_none());
+    let grouped = Conv2dGeom {
+        groups: 2,
+        ..geom(&plain)
+    };
+    assert!(AmxConvPlan::with_amx(&grouped, &w, false).is_none());
+}
