@@ -8,8 +8,8 @@
 //! Convolutions it does not take get no plan.
 
 use half::bf16;
-use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_amx::AmxConvPlan;
+use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out).
@@ -174,4 +174,83 @@ fn convolutions_it_does_not_take_get_no_plan() {
         ..geom(&plain)
     };
     assert!(AmxConvPlan::with_amx(&grouped, &w, false).is_none());
+}
+
+/// The weight gradient of three images added onto a gradient already there: the twin and
+/// the AMX tiles against F64 within the F32 summation bound, and equal to each other on
+/// exact sums; both tilings (2×2 channel tiles, 4 taps of 16-channel tiles).
+#[test]
+fn weight_grads_match_f64_on_the_twin_and_on_amx() {
+    let mut rng = Generator::new(303);
+    let n = 3;
+    let extra: [Geom6; 3] = [
+        (16, (8, 8), (3, 3), (1, 1), 1, 16),
+        (16, (7, 5), (3, 3), (1, 1), 1, 48),
+        (48, (6, 9), (3, 3), (2, 0), 2, 16),
+    ];
+    for case in CASES.iter().chain(&extra) {
+        let g = geom(case);
+        for exact in [false, true] {
+            let mut val = |r: f64| {
+                let v = rng.uniform(-r, r);
+                bf16::from_f64(if exact { v.round() } else { v })
+            };
+            let x: Vec<bf16> = (0..n * g.in_image()).map(|_| val(4.0)).collect();
+            let dy: Vec<bf16> = (0..n * g.out_image()).map(|_| val(2.0)).collect();
+            let dw0: Vec<f32> = (0..g.weight_len()).map(|_| val(8.0).to_f32()).collect();
+            let x64: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+            let dy64: Vec<f64> = dy.iter().map(|v| v.to_f64()).collect();
+            let (want, mag) = conv2d_weight_grad_reference(&x64, &dy64, &Conv2dGeom { n, ..g });
+            let run = |plan: &AmxWgradPlan| {
+                let mut got = dw0.clone();
+                got.push(f32::NAN);
+                plan.add_weight_grad(&x, &dy, n, &mut got);
+                assert!(got[g.weight_len()].is_nan(), "{g:?}: wrote past dw");
+                // All n images' terms summed in F32 (with the zero columns), then added.
+                let terms = (n * (g.h_out + g.kh) * (g.w_out + g.kw) + 2) as f64;
+                for (i, ((&v, &w), &m)) in got.iter().zip(&want).zip(&mag).enumerate() {
+                    let w = w + dw0[i] as f64;
+                    let tol = 2.0 * terms * f64::powi(2.0, -24) * (m + dw0[i].abs() as f64);
+                    assert!(
+                        (v as f64 - w).abs() <= tol,
+                        "{g:?} amx {}: dw[{i}] = {v}, want {w}",
+                        plan.uses_amx()
+                    );
+                }
+                got
+            };
+            let twin = AmxWgradPlan::with_amx(&g, false).expect("a plan");
+            let t = run(&twin);
+            if let Some(tiles) = AmxWgradPlan::with_amx(&g, true) {
+                let a = run(&tiles);
+                if exact {
+                    assert_eq!(
+                        bits(&a),
+                        bits(&t),
+                        "{g:?}: AMX differs from the twin on exact sums"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn weight_grads_it_does_not_take_get_no_plan() {
+    let plain = (16, (8, 8), (3, 3), (1, 1), 1, 16);
+    assert!(AmxWgradPlan::with_amx(&geom(&plain), false).is_some());
+    for (c_in, c_out) in [(8, 32), (3, 16), (32, 8), (32, 24)] {
+        let g = geom(&(c_in, (8, 8), (3, 3), (1, 1), 1, c_out));
+        assert!(
+            AmxWgradPlan::with_amx(&g, false).is_none(),
+            "{c_in} -> {c_out}"
+        );
+    }
+    let strided = Conv2dGeom {
+        stride: (2, 2),
+        h_out: 4,
+        w_out: 4,
+        ..geom(&plain)
+    };
+    assert!(AmxWgradPlan::with_amx(&strided, false).is_none());
 }

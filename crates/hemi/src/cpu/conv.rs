@@ -17,7 +17,7 @@
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::{blocks_zeroed, per_block_with};
-use crate::cpu::conv_amx::AmxConvPlan;
+use crate::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
@@ -305,6 +305,15 @@ impl Prepared {
     }
 }
 
+/// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+/// would run its product on `amx-bf16`.
+fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
+    if kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.l(), g.k()) != Kernel::AmxBf16 {
+        return None;
+    }
+    AmxWgradPlan::new(g)
+}
+
 /// The plan of a BF16 forward convolution on AMX tiles read from the image
 /// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
 /// keeps its say) and the convolution suits it.
@@ -536,8 +545,18 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
         return vec![C::zero(); len];
     }
     if C::DTYPE == DType::F32 {
-        // BF16 pairs or F32 planes read from the image as stored (`cpu::conv_wgrad`).
+        // BF16 on AMX tiles read from copies of the images (`cpu::conv_amx`), where hemi's
+        // GEMM would run the product on `amx-bf16`; else BF16 pairs or F32 planes read from
+        // the image as stored (`cpu::conv_wgrad`).
         let dw = if let (Some(xb), Some(dyb), Some(plan)) = (
+            same_slice::<T, bf16>(x),
+            same_slice::<T, bf16>(dy),
+            amx_wgrad_plan(g),
+        ) {
+            Some(wgrad_runs(xb, dyb, g, |x, dy, n, dw, _| {
+                plan.add_weight_grad(x, dy, n, dw)
+            }))
+        } else if let (Some(xb), Some(dyb), Some(plan)) = (
             same_slice::<T, bf16>(x),
             same_slice::<T, bf16>(dy),
             WgradPlan::new(g),

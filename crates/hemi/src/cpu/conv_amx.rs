@@ -484,4 +484,442 @@ mod x86 {
             );
         }
     }
+
+    /// Weight gradient, 2 input-channel tiles (A rows from `a0`, `a1`, `2·plane` bytes apart)
+    /// × 2 output-channel tiles (B from `b0`, `b1`): accumulators `c[0..4]` = (a0, b0),
+    /// (a0, b1), (a1, b0), (a1, b1) loaded, `chunks` times four `tdpbf16ps` (A on by 64
+    /// bytes, B by 1 KiB each time), stored back.
+    ///
+    /// # Safety
+    /// Tiles configured as 16 × 64 bytes; every A and B row read lies in its buffer; each
+    /// `c[j]` is 16 × 16 writable F32.
+    pub(super) unsafe fn wgrad_2x2(
+        chunks: usize,
+        a0: *const u8,
+        a1: *const u8,
+        plane: usize,
+        b0: *const u8,
+        b1: *const u8,
+        c: [*mut f32; 4],
+    ) {
+        // SAFETY: per the caller's guarantee; only tile registers, the pointer copies and the
+        // flags are changed.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm0, [{c0} + {s64}]",
+                "tileloadd tmm1, [{c1} + {s64}]",
+                "tileloadd tmm2, [{c2} + {s64}]",
+                "tileloadd tmm3, [{c3} + {s64}]",
+                "2:",
+                "tileloadd tmm4, [{a0} + {sa}]",
+                "tileloadd tmm5, [{a1} + {sa}]",
+                "tileloadd tmm6, [{b0} + {s64}]",
+                "tileloadd tmm7, [{b1} + {s64}]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c0} + {s64}], tmm0",
+                "tilestored [{c1} + {s64}], tmm1",
+                "tilestored [{c2} + {s64}], tmm2",
+                "tilestored [{c3} + {s64}], tmm3",
+                a0 = inout(reg) a0 => _,
+                a1 = inout(reg) a1 => _,
+                b0 = inout(reg) b0 => _,
+                b1 = inout(reg) b1 => _,
+                n = inout(reg) chunks => _,
+                sa = in(reg) 2 * plane,
+                s64 = in(reg) 64usize,
+                c0 = in(reg) c[0],
+                c1 = in(reg) c[1],
+                c2 = in(reg) c[2],
+                c3 = in(reg) c[3],
+                options(nostack),
+            );
+        }
+    }
+
+    /// Weight gradient, 4 taps (A rows from `a[j]`) of one input-channel tile × one
+    /// output-channel tile (B from `b`): accumulators `c[j]` = (a[j], b), as `wgrad_2x2`.
+    ///
+    /// # Safety
+    /// As `wgrad_2x2`.
+    pub(super) unsafe fn wgrad_taps4(
+        chunks: usize,
+        a: [*const u8; 4],
+        plane: usize,
+        b: *const u8,
+        c: [*mut f32; 4],
+    ) {
+        // SAFETY: as in `wgrad_2x2`.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm0, [{c0} + {s64}]",
+                "tileloadd tmm1, [{c1} + {s64}]",
+                "tileloadd tmm2, [{c2} + {s64}]",
+                "tileloadd tmm3, [{c3} + {s64}]",
+                "2:",
+                "tileloadd tmm4, [{b} + {s64}]",
+                "tileloadd tmm5, [{a0} + {sa}]",
+                "tdpbf16ps tmm0, tmm5, tmm4",
+                "tileloadd tmm6, [{a1} + {sa}]",
+                "tdpbf16ps tmm1, tmm6, tmm4",
+                "tileloadd tmm7, [{a2} + {sa}]",
+                "tdpbf16ps tmm2, tmm7, tmm4",
+                "tileloadd tmm5, [{a3} + {sa}]",
+                "tdpbf16ps tmm3, tmm5, tmm4",
+                "add {a0}, 64",
+                "add {a1}, 64",
+                "add {a2}, 64",
+                "add {a3}, 64",
+                "add {b}, 1024",
+                "dec {n}",
+                "jnz 2b",
+                "tilestored [{c0} + {s64}], tmm0",
+                "tilestored [{c1} + {s64}], tmm1",
+                "tilestored [{c2} + {s64}], tmm2",
+                "tilestored [{c3} + {s64}], tmm3",
+                a0 = inout(reg) a[0] => _,
+                a1 = inout(reg) a[1] => _,
+                a2 = inout(reg) a[2] => _,
+                a3 = inout(reg) a[3] => _,
+                b = inout(reg) b => _,
+                n = inout(reg) chunks => _,
+                sa = in(reg) 2 * plane,
+                s64 = in(reg) 64usize,
+                c0 = in(reg) c[0],
+                c1 = in(reg) c[1],
+                c2 = in(reg) c[2],
+                c3 = in(reg) c[3],
+                options(nostack),
+            );
+        }
+    }
+}
+
+/// How a weight-gradient plan tiles: 2 input-channel tiles × 2 output-channel tiles of one
+/// tap (input and output channels multiples of 32), or 4 taps of one input-channel tile and
+/// one output-channel tile (multiples of 16; the last group of taps padded by repeating its
+/// last tap, whose repeats are not stored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum WgradTiles {
+    Channels2x2,
+    Taps4,
+}
+
+/// The weight gradient of a BF16 convolution on AMX tiles, read from copies of a run of
+/// images: `dw[o][c][tap] = Σ_p dy[o][p] · x[c][p + off(tap)]` over the run's pixels (over
+/// the padded width, where the output gradient's copy holds zeros in the columns that are
+/// no output), as `C [c 16][o 16] += A [c 16][32 pixels] · B [16 pixel pairs][o 16]`:
+/// - A rows are 32 consecutive pixels of one input-channel plane of a padded copy of the
+///   images (BF16, the images one after another `qx` apart), read in place;
+/// - B is the output gradient by pixel pair (`[o / 16][P / 2][16]` of `u32`), made once per
+///   run;
+/// - the accumulator tiles are loaded from and stored to an F32 gradient in tile order,
+///   added to `dw` at the end.
+///
+/// Stride 1, any padding and dilation, input and output channels multiples of 16.
+#[derive(Clone, Debug)]
+pub struct AmxWgradPlan {
+    amx: bool,
+    g: Conv2dGeom,
+    wp: usize,
+    /// Pixels of one image in the copies (over the padded width), a multiple of 32.
+    qx: usize,
+    /// Elements of `x`'s copy read past the last image: the widest tap offset, rounded up.
+    tail: usize,
+    /// `offs[tap]`: where a tap reads, in pixels from its output pixel.
+    offs: Vec<usize>,
+    tiles: WgradTiles,
+}
+
+/// A weight gradient's copies of x and dy, the layout (geometry, images) their zeros were
+/// written for, and its F32 gradient in tile order.
+type WgradBuffers = (Vec<u16>, Vec<u32>, Option<(Conv2dGeom, usize)>, Vec<f32>);
+
+thread_local! {
+    /// The copies of a weight gradient's run (x as BF16 planes, dy as pixel pairs) and its
+    /// F32 gradient in tile order.
+    static WGRAD: RefCell<WgradBuffers> = const { RefCell::new((Vec::new(), Vec::new(), None, Vec::new())) };
+}
+
+impl AmxWgradPlan {
+    /// The plan where this file is the route: a convolution `with_amx` takes, on a CPU and
+    /// OS that run AMX-BF16.
+    pub fn new(g: &Conv2dGeom) -> Option<Self> {
+        if !amx_available() {
+            return None;
+        }
+        Self::with_amx(g, true)
+    }
+
+    /// The plan on AMX tiles (`amx`, where usable) or on their portable twin; `None` for
+    /// convolutions it does not take: strides other than 1, groups, input or output channels
+    /// not multiples of 16, no output.
+    pub fn with_amx(g: &Conv2dGeom, amx: bool) -> Option<Self> {
+        if amx && !amx_available() {
+            return None;
+        }
+        if g.stride != (1, 1) || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
+            return None;
+        }
+        if g.c_in == 0
+            || g.c_out == 0
+            || !g.c_in.is_multiple_of(T16)
+            || !g.c_out.is_multiple_of(T16)
+        {
+            return None;
+        }
+        let (dh, dw) = g.dilation;
+        let hp = g.h_out + (g.kh - 1) * dh;
+        let wp = g.w_out + (g.kw - 1) * dw;
+        let p_len = (g.h_out - 1) * wp + g.w_out;
+        let max_off = (g.kh - 1) * dh * wp + (g.kw - 1) * dw;
+        // Every pixel a tap of an image's outputs reads lies in its own `hp·wp` plane.
+        let qx = (hp * wp).max(p_len).next_multiple_of(CHUNK);
+        let tail = (max_off + CHUNK).next_multiple_of(CHUNK);
+        let mut offs = Vec::with_capacity(g.kh * g.kw);
+        for ki in 0..g.kh {
+            for kj in 0..g.kw {
+                offs.push(ki * dh * wp + kj * dw);
+            }
+        }
+        let tiles = if g.c_in.is_multiple_of(2 * T16) && g.c_out.is_multiple_of(2 * T16) {
+            WgradTiles::Channels2x2
+        } else {
+            WgradTiles::Taps4
+        };
+        Some(AmxWgradPlan {
+            amx,
+            g: *g,
+            wp,
+            qx,
+            tail,
+            offs,
+            tiles,
+        })
+    }
+
+    /// Whether the plan runs on AMX tiles (else on the portable twin).
+    pub fn uses_amx(&self) -> bool {
+        self.amx
+    }
+
+    /// The weight gradient of `n` images added to `dw [c_out, c_in, kh, kw]`: per element,
+    /// the products summed in F32 over the run's pixels, then added (`x [n, c_in, h, w]`,
+    /// `dy [n, c_out, h_out, w_out]`).
+    pub fn add_weight_grad(&self, x: &[bf16], dy: &[bf16], n: usize, dw: &mut [f32]) {
+        let g = &self.g;
+        assert!(
+            x.len() >= n * g.in_image() && dy.len() >= n * g.out_image(),
+            "conv_amx: buffers too small for {n} images of {g:?}"
+        );
+        assert!(dw.len() >= g.weight_len(), "conv_amx: dw too short");
+        if n == 0 {
+            return;
+        }
+        let taps = self.offs.len();
+        let (cit, cot) = (g.c_in / T16, g.c_out / T16);
+        // Taps rounded up to groups of 4 for `Taps4` (the repeats land past the real taps).
+        let tap_slots = match self.tiles {
+            WgradTiles::Channels2x2 => taps,
+            WgradTiles::Taps4 => taps.next_multiple_of(4),
+        };
+        let np = n * self.qx;
+        WGRAD.with_borrow_mut(|(xc, dyq, layout, acc)| {
+            // The copies hold zeros wherever no pixel is written: written once per layout.
+            if *layout != Some((*g, n)) {
+                xc.clear();
+                xc.resize(g.c_in * (np + self.tail), 0);
+                dyq.clear();
+                dyq.resize(g.c_out * np / 2, 0);
+                *layout = Some((*g, n));
+            }
+            self.copy_x(x, n, xc);
+            self.copy_dy(dy, n, dyq);
+            acc.clear();
+            acc.resize(tap_slots * cit * cot * T16 * T16, 0.0);
+            let plane = np + self.tail;
+            let chunks = np / CHUNK;
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `amx` only where AMX-BF16 is usable (`with_amx`).
+            let _release = self
+                .amx
+                .then(|| unsafe { crate::cpu::amx::TileConfig::all_16x64().load() });
+            match self.tiles {
+                WgradTiles::Channels2x2 => {
+                    for (t, &off) in self.offs.iter().enumerate() {
+                        for ci in (0..cit).step_by(2) {
+                            for co in (0..cot).step_by(2) {
+                                let a = [ci, ci + 1].map(|c| c * T16 * plane + off);
+                                let b = [co, co + 1].map(|c| c * np / 2 * T16);
+                                let c = [(ci, co), (ci, co + 1), (ci + 1, co), (ci + 1, co + 1)]
+                                    .map(|(i, o)| ((t * cit + i) * cot + o) * T16 * T16);
+                                self.run(
+                                    xc,
+                                    dyq,
+                                    acc,
+                                    plane,
+                                    chunks,
+                                    [a[0], a[0], a[1], a[1]],
+                                    [b[0], b[1], b[0], b[1]],
+                                    c,
+                                );
+                            }
+                        }
+                    }
+                }
+                WgradTiles::Taps4 => {
+                    for ci in 0..cit {
+                        for co in 0..cot {
+                            for t0 in (0..taps).step_by(4) {
+                                let tap = |j: usize| self.offs[(t0 + j).min(taps - 1)];
+                                let a = [0, 1, 2, 3].map(|j| ci * T16 * plane + tap(j));
+                                let b = co * np / 2 * T16;
+                                let c = [0, 1, 2, 3]
+                                    .map(|j| ((ci * cot + co) * tap_slots + t0 + j) * T16 * T16);
+                                self.run(xc, dyq, acc, plane, chunks, a, [b; 4], c);
+                            }
+                        }
+                    }
+                }
+            }
+            // The tiles back into `dw [o][c][tap]`.
+            for t in 0..taps {
+                for c in 0..g.c_in {
+                    for o in 0..g.c_out {
+                        let (i, r, j, q) = (c / T16, c % T16, o / T16, o % T16);
+                        let tile = match self.tiles {
+                            WgradTiles::Channels2x2 => (t * cit + i) * cot + j,
+                            WgradTiles::Taps4 => (i * cot + j) * tap_slots + t,
+                        };
+                        dw[(o * g.c_in + c) * taps + t] += acc[(tile * T16 + r) * T16 + q];
+                    }
+                }
+            }
+        })
+    }
+
+    /// Four accumulator tiles `acc[c[j]..]` (16 × 16 F32 each) += A (`xc` from `a[j]`, rows
+    /// `plane` apart) · B (`dyq` from `b[j]`), over `chunks` chunks of 32 pixels.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        xc: &[u16],
+        dyq: &[u32],
+        acc: &mut [f32],
+        plane: usize,
+        chunks: usize,
+        a: [usize; 4],
+        b: [usize; 4],
+        c: [usize; 4],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if self.amx {
+            // SAFETY: tiles configured (`add_weight_grad`); `chunks` chunks from every `a[j]`
+            // (16 rows `plane` apart, 32 pixels each) lie in `xc`, from every `b[j]` (16 rows
+            // of 16) in `dyq`; each `c[j]` is a whole tile of `acc`.
+            unsafe {
+                let xa = a.map(|o| xc.as_ptr().add(o).cast::<u8>());
+                let yb = b.map(|o| dyq.as_ptr().add(o).cast::<u8>());
+                let ca = c.map(|o| acc.as_mut_ptr().add(o));
+                match self.tiles {
+                    WgradTiles::Channels2x2 => {
+                        x86::wgrad_2x2(chunks, xa[0], xa[2], plane, yb[0], yb[1], ca)
+                    }
+                    WgradTiles::Taps4 => x86::wgrad_taps4(chunks, xa, plane, yb[0], ca),
+                }
+            }
+            return;
+        }
+        let f = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+        for j in 0..4 {
+            let tile = &mut acc[c[j]..c[j] + T16 * T16];
+            for ch in 0..chunks {
+                for r in 0..T16 {
+                    let arow = &xc[a[j] + r * plane + ch * CHUNK..][..CHUNK];
+                    for q in 0..T16 {
+                        let mut s = tile[r * T16 + q];
+                        for pp in 0..T16 {
+                            let v = dyq[b[j] + (ch * T16 + pp) * T16 + q];
+                            s += f(arow[2 * pp]) * f(v as u16);
+                            s += f(arow[2 * pp + 1]) * f((v >> 16) as u16);
+                        }
+                        tile[r * T16 + q] = s;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `x`'s `n` images as `c_in` BF16 planes of `n·qx + tail`: image `i`'s input pixel
+    /// `(ih, iw)` at `i·qx + (ih + ph)·wp + iw + pw`. Writes only those pixels (`xc` holds
+    /// the zeros: `add_weight_grad`).
+    fn copy_x(&self, x: &[bf16], n: usize, xc: &mut [u16]) {
+        let g = &self.g;
+        let (wp, (ph, pw)) = (self.wp, g.padding);
+        let hp = g.h_out + (g.kh - 1) * g.dilation.0;
+        let rows = g.h.min(hp.saturating_sub(ph));
+        let cols = g.w.min(wp.saturating_sub(pw));
+        let plane = n * self.qx + self.tail;
+        for i in 0..n {
+            let img = &x[i * g.in_image()..(i + 1) * g.in_image()];
+            for (c, src) in img.chunks_exact(g.h * g.w).enumerate() {
+                let dst = &mut xc[c * plane + i * self.qx..];
+                for ih in 0..rows {
+                    let at = (ih + ph) * wp + pw;
+                    for (d, s) in dst[at..at + cols]
+                        .iter_mut()
+                        .zip(&src[ih * g.w..ih * g.w + cols])
+                    {
+                        *d = s.to_bits();
+                    }
+                }
+            }
+        }
+    }
+
+    /// `dy`'s `n` images by pixel pair: `dyq[o / 16][P / 2][o % 16]` holds `dy[o]` at pixels
+    /// `P` (low half) and `P + 1` (high half), `P = i·qx + oh·wp + ow`; zeros elsewhere.
+    /// Writes only those pixels (`dyq` holds the zeros: `add_weight_grad`).
+    fn copy_dy(&self, dy: &[bf16], n: usize, dyq: &mut [u32]) {
+        let g = &self.g;
+        let np = n * self.qx;
+        let (wo, l) = (g.w_out, g.l());
+        // As 16-bit halves: pixel P of channel o at `(o / 16)·np·16 + (P / 2)·32 + (o % 16)·2
+        // + P % 2`, so consecutive pixels alternate between two halves of one `u32` and the
+        // next `u32` pair lies 32 halves on.
+        let halves: &mut [u16] = as_halves(dyq);
+        for i in 0..n {
+            let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+            for (o, src) in img.chunks_exact(l).enumerate() {
+                let base = (o / T16) * np * T16 + (o % T16) * 2;
+                for (oh, row) in src.chunks_exact(wo).enumerate() {
+                    let p0 = i * self.qx + oh * self.wp;
+                    for (ow, v) in row.iter().enumerate() {
+                        let pix = p0 + ow;
+                        let half = if cfg!(target_endian = "little") {
+                            pix & 1
+                        } else {
+                            1 - (pix & 1)
+                        };
+                        halves[base + (pix >> 1) * 2 * T16 + half] = v.to_bits();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `u32`s as their 16-bit halves, in memory order.
+fn as_halves(v: &mut [u32]) -> &mut [u16] {
+    // SAFETY: u16 has a smaller alignment than u32, every bit pattern is a valid u16, and
+    // the new slice covers exactly the same bytes, borrowed mutably for as long.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u16>(), v.len() * 2) }
 }
