@@ -20,8 +20,12 @@
 //!   every plane. The `wp - w_out` columns per row this computes in vain are dropped when
 //!   the tile is stored (a quarter more work on ResNet-20's 8×8 planes, an eighth on 16×16).
 //!
-//! Stride 1, any padding and dilation, input channels a multiple of 32, output channels a
-//! multiple of 16. Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
+//! Stride 1, any padding and dilation, input channels a multiple of 32 or exactly 16,
+//! output channels a multiple of 16. With 16 input channels a chunk holds two taps of a
+//! kernel row (channels of tap `kj` in its first 16 columns, of `kj + 1` in the others; a
+//! kernel row of odd width leaves the last chunk half zero weights): the copy then holds
+//! the 8 pairs twice, the second time shifted by one tap, so that B rows 8–15 read tap
+//! `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`. Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
 //! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
@@ -65,6 +69,9 @@ pub struct AmxConvPlan {
     wpk: Vec<u16>,
     /// Output pixels computed (over the padded width): `(h_out - 1)·wp + w_out`.
     p_len: usize,
+    /// 16 input channels: each chunk holds taps kj and kj + 1 of a kernel row, so the copy
+    /// holds the 8 pairs twice, the second time shifted by one tap (`dilation.1` pixels).
+    pair_taps: bool,
 }
 
 thread_local! {
@@ -76,6 +83,7 @@ thread_local! {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct CopyLayout {
     pairs: usize,
+    shift: usize,
     q_len: usize,
     wp: usize,
     ph: usize,
@@ -95,8 +103,8 @@ impl AmxConvPlan {
     }
 
     /// The plan on AMX tiles (`amx`, where usable) or on their portable twin; `None` for
-    /// convolutions it does not take: strides other than 1, groups, input channels not a
-    /// multiple of 32, output channels not a multiple of 16, no output.
+    /// convolutions it does not take: strides other than 1, groups, input channels neither
+    /// 16 nor a multiple of 32, output channels not a multiple of 16, no output.
     pub fn with_amx(g: &Conv2dGeom, w: &[bf16], amx: bool) -> Option<Self> {
         if amx && !amx_available() {
             return None;
@@ -104,7 +112,9 @@ impl AmxConvPlan {
         if g.stride != (1, 1) || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
             return None;
         }
-        if g.c_in == 0 || !g.c_in.is_multiple_of(CHUNK) {
+        // 16 input channels: a chunk is two taps of one kernel row (`pair_taps`).
+        let pair_taps = g.c_in == T16;
+        if g.c_in == 0 || !(g.c_in.is_multiple_of(CHUNK) || pair_taps) {
             return None;
         }
         if g.c_out == 0 || !g.c_out.is_multiple_of(T16) {
@@ -118,7 +128,7 @@ impl AmxConvPlan {
         let hp = g.h_out + (g.kh - 1) * dh;
         let wp = g.w_out + (g.kw - 1) * dw;
         let p_len = (g.h_out - 1) * wp + g.w_out;
-        let chunks = g.c_in / CHUNK;
+        let chunks = g.c_in.div_ceil(CHUNK);
         let max_off = (g.kh - 1) * dh * wp + (g.kw - 1) * dw;
         let mut q_len = (hp * wp).max(p_len.next_multiple_of(PX) + max_off);
         q_len = q_len.next_multiple_of(16);
@@ -126,35 +136,41 @@ impl AmxConvPlan {
         if (q_len * 4).is_multiple_of(4096) {
             q_len += 16;
         }
-        let taps = g.kh * g.kw;
-        let steps = taps * chunks;
-        let mut offs = Vec::with_capacity(steps);
+        // Steps (ki, kj, chunk): with `pair_taps`, taps kj and kj + 1 (none past the row).
+        let mut step_at = Vec::new();
         for ki in 0..g.kh {
-            for kj in 0..g.kw {
+            for kj in (0..g.kw).step_by(if pair_taps { 2 } else { 1 }) {
                 for c in 0..chunks {
-                    offs.push(c * T16 * q_len + ki * dh * wp + kj * dw);
+                    step_at.push((ki, kj, c));
                 }
             }
         }
-        // A tiles: row r of tile (group, step, mt) is output channel o = group·32 + mt·16 + r,
-        // its 32 columns channels c·32.. of tap (ki, kj).
+        let steps = step_at.len();
+        let offs = step_at
+            .iter()
+            .map(|&(ki, kj, c)| c * T16 * q_len + ki * dh * wp + kj * dw)
+            .collect();
+        // Column e of a step's A tiles: (channel, ki, kj), or none (zero weight).
+        let column = |(ki, kj, c): (usize, usize, usize), e: usize| match (pair_taps, e < T16) {
+            (false, _) => Some((c * CHUNK + e, ki, kj)),
+            (true, true) => Some((e, ki, kj)),
+            (true, false) => (kj + 1 < g.kw).then_some((e - T16, ki, kj + 1)),
+        };
+        // A tiles: row r of tile (group, step, mt) is output channel o = group·32 + mt·16 + r.
         let k = g.k();
         let mut wpk = vec![0u16; g.c_out * steps * CHUNK];
         let mut at = 0;
         for o0 in (0..g.c_out).step_by(2 * T16) {
             let mts = (g.c_out - o0).min(2 * T16) / T16;
-            for ki in 0..g.kh {
-                for kj in 0..g.kw {
-                    for c in 0..chunks {
-                        for mt in 0..mts {
-                            for r in 0..T16 {
-                                let o = o0 + mt * T16 + r;
-                                for e in 0..CHUNK {
-                                    let ci = c * CHUNK + e;
-                                    wpk[at] = w[o * k + (ci * g.kh + ki) * g.kw + kj].to_bits();
-                                    at += 1;
-                                }
+            for &step in &step_at {
+                for mt in 0..mts {
+                    for r in 0..T16 {
+                        let o = o0 + mt * T16 + r;
+                        for e in 0..CHUNK {
+                            if let Some((ci, ki, kj)) = column(step, e) {
+                                wpk[at] = w[o * k + (ci * g.kh + ki) * g.kw + kj].to_bits();
                             }
+                            at += 1;
                         }
                     }
                 }
@@ -171,6 +187,7 @@ impl AmxConvPlan {
             offs,
             wpk,
             p_len,
+            pair_taps,
         })
     }
 
@@ -280,8 +297,9 @@ impl AmxConvPlan {
     }
 
     /// `x` into `xq` as `c_in / 2` planes of channel pairs (`q_len` each): input pixel
-    /// `(ih, iw)` at `(ih + ph)·wp + iw + pw`, zeros around and past the padded plane. The
-    /// zeros are written only where `xq` does not hold them for this layout already.
+    /// `(ih, iw)` at `(ih + ph)·wp + iw + pw`, zeros around and past the padded plane; with
+    /// `pair_taps`, those 8 planes again, shifted one tap. The zeros are written only where
+    /// `xq` does not hold them for this layout already.
     fn copy(&self, x: &[bf16], xq: &mut Vec<u32>, layout: &mut Option<CopyLayout>) {
         let g = &self.g;
         let (hp, wp) = (self.hp, self.wp);
@@ -289,8 +307,13 @@ impl AmxConvPlan {
         let rows = g.h.min(hp.saturating_sub(ph));
         let cols = g.w.min(wp.saturating_sub(pw));
         let pairs = g.c_in / 2;
+        // With `pair_taps` planes 8..16 are planes 0..8 a tap on: value q of plane 8 + j is
+        // value q + dw of plane j.
+        let shift = if self.pair_taps { g.dilation.1 } else { 0 };
+        let planes = if self.pair_taps { T16 } else { pairs };
         let want = CopyLayout {
-            pairs,
+            pairs: planes,
+            shift,
             q_len: self.q_len,
             wp,
             ph,
@@ -300,14 +323,15 @@ impl AmxConvPlan {
         };
         if *layout != Some(want) {
             xq.clear();
-            xq.resize(pairs * self.q_len, 0);
+            xq.resize(planes * self.q_len, 0);
             *layout = Some(want);
         }
         if cols == 0 {
             return;
         }
         let plane = g.h * g.w;
-        for (q, dst) in xq.chunks_exact_mut(self.q_len).enumerate() {
+        let (first, shifted) = xq.split_at_mut(pairs * self.q_len);
+        for (q, dst) in first.chunks_exact_mut(self.q_len).enumerate() {
             let lo = &x[2 * q * plane..(2 * q + 1) * plane];
             let hi = &x[(2 * q + 1) * plane..(2 * q + 2) * plane];
             for ih in 0..rows {
@@ -319,6 +343,21 @@ impl AmxConvPlan {
                     .zip(&hi[src])
                 {
                     *d = u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16;
+                }
+            }
+        }
+        if self.pair_taps {
+            // The shifted planes: the rows just written, `shift` values earlier.
+            for (src, dst) in first
+                .chunks_exact(self.q_len)
+                .zip(shifted.chunks_exact_mut(self.q_len))
+            {
+                for ih in 0..rows {
+                    let at = (ih + ph) * wp + pw;
+                    let (lo, hi) = (at.saturating_sub(shift), (at + cols).saturating_sub(shift));
+                    if lo < hi {
+                        dst[lo..hi].copy_from_slice(&src[lo + shift..hi + shift]);
+                    }
                 }
             }
         }
