@@ -69,6 +69,10 @@ pub struct AmxConvPlan {
     wpk: Vec<u16>,
     /// Output pixels computed (over the padded width): `(h_out - 1)·wp + w_out`.
     p_len: usize,
+    /// The output runs of each 32-pixel part of the computed pixels: part `i`'s are
+    /// `runs[parts[i]..parts[i + 1]]`.
+    runs: Vec<Run>,
+    parts: Vec<usize>,
     /// 16 input channels: each chunk holds taps kj and kj + 1 of a kernel row, so the copy
     /// holds the 8 pairs twice, the second time shifted by one tap (`dilation.1` pixels).
     pair_taps: bool,
@@ -177,6 +181,7 @@ impl AmxConvPlan {
             }
         }
         debug_assert_eq!(at, wpk.len());
+        let (runs, parts) = output_runs(p_len, wp, g.w_out);
         Some(AmxConvPlan {
             amx,
             g: *g,
@@ -187,6 +192,8 @@ impl AmxConvPlan {
             offs,
             wpk,
             p_len,
+            runs,
+            parts,
             pair_taps,
         })
     }
@@ -272,26 +279,23 @@ impl AmxConvPlan {
         y: &mut [f32],
         l: usize,
     ) {
-        let (wp, wo) = (self.wp, self.g.w_out);
-        let end = (p0 + px).min(self.p_len);
+        // The block's runs: those of its 32-pixel parts, each part's from `parts[part]`.
+        let first = p0 / RUN_PART;
+        let parts = first..(first + px / RUN_PART).min(self.parts.len() - 1);
         for r in 0..rows {
             let o = o0 + r;
             let b = bias.map_or(0.0, |b| b[o]);
             let src = &buf[r * px..(r + 1) * px];
             let dst = &mut y[o * l..(o + 1) * l];
-            let mut p = p0;
-            while p < end {
-                let (oh, ow) = (p / wp, p % wp);
-                if ow >= wo {
-                    p = (oh + 1) * wp;
-                    continue;
+            for part in parts.clone() {
+                let at = (part - first) * RUN_PART;
+                for run in &self.runs[self.parts[part]..self.parts[part + 1]] {
+                    let (from, to, len) =
+                        (at + run.from as usize, run.to as usize, run.len as usize);
+                    for (d, &s) in dst[to..to + len].iter_mut().zip(&src[from..from + len]) {
+                        *d = s + b;
+                    }
                 }
-                let run = (oh * wp + wo).min(end) - p;
-                let out = &mut dst[oh * wo + ow..oh * wo + ow + run];
-                for (d, &s) in out.iter_mut().zip(&src[p - p0..p - p0 + run]) {
-                    *d = s + b;
-                }
-                p += run;
             }
         }
     }
@@ -362,6 +366,45 @@ impl AmxConvPlan {
             }
         }
     }
+}
+
+/// Computed pixels per part of `AmxConvPlan::runs` (a block is one or two parts).
+const RUN_PART: usize = 32;
+
+/// A run of consecutive computed pixels of one output row: `len` values from `from` (within
+/// its 32-pixel part) to output pixel `to`.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    from: u32,
+    to: u32,
+    len: u32,
+}
+
+/// The runs of output pixels among `p_len` pixels computed over the padded width `wp`
+/// (`w_out` real columns a row), by 32-pixel part, and where each part's start.
+fn output_runs(p_len: usize, wp: usize, w_out: usize) -> (Vec<Run>, Vec<usize>) {
+    let (mut runs, mut parts) = (Vec::new(), vec![0]);
+    for p0 in (0..p_len).step_by(RUN_PART) {
+        let end = (p0 + RUN_PART).min(p_len);
+        let mut p = p0;
+        while p < end {
+            let (oh, ow) = (p / wp, p % wp);
+            if ow >= w_out {
+                p = (oh + 1) * wp;
+                continue;
+            }
+            let len = (oh * wp + w_out).min(end) - p;
+            let run = |v: usize| u32::try_from(v).expect("conv_amx: image too large");
+            runs.push(Run {
+                from: run(p - p0),
+                to: run(oh * w_out + ow),
+                len: run(len),
+            });
+            p += len;
+        }
+        parts.push(runs.len());
+    }
+    (runs, parts)
 }
 
 /// The twin of the AMX blocks in plain Rust: the same tiles, each `tdpbf16ps` summed as the
@@ -638,6 +681,44 @@ mod x86 {
                 c3 = in(reg) c[3],
                 options(nostack),
             );
+        }
+    }
+
+    /// `copy_dy` for one image whose rows and padded width are even: pair `P / 2` of
+    /// channel tile `t` (`dyq[(t·np/2 + P/2)·16..][..16]`, `P = at + oh·wp + ow`) is the
+    /// pair at `(oh, ow)` of the tile's 16 channels of `dy`.
+    ///
+    /// # Safety
+    /// AVX-512 F; `w_out`, `wp` and `at` even; `dy` one image of `g`'s output gradient;
+    /// `dyq` holds `c_out·np/2` and every `P` is below `np`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gather_pairs(
+        dy: &[half::bf16],
+        g: &crate::backend::nn::Conv2dGeom,
+        wp: usize,
+        np: usize,
+        at: usize,
+        dyq: &mut [u32],
+    ) {
+        use std::arch::x86_64::*;
+        let (l2, wo2, wp2) = (g.l() / 2, g.w_out / 2, wp / 2);
+        debug_assert!(dy.len() >= g.out_image() && dyq.len() >= g.c_out * np / 2);
+        let lanes: [i32; 16] = std::array::from_fn(|c| (c * l2) as i32);
+        let idx0 = _mm512_loadu_si512(lanes.as_ptr().cast());
+        let src = dy.as_ptr().cast::<u8>();
+        for t in 0..g.c_out / 16 {
+            let tile = unsafe { src.add(t * 16 * l2 * 4) };
+            let out = unsafe { dyq.as_mut_ptr().add(t * np / 2 * 16 + at / 2 * 16) };
+            for oh in 0..g.h_out {
+                for q in 0..wo2 {
+                    let idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((oh * wo2 + q) as i32));
+                    // SAFETY: per the caller's guarantee.
+                    unsafe {
+                        let v = _mm512_i32gather_epi32::<4>(idx, tile.cast::<i32>());
+                        _mm512_storeu_si512(out.add((oh * wp2 + q) * 16).cast(), v);
+                    }
+                }
+            }
         }
     }
 }
@@ -931,6 +1012,19 @@ impl AmxWgradPlan {
         let g = &self.g;
         let np = n * self.qx;
         let (wo, l) = (g.w_out, g.l());
+        #[cfg(target_arch = "x86_64")]
+        if wo % 2 == 0 && self.wp % 2 == 0 && std::arch::is_x86_feature_detected!("avx512f") {
+            // Even rows over an even padded width: a pair of pixels of the copy is a pair of
+            // one row of dy, gathered 16 channels at a time.
+            for i in 0..n {
+                let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
+                // SAFETY: AVX-512 F checked; the gathers read pairs within the image (`l` is
+                // even, every index below `c_out·l/2`) and the stores write pairs of `dyq`
+                // below `c_out·np/2` (`np = n·qx`).
+                unsafe { x86::gather_pairs(img, g, self.wp, np, i * self.qx, dyq) };
+            }
+            return;
+        }
         // As 16-bit halves: pixel P of channel o at `(o / 16)·np·16 + (P / 2)·32 + (o % 16)·2
         // + P % 2`, so consecutive pixels alternate between two halves of one `u32` and the
         // next `u32` pair lies 32 halves on.
