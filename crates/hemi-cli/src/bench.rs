@@ -155,6 +155,9 @@ enum ConvLayer {
     /// ResNet-20's third stage: [128,64,8,8] * [64,64,3,3], padding 1.
     #[value(name = "resnet20-64")]
     Resnet20C64,
+    /// ResNet-50's pointwise reduction (layer1): [32,256,56,56] * [64,256,1,1].
+    #[value(name = "resnet50-1x1")]
+    Resnet50Pointwise,
 }
 
 impl ConvLayer {
@@ -167,6 +170,7 @@ impl ConvLayer {
             ConvLayer::Resnet20C16 => ([128, 16, 32, 32], [16, 16, 3, 3], 1),
             ConvLayer::Resnet20C32 => ([128, 32, 16, 16], [32, 32, 3, 3], 1),
             ConvLayer::Resnet20C64 => ([128, 64, 8, 8], [64, 64, 3, 3], 1),
+            ConvLayer::Resnet50Pointwise => ([32, 256, 56, 56], [64, 256, 1, 1], 0),
         }
     }
 
@@ -178,6 +182,7 @@ impl ConvLayer {
             ConvLayer::Resnet20C16 => "resnet20-16",
             ConvLayer::Resnet20C32 => "resnet20-32",
             ConvLayer::Resnet20C64 => "resnet20-64",
+            ConvLayer::Resnet50Pointwise => "resnet50-1x1",
         }
     }
 }
