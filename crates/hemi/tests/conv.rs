@@ -119,6 +119,18 @@ fn cases() -> Vec<Case> {
             },
             ..case(2, 3, (6, 5), 4, (1, 3))
         },
+        // Channels that BF16 on an AMX CPU runs on `cpu::conv_amx`: forward and weight
+        // gradient from the image, the input gradient as the forward of the flipped kernels
+        // (16 input channels: two taps per chunk), and a pointwise convolution whose input
+        // gradient is the forward of the transposed weights.
+        Case {
+            opts: o.padding(1),
+            ..case(2, 32, (6, 7), 16, (3, 3))
+        },
+        Case {
+            bias: false,
+            ..case(2, 16, (5, 9), 32, (1, 1))
+        },
     ]
 }
 

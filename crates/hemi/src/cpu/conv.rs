@@ -318,14 +318,15 @@ fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
 /// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
 /// keeps its say) and the convolution suits it.
 fn amx_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<AmxConvPlan> {
-    if C::DTYPE != DType::F32 {
+    if C::DTYPE != DType::F32 || !amx_plan_suits(g) {
         return None;
     }
-    let w = same_slice::<T, bf16>(w)?;
-    if kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l()) != Kernel::AmxBf16 {
-        return None;
-    }
-    AmxConvPlan::new(g, w)
+    AmxConvPlan::new(g, same_slice::<T, bf16>(w)?)
+}
+
+/// Whether hemi's GEMM would run this convolution's BF16 product on `amx-bf16`.
+fn amx_plan_suits(g: &Conv2dGeom) -> bool {
+    kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l()) == Kernel::AmxBf16
 }
 
 /// Forward of one image: `y [c_out, L] = w x col (+ bias)`: from the image where `prep` has

@@ -110,20 +110,11 @@ impl AmxConvPlan {
     /// convolutions it does not take: strides other than 1, groups, input channels neither
     /// 16 nor a multiple of 32, output channels not a multiple of 16, no output.
     pub fn with_amx(g: &Conv2dGeom, w: &[bf16], amx: bool) -> Option<Self> {
-        if amx && !amx_available() {
-            return None;
-        }
-        if g.stride != (1, 1) || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
+        if (amx && !amx_available()) || !Self::takes(g) {
             return None;
         }
         // 16 input channels: a chunk is two taps of one kernel row (`pair_taps`).
         let pair_taps = g.c_in == T16;
-        if g.c_in == 0 || !(g.c_in.is_multiple_of(CHUNK) || pair_taps) {
-            return None;
-        }
-        if g.c_out == 0 || !g.c_out.is_multiple_of(T16) {
-            return None;
-        }
         assert!(
             w.len() >= g.weight_len(),
             "conv_amx: weights too short for {g:?}"
@@ -196,6 +187,13 @@ impl AmxConvPlan {
             parts,
             pair_taps,
         })
+    }
+
+    /// Whether this file takes the convolution (the conditions of `with_amx`).
+    pub fn takes(g: &Conv2dGeom) -> bool {
+        let shape = g.stride == (1, 1) && g.groups == 1 && g.l() > 0 && g.kh > 0 && g.kw > 0;
+        let c_in = g.c_in > 0 && (g.c_in.is_multiple_of(CHUNK) || g.c_in == T16);
+        shape && c_in && g.c_out > 0 && g.c_out.is_multiple_of(T16)
     }
 
     /// Whether the plan runs on AMX tiles (else on the portable twin).
@@ -1013,7 +1011,10 @@ impl AmxWgradPlan {
         let np = n * self.qx;
         let (wo, l) = (g.w_out, g.l());
         #[cfg(target_arch = "x86_64")]
-        if wo % 2 == 0 && self.wp % 2 == 0 && std::arch::is_x86_feature_detected!("avx512f") {
+        if wo.is_multiple_of(2)
+            && self.wp.is_multiple_of(2)
+            && std::arch::is_x86_feature_detected!("avx512f")
+        {
             // Even rows over an even padded width: a pair of pixels of the copy is a pair of
             // one row of dy, gathered 16 channels at a time.
             for i in 0..n {
