@@ -549,11 +549,12 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
         // BF16 on AMX tiles read from copies of the images (`cpu::conv_amx`), where hemi's
         // GEMM would run the product on `amx-bf16`; else BF16 pairs or F32 planes read from
         // the image as stored (`cpu::conv_wgrad`).
-        let dw = if let (Some(xb), Some(dyb), Some(plan)) = (
-            same_slice::<T, bf16>(x),
-            same_slice::<T, bf16>(dy),
-            amx_wgrad_plan(g),
-        ) {
+        let amx = (T::DTYPE == DType::BF16)
+            .then(|| amx_wgrad_plan(g))
+            .flatten();
+        let dw = if let (Some(xb), Some(dyb), Some(plan)) =
+            (same_slice::<T, bf16>(x), same_slice::<T, bf16>(dy), amx)
+        {
             Some(wgrad_runs(xb, dyb, g, |x, dy, n, dw, _| {
                 plan.add_weight_grad(x, dy, n, dw)
             }))
