@@ -25,7 +25,9 @@
 //! kernel row (channels of tap `kj` in its first 16 columns, of `kj + 1` in the others; a
 //! kernel row of odd width leaves the last chunk half zero weights): the copy then holds
 //! the 8 pairs twice, the second time shifted by one tap, so that B rows 8–15 read tap
-//! `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`. Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
+//! `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`. The zero weights of such a
+//! half chunk multiply real pixels (one tap past the row): an infinite input there makes a
+//! NaN of an output that im2col would have left finite (0 · inf). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
 //! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
