@@ -122,10 +122,9 @@ fn matches_f64_on_the_twin_and_on_amx() {
                 .map(|_| bf16::from_f64(rng.uniform(-2.0, 2.0)))
                 .collect();
             let b = with_bias.then_some(&bias[..]);
-            let t = check_plan(&twin, &g, &x, &w, b);
+            check_plan(&twin, &g, &x, &w, b);
             if let Some(tiles) = &tiles {
-                let a = check_plan(tiles, &g, &x, &w, b);
-                assert!(a.len() == t.len());
+                check_plan(tiles, &g, &x, &w, b);
             }
         }
     }

@@ -325,28 +325,28 @@ impl Prepared {
 /// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
 /// would run its product on `amx-bf16`.
 fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
-    if kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.l(), g.k()) != Kernel::AmxBf16 {
-        return None;
-    }
-    AmxWgradPlan::new(g)
+    amx_gemm(g.c_out_g(), g.l(), g.k())
+        .then(|| AmxWgradPlan::new(g))
+        .flatten()
 }
 
 /// The plan of a BF16 forward convolution on AMX tiles read from the image
 /// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
 /// keeps its say) and the convolution suits it.
 fn amx_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<AmxConvPlan> {
-    if C::DTYPE != DType::F32 || !amx_plan_suits(g) {
+    if C::DTYPE != DType::F32 || !amx_gemm(g.c_out_g(), g.k(), g.l()) {
         return None;
     }
     AmxConvPlan::new(g, same_slice::<T, bf16>(w)?)
 }
 
-/// Whether hemi's GEMM would run this convolution's BF16 product on `amx-bf16`.
-fn amx_plan_suits(g: &Conv2dGeom) -> bool {
-    kernel_for(DType::BF16, DType::BF16, g.c_out_g(), g.k(), g.l()) == Kernel::AmxBf16
+/// Whether hemi's GEMM would run a BF16 `m×k · k×n` product on `amx-bf16`.
+fn amx_gemm(m: usize, k: usize, n: usize) -> bool {
+    kernel_for(DType::BF16, DType::BF16, m, k, n) == Kernel::AmxBf16
 }
 
-/// Forward of one image: `y [c_out, L] = w x col (+ bias)`: from the image where `prep` has
+/// Forward of one image: `y [c_out, L] = w x col (+ bias)` (an AMX plan in `prep` is run by
+/// `conv2d_forward_blocks` instead, whole images into BF16): from the image where `prep` has
 /// a direct plan, else group by group on the GEMM, with the weights packed beforehand where
 /// `prep` holds them.
 #[allow(clippy::too_many_arguments)]
@@ -385,12 +385,6 @@ fn image_forward<T: WithDType, C: FloatDType>(
         if let Some(x) = same_slice::<T, f16>(x) {
             return plan.image(x, bias, y);
         }
-    }
-    if let Some(plan) = &prep.amx {
-        let y = C::as_f32_mut(y).expect("amx_plan: F32 results");
-        let bias = bias.map(|b| C::as_f32(b).expect("amx_plan: F32 bias"));
-        let x = same_slice::<T, bf16>(x).expect("amx_plan: BF16 images");
-        return plan.image(x, bias, y);
     }
     let packed = prep.packed.as_deref();
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());

@@ -1037,7 +1037,7 @@ impl AmxWgradPlan {
         // As 16-bit halves: pixel P of channel o at `(o / 16)·np·16 + (P / 2)·32 + (o % 16)·2
         // + P % 2`, so consecutive pixels alternate between two halves of one `u32` and the
         // next `u32` pair lies 32 halves on.
-        let halves: &mut [u16] = as_halves(dyq);
+        let halves: &mut [u16] = crate::cpu::gemm_half::as_halves(dyq);
         for i in 0..n {
             let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             for (o, src) in img.chunks_exact(l).enumerate() {
@@ -1057,11 +1057,4 @@ impl AmxWgradPlan {
             }
         }
     }
-}
-
-/// `u32`s as their 16-bit halves, in memory order.
-fn as_halves(v: &mut [u32]) -> &mut [u16] {
-    // SAFETY: u16 has a smaller alignment than u32, every bit pattern is a valid u16, and
-    // the new slice covers exactly the same bytes, borrowed mutably for as long.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u16>(), v.len() * 2) }
 }

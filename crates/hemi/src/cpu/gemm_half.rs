@@ -1628,9 +1628,9 @@ fn pack_amx_a<T: WithDType>(
     }
 }
 
-/// A pack buffer of u32 seen as twice as many u16.
+/// A pack buffer of u32 seen as twice as many u16 (in memory order).
 #[inline(always)]
-fn as_halves(x: &mut [u32]) -> &mut [u16] {
+pub(crate) fn as_halves(x: &mut [u32]) -> &mut [u16] {
     // SAFETY: u16 has a smaller alignment than u32, every bit pattern is valid for both, and
     // the new slice covers exactly the same bytes, borrowed mutably from `x`.
     unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u16>(), x.len() * 2) }
