@@ -8,6 +8,7 @@ use rayon::prelude::*;
 use crate::backend::nn::BatchNormGeom;
 use crate::cpu::chunked;
 use crate::cpu::map::PAR_THRESHOLD;
+use crate::cpu::norm_wide;
 use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{same_slice_mut, WithDType};
@@ -473,6 +474,11 @@ pub(crate) fn ln_backward<C: FloatDType>(
 // F32 (same sums in the same order), followed by `+ residual` and `relu` as the separate
 // ops do them: for F32 the fused op gives the bits of the unfused composition.
 
+/// Run `i` (image) of channel `ch` of a `[n, c, s]` buffer.
+fn run_of<T>(d: BatchNormGeom, v: &[T], i: usize, ch: usize) -> &[T] {
+    &v[(i * d.c + ch) * d.s..][..d.s]
+}
+
 /// Run `i` (image) of channel `ch` of a `[n, c, s]` buffer as F32 (borrowed for F32).
 fn run_f32<'b, T: WithDType>(
     d: BatchNormGeom,
@@ -544,12 +550,30 @@ fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
 /// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let sums = per_run_f32(d, x, |_, r| sum_slice(r));
+    let sums = if norm_wide::available() {
+        // SAFETY: `available()`.
+        per_run(
+            d,
+            || (),
+            |_, i, ch| unsafe { norm_wide::sum(run_of(d, x, i, ch)) },
+        )
+    } else {
+        per_run_f32(d, x, |_, r| sum_slice(r))
+    };
     let mean: Vec<f32> = (0..d.c).map(|ch| fold_runs(d, &sums, ch) * inv_m).collect();
-    let sq = per_run_f32(d, x, |ch, r| {
-        let mu = mean[ch];
-        sum_map(r, |v| (v - mu) * (v - mu))
-    });
+    let sq = if norm_wide::available() {
+        per_run(
+            d,
+            || (),
+            // SAFETY: `available()`.
+            |_, i, ch| unsafe { norm_wide::sq_dev(run_of(d, x, i, ch), mean[ch]) },
+        )
+    } else {
+        per_run_f32(d, x, |ch, r| {
+            let mu = mean[ch];
+            sum_map(r, |v| (v - mu) * (v - mu))
+        })
+    };
     let var = (0..d.c).map(|ch| fold_runs(d, &sq, ch) * inv_m).collect();
     (mean, var)
 }
@@ -580,25 +604,31 @@ pub(crate) fn bn_act_forward<T: WithDType>(
     relu: bool,
 ) -> Vec<T> {
     let block = (d.c * d.s).max(1);
+    let direct = norm_wide::available();
+    let s_buf = if direct { 0 } else { d.s };
     chunked::blocks_zeroed(
         x.len() / block,
         block,
         (PAR_THRESHOLD / block).max(1),
-        || (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]),
+        || (vec![0f32; s_buf], vec![0f32; s_buf], vec![0f32; s_buf]),
         |(bx, br, bo), i, ob| {
             for ch in 0..d.c {
-                let scale = rstd[ch] * w.map_or(1.0, |w| w[ch]);
-                let shift = b.map_or(0.0, |b| b[ch]);
-                let mu = mean[ch];
-                let xr = run_f32(d, x, i, ch, bx);
-                let rr = residual.map(|r| run_f32(d, r, i, ch, br));
                 let k = BnApply {
-                    mu,
-                    scale,
-                    shift,
+                    mu: mean[ch],
+                    scale: rstd[ch] * w.map_or(1.0, |w| w[ch]),
+                    shift: b.map_or(0.0, |b| b[ch]),
                     relu,
                 };
-                emit(&mut ob[ch * d.s..][..d.s], bo, |o| bn_apply(o, xr, rr, k));
+                let o = &mut ob[ch * d.s..][..d.s];
+                if direct {
+                    let rr = residual.map(|r| run_of(d, r, i, ch));
+                    // SAFETY: `available()`; the runs are `d.s` long.
+                    unsafe { norm_wide::apply(o, run_of(d, x, i, ch), rr, k) };
+                } else {
+                    let xr = run_f32(d, x, i, ch, bx);
+                    let rr = residual.map(|r| run_f32(d, r, i, ch, br));
+                    emit(o, bo, |o| bn_apply(o, xr, rr, k));
+                }
             }
         },
     )
@@ -659,13 +689,7 @@ fn relu_mask_impl(o: &mut [f32], g: &[f32], y: &[f32]) {
 }
 
 /// The per-channel constants of the forward's elementwise pass.
-#[derive(Clone, Copy)]
-struct BnApply {
-    mu: f32,
-    scale: f32,
-    shift: f32,
-    relu: bool,
-}
+use crate::cpu::norm_wide::Apply as BnApply;
 
 /// One run of the forward's output: `(x − mu)·scale + shift`, plus the residual, then the
 /// ReLU (elementwise: the same bits at every vector width).
@@ -824,10 +848,18 @@ pub(crate) fn bn_act_backward<T: WithDType>(
 ) -> BnActGrads<T> {
     // Each run's (Σ g·xhat, Σ g) through the ReLU, in memory order; a channel's runs added
     // in image order.
+    let direct = norm_wide::available();
+    let s_buf = if direct { 0 } else { d.s };
     let pairs = per_run(
         d,
-        || std::array::from_fn::<_, 3, _>(|_| vec![0f32; d.s]),
+        || std::array::from_fn::<_, 3, _>(|_| vec![0f32; s_buf]),
         |[bg, by, bx], i, ch| {
+            if direct {
+                let yr = y.map(|y| run_of(d, y, i, ch));
+                let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
+                // SAFETY: `available()`; the runs are `d.s` long.
+                return unsafe { norm_wide::relu_sums(gr, yr, xr, mean[ch], rstd[ch]) };
+            }
             let gr = run_f32(d, g, i, ch, bg);
             let yr = y.map(|y| run_f32(d, y, i, ch, by));
             let xr = run_f32(d, x, i, ch, bx);
@@ -859,6 +891,25 @@ pub(crate) fn bn_act_backward<T: WithDType>(
             let [bg, by, bx, bz, bo] = bufs;
             let (mut dxb, mut drb) = (dxb, drb);
             for ch in 0..d.c {
+                if direct {
+                    let wc = w.map_or(1.0, |w| w[ch]);
+                    let k = norm_wide::Dx {
+                        training,
+                        mu: mean[ch],
+                        rs: rstd[ch],
+                        wc,
+                        dm: wc * dbias[ch] * inv_m,
+                        dn: wc * dweight[ch] * inv_m,
+                    };
+                    let run = ch * d.s..(ch + 1) * d.s;
+                    let yr = y.map(|y| run_of(d, y, i, ch));
+                    let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
+                    let o = dxb.as_deref_mut().map(|b| &mut b[run.clone()]);
+                    let r = drb.as_deref_mut().map(|b| &mut b[run]);
+                    // SAFETY: `available()`; the runs are `d.s` long.
+                    unsafe { norm_wide::dx(gr, yr, xr, k, o, r) };
+                    continue;
+                }
                 let gr = run_f32(d, g, i, ch, bg);
                 let yr = y.map(|y| run_f32(d, y, i, ch, by));
                 let gz = through_relu(gr, yr, bz);
@@ -892,7 +943,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                 }
             }
         };
-    let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; d.s]);
+    let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; s_buf]);
     let min_len = (PAR_THRESHOLD / block).max(1);
     let n_blocks = if d.c * d.s == 0 { 0 } else { n };
     let (dx, dres) = chunked::blocks_zeroed2(
@@ -1093,5 +1144,121 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The AVX-512 per-run kernels of `norm_wide`, which read and write F32/F16/BF16
+    /// directly, give the bits of the portable path (widen into an F32 buffer, the F32 loop,
+    /// round out of a buffer) for every element type, run length (tails included), with and
+    /// without the ReLU's output and the residual, in training and eval; on finite data with
+    /// signed zeros and (F32) subnormals, and NaN for NaN where infinities come in.
+    #[test]
+    fn direct_half_runs_equal_the_buffered_path() {
+        if !norm_wide::available() {
+            return;
+        }
+        fn check<T: WithDType>() {
+            let name = T::DTYPE;
+            let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
+            let same_t = |a: &[T], b: &[T]| {
+                let (mut fa, mut fb) = (vec![0f32; a.len()], vec![0f32; b.len()]);
+                let (fa, fb) = (chunked::read(a, 0, &mut fa), chunked::read(b, 0, &mut fb));
+                fa.iter().zip(fb).all(|(&x, &y)| same(x, y))
+            };
+            for special in [&[0.0, -0.0, 1e-40, -3.5][..], &[f32::INFINITY, f32::NAN]] {
+                let val = |i: usize, salt: usize| -> f32 {
+                    if (i * 7 + salt).is_multiple_of(23) {
+                        special[(i + salt) % special.len()]
+                    } else {
+                        (((i * 37 + salt * 11) % 101) as f32 - 50.0) * 0.173
+                    }
+                };
+                let half = |salt: usize, n: usize| -> Vec<T> {
+                    let f: Vec<f32> = (0..n).map(|i| val(i, salt)).collect();
+                    let mut t = vec![T::default(); n];
+                    chunked::write(&f, &mut t);
+                    t
+                };
+                for n in (0..50).chain([1000, 1027]) {
+                    let (g, y, x) = (half(1, n), half(2, n), half(3, n));
+                    let widen = |v: &[T]| {
+                        let mut b = vec![0f32; n];
+                        chunked::read(v, 0, &mut b).to_vec()
+                    };
+                    let (gf, yf, xf) = (widen(&g), widen(&y), widen(&x));
+                    // SAFETY: `available()` (checked above); every slice is `n` long.
+                    unsafe {
+                        assert!(
+                            same(norm_wide::sum(&x), sum_slice(&xf)),
+                            "{name:?} sum n {n}"
+                        );
+                        let want = sum_map(&xf, |v| (v - 0.3) * (v - 0.3));
+                        assert!(same(norm_wide::sq_dev(&x, 0.3), want), "{name:?} sq n {n}");
+                        for yy in [None, Some((&y[..], &yf[..]))] {
+                            let got = norm_wide::relu_sums(&g, yy.map(|p| p.0), &x, 0.3, 1.7);
+                            let want = relu_sums_impl(&gf, yy.map(|p| p.1), &xf, 0.3, 1.7);
+                            assert!(
+                                same(got.0, want.0) && same(got.1, want.1),
+                                "{name:?} relu sums n {n}: {got:?} vs {want:?}"
+                            );
+                        }
+                        for (r, relu) in [(None, false), (Some((&y[..], &yf[..])), true)] {
+                            let k = BnApply {
+                                mu: 0.3,
+                                scale: -1.3,
+                                shift: 0.2,
+                                relu,
+                            };
+                            let mut want = vec![0f32; n];
+                            bn_apply_impl(&mut want, &xf, r.map(|p| p.1), k);
+                            let mut want_t = vec![T::default(); n];
+                            chunked::write(&want, &mut want_t);
+                            let mut got = vec![T::default(); n];
+                            norm_wide::apply(&mut got, &x, r.map(|p| p.0), k);
+                            assert!(same_t(&got, &want_t), "{name:?} apply n {n} relu {relu}");
+                        }
+                        for (training, yy) in [(true, Some((&y[..], &yf[..]))), (false, None)] {
+                            let k = DxTrain {
+                                mu: 0.3,
+                                rs: 1.7,
+                                wc: -0.9,
+                                dm: 0.011,
+                                dn: -0.37,
+                            };
+                            let mut gz = vec![0f32; n];
+                            let gz = through_relu(&gf, yy.map(|p| p.1), &mut gz).to_vec();
+                            let mut want = vec![0f32; n];
+                            if training {
+                                dx_train_impl(&mut want, &gz, &xf, k);
+                            } else {
+                                for (o, &g) in want.iter_mut().zip(&gz) {
+                                    *o = g * k.wc * k.rs;
+                                }
+                            }
+                            let (mut want_t, mut want_r) =
+                                (vec![T::default(); n], vec![T::default(); n]);
+                            chunked::write(&want, &mut want_t);
+                            chunked::write(&gz, &mut want_r);
+                            let (mut got, mut got_r) =
+                                (vec![T::default(); n], vec![T::default(); n]);
+                            let kw = norm_wide::Dx {
+                                training,
+                                mu: k.mu,
+                                rs: k.rs,
+                                wc: k.wc,
+                                dm: k.dm,
+                                dn: k.dn,
+                            };
+                            let yv = yy.map(|p| p.0);
+                            norm_wide::dx(&g, yv, &x, kw, Some(&mut got), Some(&mut got_r));
+                            assert!(same_t(&got, &want_t), "{name:?} dx n {n} train {training}");
+                            assert!(same_t(&got_r, &want_r), "{name:?} dres n {n}");
+                        }
+                    }
+                }
+            }
+        }
+        check::<f32>();
+        check::<half::f16>();
+        check::<half::bf16>();
     }
 }

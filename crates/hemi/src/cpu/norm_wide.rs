@@ -1,0 +1,591 @@
+//! Batch norm's per-run loops on AVX-512, reading and writing the tensor's own F32, F16 or
+//! BF16 elements: a half element is widened to F32 in a register as it is loaded and a
+//! result rounded to the storage type as it is stored.
+//!
+//! `cpu::norm` runs a channel's run (one image's `s` values of one channel) through these
+//! where the CPU has AVX-512 F/BW/VL and F16C (`available`). Elsewhere it converts the run
+//! into an F32 buffer, calls its F32 loop, and rounds the result out of another buffer: the
+//! portable twin, which the tests below hold these kernels to, bit for bit. On 2 Emerald
+//! Rapids cores that buffering was about half of batch norm's time in a ResNet-20 amp-bf16
+//! step (a store and a reload of every value, per pass, on top of the conversion).
+//!
+//! The sums keep the portable loops' order: eight lanes, lane `i` taking elements `i`,
+//! `i + 8`, … (`reduce::sum_slice`), folded pairwise, then the tail in order. The
+//! elementwise loops run sixteen lanes with the same operations per element in the same
+//! order (no fused multiply-add), so every width gives the same bits.
+
+use half::{bf16, f16};
+
+use crate::dtype::{same_slice, same_slice_mut, DType, WithDType};
+
+/// The constants of the forward's elementwise pass: `(x − mu)·scale + shift`, then the
+/// residual, then the ReLU.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Apply {
+    pub mu: f32,
+    pub scale: f32,
+    pub shift: f32,
+    pub relu: bool,
+}
+
+/// The constants of the input gradient. Training: `rs · ((gz·wc − dm) − xhat·dn)` with
+/// `xhat = (x − mu)·rs`; eval: `(gz·wc)·rs`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dx {
+    pub training: bool,
+    pub mu: f32,
+    pub rs: f32,
+    pub wc: f32,
+    pub dm: f32,
+    pub dn: f32,
+}
+
+/// True where these kernels run: x86-64 with AVX-512 F, BW, VL and F16C (checked once).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            use std::arch::is_x86_feature_detected as has;
+            has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `s` as `&[U]`, where `U` is `T`.
+fn cast<T: 'static, U: 'static>(s: &[T]) -> &[U] {
+    same_slice(s).expect("the element type was matched")
+}
+
+/// `s` as `&mut [U]`, where `U` is `T`.
+fn cast_mut<T: 'static, U: 'static>(s: &mut [T]) -> &mut [U] {
+    same_slice_mut(s).expect("the element type was matched")
+}
+
+/// Runs `$body` with `$l` the concrete type of `$t` (F32, F16 or BF16).
+macro_rules! by_type {
+    ($t:ty, $l:ident => $body:expr) => {
+        match <$t as WithDType>::DTYPE {
+            DType::F32 => {
+                type $l = f32;
+                $body
+            }
+            DType::F16 => {
+                type $l = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $l = bf16;
+                $body
+            }
+            d => unreachable!("batch norm's kernels take F32, F16 or BF16, not {d:?}"),
+        }
+    };
+}
+
+/// `by_type!` on x86-64; elsewhere `available()` is false and nothing calls in.
+macro_rules! on_x86 {
+    ($t:ty, $l:ident => $body:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            by_type!($t, $l => $body)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            unreachable!("norm_wide::available() is false off x86-64")
+        }
+    }};
+}
+
+/// `Σ x` (as F32) in `sum_slice`'s order.
+///
+/// # Safety
+/// `available()` is true.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) unsafe fn sum<T: WithDType>(x: &[T]) -> f32 {
+    // SAFETY: forwarded.
+    on_x86!(T, L => unsafe { x86::sum::<L>(cast(x)) })
+}
+
+/// `Σ (x − mu)²` (as F32) in `sum_slice`'s order.
+///
+/// # Safety
+/// `available()` is true.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
+    // SAFETY: forwarded.
+    on_x86!(T, L => unsafe { x86::sq_dev::<L>(cast(x), mu) })
+}
+
+/// `o = relu?((x − mu)·scale + shift + r)`, rounded once into `T`.
+///
+/// # Safety
+/// `available()` is true; `x` and `r` (where given) are at least as long as `o`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) unsafe fn apply<T: WithDType>(o: &mut [T], x: &[T], r: Option<&[T]>, k: Apply) {
+    assert!(x.len() >= o.len() && r.is_none_or(|r| r.len() >= o.len()));
+    // SAFETY: forwarded; lengths checked above.
+    on_x86!(T, L => unsafe { x86::apply::<L>(cast_mut(o), cast(x), r.map(cast), k) })
+}
+
+/// `(Σ gz·xhat, Σ gz)` with `gz = g·[y > 0]` (`g` without `y`) and `xhat = (x − mu)·rs`,
+/// each in `sum_slice`'s order.
+///
+/// # Safety
+/// `available()` is true.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) unsafe fn relu_sums<T: WithDType>(
+    g: &[T],
+    y: Option<&[T]>,
+    x: &[T],
+    mu: f32,
+    rs: f32,
+) -> (f32, f32) {
+    assert!(x.len() >= g.len() && y.is_none_or(|y| y.len() >= g.len()));
+    // SAFETY: forwarded; lengths checked above.
+    on_x86!(T, L => unsafe { x86::relu_sums::<L>(cast(g), y.map(cast), cast(x), mu, rs) })
+}
+
+/// One run of the backward's elementwise pass: `gz = g·[y > 0]` into `dres`, and the input
+/// gradient (`Dx`) into `dx`, each rounded once into `T`.
+///
+/// # Safety
+/// `available()` is true.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+pub(crate) unsafe fn dx<T: WithDType>(
+    g: &[T],
+    y: Option<&[T]>,
+    x: &[T],
+    k: Dx,
+    dx: Option<&mut [T]>,
+    dres: Option<&mut [T]>,
+) {
+    let n = g.len();
+    assert!(x.len() >= n && y.is_none_or(|y| y.len() >= n));
+    assert!(dx.as_ref().is_none_or(|o| o.len() == n));
+    assert!(dres.as_ref().is_none_or(|o| o.len() == n));
+    // SAFETY: forwarded; lengths checked above.
+    on_x86!(T, L => unsafe {
+        x86::dx::<L>(cast(g), y.map(cast), cast(x), k, dx.map(cast_mut), dres.map(cast_mut))
+    })
+}
+
+/// `src` rounded into `dst` by the kernels' store (the tests hold it to `convert`'s).
+///
+/// # Safety
+/// `available()` is true.
+#[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [T]) {
+    assert_eq!(src.len(), dst.len());
+    // SAFETY: forwarded; equal lengths.
+    on_x86!(T, L => unsafe { x86::round_into::<L>(src, cast_mut(dst)) })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Apply, Dx};
+    use half::{bf16, f16};
+    use std::arch::x86_64::*;
+
+    /// How the kernels load and store an element type.
+    pub(super) trait Lanes: Copy {
+        /// Eight elements from `p` as F32 (exact).
+        unsafe fn ld8(p: *const Self) -> __m256;
+        /// The elements of `p` under mask `m` as F32 (exact; other lanes zero).
+        unsafe fn ld(p: *const Self, m: __mmask16) -> __m512;
+        /// The lanes of `v` under mask `m`, rounded to nearest-even, stored at `p`.
+        unsafe fn st(p: *mut Self, v: __m512, m: __mmask16);
+        /// One element as F32 (the tails of the sums).
+        fn f32(self) -> f32;
+    }
+
+    impl Lanes for f32 {
+        #[inline(always)]
+        unsafe fn ld8(p: *const f32) -> __m256 {
+            // SAFETY: the caller's.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn ld(p: *const f32, m: __mmask16) -> __m512 {
+            // SAFETY: the caller's.
+            unsafe { _mm512_maskz_loadu_ps(m, p) }
+        }
+        #[inline(always)]
+        unsafe fn st(p: *mut f32, v: __m512, m: __mmask16) {
+            // SAFETY: the caller's.
+            unsafe { _mm512_mask_storeu_ps(p, m, v) }
+        }
+        #[inline(always)]
+        fn f32(self) -> f32 {
+            self
+        }
+    }
+
+    impl Lanes for bf16 {
+        #[inline(always)]
+        unsafe fn ld8(p: *const bf16) -> __m256 {
+            // SAFETY: the caller's.
+            let h = unsafe { _mm_loadu_si128(p.cast()) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn ld(p: *const bf16, m: __mmask16) -> __m512 {
+            // SAFETY: the caller's.
+            let h = unsafe { _mm256_maskz_loadu_epi16(m, p.cast()) };
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        /// `convert::f32_to_bf16`'s rounding (`f32_to_bf16_bits`), sixteen lanes at once:
+        /// add `0x7FFF` plus the kept part's lowest bit and drop the low half; a NaN keeps
+        /// its top half with the quiet bit set.
+        #[inline(always)]
+        unsafe fn st(p: *mut bf16, v: __m512, m: __mmask16) {
+            let x = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+            let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
+            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+            let h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+            // SAFETY: the caller's.
+            unsafe { _mm256_mask_storeu_epi16(p.cast(), m, h) }
+        }
+        #[inline(always)]
+        fn f32(self) -> f32 {
+            self.to_f32()
+        }
+    }
+
+    impl Lanes for f16 {
+        #[inline(always)]
+        unsafe fn ld8(p: *const f16) -> __m256 {
+            // SAFETY: the caller's.
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+        }
+        #[inline(always)]
+        unsafe fn ld(p: *const f16, m: __mmask16) -> __m512 {
+            // SAFETY: the caller's.
+            _mm512_cvtph_ps(unsafe { _mm256_maskz_loadu_epi16(m, p.cast()) })
+        }
+        /// `vcvtps2ph` to nearest-even, as `convert::f32_to_f16`'s F16C kernel.
+        #[inline(always)]
+        unsafe fn st(p: *mut f16, v: __m512, m: __mmask16) {
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            // SAFETY: the caller's.
+            unsafe { _mm256_mask_storeu_epi16(p.cast(), m, h) }
+        }
+        #[inline(always)]
+        fn f32(self) -> f32 {
+            self.to_f32()
+        }
+    }
+
+    /// The mask of the first `n` (at most 16) lanes.
+    #[inline(always)]
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
+    /// `sum_slice`'s fold of its eight lanes.
+    #[inline(always)]
+    fn fold(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: eight F32.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+    }
+
+    /// `Σ f(x)` over the full eight-element chunks of `x` (eight lanes), folded, then the
+    /// tail in order through `t`.
+    #[inline(always)]
+    unsafe fn sum_by<L: Lanes>(
+        x: &[L],
+        f: impl Fn(__m256) -> __m256,
+        t: impl Fn(f32) -> f32,
+    ) -> f32 {
+        let full = x.len() / 8 * 8;
+        let mut acc = _mm256_setzero_ps();
+        let mut j = 0;
+        while j < full {
+            // SAFETY: j + 8 <= x.len().
+            acc = _mm256_add_ps(acc, f(unsafe { L::ld8(x.as_ptr().add(j)) }));
+            j += 8;
+        }
+        let mut s = fold(acc);
+        for &v in &x[full..] {
+            s += t(v.f32());
+        }
+        s
+    }
+
+    macro_rules! entry {
+        ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $imp:ident) => {
+            $(#[$doc])*
+            /// # Safety
+            /// The CPU has AVX-512 F/BW/VL and F16C; the slices are as the caller in
+            /// `norm_wide` checks.
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+            pub(super) unsafe fn $name<L: Lanes>($($arg: $ty),*) $(-> $ret)? {
+                // SAFETY: forwarded.
+                unsafe { $imp::<L>($($arg),*) }
+            }
+        };
+    }
+
+    entry!(fn sum(x: &[L]) -> f32 = sum_imp);
+    entry!(fn sq_dev(x: &[L], mu: f32) -> f32 = sq_dev_imp);
+    entry!(fn apply(o: &mut [L], x: &[L], r: Option<&[L]>, k: Apply) = apply_imp);
+    entry!(fn relu_sums(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32) -> (f32, f32)
+        = relu_sums_imp);
+    entry!(fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [L]>,
+        dres: Option<&mut [L]>) = dx_imp);
+
+    #[cfg(test)]
+    entry!(fn round_into(src: &[f32], dst: &mut [L]) = round_into_imp);
+
+    #[cfg(test)]
+    #[inline(always)]
+    unsafe fn round_into_imp<L: Lanes>(src: &[f32], dst: &mut [L]) {
+        let mut j = 0;
+        while j < dst.len() {
+            let m = lanes(dst.len() - j);
+            // SAFETY: the lanes under `m` lie inside both slices (equal lengths).
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(m, src.as_ptr().add(j));
+                L::st(dst.as_mut_ptr().add(j), v, m);
+            }
+            j += 16;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn sum_imp<L: Lanes>(x: &[L]) -> f32 {
+        // SAFETY: forwarded.
+        unsafe { sum_by(x, |v| v, |v| v) }
+    }
+
+    #[inline(always)]
+    unsafe fn sq_dev_imp<L: Lanes>(x: &[L], mu: f32) -> f32 {
+        let m = _mm256_set1_ps(mu);
+        // SAFETY: forwarded.
+        unsafe {
+            sum_by(
+                x,
+                |v| {
+                    let d = _mm256_sub_ps(v, m);
+                    _mm256_mul_ps(d, d)
+                },
+                |v| (v - mu) * (v - mu),
+            )
+        }
+    }
+
+    /// `relu_f32` on sixteen lanes: a lane stays where `z > 0` or `z` is NaN (not
+    /// `z <= 0`, unordered), else `+0.0`.
+    #[inline(always)]
+    unsafe fn relu(z: __m512) -> __m512 {
+        let keep = _mm512_cmp_ps_mask::<_CMP_NLE_UQ>(z, _mm512_setzero_ps());
+        _mm512_maskz_mov_ps(keep, z)
+    }
+
+    #[inline(always)]
+    unsafe fn apply_imp<L: Lanes>(o: &mut [L], x: &[L], r: Option<&[L]>, k: Apply) {
+        let (mu, scale, shift) = (
+            _mm512_set1_ps(k.mu),
+            _mm512_set1_ps(k.scale),
+            _mm512_set1_ps(k.shift),
+        );
+        let n = o.len();
+        let mut j = 0;
+        while j < n {
+            let m = lanes(n - j);
+            // SAFETY: the lanes under `m` lie inside every slice (the callers' lengths).
+            unsafe {
+                let v = L::ld(x.as_ptr().add(j), m);
+                let mut z = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, mu), scale), shift);
+                if let Some(r) = r {
+                    z = _mm512_add_ps(z, L::ld(r.as_ptr().add(j), m));
+                }
+                if k.relu {
+                    z = relu(z);
+                }
+                L::st(o.as_mut_ptr().add(j), z, m);
+            }
+            j += 16;
+        }
+    }
+
+    /// `g · [y > 0]` (the ordered compare: NaN in `y` masks), or `g` without `y`.
+    #[inline(always)]
+    unsafe fn through_relu(g: __m512, y: Option<__m512>) -> __m512 {
+        match y {
+            Some(y) => {
+                let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(y, _mm512_setzero_ps());
+                let one = _mm512_mask_blend_ps(pos, _mm512_setzero_ps(), _mm512_set1_ps(1.0));
+                _mm512_mul_ps(g, one)
+            }
+            None => g,
+        }
+    }
+
+    /// `relu_sums_avx2`'s loop on `L` elements, the tail as `relu_sums_finish` does it.
+    #[inline(always)]
+    unsafe fn relu_sums_imp<L: Lanes>(
+        g: &[L],
+        y: Option<&[L]>,
+        x: &[L],
+        mu: f32,
+        rs: f32,
+    ) -> (f32, f32) {
+        let n = g.len();
+        let full = n / 8 * 8;
+        let (vmu, vrs) = (_mm256_set1_ps(mu), _mm256_set1_ps(rs));
+        let (one, zero) = (_mm256_set1_ps(1.0), _mm256_setzero_ps());
+        let (mut aw, mut ab) = (zero, zero);
+        let mut j = 0;
+        while j < full {
+            // SAFETY: j + 8 <= n <= the length of every slice read (the caller's check).
+            unsafe {
+                let gv = L::ld8(g.as_ptr().add(j));
+                let z = match y {
+                    Some(y) => {
+                        let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(L::ld8(y.as_ptr().add(j)), zero);
+                        _mm256_mul_ps(gv, _mm256_blendv_ps(zero, one, pos))
+                    }
+                    None => gv,
+                };
+                ab = _mm256_add_ps(ab, z);
+                let xhat = _mm256_mul_ps(_mm256_sub_ps(L::ld8(x.as_ptr().add(j)), vmu), vrs);
+                aw = _mm256_add_ps(aw, _mm256_mul_ps(z, xhat));
+            }
+            j += 8;
+        }
+        let (mut sw, mut sb) = (fold(aw), fold(ab));
+        for j in full..n {
+            let gj = g[j].f32();
+            let z = match y {
+                Some(y) => gj * if y[j].f32() > 0.0 { 1.0 } else { 0.0 },
+                None => gj,
+            };
+            sb += z;
+            sw += z * ((x[j].f32() - mu) * rs);
+        }
+        (sw, sb)
+    }
+
+    #[inline(always)]
+    unsafe fn dx_imp<L: Lanes>(
+        g: &[L],
+        y: Option<&[L]>,
+        x: &[L],
+        k: Dx,
+        mut dx: Option<&mut [L]>,
+        mut dres: Option<&mut [L]>,
+    ) {
+        let n = g.len();
+        let (mu, rs, wc, dm, dn) = (
+            _mm512_set1_ps(k.mu),
+            _mm512_set1_ps(k.rs),
+            _mm512_set1_ps(k.wc),
+            _mm512_set1_ps(k.dm),
+            _mm512_set1_ps(k.dn),
+        );
+        let mut j = 0;
+        while j < n {
+            let m = lanes(n - j);
+            // SAFETY: the lanes under `m` lie inside every slice (the caller's checks).
+            unsafe {
+                let yv = y.map(|y| L::ld(y.as_ptr().add(j), m));
+                let z = through_relu(L::ld(g.as_ptr().add(j), m), yv);
+                if let Some(r) = dres.as_deref_mut() {
+                    L::st(r.as_mut_ptr().add(j), z, m);
+                }
+                if let Some(o) = dx.as_deref_mut() {
+                    let gw = _mm512_mul_ps(z, wc);
+                    let v = if k.training {
+                        let xv = L::ld(x.as_ptr().add(j), m);
+                        let xhat = _mm512_mul_ps(_mm512_sub_ps(xv, mu), rs);
+                        let t = _mm512_sub_ps(_mm512_sub_ps(gw, dm), _mm512_mul_ps(xhat, dn));
+                        _mm512_mul_ps(rs, t)
+                    } else {
+                        _mm512_mul_ps(gw, rs)
+                    };
+                    L::st(o.as_mut_ptr().add(j), v, m);
+                }
+            }
+            j += 16;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::chunked;
+
+    /// The kernels' stores round as `convert` does (`chunked::write`), bit for bit, on random
+    /// bit patterns and on the values where rounding goes wrong first: ties to even, the
+    /// largest finite values, subnormals, infinities, signalling and quiet NaN.
+    #[test]
+    fn stores_round_as_convert_does() {
+        if !available() {
+            return;
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut bits: Vec<u32> = (0..4099)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 16) as u32
+            })
+            .collect();
+        for b in [
+            0x3F80_8000, // 1 + 2^-8: a BF16 tie, rounds to even (down)
+            0x3F81_8000, // a BF16 tie that rounds up
+            0x3F80_1000, // 1 + 2^-11: an F16 tie
+            0x3F80_3000,
+            0x7F7F_FFFF, // largest finite F32: BF16 and F16 overflow
+            0x477F_E000, // F16's rounding edge to inf
+            0x0000_0001, // smallest subnormal
+            0x807F_FFFF,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7F80_0001, // signalling NaN
+            0xFFC1_2345, // quiet NaN with payload
+            0x0000_0000,
+            0x8000_0000,
+        ] {
+            bits.push(b);
+        }
+        let src: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        fn check<T: WithDType>(src: &[f32]) {
+            for n in [src.len(), 17, 5] {
+                let src = &src[src.len() - n..];
+                let mut want = vec![T::default(); n];
+                chunked::write(src, &mut want);
+                let mut got = vec![T::default(); n];
+                // SAFETY: `available()` (checked by the caller); equal lengths.
+                unsafe { round_into(src, &mut got) };
+                let bytes = |v: &[T]| {
+                    let mut out = vec![];
+                    v.iter().for_each(|&x| x.write_le(&mut out));
+                    out
+                };
+                assert_eq!(bytes(&got), bytes(&want), "{:?}, n {n}", T::DTYPE);
+            }
+        }
+        check::<f32>(&src);
+        check::<f16>(&src);
+        check::<bf16>(&src);
+    }
+}
