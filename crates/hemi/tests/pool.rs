@@ -9,13 +9,15 @@ use hemi::{DType, Error, Generator, Tensor};
 /// A windowed pool: kernel, stride, padding.
 type Window = ((usize, usize), (usize, usize), (usize, usize));
 
-/// The windows every dtype runs: odd and overlapping windows, padding, CifarNet's 2x2.
-const WINDOWS: [Window; 5] = [
+/// The windows every dtype runs: odd and overlapping windows, padding, CifarNet's 2x2,
+/// ResNet's 1×1 subsampling (its own gather path).
+const WINDOWS: [Window; 6] = [
     ((2, 2), (2, 2), (0, 0)),
     ((3, 2), (2, 1), (1, 1)),
     ((3, 3), (1, 1), (1, 1)),
     ((3, 3), (2, 3), (0, 1)),
     ((1, 1), (2, 2), (0, 0)),
+    ((1, 1), (3, 2), (0, 0)),
 ];
 
 /// Input shapes: odd sizes, a 3-D [C, H, W] input, size-1 dims.
@@ -319,6 +321,14 @@ fn max_pool_ties_padding_nan() {
         let y = y.to_vec_f64();
         assert!(y[0] == 3.0 && y[1].is_nan(), "{y:?}");
         assert_eq!(idx.to_vec_i64(), vec![1, 7]);
+        // The 1×1 gather keeps a NaN where it lands.
+        let (y, idx) = x.max_pool2d_with_indices((1, 1), (1, 2), (0, 0)).unwrap();
+        let y = y.to_vec_f64();
+        assert!(
+            y[0] == 1.0 && y[1].is_nan() && y[4].is_nan() && y[5] == 9.0,
+            "{y:?}"
+        );
+        assert_eq!(idx.to_vec_i64(), vec![0, 2, 4, 5, 7, 9]);
     }
 }
 

@@ -446,6 +446,25 @@ impl NnOps for CpuStorage {
         with_indices: bool,
     ) -> Result<MaxPool2d<Self>> {
         let dtype = self.dtype();
+        if g.kernel == (1, 1) && g.padding == (0, 0) {
+            if let Some(r) = l.contiguous_range() {
+                let done = with_f32_or_half!(dtype, T => {
+                    let x = &self.as_slice::<T>().expect("dtype matched")[r];
+                    let (out, idx) = pool::max_pool2d_1x1(x, g);
+                    Some((CpuStorage::from_vec(out), idx))
+                }, _ => None);
+                if let Some((out, idx)) = done {
+                    let indices = with_indices.then(|| {
+                        CpuStorage::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>())
+                    });
+                    return Ok(MaxPool2d {
+                        out,
+                        argmax: Indices::new(idx),
+                        indices,
+                    });
+                }
+            }
+        }
         Ok(crate::with_compute!(dtype, C => {
             let (out, idx) = pool::max_pool2d_forward(&self.load::<C>(l), g);
             let indices = with_indices

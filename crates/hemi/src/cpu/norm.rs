@@ -604,31 +604,42 @@ pub(crate) fn bn_act_forward<T: WithDType>(
     relu: bool,
 ) -> Vec<T> {
     let block = (d.c * d.s).max(1);
-    let direct = norm_wide::available();
-    let s_buf = if direct { 0 } else { d.s };
+    let (n_blocks, min_len) = (x.len() / block, (PAR_THRESHOLD / block).max(1));
+    let k = |ch: usize| BnApply {
+        mu: mean[ch],
+        scale: rstd[ch] * w.map_or(1.0, |w| w[ch]),
+        shift: b.map_or(0.0, |b| b[ch]),
+        relu,
+    };
+    if norm_wide::available() {
+        let image = |_: &mut (), i, ob: Option<&mut [_]>, _: Option<&mut [_]>| {
+            let ob = ob.expect("the output is wanted");
+            for ch in 0..d.c {
+                let rr = residual.map(|r| run_of(d, r, i, ch));
+                let o = &mut ob[ch * d.s..][..d.s];
+                // SAFETY: `available()`.
+                unsafe { norm_wide::apply(o, run_of(d, x, i, ch), rr, k(ch)) };
+            }
+        };
+        // SAFETY: the runs of the channels tile each block, and `apply` writes every element
+        // of its run.
+        let (out, _) = unsafe {
+            chunked::blocks_uninit2(n_blocks, block, (true, false), min_len, || (), image)
+        };
+        return out;
+    }
     chunked::blocks_zeroed(
-        x.len() / block,
+        n_blocks,
         block,
-        (PAR_THRESHOLD / block).max(1),
-        || (vec![0f32; s_buf], vec![0f32; s_buf], vec![0f32; s_buf]),
+        min_len,
+        || (vec![0f32; d.s], vec![0f32; d.s], vec![0f32; d.s]),
         |(bx, br, bo), i, ob| {
             for ch in 0..d.c {
-                let k = BnApply {
-                    mu: mean[ch],
-                    scale: rstd[ch] * w.map_or(1.0, |w| w[ch]),
-                    shift: b.map_or(0.0, |b| b[ch]),
-                    relu,
-                };
-                let o = &mut ob[ch * d.s..][..d.s];
-                if direct {
-                    let rr = residual.map(|r| run_of(d, r, i, ch));
-                    // SAFETY: `available()`; the runs are `d.s` long.
-                    unsafe { norm_wide::apply(o, run_of(d, x, i, ch), rr, k) };
-                } else {
-                    let xr = run_f32(d, x, i, ch, bx);
-                    let rr = residual.map(|r| run_f32(d, r, i, ch, br));
-                    emit(o, bo, |o| bn_apply(o, xr, rr, k));
-                }
+                let xr = run_f32(d, x, i, ch, bx);
+                let rr = residual.map(|r| run_f32(d, r, i, ch, br));
+                emit(&mut ob[ch * d.s..][..d.s], bo, |o| {
+                    bn_apply(o, xr, rr, k(ch))
+                });
             }
         },
     )
@@ -891,25 +902,6 @@ pub(crate) fn bn_act_backward<T: WithDType>(
             let [bg, by, bx, bz, bo] = bufs;
             let (mut dxb, mut drb) = (dxb, drb);
             for ch in 0..d.c {
-                if direct {
-                    let wc = w.map_or(1.0, |w| w[ch]);
-                    let k = norm_wide::Dx {
-                        training,
-                        mu: mean[ch],
-                        rs: rstd[ch],
-                        wc,
-                        dm: wc * dbias[ch] * inv_m,
-                        dn: wc * dweight[ch] * inv_m,
-                    };
-                    let run = ch * d.s..(ch + 1) * d.s;
-                    let yr = y.map(|y| run_of(d, y, i, ch));
-                    let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
-                    let o = dxb.as_deref_mut().map(|b| &mut b[run.clone()]);
-                    let r = drb.as_deref_mut().map(|b| &mut b[run]);
-                    // SAFETY: `available()`; the runs are `d.s` long.
-                    unsafe { norm_wide::dx(gr, yr, xr, k, o, r) };
-                    continue;
-                }
                 let gr = run_f32(d, g, i, ch, bg);
                 let yr = y.map(|y| run_f32(d, y, i, ch, by));
                 let gz = through_relu(gr, yr, bz);
@@ -943,17 +935,41 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                 }
             }
         };
-    let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; s_buf]);
+    let init = || std::array::from_fn::<_, 5, _>(|_| vec![0f32; d.s]);
     let min_len = (PAR_THRESHOLD / block).max(1);
     let n_blocks = if d.c * d.s == 0 { 0 } else { n };
-    let (dx, dres) = chunked::blocks_zeroed2(
-        n_blocks,
-        block,
-        (need_dx, need_dres),
-        min_len,
-        init,
-        |b, i, o, r| image(i, o, r, b),
-    );
+    let wants = (need_dx, need_dres);
+    let (dx, dres) = if direct {
+        let k = |ch: usize| {
+            let wc = w.map_or(1.0, |w| w[ch]);
+            norm_wide::Dx {
+                training,
+                mu: mean[ch],
+                rs: rstd[ch],
+                wc,
+                dm: wc * dbias[ch] * inv_m,
+                dn: wc * dweight[ch] * inv_m,
+            }
+        };
+        let image = |_: &mut (), i, mut o: Option<&mut [_]>, mut r: Option<&mut [_]>| {
+            for ch in 0..d.c {
+                let run = ch * d.s..(ch + 1) * d.s;
+                let yr = y.map(|y| run_of(d, y, i, ch));
+                let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
+                let o = o.as_deref_mut().map(|b| &mut b[run.clone()]);
+                let r = r.as_deref_mut().map(|b| &mut b[run]);
+                // SAFETY: `available()`.
+                unsafe { norm_wide::dx(gr, yr, xr, k(ch), o, r) };
+            }
+        };
+        // SAFETY: the runs of the channels tile each block, and `dx` writes every element
+        // of the runs it is given.
+        unsafe { chunked::blocks_uninit2(n_blocks, block, wants, min_len, || (), image) }
+    } else {
+        chunked::blocks_zeroed2(n_blocks, block, wants, min_len, init, |b, i, o, r| {
+            image(i, o, r, b)
+        })
+    };
     BnActGrads {
         dx: need_dx.then_some(dx),
         dres: need_dres.then_some(dres),
@@ -1213,7 +1229,7 @@ mod tests {
                             let mut want_t = vec![T::default(); n];
                             chunked::write(&want, &mut want_t);
                             let mut got = vec![T::default(); n];
-                            norm_wide::apply(&mut got, &x, r.map(|p| p.0), k);
+                            norm_wide::apply(norm_wide::uninit(&mut got), &x, r.map(|p| p.0), k);
                             assert!(same_t(&got, &want_t), "{name:?} apply n {n} relu {relu}");
                         }
                         for (training, yy) in [(true, Some((&y[..], &yf[..]))), (false, None)] {
@@ -1249,7 +1265,14 @@ mod tests {
                                 dn: k.dn,
                             };
                             let yv = yy.map(|p| p.0);
-                            norm_wide::dx(&g, yv, &x, kw, Some(&mut got), Some(&mut got_r));
+                            norm_wide::dx(
+                                &g,
+                                yv,
+                                &x,
+                                kw,
+                                Some(norm_wide::uninit(&mut got)),
+                                Some(norm_wide::uninit(&mut got_r)),
+                            );
                             assert!(same_t(&got, &want_t), "{name:?} dx n {n} train {training}");
                             assert!(same_t(&got_r, &want_r), "{name:?} dres n {n}");
                         }

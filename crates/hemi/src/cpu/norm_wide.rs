@@ -14,6 +14,8 @@
 //! elementwise loops run sixteen lanes with the same operations per element in the same
 //! order (no fused multiply-add), so every width gives the same bits.
 
+use std::mem::MaybeUninit;
+
 use half::{bf16, f16};
 
 use crate::dtype::{same_slice, same_slice_mut, DType, WithDType};
@@ -121,12 +123,18 @@ pub(crate) unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
     on_x86!(T, L => unsafe { x86::sq_dev::<L>(cast(x), mu) })
 }
 
-/// `o = relu?((x − mu)·scale + shift + r)`, rounded once into `T`.
+/// `o = relu?((x − mu)·scale + shift + r)`, rounded once into `T` (every element of `o`
+/// written).
 ///
 /// # Safety
-/// `available()` is true; `x` and `r` (where given) are at least as long as `o`.
+/// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn apply<T: WithDType>(o: &mut [T], x: &[T], r: Option<&[T]>, k: Apply) {
+pub(crate) unsafe fn apply<T: WithDType>(
+    o: &mut [MaybeUninit<T>],
+    x: &[T],
+    r: Option<&[T]>,
+    k: Apply,
+) {
     assert!(x.len() >= o.len() && r.is_none_or(|r| r.len() >= o.len()));
     // SAFETY: forwarded; lengths checked above.
     on_x86!(T, L => unsafe { x86::apply::<L>(cast_mut(o), cast(x), r.map(cast), k) })
@@ -151,7 +159,7 @@ pub(crate) unsafe fn relu_sums<T: WithDType>(
 }
 
 /// One run of the backward's elementwise pass: `gz = g·[y > 0]` into `dres`, and the input
-/// gradient (`Dx`) into `dx`, each rounded once into `T`.
+/// gradient (`Dx`) into `dx`, each rounded once into `T` (every element written).
 ///
 /// # Safety
 /// `available()` is true.
@@ -161,8 +169,8 @@ pub(crate) unsafe fn dx<T: WithDType>(
     y: Option<&[T]>,
     x: &[T],
     k: Dx,
-    dx: Option<&mut [T]>,
-    dres: Option<&mut [T]>,
+    dx: Option<&mut [MaybeUninit<T>]>,
+    dres: Option<&mut [MaybeUninit<T>]>,
 ) {
     let n = g.len();
     assert!(x.len() >= n && y.is_none_or(|y| y.len() >= n));
@@ -180,7 +188,7 @@ pub(crate) unsafe fn dx<T: WithDType>(
 /// `available()` is true.
 #[cfg(test)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [T]) {
+unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     assert_eq!(src.len(), dst.len());
     // SAFETY: forwarded; equal lengths.
     on_x86!(T, L => unsafe { x86::round_into::<L>(src, cast_mut(dst)) })
@@ -191,6 +199,7 @@ mod x86 {
     use super::{Apply, Dx};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     /// How the kernels load and store an element type.
     pub(super) trait Lanes: Copy {
@@ -343,25 +352,25 @@ mod x86 {
 
     entry!(fn sum(x: &[L]) -> f32 = sum_imp);
     entry!(fn sq_dev(x: &[L], mu: f32) -> f32 = sq_dev_imp);
-    entry!(fn apply(o: &mut [L], x: &[L], r: Option<&[L]>, k: Apply) = apply_imp);
+    entry!(fn apply(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) = apply_imp);
     entry!(fn relu_sums(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32) -> (f32, f32)
         = relu_sums_imp);
-    entry!(fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [L]>,
-        dres: Option<&mut [L]>) = dx_imp);
+    entry!(fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [MaybeUninit<L>]>,
+        dres: Option<&mut [MaybeUninit<L>]>) = dx_imp);
 
     #[cfg(test)]
-    entry!(fn round_into(src: &[f32], dst: &mut [L]) = round_into_imp);
+    entry!(fn round_into(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into_imp);
 
     #[cfg(test)]
     #[inline(always)]
-    unsafe fn round_into_imp<L: Lanes>(src: &[f32], dst: &mut [L]) {
+    unsafe fn round_into_imp<L: Lanes>(src: &[f32], dst: &mut [MaybeUninit<L>]) {
         let mut j = 0;
         while j < dst.len() {
             let m = lanes(dst.len() - j);
             // SAFETY: the lanes under `m` lie inside both slices (equal lengths).
             unsafe {
                 let v = _mm512_maskz_loadu_ps(m, src.as_ptr().add(j));
-                L::st(dst.as_mut_ptr().add(j), v, m);
+                L::st(dst.as_mut_ptr().add(j).cast(), v, m);
             }
             j += 16;
         }
@@ -398,7 +407,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn apply_imp<L: Lanes>(o: &mut [L], x: &[L], r: Option<&[L]>, k: Apply) {
+    unsafe fn apply_imp<L: Lanes>(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) {
         let (mu, scale, shift) = (
             _mm512_set1_ps(k.mu),
             _mm512_set1_ps(k.scale),
@@ -418,7 +427,7 @@ mod x86 {
                 if k.relu {
                     z = relu(z);
                 }
-                L::st(o.as_mut_ptr().add(j), z, m);
+                L::st(o.as_mut_ptr().add(j).cast(), z, m);
             }
             j += 16;
         }
@@ -488,8 +497,8 @@ mod x86 {
         y: Option<&[L]>,
         x: &[L],
         k: Dx,
-        mut dx: Option<&mut [L]>,
-        mut dres: Option<&mut [L]>,
+        mut dx: Option<&mut [MaybeUninit<L>]>,
+        mut dres: Option<&mut [MaybeUninit<L>]>,
     ) {
         let n = g.len();
         let (mu, rs, wc, dm, dn) = (
@@ -507,7 +516,7 @@ mod x86 {
                 let yv = y.map(|y| L::ld(y.as_ptr().add(j), m));
                 let z = through_relu(L::ld(g.as_ptr().add(j), m), yv);
                 if let Some(r) = dres.as_deref_mut() {
-                    L::st(r.as_mut_ptr().add(j), z, m);
+                    L::st(r.as_mut_ptr().add(j).cast(), z, m);
                 }
                 if let Some(o) = dx.as_deref_mut() {
                     let gw = _mm512_mul_ps(z, wc);
@@ -519,12 +528,19 @@ mod x86 {
                     } else {
                         _mm512_mul_ps(gw, rs)
                     };
-                    L::st(o.as_mut_ptr().add(j), v, m);
+                    L::st(o.as_mut_ptr().add(j).cast(), v, m);
                 }
             }
             j += 16;
         }
     }
+}
+
+/// `v` as a slice the kernels write into (they only store values of `T`).
+#[cfg(test)]
+pub(crate) fn uninit<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: same layout; the kernels write only initialised `T` values through it.
+    unsafe { &mut *(v as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 #[cfg(test)]
@@ -575,7 +591,7 @@ mod tests {
                 chunked::write(src, &mut want);
                 let mut got = vec![T::default(); n];
                 // SAFETY: `available()` (checked by the caller); equal lengths.
-                unsafe { round_into(src, &mut got) };
+                unsafe { round_into(src, uninit(&mut got)) };
                 let bytes = |v: &[T]| {
                     let mut out = vec![];
                     v.iter().for_each(|&x| x.write_le(&mut out));
