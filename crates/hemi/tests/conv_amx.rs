@@ -97,6 +97,24 @@ fn check_plan(
         );
     }
     got.pop();
+    // The BF16 output is the F32 one rounded once, nearest-even, and ends where it does.
+    let mut got16 = vec![bf16::from_bits(0x7FC1); g.out_image() + 1];
+    plan.image(x, b, &mut got16);
+    assert_eq!(
+        got16[g.out_image()].to_bits(),
+        0x7FC1,
+        "{g:?}: BF16 wrote past the output"
+    );
+    let mut want16 = vec![bf16::ZERO; g.out_image()];
+    hemi::dtype::convert::f32_to_bf16(&got, &mut want16);
+    assert!(
+        got16[..g.out_image()]
+            .iter()
+            .zip(&want16)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{g:?} amx {}: the BF16 output is not the F32 one rounded",
+        plan.uses_amx()
+    );
     got
 }
 

@@ -845,13 +845,16 @@ pub fn conv2d_forward_blocks<T: WithDType>(
     }
     let prep = Prepared::new::<T, f32>(w, g);
     if let (Some(plan), Some(xb)) = (&prep.amx, same_slice::<T, bf16>(x)) {
-        // The AMX route writes every output, so its F32 image needs no zeroing first
-        // (`per_block_with` zeroes each block for kernels that accumulate).
-        let y = blocks_zeroed(g.n, g.out_image(), 1, Vec::new, |y32, i, y: &mut [bf16]| {
-            y32.resize(g.out_image(), 0f32);
-            plan.image(&xb[i * g.in_image()..(i + 1) * g.in_image()], bias, y32);
-            crate::dtype::convert::f32_to_bf16(y32, y);
-        });
+        // The AMX route rounds each output run to BF16 as it stores it: no F32 image.
+        let y = blocks_zeroed(
+            g.n,
+            g.out_image(),
+            1,
+            || (),
+            |_, i, y: &mut [bf16]| {
+                plan.image(&xb[i * g.in_image()..(i + 1) * g.in_image()], bias, y);
+            },
+        );
         return CpuStorage::BF16(y);
     }
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {

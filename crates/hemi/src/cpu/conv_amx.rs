@@ -204,8 +204,8 @@ impl AmxConvPlan {
     }
 
     /// One image: `y [c_out, L] = bias + w · col(x)`, `x [c_in, h, w]`, `bias` (`[c_out]`)
-    /// or zeros. Every element of `y` is written.
-    pub fn image(&self, x: &[bf16], bias: Option<&[f32]>, y: &mut [f32]) {
+    /// or zeros, in F32 or rounded once to BF16 (`ConvOut`). Every element of `y` is written.
+    pub fn image<O: ConvOut>(&self, x: &[bf16], bias: Option<&[f32]>, y: &mut [O]) {
         let g = &self.g;
         assert!(
             x.len() >= g.in_image() && y.len() >= g.out_image(),
@@ -228,7 +228,7 @@ impl AmxConvPlan {
     }
 
     /// Every (channel group, pixel block) of one image from its copy `xq`.
-    fn blocks(&self, xq: &[u32], bias: Option<&[f32]>, y: &mut [f32]) {
+    fn blocks<O: ConvOut>(&self, xq: &[u32], bias: Option<&[f32]>, y: &mut [O]) {
         let g = &self.g;
         let l = g.l();
         let group_len = 2 * self.steps * A_TILE;
@@ -268,7 +268,7 @@ impl AmxConvPlan {
     /// Block `buf` (`rows` output channels from `o0`, `px` pixels over the padded width from
     /// `p0`) into `y`: the pixels of real columns, with the bias.
     #[allow(clippy::too_many_arguments)]
-    fn store(
+    fn store<O: ConvOut>(
         &self,
         buf: &[f32],
         px: usize,
@@ -276,7 +276,7 @@ impl AmxConvPlan {
         rows: usize,
         p0: usize,
         bias: Option<&[f32]>,
-        y: &mut [f32],
+        y: &mut [O],
         l: usize,
     ) {
         // The block's runs: those of its 32-pixel parts, each part's from `parts[part]`.
@@ -292,7 +292,7 @@ impl AmxConvPlan {
                 for run in &self.runs[self.parts[part]..self.parts[part + 1]] {
                     let (from, to, len) =
                         (at + run.from as usize, run.to as usize, run.len as usize);
-                    add_run(&mut dst[to..to + len], &src[from..from + len], b);
+                    O::put(&mut dst[to..to + len], &src[from..from + len], b);
                 }
             }
         }
@@ -369,19 +369,64 @@ impl AmxConvPlan {
 /// Computed pixels per part of `AmxConvPlan::runs` (a block is one or two parts).
 const RUN_PART: usize = 32;
 
-/// `dst = src + b` over one output run (at most `RUN_PART` pixels): two masked AVX-512
-/// steps where the CPU has it (the AMX route always does), else the plain loop, which the
-/// compiler left scalar for runs this short (5–7 % of a ResNet-20 amp-bf16 step).
+/// What `AmxConvPlan::image` writes: F32, or BF16 rounded once (nearest-even, as
+/// `convert::f32_to_bf16`), so that a BF16 convolution needs no F32 image of its output.
+pub trait ConvOut: Copy + sealed::Sealed {
+    /// `dst = src + b` over one output run (at most `RUN_PART` pixels), rounded to `Self`.
+    fn put(dst: &mut [Self], src: &[f32], b: f32);
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// Whether the run stores take their AVX-512 build (the AMX route always does).
 #[inline]
-fn add_run(dst: &mut [f32], src: &[f32], b: f32) {
-    assert!(dst.len() == src.len() && dst.len() <= RUN_PART);
+fn wide_store() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::map::vector_level() == crate::cpu::map::VectorLevel::Avx512 {
-        // SAFETY: AVX-512 F is there; equal lengths of at most 32 (asserted).
-        return unsafe { x86::add_run(dst, src, b) };
+    {
+        crate::cpu::norm_wide::available()
     }
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = s + b;
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+// Runs are at most 32 pixels: two masked AVX-512 steps. The plain loops were left scalar by
+// the compiler for runs this short (5–7 % of a ResNet-20 amp-bf16 step on Emerald Rapids).
+impl ConvOut for f32 {
+    #[inline]
+    fn put(dst: &mut [f32], src: &[f32], b: f32) {
+        assert!(dst.len() == src.len() && dst.len() <= RUN_PART);
+        #[cfg(target_arch = "x86_64")]
+        if wide_store() {
+            // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths.
+            return unsafe { x86::add_run(dst, src, b) };
+        }
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s + b;
+        }
+    }
+}
+
+impl ConvOut for bf16 {
+    #[inline]
+    fn put(dst: &mut [bf16], src: &[f32], b: f32) {
+        assert!(dst.len() == src.len() && dst.len() <= RUN_PART);
+        #[cfg(target_arch = "x86_64")]
+        if wide_store() {
+            // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths.
+            return unsafe { x86::add_run(dst, src, b) };
+        }
+        let mut t = [0f32; RUN_PART];
+        let t = &mut t[..src.len()];
+        for (t, &s) in t.iter_mut().zip(src) {
+            *t = s + b;
+        }
+        crate::dtype::convert::f32_to_bf16(t, dst);
     }
 }
 
@@ -467,12 +512,17 @@ pub fn amx_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    /// `add_run` on AVX-512: sixteen lanes per step under a mask, at most two steps.
+    /// `ConvOut::put` on AVX-512: sixteen lanes per step under a mask, each rounded to `L`
+    /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm_wide`'s store).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F; `dst` and `src` have the same length, at most 32.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn add_run(dst: &mut [f32], src: &[f32], b: f32) {
+    /// The CPU has AVX-512 F/BW/VL and F16C; `dst` and `src` have the same length.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+    pub(super) unsafe fn add_run<L: crate::cpu::norm_wide::x86::Lanes>(
+        dst: &mut [L],
+        src: &[f32],
+        b: f32,
+    ) {
         use std::arch::x86_64::*;
         let bv = _mm512_set1_ps(b);
         let mut j = 0;
@@ -482,7 +532,7 @@ mod x86 {
             // SAFETY: the lanes under `m` lie inside both slices.
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
-                _mm512_mask_storeu_ps(dst.as_mut_ptr().add(j), m, v);
+                L::st(dst.as_mut_ptr().add(j), v, m);
             }
             j += 16;
         }

@@ -9,6 +9,8 @@ use crate::backend::nn::BatchNormGeom;
 use crate::cpu::chunked;
 use crate::cpu::map::PAR_THRESHOLD;
 use crate::cpu::norm_wide;
+// The per-channel constants of the forward's elementwise pass (shared with the AVX-512 loops).
+use crate::cpu::norm_wide::Apply as BnApply;
 use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{same_slice_mut, WithDType};
@@ -698,9 +700,6 @@ fn relu_mask_impl(o: &mut [f32], g: &[f32], y: &[f32]) {
         *o = g * if y > 0.0 { 1.0 } else { 0.0 };
     }
 }
-
-/// The per-channel constants of the forward's elementwise pass.
-use crate::cpu::norm_wide::Apply as BnApply;
 
 /// One run of the forward's output: `(x − mu)·scale + shift`, plus the residual, then the
 /// ReLU (elementwise: the same bits at every vector width).

@@ -195,14 +195,14 @@ unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{Apply, Dx};
     use half::{bf16, f16};
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    /// How the kernels load and store an element type.
-    pub(super) trait Lanes: Copy {
+    /// How the kernels load and store an element type (also `conv_amx`'s output store).
+    pub(crate) trait Lanes: Copy {
         /// Eight elements from `p` as F32 (exact).
         unsafe fn ld8(p: *const Self) -> __m256;
         /// The elements of `p` under mask `m` as F32 (exact; other lanes zero).
