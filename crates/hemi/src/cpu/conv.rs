@@ -16,7 +16,7 @@
 //! col2im.
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
-use crate::cpu::chunked::{blocks_zeroed, per_block_with};
+use crate::cpu::chunked::{blocks_uninit2, blocks_zeroed, per_block_with};
 use crate::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
@@ -31,6 +31,7 @@ use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
 use crate::DType;
 use half::{bf16, f16};
+use std::mem::MaybeUninit;
 
 /// The outputs `o` in `[0, out)` whose input coordinate `o*stride + off` lies in `[0, size)`,
 /// as a half-open range (so the copy loops need no bounds tests).
@@ -845,16 +846,14 @@ pub fn conv2d_forward_blocks<T: WithDType>(
     }
     let prep = Prepared::new::<T, f32>(w, g);
     if let (Some(plan), Some(xb)) = (&prep.amx, same_slice::<T, bf16>(x)) {
-        // The AMX route rounds each output run to BF16 as it stores it: no F32 image.
-        let y = blocks_zeroed(
-            g.n,
-            g.out_image(),
-            1,
-            || (),
-            |_, i, y: &mut [bf16]| {
-                plan.image(&xb[i * g.in_image()..(i + 1) * g.in_image()], bias, y);
-            },
-        );
+        // The AMX route rounds each output run to BF16 as it stores it (no F32 image) and
+        // writes every output, so the blocks are not zeroed first.
+        let image = |_: &mut (), i, y: Option<&mut [MaybeUninit<bf16>]>, _: Option<&mut [_]>| {
+            let y = y.expect("the output is wanted");
+            plan.image(&xb[i * g.in_image()..(i + 1) * g.in_image()], bias, y);
+        };
+        // SAFETY: `AmxConvPlan::image` writes every element of its output.
+        let (y, _) = unsafe { blocks_uninit2(g.n, g.out_image(), (true, false), 1, || (), image) };
         return CpuStorage::BF16(y);
     }
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {

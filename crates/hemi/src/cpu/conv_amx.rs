@@ -38,6 +38,7 @@
 //! (`tests/conv_amx.rs`).
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 
 use half::bf16;
 
@@ -380,6 +381,7 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for std::mem::MaybeUninit<half::bf16> {}
 }
 
 /// Whether the run stores take their AVX-512 build (the AMX route always does).
@@ -427,6 +429,26 @@ impl ConvOut for bf16 {
             *t = s + b;
         }
         crate::dtype::convert::f32_to_bf16(t, dst);
+    }
+}
+
+/// BF16 into a buffer not yet initialised (`conv2d_forward_blocks` leaves its output
+/// unzeroed: `image` writes every element).
+impl ConvOut for MaybeUninit<bf16> {
+    #[inline]
+    fn put(dst: &mut [MaybeUninit<bf16>], src: &[f32], b: f32) {
+        assert!(dst.len() == src.len() && dst.len() <= RUN_PART);
+        #[cfg(target_arch = "x86_64")]
+        if wide_store() {
+            // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths; `add_run` only stores.
+            return unsafe { x86::add_run(&mut *(dst as *mut [_] as *mut [bf16]), src, b) };
+        }
+        let mut t = [bf16::ZERO; RUN_PART];
+        let t = &mut t[..src.len()];
+        bf16::put(t, src, b);
+        for (d, &v) in dst.iter_mut().zip(t.iter()) {
+            d.write(v);
+        }
     }
 }
 
