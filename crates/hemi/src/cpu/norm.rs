@@ -311,7 +311,8 @@ mod wide {
 
     /// `relu_sums` with its eight accumulators in one AVX2 register each: the same products,
     /// sums and order per lane as `relu_sums_impl` (the compiler had left that loop mostly
-    /// scalar), so the same bits.
+    /// scalar), so the same bits. It is `norm_wide`'s F32 loop (AVX-only instructions)
+    /// built for AVX2.
     ///
     /// # Safety
     /// The CPU has AVX2; `y` (when given) and `x` are at least as long as `g`.
@@ -323,40 +324,9 @@ mod wide {
         mu: f32,
         rs: f32,
     ) -> (f32, f32) {
-        use std::arch::x86_64::*;
-        let full = g.len() / 8 * 8;
         assert!(x.len() >= g.len() && y.is_none_or(|y| y.len() >= g.len()));
-        let (vmu, vrs) = (_mm256_set1_ps(mu), _mm256_set1_ps(rs));
-        let (one, zero) = (_mm256_set1_ps(1.0), _mm256_setzero_ps());
-        let (mut aw, mut ab) = (zero, zero);
-        let mut j = 0;
-        while j < full {
-            // SAFETY: j + 8 <= full <= the length of every slice read (asserted above).
-            unsafe {
-                let gv = _mm256_loadu_ps(g.as_ptr().add(j));
-                let z = match y {
-                    Some(y) => {
-                        // `y > 0.0` is false for NaN: the ordered compare.
-                        let pos =
-                            _mm256_cmp_ps::<_CMP_GT_OQ>(_mm256_loadu_ps(y.as_ptr().add(j)), zero);
-                        _mm256_mul_ps(gv, _mm256_blendv_ps(zero, one, pos))
-                    }
-                    None => gv,
-                };
-                ab = _mm256_add_ps(ab, z);
-                let xhat =
-                    _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(j)), vmu), vrs);
-                aw = _mm256_add_ps(aw, _mm256_mul_ps(z, xhat));
-            }
-            j += 8;
-        }
-        let (mut lw, mut lb) = ([0f32; 8], [0f32; 8]);
-        // SAFETY: each array holds eight F32.
-        unsafe {
-            _mm256_storeu_ps(lw.as_mut_ptr(), aw);
-            _mm256_storeu_ps(lb.as_mut_ptr(), ab);
-        }
-        super::relu_sums_finish(lw, lb, g, y, &x[..g.len()], mu, rs)
+        // SAFETY: AVX2 (this function's feature); lengths asserted above.
+        unsafe { crate::cpu::norm_wide::x86::relu_sums_imp::<f32>(g, y, x, mu, rs) }
     }
 }
 

@@ -446,9 +446,13 @@ pub(crate) mod x86 {
         }
     }
 
-    /// `relu_sums_avx2`'s loop on `L` elements, the tail as `relu_sums_finish` does it.
+    /// `relu_sums_impl`'s lanes and order on `L` elements, the tail as `relu_sums_finish`
+    /// does it (also `norm`'s AVX2 build for F32, which needs only AVX here).
+    ///
+    /// # Safety
+    /// AVX (and what `L`'s loads need); `y` and `x` at least as long as `g`.
     #[inline(always)]
-    unsafe fn relu_sums_imp<L: Lanes>(
+    pub(crate) unsafe fn relu_sums_imp<L: Lanes>(
         g: &[L],
         y: Option<&[L]>,
         x: &[L],
