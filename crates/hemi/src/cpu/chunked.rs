@@ -209,6 +209,31 @@ pub fn blocks_zeroed<T: Copy + Default + Send, S>(
     out
 }
 
+/// `blocks_zeroed` without the zeroing (`blocks_uninit2` for one output).
+///
+/// # Safety
+/// `kernel` initialises every element of each block it receives.
+pub unsafe fn blocks_uninit<T: Copy + Send, S>(
+    n_blocks: usize,
+    block: usize,
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    kernel: impl Fn(&mut S, usize, &mut [MaybeUninit<T>]) + Sync,
+) -> Vec<T> {
+    // SAFETY: forwarded.
+    let (out, _) = unsafe {
+        blocks_uninit2(
+            n_blocks,
+            block,
+            (true, false),
+            min_len,
+            init,
+            |s, i, o, _| kernel(s, i, o.expect("the first output is wanted")),
+        )
+    };
+    out
+}
+
 /// `blocks_zeroed` for two outputs of the same blocks, each wanted or not (an output not
 /// wanted is empty and its blocks `None`).
 pub fn blocks_zeroed2<T: Copy + Default + Send, S>(

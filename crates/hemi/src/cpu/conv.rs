@@ -16,7 +16,7 @@
 //! col2im.
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
-use crate::cpu::chunked::{blocks_uninit2, blocks_zeroed, per_block_with};
+use crate::cpu::chunked::{blocks_uninit, blocks_zeroed, per_block_with};
 use crate::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
@@ -848,12 +848,11 @@ pub fn conv2d_forward_blocks<T: WithDType>(
     if let (Some(plan), Some(xb)) = (&prep.amx, same_slice::<T, bf16>(x)) {
         // The AMX route rounds each output run to BF16 as it stores it (no F32 image) and
         // writes every output, so the blocks are not zeroed first.
-        let image = |_: &mut (), i, y: Option<&mut [MaybeUninit<bf16>]>, _: Option<&mut [_]>| {
-            let y = y.expect("the output is wanted");
+        let image = |_: &mut (), i, y: &mut [MaybeUninit<bf16>]| {
             plan.image(&xb[i * g.in_image()..(i + 1) * g.in_image()], bias, y);
         };
         // SAFETY: `AmxConvPlan::image` writes every element of its output.
-        let (y, _) = unsafe { blocks_uninit2(g.n, g.out_image(), (true, false), 1, || (), image) };
+        let y = unsafe { blocks_uninit(g.n, g.out_image(), 1, || (), image) };
         return CpuStorage::BF16(y);
     }
     per_block_with(g.n, g.out_image(), T::DTYPE, Vec::new, |col, i, y| {

@@ -417,18 +417,9 @@ impl ConvOut for f32 {
 impl ConvOut for bf16 {
     #[inline]
     fn put(dst: &mut [bf16], src: &[f32], b: f32) {
-        assert!(dst.len() == src.len() && dst.len() <= RUN_PART);
-        #[cfg(target_arch = "x86_64")]
-        if wide_store() {
-            // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths.
-            return unsafe { x86::add_run(dst, src, b) };
-        }
-        let mut t = [0f32; RUN_PART];
-        let t = &mut t[..src.len()];
-        for (t, &s) in t.iter_mut().zip(src) {
-            *t = s + b;
-        }
-        crate::dtype::convert::f32_to_bf16(t, dst);
+        // SAFETY: same layout; `put` only stores initialised BF16 values through it.
+        let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+        MaybeUninit::<bf16>::put(dst, src, b)
     }
 }
 
@@ -443,10 +434,13 @@ impl ConvOut for MaybeUninit<bf16> {
             // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths; `add_run` only stores.
             return unsafe { x86::add_run(&mut *(dst as *mut [_] as *mut [bf16]), src, b) };
         }
-        let mut t = [bf16::ZERO; RUN_PART];
-        let t = &mut t[..src.len()];
-        bf16::put(t, src, b);
-        for (d, &v) in dst.iter_mut().zip(t.iter()) {
+        let (mut t, mut h) = ([0f32; RUN_PART], [bf16::ZERO; RUN_PART]);
+        let (t, h) = (&mut t[..src.len()], &mut h[..src.len()]);
+        for (t, &s) in t.iter_mut().zip(src) {
+            *t = s + b;
+        }
+        crate::dtype::convert::f32_to_bf16(t, h);
+        for (d, &v) in dst.iter_mut().zip(h.iter()) {
             d.write(v);
         }
     }

@@ -95,10 +95,8 @@ mod sealed {
         // ResNet-20), and that call's dispatch per row was 4 % of an amp-fp16 step.
         fn widen(src: &[f16], dst: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                // SAFETY: the CPU has AVX and F16C (checked above).
+            if crate::dtype::convert::has_f16c() {
+                // SAFETY: the CPU has AVX and F16C (`has_f16c`).
                 return unsafe { crate::dtype::convert::f16_to_f32_f16c(src, dst) };
             }
             for (d, &s) in dst.iter_mut().zip(src) {

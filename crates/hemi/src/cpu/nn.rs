@@ -4,7 +4,6 @@
 
 use std::borrow::Cow;
 
-use half::{bf16, f16};
 use num_traits::One;
 
 use super::storage::CpuStorage;
@@ -18,28 +17,6 @@ use crate::dtype::{DType, FloatDType, WithDType};
 use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::Layout;
-
-/// Runs `$body` with the type alias `$T` bound to the element type of `$dtype`, one of F32,
-/// F16 and BF16 (the dtypes the half-precision and fused kernels take); `$else` otherwise.
-macro_rules! with_f32_or_half {
-    ($dtype:expr, $T:ident => $body:expr, _ => $else:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F16 => {
-                type $T = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $T = bf16;
-                $body
-            }
-            _ => $else,
-        }
-    };
-}
 
 /// Keeps freed activation buffers in the process instead of handing them back to the OS.
 ///
@@ -446,35 +423,31 @@ impl NnOps for CpuStorage {
         with_indices: bool,
     ) -> Result<MaxPool2d<Self>> {
         let dtype = self.dtype();
-        if g.kernel == (1, 1) && g.padding == (0, 0) {
-            if let Some(r) = l.contiguous_range() {
-                let done = with_f32_or_half!(dtype, T => {
+        // A 1×1 unpadded window is a gather, done in the stored dtype.
+        let gathered = match l.contiguous_range() {
+            Some(r) if g.kernel == (1, 1) && g.padding == (0, 0) => {
+                with_f32_or_half!(dtype, T => {
                     let x = &self.as_slice::<T>().expect("dtype matched")[r];
                     let (out, idx) = pool::max_pool2d_1x1(x, g);
                     Some((CpuStorage::from_vec(out), idx))
-                }, _ => None);
-                if let Some((out, idx)) = done {
-                    let indices = with_indices.then(|| {
-                        CpuStorage::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>())
-                    });
-                    return Ok(MaxPool2d {
-                        out,
-                        argmax: Indices::new(idx),
-                        indices,
-                    });
-                }
+                }, _ => None)
             }
-        }
-        Ok(crate::with_compute!(dtype, C => {
-            let (out, idx) = pool::max_pool2d_forward(&self.load::<C>(l), g);
-            let indices = with_indices
-                .then(|| CpuStorage::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>()));
-            MaxPool2d {
-                out: CpuStorage::store::<C>(out, dtype),
-                argmax: Indices::new(idx),
-                indices,
-            }
-        }))
+            _ => None,
+        };
+        let (out, idx) = match gathered {
+            Some(done) => done,
+            None => crate::with_compute!(dtype, C => {
+                let (out, idx) = pool::max_pool2d_forward(&self.load::<C>(l), g);
+                (CpuStorage::store::<C>(out, dtype), idx)
+            }),
+        };
+        let indices = with_indices
+            .then(|| CpuStorage::from_vec(idx.iter().map(|&i| i as i64).collect::<Vec<i64>>()));
+        Ok(MaxPool2d {
+            out,
+            argmax: Indices::new(idx),
+            indices,
+        })
     }
 
     fn max_pool2d_backward(

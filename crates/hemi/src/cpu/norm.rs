@@ -522,7 +522,8 @@ fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
 /// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let sums = if norm_wide::available() {
+    let direct = norm_wide::available();
+    let sums = if direct {
         // SAFETY: `available()`.
         per_run(
             d,
@@ -533,7 +534,7 @@ pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, 
         per_run_f32(d, x, |_, r| sum_slice(r))
     };
     let mean: Vec<f32> = (0..d.c).map(|ch| fold_runs(d, &sums, ch) * inv_m).collect();
-    let sq = if norm_wide::available() {
+    let sq = if direct {
         per_run(
             d,
             || (),
@@ -584,8 +585,7 @@ pub(crate) fn bn_act_forward<T: WithDType>(
         relu,
     };
     if norm_wide::available() {
-        let image = |_: &mut (), i, ob: Option<&mut [_]>, _: Option<&mut [_]>| {
-            let ob = ob.expect("the output is wanted");
+        let image = |_: &mut (), i, ob: &mut [_]| {
             for ch in 0..d.c {
                 let rr = residual.map(|r| run_of(d, r, i, ch));
                 let o = &mut ob[ch * d.s..][..d.s];
@@ -595,10 +595,7 @@ pub(crate) fn bn_act_forward<T: WithDType>(
         };
         // SAFETY: the runs of the channels tile each block, and `apply` writes every element
         // of its run.
-        let (out, _) = unsafe {
-            chunked::blocks_uninit2(n_blocks, block, (true, false), min_len, || (), image)
-        };
-        return out;
+        return unsafe { chunked::blocks_uninit(n_blocks, block, min_len, || (), image) };
     }
     chunked::blocks_zeroed(
         n_blocks,

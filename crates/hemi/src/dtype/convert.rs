@@ -313,7 +313,7 @@ fn f64_to_f32_round_odd_slice(src: &[f64], dst: &mut [f32]) {
 // x86-64 kernels selected at run time
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::f16_to_f32_f16c;
+pub(crate) use x86::{f16_to_f32_f16c, has_f16c};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -323,7 +323,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     /// Whether the CPU has AVX and F16C (`vcvtph2ps` / `vcvtps2ph` on 8 lanes).
-    pub(super) fn has_f16c() -> bool {
+    pub(crate) fn has_f16c() -> bool {
         is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c")
     }
 
