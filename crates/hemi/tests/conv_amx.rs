@@ -64,6 +64,39 @@ const CASES: [Geom6; 17] = [
     (16, (32, 32), (3, 3), (1, 1), 1, 16),
 ];
 
+/// Strided convolutions (the copy cut into phase planes): ResNet's downsampling 3×3 and
+/// 1×1 convolutions and the 7×7 stem's shape, odd sizes, 16 input channels (two taps per
+/// chunk) at column strides 1 and 2 with odd and even kernel widths, a dilation that keeps
+/// every tap in one phase plane, unequal strides.
+const STRIDED: [(Geom6, (usize, usize)); 10] = [
+    ((16, (32, 32), (3, 3), (1, 1), 1, 32), (2, 2)),
+    ((32, (16, 16), (3, 3), (1, 1), 1, 64), (2, 2)),
+    ((16, (9, 11), (3, 3), (1, 1), 1, 16), (2, 2)),
+    ((16, (7, 10), (3, 4), (1, 0), 1, 32), (2, 2)),
+    ((16, (9, 9), (5, 5), (2, 2), 1, 16), (3, 1)),
+    ((32, (9, 8), (3, 3), (2, 2), 2, 32), (2, 2)),
+    ((64, (7, 7), (1, 1), (0, 0), 1, 32), (2, 2)),
+    ((32, (11, 9), (3, 3), (1, 1), 1, 16), (2, 3)),
+    ((32, (13, 13), (7, 7), (3, 3), 1, 32), (2, 2)),
+    ((32, (6, 7), (2, 2), (0, 1), 1, 48), (2, 2)),
+];
+
+fn strided(case: &Geom6, (sh, sw): (usize, usize)) -> Conv2dGeom {
+    let g = geom(case);
+    Conv2dGeom {
+        stride: (sh, sw),
+        h_out: conv_out_size(g.h, g.kh, sh, g.padding.0, g.dilation.0).unwrap(),
+        w_out: conv_out_size(g.w, g.kw, sw, g.padding.1, g.dilation.1).unwrap(),
+        ..g
+    }
+}
+
+/// Every geometry the tests run: `CASES`, then `STRIDED`.
+fn all_geoms() -> Vec<Conv2dGeom> {
+    let strided = STRIDED.iter().map(|(c, s)| strided(c, *s));
+    CASES.iter().map(geom).chain(strided).collect()
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|v| v.to_bits()).collect()
 }
@@ -124,8 +157,7 @@ fn matches_f64_on_the_twin_and_on_amx() {
     let amx =
         AmxConvPlan::with_amx(&geom(&CASES[0]), &vec![bf16::ZERO; 32 * 32 * 9], true).is_some();
     println!("AMX tiles checked: {amx}");
-    for case in &CASES {
-        let g = geom(case);
+    for g in all_geoms() {
         let w: Vec<bf16> = (0..g.weight_len())
             .map(|_| bf16::from_f64(rng.uniform(-1.0, 1.0)))
             .collect();
@@ -153,8 +185,7 @@ fn matches_f64_on_the_twin_and_on_amx() {
 #[test]
 fn amx_equals_the_twin_on_exact_sums() {
     let mut rng = Generator::new(302);
-    for case in &CASES {
-        let g = geom(case);
+    for g in all_geoms() {
         let int = |rng: &mut Generator, r: f64| bf16::from_f64(rng.uniform(-r, r).round());
         let w: Vec<bf16> = (0..g.weight_len()).map(|_| int(&mut rng, 4.0)).collect();
         let x: Vec<bf16> = (0..g.in_image()).map(|_| int(&mut rng, 8.0)).collect();
@@ -186,13 +217,18 @@ fn convolutions_it_does_not_take_get_no_plan() {
             "{c_in} -> {c_out}"
         );
     }
-    let strided = Conv2dGeom {
-        stride: (2, 2),
-        h_out: 4,
-        w_out: 4,
-        ..geom(&plain)
-    };
-    assert!(AmxConvPlan::with_amx(&strided, &w, false).is_none());
+    // Two taps of a row at one offset: not at column stride 3, nor 2 dilated.
+    let pair = (16, (9, 9), (3, 3), (1, 1), 1, 16);
+    assert!(AmxConvPlan::with_amx(&strided(&pair, (1, 2)), &w, false).is_some());
+    assert!(AmxConvPlan::with_amx(&strided(&pair, (1, 3)), &w, false).is_none());
+    let dilated = (16, (9, 9), (3, 3), (2, 2), 2, 16);
+    assert!(AmxConvPlan::with_amx(&strided(&dilated, (2, 2)), &w, false).is_none());
+    assert!(AmxConvPlan::with_amx(
+        &strided(&(32, (9, 9), (3, 3), (2, 2), 2, 16), (2, 2)),
+        &w,
+        false
+    )
+    .is_some());
     let grouped = Conv2dGeom {
         groups: 2,
         ..geom(&plain)
@@ -211,8 +247,7 @@ fn weight_grads_match_f64_on_the_twin_and_on_amx() {
         (16, (7, 5), (3, 3), (1, 1), 1, 48),
         (48, (6, 9), (3, 3), (2, 0), 2, 16),
     ];
-    for case in CASES.iter().chain(&extra) {
-        let g = geom(case);
+    for g in all_geoms().into_iter().chain(extra.iter().map(geom)) {
         for exact in [false, true] {
             let mut val = |r: f64| {
                 let v = rng.uniform(-r, r);
@@ -269,11 +304,9 @@ fn weight_grads_it_does_not_take_get_no_plan() {
             "{c_in} -> {c_out}"
         );
     }
-    let strided = Conv2dGeom {
-        stride: (2, 2),
-        h_out: 4,
-        w_out: 4,
-        ..geom(&plain)
+    let grouped = Conv2dGeom {
+        groups: 2,
+        ..geom(&(32, (8, 8), (3, 3), (1, 1), 1, 32))
     };
-    assert!(AmxWgradPlan::with_amx(&strided, false).is_none());
+    assert!(AmxWgradPlan::with_amx(&grouped, false).is_none());
 }

@@ -20,14 +20,24 @@
 //!   every plane. The `wp - w_out` columns per row this computes in vain are dropped when
 //!   the tile is stored (a quarter more work on ResNet-20's 8×8 planes, an eighth on 16×16).
 //!
-//! Stride 1, any padding and dilation, input channels a multiple of 32 or exactly 16,
+//! Strided convolutions read phase planes (`Phases`): with stride `(sh, sw)` the padded
+//! image is cut into the planes of rows `a, a + sh, …` and columns `b, b + sw, …`, and tap
+//! `(ki, kj)` of every output reads one of them as a stride-1 tap does, at an offset. Each
+//! input pixel is copied once, into its own plane, so a strided convolution costs its own
+//! outputs' work and no im2col (the forward and weight gradient of ResNet-20's two
+//! downsampling convolutions took 10 % of an amp-bf16 step through im2col and the GEMM, 4 %
+//! on phase planes; Emerald Rapids, 2 cores).
+//!
+//! Any stride, padding and dilation, input channels a multiple of 32 or exactly 16,
 //! output channels a multiple of 16. With 16 input channels a chunk holds two taps of a
 //! kernel row (channels of tap `kj` in its first 16 columns, of `kj + 1` in the others; a
 //! kernel row of odd width leaves the last chunk half zero weights): the copy then holds
-//! the 8 pairs twice, the second time shifted by one tap, so that B rows 8–15 read tap
-//! `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`. The zero weights of such a
-//! half chunk multiply real pixels (one tap past the row): an infinite input there makes a
-//! NaN of an output that im2col would have left finite (0 · inf). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
+//! the 8 pairs twice, the second time as tap `kj + 1` reads them (column stride 1: the
+//! same plane shifted by one tap; column stride 2, undilated: the odd columns' plane), so
+//! that B rows 8–15 read tap `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`.
+//! The zero weights of such a half chunk multiply real pixels (one tap past the row): an
+//! infinite input there makes a NaN of an output that im2col would have left finite
+//! (0 · inf). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
 //! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
@@ -58,8 +68,11 @@ const PX: usize = 64;
 pub struct AmxConvPlan {
     amx: bool,
     g: Conv2dGeom,
-    hp: usize,
-    wp: usize,
+    /// Rows and columns of a phase plane of the copy (`Phases`).
+    hq: usize,
+    wq: usize,
+    /// The copy's planes, set by set (`PlaneSet`).
+    sets: Vec<PlaneSet>,
     /// Length of one plane of the copy (`u32` pairs): the padded plane and the zeros past
     /// it that the last blocks read.
     q_len: usize,
@@ -70,15 +83,77 @@ pub struct AmxConvPlan {
     /// Packed A tiles, group by group: a full group (32 channels) is `[step][2][16][32]`,
     /// a last half group (16) `[step][16][32]`; BF16 bits.
     wpk: Vec<u16>,
-    /// Output pixels computed (over the padded width): `(h_out - 1)·wp + w_out`.
+    /// Output pixels computed (over the plane width): `(h_out - 1)·wq + w_out`.
     p_len: usize,
     /// The output runs of each 32-pixel part of the computed pixels: part `i`'s are
     /// `runs[parts[i]..parts[i + 1]]`.
     runs: Vec<Run>,
     parts: Vec<usize>,
-    /// 16 input channels: each chunk holds taps kj and kj + 1 of a kernel row, so the copy
-    /// holds the 8 pairs twice, the second time shifted by one tap (`dilation.1` pixels).
-    pair_taps: bool,
+}
+
+/// `pairs` consecutive planes of the copy: channel pairs `0..pairs` of phase plane `phase`
+/// (`Phases`), each moved `shift` elements towards its start (value `q` of the set's plane
+/// is value `q + shift` of the phase plane).
+#[derive(Clone, Copy, Debug)]
+struct PlaneSet {
+    phase: (usize, usize),
+    shift: usize,
+    pairs: usize,
+}
+
+/// A strided convolution's padded input cut into phase planes (stride 1: one plane, the
+/// padded image). Phase plane `(a, b)` holds the padded input's rows `a, a + sh, …` and
+/// columns `b, b + sw, …`, `hq × wq` of them: its element `(i, j)` is input pixel
+/// `(i·sh + a - ph, j·sw + b - pw)`, or a zero of the padding. Tap `(ki, kj)` of output
+/// pixel `(oh, ow)` reads padded pixel `(oh·sh + ki·dh, ow·sw + kj·dw)`, which is element
+/// `(oh + u, ow + v)` of phase plane `(a, b)`, with `ki·dh = u·sh + a` and `kj·dw = v·sw + b`:
+/// every tap is a stride-1 tap of one phase plane, and over the plane width `wq` its 16
+/// consecutive outputs read 16 consecutive elements.
+#[derive(Clone, Copy, Debug)]
+struct Phases {
+    hq: usize,
+    wq: usize,
+}
+
+impl Phases {
+    /// The planes of `g`.
+    fn new(g: &Conv2dGeom) -> Self {
+        let ((sh, sw), (dh, dw)) = (g.stride, g.dilation);
+        Phases {
+            hq: g.h_out + (g.kh - 1) * dh / sh,
+            wq: g.w_out + (g.kw - 1) * dw / sw,
+        }
+    }
+
+    /// Tap `(ki, kj)`: its phase plane `(a, b)` and its offset `u·wq + v` in it.
+    fn tap(&self, g: &Conv2dGeom, ki: usize, kj: usize) -> ((usize, usize), usize) {
+        let ((sh, sw), (dh, dw)) = (g.stride, g.dilation);
+        let (r, c) = (ki * dh, kj * dw);
+        ((r % sh, c % sw), (r / sh) * self.wq + c / sw)
+    }
+
+    /// `f(at, from, len)` for each row of input pixels in phase plane `phase`: plane
+    /// elements `at..at + len` are input elements `from, from + sw, …` of an `h × w` plane.
+    fn runs(&self, g: &Conv2dGeom, (a, b): (usize, usize), mut f: impl FnMut(usize, usize, usize)) {
+        let ((sh, sw), (ph, pw)) = (g.stride, g.padding);
+        // The first index whose padded position `i·s + off` is at least `pad`, and the end
+        // of those below `n + pad`.
+        let first = |pad: usize, off: usize, s: usize| pad.saturating_sub(off).div_ceil(s);
+        let end =
+            |n: usize, pad: usize, off: usize, s: usize| (n + pad).saturating_sub(off).div_ceil(s);
+        let (i0, i1) = (first(ph, a, sh), end(g.h, ph, a, sh).min(self.hq));
+        let (j0, j1) = (first(pw, b, sw), end(g.w, pw, b, sw).min(self.wq));
+        if j0 >= j1 {
+            return;
+        }
+        for i in i0..i1 {
+            f(
+                i * self.wq + j0,
+                (i * sh + a - ph) * g.w + j0 * sw + b - pw,
+                j1 - j0,
+            );
+        }
+    }
 }
 
 thread_local! {
@@ -87,16 +162,12 @@ thread_local! {
     static COPY: RefCell<(Vec<u32>, Option<CopyLayout>)> = const { RefCell::new((Vec::new(), None)) };
 }
 
+/// What decides where a copy holds pixels: the geometry (images and output channels aside)
+/// and the plane length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct CopyLayout {
-    pairs: usize,
-    shift: usize,
+    g: Conv2dGeom,
     q_len: usize,
-    wp: usize,
-    ph: usize,
-    pw: usize,
-    rows: usize,
-    cols: usize,
 }
 
 impl AmxConvPlan {
@@ -110,8 +181,9 @@ impl AmxConvPlan {
     }
 
     /// The plan on AMX tiles (`amx`, where usable) or on their portable twin; `None` for
-    /// convolutions it does not take: strides other than 1, groups, input channels neither
-    /// 16 nor a multiple of 32, output channels not a multiple of 16, no output.
+    /// convolutions it does not take: groups, input channels neither 16 nor a multiple of
+    /// 32, output channels not a multiple of 16, no output; with 16 input channels, column
+    /// strides other than 1 and 2 (2 only undilated).
     pub fn with_amx(g: &Conv2dGeom, w: &[bf16], amx: bool) -> Option<Self> {
         if (amx && !amx_available()) || !Self::takes(g) {
             return None;
@@ -122,18 +194,9 @@ impl AmxConvPlan {
             w.len() >= g.weight_len(),
             "conv_amx: weights too short for {g:?}"
         );
-        let (dh, dw) = g.dilation;
-        let hp = g.h_out + (g.kh - 1) * dh;
-        let wp = g.w_out + (g.kw - 1) * dw;
-        let p_len = (g.h_out - 1) * wp + g.w_out;
+        let ph = Phases::new(g);
+        let p_len = (g.h_out - 1) * ph.wq + g.w_out;
         let chunks = g.c_in.div_ceil(CHUNK);
-        let max_off = (g.kh - 1) * dh * wp + (g.kw - 1) * dw;
-        let mut q_len = (hp * wp).max(p_len.next_multiple_of(PX) + max_off);
-        q_len = q_len.next_multiple_of(16);
-        // Planes a multiple of 4 KiB apart would put a B tile's 16 rows in one cache set.
-        if (q_len * 4).is_multiple_of(4096) {
-            q_len += 16;
-        }
         // Steps (ki, kj, chunk): with `pair_taps`, taps kj and kj + 1 (none past the row).
         let mut step_at = Vec::new();
         for ki in 0..g.kh {
@@ -144,9 +207,65 @@ impl AmxConvPlan {
             }
         }
         let steps = step_at.len();
-        let offs = step_at
+        // The plane sets and where each step's 16 B rows begin among the planes. With
+        // `pair_taps`, a set of 16 planes per phase row: the 8 pairs of tap kj's phase plane,
+        // then those of tap kj + 1's at the same offset (column stride 1: the same plane a
+        // tap on; column stride 2, undilated: kj is even, kj + 1 reads plane b = 1).
+        let mut sets = Vec::new();
+        let mut base_of = Vec::new();
+        let mut offs = Vec::with_capacity(steps);
+        for &(ki, kj, c) in &step_at {
+            let (phase, off) = ph.tap(g, ki, kj);
+            let key = if pair_taps { (phase.0, 0) } else { phase };
+            let set = match base_of.iter().position(|&k| k == key) {
+                Some(i) => i,
+                None => {
+                    base_of.push(key);
+                    base_of.len() - 1
+                }
+            };
+            let plane = if pair_taps {
+                set * T16
+            } else {
+                set * g.c_in / 2 + c * T16
+            };
+            offs.push((plane, off));
+        }
+        for &key in &base_of {
+            if pair_taps {
+                let (b1, shift) = if g.stride.1 == 1 {
+                    (0, g.dilation.1)
+                } else {
+                    (1, 0)
+                };
+                sets.push(PlaneSet {
+                    phase: key,
+                    shift: 0,
+                    pairs: T16 / 2,
+                });
+                sets.push(PlaneSet {
+                    phase: (key.0, b1),
+                    shift,
+                    pairs: T16 / 2,
+                });
+            } else {
+                sets.push(PlaneSet {
+                    phase: key,
+                    shift: 0,
+                    pairs: g.c_in / 2,
+                });
+            }
+        }
+        let max_off = offs.iter().map(|&(_, off)| off).max().unwrap_or(0);
+        let mut q_len = (ph.hq * ph.wq).max(p_len.next_multiple_of(PX) + max_off);
+        q_len = q_len.next_multiple_of(16);
+        // Planes a multiple of 4 KiB apart would put a B tile's 16 rows in one cache set.
+        if (q_len * 4).is_multiple_of(4096) {
+            q_len += 16;
+        }
+        let offs = offs
             .iter()
-            .map(|&(ki, kj, c)| c * T16 * q_len + ki * dh * wp + kj * dw)
+            .map(|&(plane, off)| plane * q_len + off)
             .collect();
         // Column e of a step's A tiles: (channel, ki, kj), or none (zero weight).
         let column = |(ki, kj, c): (usize, usize, usize), e: usize| match (pair_taps, e < T16) {
@@ -175,12 +294,13 @@ impl AmxConvPlan {
             }
         }
         debug_assert_eq!(at, wpk.len());
-        let (runs, parts) = output_runs(p_len, wp, g.w_out);
+        let (runs, parts) = output_runs(p_len, ph.wq, g.w_out);
         Some(AmxConvPlan {
             amx,
             g: *g,
-            hp,
-            wp,
+            hq: ph.hq,
+            wq: ph.wq,
+            sets,
             q_len,
             steps,
             offs,
@@ -188,15 +308,17 @@ impl AmxConvPlan {
             p_len,
             runs,
             parts,
-            pair_taps,
         })
     }
 
     /// Whether this file takes the convolution (the conditions of `with_amx`).
     pub fn takes(g: &Conv2dGeom) -> bool {
-        let shape = g.stride == (1, 1) && g.groups == 1 && g.l() > 0 && g.kh > 0 && g.kw > 0;
+        let (sh, sw) = g.stride;
+        let shape = sh > 0 && sw > 0 && g.groups == 1 && g.l() > 0 && g.kh > 0 && g.kw > 0;
         let c_in = g.c_in > 0 && (g.c_in.is_multiple_of(CHUNK) || g.c_in == T16);
-        shape && c_in && g.c_out > 0 && g.c_out.is_multiple_of(T16)
+        // Two taps of a row share one offset only at column stride 1, or 2 undilated.
+        let pairs = g.c_in != T16 || sw == 1 || (sw == 2 && g.dilation.1 == 1);
+        shape && c_in && pairs && g.c_out > 0 && g.c_out.is_multiple_of(T16)
     }
 
     /// Whether the plan runs on AMX tiles (else on the portable twin).
@@ -299,71 +421,69 @@ impl AmxConvPlan {
         }
     }
 
-    /// `x` into `xq` as `c_in / 2` planes of channel pairs (`q_len` each): input pixel
-    /// `(ih, iw)` at `(ih + ph)·wp + iw + pw`, zeros around and past the padded plane; with
-    /// `pair_taps`, those 8 planes again, shifted one tap. The zeros are written only where
-    /// `xq` does not hold them for this layout already.
+    /// `x` into `xq`, set by set (`PlaneSet`): plane `p` of a set holds channels `2p`
+    /// (low half) and `2p + 1` (high half) of its phase plane, `q_len` apart, zeros around
+    /// and past the pixels. The zeros are written only where `xq` does not hold them for
+    /// this layout already.
     fn copy(&self, x: &[bf16], xq: &mut Vec<u32>, layout: &mut Option<CopyLayout>) {
         let g = &self.g;
-        let (hp, wp) = (self.hp, self.wp);
-        let (ph, pw) = g.padding;
-        let rows = g.h.min(hp.saturating_sub(ph));
-        let cols = g.w.min(wp.saturating_sub(pw));
-        let pairs = g.c_in / 2;
-        // With `pair_taps` planes 8..16 are planes 0..8 a tap on: value q of plane 8 + j is
-        // value q + dw of plane j.
-        let shift = if self.pair_taps { g.dilation.1 } else { 0 };
-        let planes = if self.pair_taps { T16 } else { pairs };
         let want = CopyLayout {
-            pairs: planes,
-            shift,
+            g: Conv2dGeom {
+                n: 1,
+                c_out: 0,
+                ..*g
+            },
             q_len: self.q_len,
-            wp,
-            ph,
-            pw,
-            rows,
-            cols,
         };
+        let planes: usize = self.sets.iter().map(|s| s.pairs).sum();
         if *layout != Some(want) {
             xq.clear();
             xq.resize(planes * self.q_len, 0);
             *layout = Some(want);
         }
-        if cols == 0 {
-            return;
-        }
-        let plane = g.h * g.w;
-        let (first, shifted) = xq.split_at_mut(pairs * self.q_len);
-        for (q, dst) in first.chunks_exact_mut(self.q_len).enumerate() {
-            let lo = &x[2 * q * plane..(2 * q + 1) * plane];
-            let hi = &x[(2 * q + 1) * plane..(2 * q + 2) * plane];
-            for ih in 0..rows {
-                let at = (ih + ph) * wp + pw;
-                let src = ih * g.w..ih * g.w + cols;
-                for ((d, a), b) in dst[at..at + cols]
-                    .iter_mut()
-                    .zip(&lo[src.clone()])
-                    .zip(&hi[src])
-                {
-                    *d = u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16;
-                }
-            }
-        }
-        if self.pair_taps {
-            // The shifted planes: the rows just written, `shift` values earlier.
-            for (src, dst) in first
-                .chunks_exact(self.q_len)
-                .zip(shifted.chunks_exact_mut(self.q_len))
-            {
-                for ih in 0..rows {
-                    let at = (ih + ph) * wp + pw;
-                    let (lo, hi) = (at.saturating_sub(shift), (at + cols).saturating_sub(shift));
-                    if lo < hi {
-                        dst[lo..hi].copy_from_slice(&src[lo + shift..hi + shift]);
+        let ph = Phases {
+            hq: self.hq,
+            wq: self.wq,
+        };
+        let (plane, sw) = (g.h * g.w, g.stride.1);
+        let mut dst_planes = xq.chunks_exact_mut(self.q_len);
+        for set in &self.sets {
+            for q in 0..set.pairs {
+                let dst = dst_planes.next().expect("sized for every set");
+                let lo = &x[2 * q * plane..(2 * q + 1) * plane];
+                let hi = &x[(2 * q + 1) * plane..(2 * q + 2) * plane];
+                ph.runs(g, set.phase, |at, from, len| {
+                    // The first `skip` values would land before the plane's start.
+                    let skip = set.shift.saturating_sub(at);
+                    if skip >= len {
+                        return;
                     }
-                }
+                    let d = &mut dst[at + skip - set.shift..][..len - skip];
+                    let src = from + skip * sw..from + skip * sw + (d.len() - 1) * sw + 1;
+                    pair_run(d, &lo[src.clone()], &hi[src], sw);
+                });
             }
         }
+    }
+}
+
+/// `d[t]` = channel pair `(lo, hi)` at element `t·sw` of the input runs `lo`, `hi`
+/// (`(d.len() - 1)·sw + 1` long): `lo`'s bits low, `hi`'s high.
+fn pair_run(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
+    assert!(!d.is_empty() && lo.len() == (d.len() - 1) * sw + 1 && hi.len() == lo.len());
+    #[cfg(target_arch = "x86_64")]
+    if sw <= 2 && wide_store() {
+        // SAFETY: AVX-512 F/BW/VL (`wide_store`); the lengths checked above.
+        return unsafe { x86::pair_run(d, lo, hi, sw) };
+    }
+    pair_run_portable(d, lo, hi, sw)
+}
+
+/// `pair_run` in plain Rust.
+fn pair_run_portable(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
+    let (a, b) = (lo.iter().step_by(sw), hi.iter().step_by(sw));
+    for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
+        *d = u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16;
     }
 }
 
@@ -528,6 +648,46 @@ pub fn amx_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    /// `conv_amx::pair_run` at strides 1 and 2, sixteen pairs per step under a mask.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL; `sw` is 1 or 2; `lo` and `hi` are `(d.len() - 1)·sw + 1`
+    /// long.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pair_run(d: &mut [u32], lo: &[half::bf16], hi: &[half::bf16], sw: usize) {
+        use std::arch::x86_64::*;
+        let (lo, hi, out) = (
+            lo.as_ptr().cast::<i16>(),
+            hi.as_ptr().cast::<i16>(),
+            d.as_mut_ptr(),
+        );
+        let mut t = 0;
+        while t < d.len() {
+            let k = (d.len() - t).min(16);
+            let m = (((1u32 << k) - 1) & 0xFFFF) as __mmask16;
+            // SAFETY: the lanes under the masks lie inside the runs (their `(k - 1)·sw + 1`
+            // elements from `t·sw`) and inside `d`.
+            unsafe {
+                let v = if sw == 1 {
+                    let a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, lo.add(t)));
+                    let b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, hi.add(t)));
+                    _mm512_or_si512(a, _mm512_slli_epi32::<16>(b))
+                } else {
+                    // 32 values as 16 words: the even ones are the low halves.
+                    let m2 = ((1u64 << (2 * k - 1)) - 1) as __mmask32;
+                    let a = _mm512_maskz_loadu_epi16(m2, lo.add(2 * t));
+                    let b = _mm512_maskz_loadu_epi16(m2, hi.add(2 * t));
+                    _mm512_or_si512(
+                        _mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)),
+                        _mm512_slli_epi32::<16>(b),
+                    )
+                };
+                _mm512_mask_storeu_epi32(out.add(t).cast(), m, v);
+            }
+            t += 16;
+        }
+    }
+
     /// `ConvOut::put` on AVX-512: sixteen lanes per step under a mask, each rounded to `L`
     /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm_wide`'s store).
     ///
@@ -845,18 +1005,22 @@ enum WgradTiles {
 /// - the accumulator tiles start from zero and are stored once to an F32 gradient in tile
 ///   order, added to `dw` at the end.
 ///
-/// Stride 1, any padding and dilation, input and output channels multiples of 16.
+/// Any stride (the copy of `x` cut into phase planes, `Phases`), padding and dilation,
+/// input and output channels multiples of 16.
 #[derive(Clone, Debug)]
 pub struct AmxWgradPlan {
     amx: bool,
     g: Conv2dGeom,
-    wp: usize,
-    /// Pixels of one image in the copies (over the padded width), a multiple of 32.
+    /// The phase planes (`Phases`); strided: at least the output width rounded up to even.
+    ph: Phases,
+    /// The phase planes the taps read, in the order of the copy's plane groups.
+    phases: Vec<(usize, usize)>,
+    /// Pixels of one image in the copies (over the plane width), a multiple of 32.
     qx: usize,
     /// Elements of `x`'s copy read past the last image: the widest tap offset, rounded up.
     tail: usize,
-    /// `offs[tap]`: where a tap reads, in pixels from its output pixel.
-    offs: Vec<usize>,
+    /// `taps[t]`: the phase group tap `t` reads and where, in pixels from its output pixel.
+    taps: Vec<(usize, usize)>,
     tiles: WgradTiles,
 }
 
@@ -887,7 +1051,8 @@ impl AmxWgradPlan {
         if amx && !amx_available() {
             return None;
         }
-        if g.stride != (1, 1) || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
+        let (sh, sw) = g.stride;
+        if sh == 0 || sw == 0 || g.groups != 1 || g.l() == 0 || g.kh == 0 || g.kw == 0 {
             return None;
         }
         if g.c_in == 0
@@ -897,20 +1062,32 @@ impl AmxWgradPlan {
         {
             return None;
         }
-        let (dh, dw) = g.dilation;
-        let hp = g.h_out + (g.kh - 1) * dh;
-        let wp = g.w_out + (g.kw - 1) * dw;
-        let p_len = (g.h_out - 1) * wp + g.w_out;
-        let max_off = (g.kh - 1) * dh * wp + (g.kw - 1) * dw;
-        // Every pixel a tap of an image's outputs reads lies in its own `hp·wp` plane.
-        let qx = (hp * wp).max(p_len).next_multiple_of(CHUNK);
-        let tail = (max_off + CHUNK).next_multiple_of(CHUNK);
-        let mut offs = Vec::with_capacity(g.kh * g.kw);
+        // Strided: an even plane width, so that dy's pixel pairs are gathered from its rows
+        // (`copy_dy`). Stride 1 keeps the padded width (the sums, so the bits, as they were).
+        let mut ph = Phases::new(g);
+        if g.stride != (1, 1) {
+            ph.wq = ph.wq.next_multiple_of(2);
+        }
+        let p_len = (g.h_out - 1) * ph.wq + g.w_out;
+        let mut phases = Vec::new();
+        let mut taps = Vec::with_capacity(g.kh * g.kw);
         for ki in 0..g.kh {
             for kj in 0..g.kw {
-                offs.push(ki * dh * wp + kj * dw);
+                let (phase, off) = ph.tap(g, ki, kj);
+                let at = match phases.iter().position(|&p| p == phase) {
+                    Some(i) => i,
+                    None => {
+                        phases.push(phase);
+                        phases.len() - 1
+                    }
+                };
+                taps.push((at, off));
             }
         }
+        let max_off = taps.iter().map(|&(_, off)| off).max().unwrap_or(0);
+        // Every pixel a tap of an image's outputs reads lies in its own `hq·wq` plane.
+        let qx = (ph.hq * ph.wq).max(p_len).next_multiple_of(CHUNK);
+        let tail = (max_off + CHUNK).next_multiple_of(CHUNK);
         let tiles = if g.c_in.is_multiple_of(2 * T16) && g.c_out.is_multiple_of(2 * T16) {
             WgradTiles::Channels2x2
         } else {
@@ -919,10 +1096,11 @@ impl AmxWgradPlan {
         Some(AmxWgradPlan {
             amx,
             g: *g,
-            wp,
+            ph,
+            phases,
             qx,
             tail,
-            offs,
+            taps,
             tiles,
         })
     }
@@ -945,7 +1123,8 @@ impl AmxWgradPlan {
         if n == 0 {
             return;
         }
-        let taps = self.offs.len();
+        let taps = self.taps.len();
+        let groups = self.phases.len();
         let (cit, cot) = (g.c_in / T16, g.c_out / T16);
         // Taps rounded up to groups of 4 for `Taps4` (the repeats land past the real taps).
         let tap_slots = match self.tiles {
@@ -957,7 +1136,7 @@ impl AmxWgradPlan {
             // The copies hold zeros wherever no pixel is written: written once per layout.
             if *layout != Some((*g, n)) {
                 xc.clear();
-                xc.resize(g.c_in * (np + self.tail), 0);
+                xc.resize(groups * g.c_in * (np + self.tail), 0);
                 dyq.clear();
                 dyq.resize(g.c_out * np / 2, 0);
                 *layout = Some((*g, n));
@@ -979,10 +1158,10 @@ impl AmxWgradPlan {
                 .then(|| unsafe { crate::cpu::amx::TileConfig::all_16x64().load() });
             match self.tiles {
                 WgradTiles::Channels2x2 => {
-                    for (t, &off) in self.offs.iter().enumerate() {
+                    for (t, &(grp, off)) in self.taps.iter().enumerate() {
                         for ci in (0..cit).step_by(2) {
                             for co in (0..cot).step_by(2) {
-                                let a = [ci, ci + 1].map(|c| c * T16 * plane + off);
+                                let a = [ci, ci + 1].map(|c| (grp * cit + c) * T16 * plane + off);
                                 let b = [co, co + 1].map(|c| c * np / 2 * T16);
                                 let c = [(ci, co), (ci, co + 1), (ci + 1, co), (ci + 1, co + 1)]
                                     .map(|(i, o)| ((t * cit + i) * cot + o) * T16 * T16);
@@ -1004,8 +1183,11 @@ impl AmxWgradPlan {
                     for ci in 0..cit {
                         for co in 0..cot {
                             for t0 in (0..taps).step_by(4) {
-                                let tap = |j: usize| self.offs[(t0 + j).min(taps - 1)];
-                                let a = [0, 1, 2, 3].map(|j| ci * T16 * plane + tap(j));
+                                let tap = |j: usize| self.taps[(t0 + j).min(taps - 1)];
+                                let a = [0, 1, 2, 3].map(|j| {
+                                    let (grp, off) = tap(j);
+                                    (grp * cit + ci) * T16 * plane + off
+                                });
                                 let b = co * np / 2 * T16;
                                 let c = [0, 1, 2, 3]
                                     .map(|j| ((ci * cot + co) * tap_slots + t0 + j) * T16 * T16);
@@ -1085,28 +1267,35 @@ impl AmxWgradPlan {
         }
     }
 
-    /// `x`'s `n` images as `c_in` BF16 planes of `n·qx + tail`: image `i`'s input pixel
-    /// `(ih, iw)` at `i·qx + (ih + ph)·wp + iw + pw`. Writes only those pixels (`xc` holds
-    /// the zeros: `add_weight_grad`).
+    /// `x`'s `n` images as BF16 planes of `n·qx + tail`, phase group by phase group
+    /// (`phases`), `c_in` planes each: image `i`'s element `(r, c)` of a phase plane at
+    /// `i·qx + r·wq + c`. Writes only those pixels (`xc` holds the zeros:
+    /// `add_weight_grad`).
     fn copy_x(&self, x: &[bf16], n: usize, xc: &mut [u16]) {
         let g = &self.g;
-        let (wp, (ph, pw)) = (self.wp, g.padding);
-        let hp = g.h_out + (g.kh - 1) * g.dilation.0;
-        let rows = g.h.min(hp.saturating_sub(ph));
-        let cols = g.w.min(wp.saturating_sub(pw));
+        let sw = g.stride.1;
         let plane = n * self.qx + self.tail;
-        for i in 0..n {
-            let img = &x[i * g.in_image()..(i + 1) * g.in_image()];
-            for (c, src) in img.chunks_exact(g.h * g.w).enumerate() {
-                let dst = &mut xc[c * plane + i * self.qx..];
-                for ih in 0..rows {
-                    let at = (ih + ph) * wp + pw;
-                    for (d, s) in dst[at..at + cols]
-                        .iter_mut()
-                        .zip(&src[ih * g.w..ih * g.w + cols])
-                    {
-                        *d = s.to_bits();
-                    }
+        for (grp, &phase) in self.phases.iter().enumerate() {
+            for i in 0..n {
+                let img = &x[i * g.in_image()..(i + 1) * g.in_image()];
+                for (c, src) in img.chunks_exact(g.h * g.w).enumerate() {
+                    let dst = &mut xc[(grp * g.c_in + c) * plane + i * self.qx..];
+                    self.ph.runs(g, phase, |at, from, len| {
+                        let d = &mut dst[at..at + len];
+                        if sw == 1 {
+                            for (d, s) in d.iter_mut().zip(&src[from..from + len]) {
+                                *d = s.to_bits();
+                            }
+                        } else {
+                            // As in `AmxConvPlan::copy`: whole strides, then the last value.
+                            let (last, d) = d.split_last_mut().expect("a run is not empty");
+                            let s = src[from..from + d.len() * sw].chunks_exact(sw);
+                            for (d, s) in d.iter_mut().zip(s) {
+                                *d = s[0].to_bits();
+                            }
+                            *last = src[from + d.len() * sw].to_bits();
+                        }
+                    });
                 }
             }
         }
@@ -1121,7 +1310,7 @@ impl AmxWgradPlan {
         let (wo, l) = (g.w_out, g.l());
         #[cfg(target_arch = "x86_64")]
         if wo.is_multiple_of(2)
-            && self.wp.is_multiple_of(2)
+            && self.ph.wq.is_multiple_of(2)
             && std::arch::is_x86_feature_detected!("avx512f")
         {
             // Even rows over an even padded width: a pair of pixels of the copy is a pair of
@@ -1131,7 +1320,7 @@ impl AmxWgradPlan {
                 // SAFETY: AVX-512 F checked; the gathers read pairs within the image (`l` is
                 // even, every index below `c_out·l/2`) and the stores write pairs of `dyq`
                 // below `c_out·np/2` (`np = n·qx`).
-                unsafe { x86::gather_pairs(img, g, self.wp, np, i * self.qx, dyq) };
+                unsafe { x86::gather_pairs(img, g, self.ph.wq, np, i * self.qx, dyq) };
             }
             return;
         }
@@ -1144,7 +1333,7 @@ impl AmxWgradPlan {
             for (o, src) in img.chunks_exact(l).enumerate() {
                 let base = (o / T16) * np * T16 + (o % T16) * 2;
                 for (oh, row) in src.chunks_exact(wo).enumerate() {
-                    let p0 = i * self.qx + oh * self.wp;
+                    let p0 = i * self.qx + oh * self.ph.wq;
                     for (ow, v) in row.iter().enumerate() {
                         let pix = p0 + ow;
                         let half = if cfg!(target_endian = "little") {
@@ -1154,6 +1343,39 @@ impl AmxWgradPlan {
                         };
                         halves[base + (pix >> 1) * 2 * T16 + half] = v.to_bits();
                     }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 pair runs equal the plain loop at strides 1 and 2, every tail length,
+    /// from odd starts, without reading past their runs (the slices end where they end).
+    #[test]
+    fn pair_runs_equal_the_portable_loop() {
+        let vals: Vec<bf16> = (0..200u16)
+            .map(|i| bf16::from_bits(i.wrapping_mul(40503)))
+            .collect();
+        let his: Vec<bf16> = (0..200u16).map(|i| bf16::from_bits(i ^ 0xA5C3)).collect();
+        for sw in [1, 2, 3] {
+            for len in 1..40 {
+                for start in [0, 1, 7] {
+                    let n = (len - 1) * sw + 1;
+                    let (lo, hi) = (&vals[start..start + n], &his[start + 3..start + 3 + n]);
+                    let mut want = vec![0u32; len];
+                    pair_run_portable(&mut want, lo, hi, sw);
+                    let mut got = vec![u32::MAX; len + 1];
+                    pair_run(&mut got[..len], lo, hi, sw);
+                    assert_eq!(&got[..len], &want[..], "sw {sw} len {len} start {start}");
+                    assert_eq!(got[len], u32::MAX, "wrote past the run");
+                    assert_eq!(
+                        want[0],
+                        u32::from(lo[0].to_bits()) | u32::from(hi[0].to_bits()) << 16
+                    );
                 }
             }
         }
