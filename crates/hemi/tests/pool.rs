@@ -209,6 +209,48 @@ fn max_pool(dtype: DType) {
 }
 dtype_tests!(max_pool_matches_reference, super::max_pool);
 
+/// Max pools whose output gradient arrives as a channel slice of a wider one (ResNet's
+/// padded shortcut: the pool's output concatenated with zeros), so not contiguous: the input
+/// gradient equals the reference's, for non-overlapping windows (the scatter in the stored
+/// dtype) and overlapping ones; a −0 gradient lands as +0, as the sum `0 + (−0)` gives.
+fn max_pool_strided_gradient(dtype: DType) {
+    let mut rng = Generator::new(13);
+    let shape = [2, 3, 7, 6];
+    for win in [WINDOWS[0], WINDOWS[1], WINDOWS[4], WINDOWS[5]] {
+        let (k, s, p) = win;
+        let what = format!("{dtype} max_pool2d {win:?} through cat");
+        let (x, xv) = rand_tensor(&shape, dtype, false, &mut rng);
+        let x = x.requires_grad_();
+        let y = x.max_pool2d(k, s, p).unwrap();
+        let mut zshape = y.shape().to_vec();
+        zshape[1] = 2;
+        let zeros = Tensor::zeros(&zshape, dtype).unwrap();
+        let z = Tensor::cat(&[&zeros, &y, &zeros], 1).unwrap();
+        let mut gzv = rand_values(z.numel(), -1.0, 1.0, dtype, &mut rng);
+        gzv[2 * y.numel() / 3 + 5] = -0.0;
+        let gz = Tensor::from_f64_vec(gzv.clone(), z.shape(), dtype).unwrap();
+        z.mul(&gz).unwrap().sum_all().unwrap().backward().unwrap();
+        // The gradient y received: channels 2..5 of gz.
+        let per = y.numel() / shape[0];
+        let plane = per / shape[1];
+        let gyv: Vec<f64> = (0..y.numel())
+            .map(|i| gzv[(i / per) * (per + 4 * plane) + 2 * plane + i % per])
+            .collect();
+        let r = pool_reference(&xv, &shape, Kind::Max, win);
+        let (want, abs) = r.backward(xv.len(), &gyv);
+        let got = x.grad().unwrap().to_vec_f64();
+        assert_sums_close(&what, &got, &want, &abs, k.0 * k.1, dtype);
+        assert!(
+            got.iter().all(|v| v.to_bits() != (-0.0f64).to_bits()),
+            "{what}: a −0 in the input gradient"
+        );
+    }
+}
+dtype_tests!(
+    max_pool_strided_gradient_matches_reference,
+    super::max_pool_strided_gradient
+);
+
 /// The indices are PyTorch's flat `h*W + w` per plane, as I64, and the values match.
 fn max_pool_indices(dtype: DType) {
     let mut rng = Generator::new(12);
