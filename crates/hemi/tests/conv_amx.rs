@@ -9,7 +9,7 @@
 
 use half::bf16;
 use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
+use hemi::cpu::conv_amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out).
@@ -309,4 +309,115 @@ fn weight_grads_it_does_not_take_get_no_plan() {
         ..geom(&(32, (8, 8), (3, 3), (1, 1), 1, 32))
     };
     assert!(AmxWgradPlan::with_amx(&grouped, false).is_none());
+}
+
+/// `dx` of one image in F64 (`dx[c][ih][iw] = Σ w[o][c][ki][kj] · dy[o][oh][ow]` over the
+/// taps that reach it) and the same sum of magnitudes.
+fn input_grad_reference(w: &[f64], dy: &[f64], g: &Conv2dGeom) -> (Vec<f64>, Vec<f64>) {
+    let (mut dx, mut mag) = (vec![0.0; g.in_image()], vec![0.0; g.in_image()]);
+    for o in 0..g.c_out {
+        for c in 0..g.c_in {
+            for ki in 0..g.kh {
+                for kj in 0..g.kw {
+                    let wv = w[((o * g.c_in + c) * g.kh + ki) * g.kw + kj];
+                    for oh in 0..g.h_out {
+                        for ow in 0..g.w_out {
+                            let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
+                                - g.padding.0 as isize;
+                            let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
+                                - g.padding.1 as isize;
+                            if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
+                                continue;
+                            }
+                            let at = (c * g.h + ih as usize) * g.w + iw as usize;
+                            let d = dy[(o * g.h_out + oh) * g.w_out + ow];
+                            dx[at] += wv * d;
+                            mag[at] += (wv * d).abs();
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (dx, mag)
+}
+
+/// Strided input gradients phase by phase (`AmxInputGradPlan`): the twin and the AMX tiles
+/// against F64 within the F32 summation bound, every element written (phases no tap reaches
+/// as zeros) and nothing past `dx`; the BF16 output is the F32 one rounded once; AMX equal to
+/// the twin on exact sums. Plans for every strided shape but the dilated one, the one whose
+/// 48 output channels no phase convolution takes, and the column stride 3 one (its phase
+/// `b = 0` starts at the second column and has one tap: padding −1).
+#[test]
+fn strided_input_grads_match_f64_on_the_twin_and_on_amx() {
+    let mut rng = Generator::new(304);
+    for (i, (case, stride)) in STRIDED.iter().enumerate() {
+        let g = strided(case, *stride);
+        let w0 = vec![bf16::ZERO; g.weight_len()];
+        let expect = !matches!(i, 5 | 7 | 9);
+        assert_eq!(
+            AmxInputGradPlan::with_amx(&g, &w0, false).is_some(),
+            expect,
+            "{g:?}"
+        );
+        if !expect {
+            continue;
+        }
+        for exact in [false, true] {
+            let mut val = |r: f64| {
+                let v = rng.uniform(-r, r);
+                bf16::from_f64(if exact { v.round() } else { v })
+            };
+            let w: Vec<bf16> = (0..g.weight_len()).map(|_| val(4.0)).collect();
+            let dy: Vec<bf16> = (0..g.out_image()).map(|_| val(2.0)).collect();
+            let f = |v: &[bf16]| v.iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
+            let (want, mag) = input_grad_reference(&f(&w), &f(&dy), &g);
+            let run = |plan: &AmxInputGradPlan| {
+                let mut got = vec![f32::NAN; g.in_image() + 1];
+                plan.image(&dy, &mut got[..g.in_image()], 0.0);
+                assert!(got[g.in_image()].is_nan(), "{g:?}: wrote past dx");
+                got.pop();
+                let tol_of =
+                    |m: f64| 2.0 * (g.c_out * g.kh * g.kw + 2) as f64 * f64::powi(2.0, -24) * m;
+                for (i, ((&v, &w), &m)) in got.iter().zip(&want).zip(&mag).enumerate() {
+                    assert!(
+                        (v as f64 - w).abs() <= tol_of(m),
+                        "{g:?} amx {}: dx[{i}] = {v}, want {w}",
+                        plan.uses_amx()
+                    );
+                }
+                let mut got16 = vec![bf16::from_bits(0x7FC1); g.in_image()];
+                plan.image(&dy, &mut got16, bf16::ZERO);
+                let mut want16 = vec![bf16::ZERO; g.in_image()];
+                hemi::dtype::convert::f32_to_bf16(&got, &mut want16);
+                assert!(
+                    got16
+                        .iter()
+                        .zip(&want16)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{g:?} amx {}: the BF16 dx is not the F32 one rounded",
+                    plan.uses_amx()
+                );
+                got
+            };
+            let twin = AmxInputGradPlan::with_amx(&g, &w, false).expect("a plan");
+            let t = run(&twin);
+            if let Some(tiles) = AmxInputGradPlan::with_amx(&g, &w, true) {
+                let a = run(&tiles);
+                if exact {
+                    assert_eq!(
+                        bits(&a),
+                        bits(&t),
+                        "{g:?}: AMX differs from the twin on exact sums"
+                    );
+                }
+            }
+        }
+    }
+    // Padded past the kernel: a phase would need negative padding.
+    let wide = strided(&(16, (8, 8), (1, 1), (1, 1), 1, 16), (2, 2));
+    assert!(AmxInputGradPlan::with_amx(&wide, &[bf16::ZERO; 256], false).is_none());
+    // Stride 1 is a plain convolution of dy, not this plan's.
+    let plain = geom(&(16, (8, 8), (3, 3), (1, 1), 1, 16));
+    assert!(AmxInputGradPlan::with_amx(&plain, &vec![bf16::ZERO; 16 * 16 * 9], false).is_none());
 }

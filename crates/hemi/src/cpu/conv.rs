@@ -17,7 +17,7 @@
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::{blocks_uninit, blocks_zeroed, per_block_with};
-use crate::cpu::conv_amx::{AmxConvPlan, AmxWgradPlan};
+use crate::cpu::conv_amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
 use crate::cpu::conv_direct::DirectPlan;
 use crate::cpu::conv_implicit::ImplicitPlan;
 use crate::cpu::conv_wgrad::WgradPlan;
@@ -867,6 +867,22 @@ pub fn conv2d_forward_blocks<T: WithDType>(
 pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dGeom) -> CpuStorage {
     if let Some((wt, tg)) = transposed_input_conv(w, g) {
         return conv2d_forward_blocks(dy, &wt, None, &tg);
+    }
+    // Strided BF16: phase by phase of dx on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+    // would run `wᵀ · dy` on `amx-bf16`.
+    if let (Some(dyb), Some(wb)) = (same_slice::<T, bf16>(dy), same_slice::<T, bf16>(w)) {
+        let plan = amx_gemm(g.k(), g.c_out_g(), g.l())
+            .then(|| AmxInputGradPlan::new(g, wb))
+            .flatten();
+        if let Some(plan) = plan {
+            let image = |_: &mut (), i, dx: &mut [MaybeUninit<bf16>]| {
+                let dyi = &dyb[i * g.out_image()..(i + 1) * g.out_image()];
+                plan.image(dyi, dx, MaybeUninit::new(bf16::ZERO));
+            };
+            // SAFETY: `AmxInputGradPlan::image` writes every element of its output.
+            let dx = unsafe { blocks_uninit(g.n, g.in_image(), 1, || (), image) };
+            return CpuStorage::BF16(dx);
+        }
     }
     let packed = transposed_packed(w, g);
     per_block_with(g.n, g.in_image(), T::DTYPE, Vec::new, |dcol, i, dx| {

@@ -89,6 +89,21 @@ pub struct AmxConvPlan {
     /// `runs[parts[i]..parts[i + 1]]`.
     runs: Vec<Run>,
     parts: Vec<usize>,
+    /// Where the outputs land (`OutMap`), and the length of output they need.
+    out: OutMap,
+    y_len: usize,
+}
+
+/// Where output pixel `(oh, ow)` of output channel `o` lands: `o·ch + base + oh·row +
+/// ow·col`. A plain output is `[c_out, h_out, w_out]` (`ch = L`, `row = w_out`, `col = 1`,
+/// `base = 0`); a phase of a strided convolution's input gradient (`AmxInputGradPlan`) is
+/// every `sh`-th row and `sw`-th column of `dx`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct OutMap {
+    ch: usize,
+    row: usize,
+    col: usize,
+    base: usize,
 }
 
 /// `pairs` consecutive planes of the copy: channel pairs `0..pairs` of phase plane `phase`
@@ -156,10 +171,14 @@ impl Phases {
     }
 }
 
+/// Copies a thread keeps: one per phase of a strided input gradient (`AmxInputGradPlan`,
+/// whose phases alternate image by image).
+const COPIES: usize = 4;
+
 thread_local! {
-    /// The pair-interleaved padded copy a thread convolves, kept between images and calls,
-    /// with the layout its zeros were written for.
-    static COPY: RefCell<(Vec<u32>, Option<CopyLayout>)> = const { RefCell::new((Vec::new(), None)) };
+    /// The pair-interleaved padded copies a thread convolves, kept between images and calls,
+    /// each with the layout its zeros were written for; the most recently used last.
+    static COPY: RefCell<Vec<(Vec<u32>, CopyLayout)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// What decides where a copy holds pixels: the geometry (images and output channels aside)
@@ -294,7 +313,13 @@ impl AmxConvPlan {
             }
         }
         debug_assert_eq!(at, wpk.len());
-        let (runs, parts) = output_runs(p_len, ph.wq, g.w_out);
+        let out = OutMap {
+            ch: g.l(),
+            row: g.w_out,
+            col: 1,
+            base: 0,
+        };
+        let (runs, parts) = output_runs(p_len, ph.wq, g.w_out, out);
         Some(AmxConvPlan {
             amx,
             g: *g,
@@ -308,7 +333,19 @@ impl AmxConvPlan {
             p_len,
             runs,
             parts,
+            out,
+            y_len: g.out_image(),
         })
+    }
+
+    /// The plan writing its outputs where `out` puts them.
+    fn with_out_map(mut self, out: OutMap) -> Self {
+        let g = &self.g;
+        let (runs, parts) = output_runs(self.p_len, self.wq, g.w_out, out);
+        let last = (g.c_out - 1) * out.ch + out.base + (g.h_out - 1) * out.row;
+        self.y_len = last + (g.w_out - 1) * out.col + 1;
+        (self.runs, self.parts, self.out) = (runs, parts, out);
+        self
     }
 
     /// Whether this file takes the convolution (the conditions of `with_amx`).
@@ -327,19 +364,41 @@ impl AmxConvPlan {
     }
 
     /// One image: `y [c_out, L] = bias + w · col(x)`, `x [c_in, h, w]`, `bias` (`[c_out]`)
-    /// or zeros, in F32 or rounded once to BF16 (`ConvOut`). Every element of `y` is written.
+    /// or zeros, in F32 or rounded once to BF16 (`ConvOut`). Every element of `y` is written
+    /// (with an `OutMap`: every element the map puts an output at).
     pub fn image<O: ConvOut>(&self, x: &[bf16], bias: Option<&[f32]>, y: &mut [O]) {
         let g = &self.g;
         assert!(
-            x.len() >= g.in_image() && y.len() >= g.out_image(),
+            x.len() >= g.in_image() && y.len() >= self.y_len,
             "conv_amx: buffers too small for one image of {g:?}"
         );
         assert!(
             bias.is_none_or(|b| b.len() >= g.c_out),
             "conv_amx: bias too short"
         );
-        COPY.with_borrow_mut(|(xq, layout)| {
-            self.copy(x, xq, layout);
+        COPY.with_borrow_mut(|copies| {
+            let want = CopyLayout {
+                g: Conv2dGeom {
+                    n: 1,
+                    c_out: 0,
+                    ..*g
+                },
+                q_len: self.q_len,
+            };
+            // The copy of this layout, last; else a new one in place of the least recently
+            // used (its zeros written by `copy`).
+            match copies.iter().position(|(_, l)| *l == want) {
+                Some(i) => copies[i..].rotate_left(1),
+                None => {
+                    if copies.len() == COPIES {
+                        copies.remove(0);
+                    }
+                    let planes: usize = self.sets.iter().map(|s| s.pairs).sum();
+                    copies.push((vec![0; planes * self.q_len], want));
+                }
+            }
+            let (xq, _) = copies.last_mut().expect("pushed or found");
+            self.copy(x, xq);
             #[cfg(target_arch = "x86_64")]
             if self.amx {
                 // SAFETY: `amx` only where AMX-BF16 is usable (`with_amx`).
@@ -353,7 +412,6 @@ impl AmxConvPlan {
     /// Every (channel group, pixel block) of one image from its copy `xq`.
     fn blocks<O: ConvOut>(&self, xq: &[u32], bias: Option<&[f32]>, y: &mut [O]) {
         let g = &self.g;
-        let l = g.l();
         let group_len = 2 * self.steps * A_TILE;
         #[repr(C, align(64))]
         struct Buf([f32; 2 * T16 * 2 * T16]);
@@ -379,11 +437,11 @@ impl AmxConvPlan {
                             x86::block_1x4(self.steps, a.as_ptr(), x, &self.offs, self.q_len, bufp)
                         }
                     }
-                    self.store(&buf.0, px, o0, mts * T16, p0, bias, y, l);
+                    self.store(&buf.0, px, o0, mts * T16, p0, bias, y);
                     continue;
                 }
                 portable_block(self, a, xq, p0, mts, px / T16, &mut buf.0);
-                self.store(&buf.0, px, o0, mts * T16, p0, bias, y, l);
+                self.store(&buf.0, px, o0, mts * T16, p0, bias, y);
             }
         }
     }
@@ -400,7 +458,6 @@ impl AmxConvPlan {
         p0: usize,
         bias: Option<&[f32]>,
         y: &mut [O],
-        l: usize,
     ) {
         // The block's runs: those of its 32-pixel parts, each part's from `parts[part]`.
         let first = p0 / RUN_PART;
@@ -409,13 +466,19 @@ impl AmxConvPlan {
             let o = o0 + r;
             let b = bias.map_or(0.0, |b| b[o]);
             let src = &buf[r * px..(r + 1) * px];
-            let dst = &mut y[o * l..(o + 1) * l];
+            let dst = &mut y[o * self.out.ch..];
+            let col = self.out.col;
             for part in parts.clone() {
                 let at = (part - first) * RUN_PART;
                 for run in &self.runs[self.parts[part]..self.parts[part + 1]] {
                     let (from, to, len) =
                         (at + run.from as usize, run.to as usize, run.len as usize);
-                    O::put(&mut dst[to..to + len], &src[from..from + len], b);
+                    let src = &src[from..from + len];
+                    if col == 1 {
+                        O::put(&mut dst[to..to + len], src, b);
+                    } else {
+                        O::put_strided(&mut dst[to..to + (len - 1) * col + 1], col, src, b);
+                    }
                 }
             }
         }
@@ -423,24 +486,10 @@ impl AmxConvPlan {
 
     /// `x` into `xq`, set by set (`PlaneSet`): plane `p` of a set holds channels `2p`
     /// (low half) and `2p + 1` (high half) of its phase plane, `q_len` apart, zeros around
-    /// and past the pixels. The zeros are written only where `xq` does not hold them for
-    /// this layout already.
-    fn copy(&self, x: &[bf16], xq: &mut Vec<u32>, layout: &mut Option<CopyLayout>) {
+    /// and past the pixels. Writes only the pixels: `xq` holds the zeros of this layout
+    /// (`image`).
+    fn copy(&self, x: &[bf16], xq: &mut [u32]) {
         let g = &self.g;
-        let want = CopyLayout {
-            g: Conv2dGeom {
-                n: 1,
-                c_out: 0,
-                ..*g
-            },
-            q_len: self.q_len,
-        };
-        let planes: usize = self.sets.iter().map(|s| s.pairs).sum();
-        if *layout != Some(want) {
-            xq.clear();
-            xq.resize(planes * self.q_len, 0);
-            *layout = Some(want);
-        }
         let ph = Phases {
             hq: self.hq,
             wq: self.wq,
@@ -462,6 +511,163 @@ impl AmxConvPlan {
                     let src = from + skip * sw..from + skip * sw + (d.len() - 1) * sw + 1;
                     pair_run(d, &lo[src.clone()], &hi[src], sw);
                 });
+            }
+        }
+    }
+}
+
+/// The input gradient of a strided, undilated BF16 convolution on AMX tiles, phase by phase
+/// of `dx`: input pixels `(ih, iw)` with `ih + ph ≡ a (mod sh)` and `iw + pw ≡ b (mod sw)`
+/// receive only the taps `ki ≡ a`, `kj ≡ b`, and over them `dx` is a stride-1 convolution
+/// of `dy`. With `ih + ph = i·sh + a` and `ki = a + u·sh`, tap `ki` reaches output row
+/// `i - u`: so phase `(a, b)` is `dy` (channels `c_out`) convolved with the kernel
+/// `w'[c][o][kh' - 1 - u][kw' - 1 - v] = w[o][c][a + u·sh][b + v·sw]` (`kh' × kw'` taps),
+/// turned by 180°, padded by `kh' - 1 - i0` rows (`i0` the phase's first `i`), its outputs
+/// stored straight to every `sh`-th row and `sw`-th column of `dx` (`OutMap`). A phase no
+/// tap reaches (a kernel narrower than the stride) is zeros.
+///
+/// Every `dx` element is one phase's output, summed over its taps and channels in F32 and
+/// rounded once: the products and sums of `col2im(wᵀ · dy)` without the column matrix and
+/// its scatter-add.
+#[derive(Clone, Debug)]
+pub struct AmxInputGradPlan {
+    g: Conv2dGeom,
+    phases: Vec<InputPhase>,
+}
+
+/// One phase of `dx` (`AmxInputGradPlan`): its convolution, or `None` for zeros at
+/// `rows × cols` pixels from `base`, `sh·w` and `sw` apart.
+#[derive(Clone, Debug)]
+struct InputPhase {
+    plan: Option<AmxConvPlan>,
+    base: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl AmxInputGradPlan {
+    /// The plan where this file is the route (a CPU and OS that run AMX-BF16).
+    pub fn new(g: &Conv2dGeom, w: &[bf16]) -> Option<Self> {
+        if !amx_available() {
+            return None;
+        }
+        Self::with_amx(g, w, true)
+    }
+
+    /// The plan on AMX tiles (`amx`) or on their portable twin; `None` for convolutions it
+    /// does not take: stride 1 (`conv` turns those into a plain convolution of `dy`),
+    /// groups, dilation, a phase whose convolution `AmxConvPlan` does not take (input
+    /// gradient channels `c_in` not a multiple of 16, `c_out` neither 16 nor a multiple of
+    /// 32), or one that would need negative padding (padding past the kernel).
+    pub fn with_amx(g: &Conv2dGeom, w: &[bf16], amx: bool) -> Option<Self> {
+        let (sh, sw) = g.stride;
+        if g.stride == (1, 1) || sh == 0 || sw == 0 || g.groups != 1 || g.dilation != (1, 1) {
+            return None;
+        }
+        if g.l() == 0 || g.in_image() == 0 || w.len() < g.weight_len() {
+            return None;
+        }
+        let (ph, pw) = g.padding;
+        // Taps of a phase residue, its first index and count of `dx` positions.
+        let side = |r: usize, s: usize, k: usize, pad: usize, n: usize| {
+            let taps = if r < k { (k - r).div_ceil(s) } else { 0 };
+            let first = pad.saturating_sub(r).div_ceil(s);
+            let end = (n + pad).saturating_sub(r).div_ceil(s);
+            (taps, first, end.saturating_sub(first))
+        };
+        let mut phases = Vec::new();
+        for a in 0..sh {
+            let (th, i0, rows) = side(a, sh, g.kh, ph, g.h);
+            for b in 0..sw {
+                let (tw, j0, cols) = side(b, sw, g.kw, pw, g.w);
+                if rows == 0 || cols == 0 {
+                    continue;
+                }
+                let base = (i0 * sh + a - ph) * g.w + j0 * sw + b - pw;
+                if th == 0 || tw == 0 {
+                    phases.push(InputPhase {
+                        plan: None,
+                        base,
+                        rows,
+                        cols,
+                    });
+                    continue;
+                }
+                let (pad_h, pad_w) = ((th - 1).checked_sub(i0)?, (tw - 1).checked_sub(j0)?);
+                let sub = Conv2dGeom {
+                    n: 1,
+                    c_in: g.c_out,
+                    h: g.h_out,
+                    w: g.w_out,
+                    c_out: g.c_in,
+                    kh: th,
+                    kw: tw,
+                    stride: (1, 1),
+                    padding: (pad_h, pad_w),
+                    dilation: (1, 1),
+                    groups: 1,
+                    h_out: rows,
+                    w_out: cols,
+                };
+                let mut wt = vec![bf16::ZERO; sub.weight_len()];
+                for c in 0..g.c_in {
+                    for o in 0..g.c_out {
+                        for u in 0..th {
+                            for v in 0..tw {
+                                let (ki, kj) = (a + u * sh, b + v * sw);
+                                wt[((c * g.c_out + o) * th + th - 1 - u) * tw + tw - 1 - v] =
+                                    w[((o * g.c_in + c) * g.kh + ki) * g.kw + kj];
+                            }
+                        }
+                    }
+                }
+                let out = OutMap {
+                    ch: g.h * g.w,
+                    row: sh * g.w,
+                    col: sw,
+                    base,
+                };
+                let plan = AmxConvPlan::with_amx(&sub, &wt, amx)?.with_out_map(out);
+                phases.push(InputPhase {
+                    plan: Some(plan),
+                    base,
+                    rows,
+                    cols,
+                });
+            }
+        }
+        Some(AmxInputGradPlan { g: *g, phases })
+    }
+
+    /// Whether the plan runs on AMX tiles (else on the portable twin).
+    pub fn uses_amx(&self) -> bool {
+        self.phases
+            .iter()
+            .any(|p| p.plan.as_ref().is_some_and(|p| p.uses_amx()))
+    }
+
+    /// One image: `dx [c_in, h, w]` from `dy [c_out, h_out, w_out]`, in F32 or rounded once
+    /// to BF16. Every element of `dx` is written.
+    pub fn image<O: ConvOut>(&self, dy: &[bf16], dx: &mut [O], zero: O) {
+        let g = &self.g;
+        assert!(
+            dy.len() >= g.out_image() && dx.len() >= g.in_image(),
+            "conv_amx: buffers too small for one image's input gradient of {g:?}"
+        );
+        let (sh, sw) = g.stride;
+        for p in &self.phases {
+            match &p.plan {
+                Some(plan) => plan.image(dy, None, dx),
+                None => {
+                    for c in 0..g.c_in {
+                        for i in 0..p.rows {
+                            let at = c * g.h * g.w + p.base + i * sh * g.w;
+                            for d in dx[at..].iter_mut().step_by(sw).take(p.cols) {
+                                *d = zero;
+                            }
+                        }
+                    }
+                }
             }
         }
     }
@@ -495,6 +701,9 @@ const RUN_PART: usize = 32;
 pub trait ConvOut: Copy + sealed::Sealed {
     /// `dst = src + b` over one output run (at most `RUN_PART` pixels), rounded to `Self`.
     fn put(dst: &mut [Self], src: &[f32], b: f32);
+    /// `put` into every `step`-th element of `dst` (`(src.len() - 1)·step + 1` long), the
+    /// others left as they are.
+    fn put_strided(dst: &mut [Self], step: usize, src: &[f32], b: f32);
 }
 
 mod sealed {
@@ -532,6 +741,13 @@ impl ConvOut for f32 {
             *d = s + b;
         }
     }
+
+    fn put_strided(dst: &mut [f32], step: usize, src: &[f32], b: f32) {
+        assert!(!src.is_empty() && dst.len() == (src.len() - 1) * step + 1);
+        for (d, &s) in dst.iter_mut().step_by(step).zip(src) {
+            *d = s + b;
+        }
+    }
 }
 
 impl ConvOut for bf16 {
@@ -540,6 +756,12 @@ impl ConvOut for bf16 {
         // SAFETY: same layout; `put` only stores initialised BF16 values through it.
         let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
         MaybeUninit::<bf16>::put(dst, src, b)
+    }
+
+    fn put_strided(dst: &mut [bf16], step: usize, src: &[f32], b: f32) {
+        // SAFETY: as in `put`.
+        let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+        MaybeUninit::<bf16>::put_strided(dst, step, src, b)
     }
 }
 
@@ -564,6 +786,22 @@ impl ConvOut for MaybeUninit<bf16> {
             d.write(v);
         }
     }
+
+    fn put_strided(dst: &mut [MaybeUninit<bf16>], step: usize, src: &[f32], b: f32) {
+        assert!(!src.is_empty() && src.len() <= RUN_PART);
+        assert_eq!(dst.len(), (src.len() - 1) * step + 1);
+        #[cfg(target_arch = "x86_64")]
+        if step == 2 && wide_store() {
+            // SAFETY: AVX-512 F/BW/VL (`wide_store`); `dst` holds every second element of the
+            // run and `add_run_stride2` only stores those.
+            return unsafe { x86::add_run_stride2(dst.as_mut_ptr().cast(), src, b) };
+        }
+        let mut h = [MaybeUninit::new(bf16::ZERO); RUN_PART];
+        Self::put(&mut h[..src.len()], src, b);
+        for (d, v) in dst.iter_mut().step_by(step).zip(h) {
+            *d = v;
+        }
+    }
 }
 
 /// A run of consecutive computed pixels of one output row: `len` values from `from` (within
@@ -576,8 +814,9 @@ struct Run {
 }
 
 /// The runs of output pixels among `p_len` pixels computed over the padded width `wp`
-/// (`w_out` real columns a row), by 32-pixel part, and where each part's start.
-fn output_runs(p_len: usize, wp: usize, w_out: usize) -> (Vec<Run>, Vec<usize>) {
+/// (`w_out` real columns a row), by 32-pixel part, and where each part's start; each run's
+/// first output where `out` puts it (its channel's part of it).
+fn output_runs(p_len: usize, wp: usize, w_out: usize, out: OutMap) -> (Vec<Run>, Vec<usize>) {
     let (mut runs, mut parts) = (Vec::new(), vec![0]);
     for p0 in (0..p_len).step_by(RUN_PART) {
         let end = (p0 + RUN_PART).min(p_len);
@@ -592,7 +831,7 @@ fn output_runs(p_len: usize, wp: usize, w_out: usize) -> (Vec<Run>, Vec<usize>) 
             let run = |v: usize| u32::try_from(v).expect("conv_amx: image too large");
             runs.push(Run {
                 from: run(p - p0),
-                to: run(oh * w_out + ow),
+                to: run(out.base + oh * out.row + ow * out.col),
                 len: run(len),
             });
             p += len;
@@ -709,6 +948,34 @@ mod x86 {
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
                 L::st(dst.as_mut_ptr().add(j), v, m);
+            }
+            j += 16;
+        }
+    }
+
+    /// `ConvOut::put_strided` for BF16 at step 2: each lane rounded as `add_run` rounds it,
+    /// its 16 bits stored to every second element (a masked 16-bit store of the lanes' low
+    /// halves).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL; `dst` is writable at the even elements `0, 2, …,
+    /// 2·(src.len() - 1)`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn add_run_stride2(dst: *mut u16, src: &[f32], b: f32) {
+        use std::arch::x86_64::*;
+        let bv = _mm512_set1_ps(b);
+        let mut j = 0;
+        while j < src.len() {
+            let k = (src.len() - j).min(16);
+            let m = (((1u32 << k) - 1) & 0xFFFF) as __mmask16;
+            // The even halves of the first 2k: lanes 0..k's low halves.
+            let even = (0x5555_5555u64 & ((1u64 << (2 * k)) - 1)) as __mmask32;
+            // SAFETY: the lanes under `m` lie in `src`; the halves under `even` are the
+            // elements 2j, 2j + 2, … the caller guarantees.
+            unsafe {
+                let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
+                let h = crate::cpu::norm_wide::x86::bf16_bits(v);
+                _mm512_mask_storeu_epi16(dst.add(2 * j).cast(), even, h);
             }
             j += 16;
         }

@@ -217,6 +217,24 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Each lane of `v` rounded to BF16 as `Lanes::st` stores it, its bits in the lane's low
+    /// half (the high half zero).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(crate) unsafe fn bf16_bits(v: __m512) -> __m512i {
+        let x = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
+        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+        _mm512_mask_blend_epi32(nan, rounded, quiet)
+    }
+
     impl Lanes for bf16 {
         #[inline(always)]
         unsafe fn ld8(p: *const bf16) -> __m256 {
@@ -235,16 +253,11 @@ pub(crate) mod x86 {
         /// its top half with the quiet bit set.
         #[inline(always)]
         unsafe fn st(p: *mut bf16, v: __m512, m: __mmask16) {
-            let x = _mm512_castps_si512(v);
-            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-            let bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
-            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
-            let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
-            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
-            let h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-            // SAFETY: the caller's.
-            unsafe { _mm256_mask_storeu_epi16(p.cast(), m, h) }
+            // SAFETY: the caller's (AVX-512 F for every `Lanes` method).
+            unsafe {
+                let h = _mm512_cvtepi32_epi16(bf16_bits(v));
+                _mm256_mask_storeu_epi16(p.cast(), m, h)
+            }
         }
         #[inline(always)]
         fn f32(self) -> f32 {
