@@ -180,6 +180,34 @@ fn matches_f64_on_the_twin_and_on_amx() {
     }
 }
 
+/// Outputs that are F32 subnormals (a zero image plus a subnormal bias) keep their BF16
+/// rounding: the stores' `vcvtneps2bf16` reads subnormals as zero, so a vector holding one
+/// must round by the bits instead (`check_plan` holds BF16 = F32 rounded).
+#[test]
+fn subnormal_outputs_round_as_convert_does() {
+    for case in [CASES[1], CASES[12]] {
+        let g = geom(&case);
+        let w = vec![bf16::from_f32(0.5); g.weight_len()];
+        let x = vec![bf16::ZERO; g.in_image()];
+        let bias: Vec<f32> = (0..g.c_out)
+            .map(|o| {
+                f32::from_bits(0x0000_8001 + 0x1_0000 * o as u32)
+                    * if o % 2 == 0 { 1.0 } else { -1.0 }
+            })
+            .collect();
+        assert!(bias.iter().all(|b| b.is_subnormal()));
+        let mut plans = vec![AmxConvPlan::with_amx(&g, &w, false).expect("a plan")];
+        plans.extend(AmxConvPlan::with_amx(&g, &w, true));
+        for plan in &plans {
+            let got = check_plan(plan, &g, &x, &w, Some(&bias));
+            assert!(
+                got.iter().all(|v| v.is_subnormal()),
+                "{g:?}: outputs not the bias"
+            );
+        }
+    }
+}
+
 /// On small integers every partial sum is exact, so the AMX tiles and the twin must agree
 /// to the bit whatever order each sums in.
 #[test]

@@ -53,6 +53,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 
 use crate::backend::nn::Conv2dGeom;
+use crate::cpu::aligned::Aligned;
 
 /// Rows of every tile: output channels of an A/C tile, channel pairs of a B tile.
 const T16: usize = 16;
@@ -68,8 +69,7 @@ const PX: usize = 64;
 pub struct AmxConvPlan {
     amx: bool,
     g: Conv2dGeom,
-    /// Rows and columns of a phase plane of the copy (`Phases`).
-    hq: usize,
+    /// Columns of a phase plane of the copy (`Phases`).
     wq: usize,
     /// The copy's planes, set by set (`PlaneSet`).
     sets: Vec<PlaneSet>,
@@ -82,7 +82,7 @@ pub struct AmxConvPlan {
     offs: Vec<usize>,
     /// Packed A tiles, group by group: a full group (32 channels) is `[step][2][16][32]`,
     /// a last half group (16) `[step][16][32]`; BF16 bits.
-    wpk: Vec<u16>,
+    wpk: Aligned<u16>,
     /// Output pixels computed (over the plane width): `(h_out - 1)·wq + w_out`.
     p_len: usize,
     /// The output runs of each 32-pixel part of the computed pixels: part `i`'s are
@@ -92,6 +92,10 @@ pub struct AmxConvPlan {
     /// Where the outputs land (`OutMap`), and the length of output they need.
     out: OutMap,
     y_len: usize,
+    /// The copy and the stores take their AVX-512 loops (`wide_store`).
+    wide: bool,
+    /// BF16 stores round with `vcvtneps2bf16` (AVX-512 BF16).
+    bf16ne: bool,
 }
 
 /// Where output pixel `(oh, ow)` of output channel `o` lands: `o·ch + base + oh·row +
@@ -106,14 +110,43 @@ struct OutMap {
     base: usize,
 }
 
-/// `pairs` consecutive planes of the copy: channel pairs `0..pairs` of phase plane `phase`
+/// `pairs` consecutive planes of the copy: channel pairs `0..pairs` of one phase plane
 /// (`Phases`), each moved `shift` elements towards its start (value `q` of the set's plane
-/// is value `q + shift` of the phase plane).
-#[derive(Clone, Copy, Debug)]
+/// is value `q + shift` of the phase plane; `PlaneSet::new`).
+#[derive(Clone, Debug)]
 struct PlaneSet {
-    phase: (usize, usize),
-    shift: usize,
     pairs: usize,
+    /// The rows of input pixels each plane of the set holds (`CopyRun`), made once.
+    runs: Vec<CopyRun>,
+}
+
+/// One row of a copy plane: elements `at..at + len` are input elements `from, from + sw, …`
+/// of a channel plane.
+#[derive(Clone, Copy, Debug)]
+struct CopyRun {
+    at: u32,
+    from: u32,
+    len: u32,
+}
+
+impl PlaneSet {
+    fn new(g: &Conv2dGeom, ph: &Phases, phase: (usize, usize), shift: usize, pairs: usize) -> Self {
+        let sw = g.stride.1;
+        let mut runs = Vec::new();
+        let u32_of = |v: usize| u32::try_from(v).expect("conv_amx: image too large");
+        ph.runs(g, phase, |at, from, len| {
+            // The first `skip` values would land before the plane's start.
+            let skip = shift.saturating_sub(at);
+            if skip < len {
+                runs.push(CopyRun {
+                    at: u32_of(at + skip - shift),
+                    from: u32_of(from + skip * sw),
+                    len: u32_of(len - skip),
+                });
+            }
+        });
+        PlaneSet { pairs, runs }
+    }
 }
 
 /// A strided convolution's padded input cut into phase planes (stride 1: one plane, the
@@ -178,7 +211,7 @@ const COPIES: usize = 4;
 thread_local! {
     /// The pair-interleaved padded copies a thread convolves, kept between images and calls,
     /// each with the layout its zeros were written for; the most recently used last.
-    static COPY: RefCell<Vec<(Vec<u32>, CopyLayout)>> = const { RefCell::new(Vec::new()) };
+    static COPY: RefCell<Vec<(Aligned<u32>, CopyLayout)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// What decides where a copy holds pixels: the geometry (images and output channels aside)
@@ -257,22 +290,10 @@ impl AmxConvPlan {
                 } else {
                     (1, 0)
                 };
-                sets.push(PlaneSet {
-                    phase: key,
-                    shift: 0,
-                    pairs: T16 / 2,
-                });
-                sets.push(PlaneSet {
-                    phase: (key.0, b1),
-                    shift,
-                    pairs: T16 / 2,
-                });
+                sets.push(PlaneSet::new(g, &ph, key, 0, T16 / 2));
+                sets.push(PlaneSet::new(g, &ph, (key.0, b1), shift, T16 / 2));
             } else {
-                sets.push(PlaneSet {
-                    phase: key,
-                    shift: 0,
-                    pairs: g.c_in / 2,
-                });
+                sets.push(PlaneSet::new(g, &ph, key, 0, g.c_in / 2));
             }
         }
         let max_off = offs.iter().map(|&(_, off)| off).max().unwrap_or(0);
@@ -294,7 +315,7 @@ impl AmxConvPlan {
         };
         // A tiles: row r of tile (group, step, mt) is output channel o = group·32 + mt·16 + r.
         let k = g.k();
-        let mut wpk = vec![0u16; g.c_out * steps * CHUNK];
+        let mut wpk = Aligned::<u16>::zeroed(g.c_out * steps * CHUNK);
         let mut at = 0;
         for o0 in (0..g.c_out).step_by(2 * T16) {
             let mts = (g.c_out - o0).min(2 * T16) / T16;
@@ -323,7 +344,6 @@ impl AmxConvPlan {
         Some(AmxConvPlan {
             amx,
             g: *g,
-            hq: ph.hq,
             wq: ph.wq,
             sets,
             q_len,
@@ -335,6 +355,8 @@ impl AmxConvPlan {
             parts,
             out,
             y_len: g.out_image(),
+            wide: wide_store(),
+            bf16ne: wide_store() && bf16ne_available(),
         })
     }
 
@@ -394,7 +416,7 @@ impl AmxConvPlan {
                         copies.remove(0);
                     }
                     let planes: usize = self.sets.iter().map(|s| s.pairs).sum();
-                    copies.push((vec![0; planes * self.q_len], want));
+                    copies.push((Aligned::zeroed(planes * self.q_len), want));
                 }
             }
             let (xq, _) = copies.last_mut().expect("pushed or found");
@@ -459,26 +481,45 @@ impl AmxConvPlan {
         bias: Option<&[f32]>,
         y: &mut [O],
     ) {
-        // The block's runs: those of its 32-pixel parts, each part's from `parts[part]`.
+        // The block's runs: those of its 32-pixel parts.
         let first = p0 / RUN_PART;
-        let parts = first..(first + px / RUN_PART).min(self.parts.len() - 1);
+        let last = (first + px / RUN_PART).min(self.parts.len() - 1);
+        let runs = &self.runs[self.parts[first]..self.parts[last]];
+        let col = self.out.col;
+        #[cfg(target_arch = "x86_64")]
+        if self.wide && col == 1 {
+            assert!(y.len() >= self.y_len && buf.len() >= rows * px);
+            // SAFETY: AVX-512 F/BW/VL and F16C (`wide`); every run of every row lies in its
+            // channel's part of `y` (`y_len`, checked by `image`) and in the block's `buf`
+            // row; `ConvOut` is sealed to F32 (4 bytes) and BF16 written or not (2 bytes), so
+            // the size names the lanes, and only stores go through the pointer.
+            unsafe {
+                let (o, ch) = (o0..o0 + rows, self.out.ch);
+                if size_of::<O>() == 4 {
+                    let y = y.as_mut_ptr().cast::<f32>();
+                    x86::store_runs::<f32>(buf, px, p0, o, bias, y, ch, runs)
+                } else if self.bf16ne {
+                    let y = y.as_mut_ptr().cast::<bf16>();
+                    x86::store_runs_ne(buf, px, p0, o, bias, y, ch, runs)
+                } else {
+                    let y = y.as_mut_ptr().cast::<bf16>();
+                    x86::store_runs::<bf16>(buf, px, p0, o, bias, y, ch, runs)
+                }
+            }
+            return;
+        }
         for r in 0..rows {
             let o = o0 + r;
             let b = bias.map_or(0.0, |b| b[o]);
             let src = &buf[r * px..(r + 1) * px];
             let dst = &mut y[o * self.out.ch..];
-            let col = self.out.col;
-            for part in parts.clone() {
-                let at = (part - first) * RUN_PART;
-                for run in &self.runs[self.parts[part]..self.parts[part + 1]] {
-                    let (from, to, len) =
-                        (at + run.from as usize, run.to as usize, run.len as usize);
-                    let src = &src[from..from + len];
-                    if col == 1 {
-                        O::put(&mut dst[to..to + len], src, b);
-                    } else {
-                        O::put_strided(&mut dst[to..to + (len - 1) * col + 1], col, src, b);
-                    }
+            for run in runs {
+                let (from, to, len) = (run.from as usize - p0, run.to as usize, run.len as usize);
+                let src = &src[from..from + len];
+                if col == 1 {
+                    O::put(&mut dst[to..to + len], src, b);
+                } else {
+                    O::put_strided(&mut dst[to..to + (len - 1) * col + 1], col, src, b);
                 }
             }
         }
@@ -489,28 +530,24 @@ impl AmxConvPlan {
     /// and past the pixels. Writes only the pixels: `xq` holds the zeros of this layout
     /// (`image`).
     fn copy(&self, x: &[bf16], xq: &mut [u32]) {
-        let g = &self.g;
-        let ph = Phases {
-            hq: self.hq,
-            wq: self.wq,
-        };
-        let (plane, sw) = (g.h * g.w, g.stride.1);
+        let (plane, sw) = (self.g.h * self.g.w, self.g.stride.1);
         let mut dst_planes = xq.chunks_exact_mut(self.q_len);
         for set in &self.sets {
             for q in 0..set.pairs {
                 let dst = dst_planes.next().expect("sized for every set");
                 let lo = &x[2 * q * plane..(2 * q + 1) * plane];
                 let hi = &x[(2 * q + 1) * plane..(2 * q + 2) * plane];
-                ph.runs(g, set.phase, |at, from, len| {
-                    // The first `skip` values would land before the plane's start.
-                    let skip = set.shift.saturating_sub(at);
-                    if skip >= len {
-                        return;
-                    }
-                    let d = &mut dst[at + skip - set.shift..][..len - skip];
-                    let src = from + skip * sw..from + skip * sw + (d.len() - 1) * sw + 1;
-                    pair_run(d, &lo[src.clone()], &hi[src], sw);
-                });
+                #[cfg(target_arch = "x86_64")]
+                if self.wide && sw <= 2 {
+                    // SAFETY: AVX-512 F/BW/VL (`wide`); stride 1 or 2.
+                    unsafe { x86::pair_rows(dst, lo, hi, &set.runs, sw) };
+                    continue;
+                }
+                for r in &set.runs {
+                    let (at, from, len) = (r.at as usize, r.from as usize, r.len as usize);
+                    let src = from..from + (len - 1) * sw + 1;
+                    pair_run_portable(&mut dst[at..at + len], &lo[src.clone()], &hi[src], sw);
+                }
             }
         }
     }
@@ -675,17 +712,6 @@ impl AmxInputGradPlan {
 
 /// `d[t]` = channel pair `(lo, hi)` at element `t·sw` of the input runs `lo`, `hi`
 /// (`(d.len() - 1)·sw + 1` long): `lo`'s bits low, `hi`'s high.
-fn pair_run(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
-    assert!(!d.is_empty() && lo.len() == (d.len() - 1) * sw + 1 && hi.len() == lo.len());
-    #[cfg(target_arch = "x86_64")]
-    if sw <= 2 && wide_store() {
-        // SAFETY: AVX-512 F/BW/VL (`wide_store`); the lengths checked above.
-        return unsafe { x86::pair_run(d, lo, hi, sw) };
-    }
-    pair_run_portable(d, lo, hi, sw)
-}
-
-/// `pair_run` in plain Rust.
 fn pair_run_portable(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
     let (a, b) = (lo.iter().step_by(sw), hi.iter().step_by(sw));
     for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
@@ -711,6 +737,18 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::bf16 {}
     impl Sealed for std::mem::MaybeUninit<half::bf16> {}
+}
+
+/// Whether the CPU has `vcvtneps2bf16` (AVX-512 BF16), for `x86::store_runs_ne`.
+fn bf16ne_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Whether the run stores take their AVX-512 build (the AMX route always does).
@@ -804,8 +842,8 @@ impl ConvOut for MaybeUninit<bf16> {
     }
 }
 
-/// A run of consecutive computed pixels of one output row: `len` values from `from` (within
-/// its 32-pixel part) to output pixel `to`.
+/// A run of consecutive computed pixels of one output row: `len` values from computed pixel
+/// `from` to output pixel `to`.
 #[derive(Clone, Copy, Debug)]
 struct Run {
     from: u32,
@@ -830,7 +868,7 @@ fn output_runs(p_len: usize, wp: usize, w_out: usize, out: OutMap) -> (Vec<Run>,
             let len = (oh * wp + w_out).min(end) - p;
             let run = |v: usize| u32::try_from(v).expect("conv_amx: image too large");
             runs.push(Run {
-                from: run(p - p0),
+                from: run(p),
                 to: run(out.base + oh * out.row + ow * out.col),
                 len: run(len),
             });
@@ -887,14 +925,38 @@ pub fn amx_available() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    /// `conv_amx::pair_run` at strides 1 and 2, sixteen pairs per step under a mask.
+    /// `conv_amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
+    /// pairs per step under a mask, at strides 1 and 2.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL; `sw` is 1 or 2.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pair_rows(
+        dst: &mut [u32],
+        lo: &[half::bf16],
+        hi: &[half::bf16],
+        runs: &[super::CopyRun],
+        sw: usize,
+    ) {
+        for r in runs {
+            let (at, from, len) = (r.at as usize, r.from as usize, r.len as usize);
+            let src = from..from + (len - 1) * sw + 1;
+            // SAFETY: AVX-512 F/BW/VL; the slices' lengths are as `pair_run` needs.
+            unsafe { pair_run(&mut dst[at..at + len], &lo[src.clone()], &hi[src], sw) };
+        }
+    }
+
+    /// `conv_amx::pair_run_portable` at strides 1 and 2, sixteen pairs per step under a
+    /// mask.
     ///
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL; `sw` is 1 or 2; `lo` and `hi` are `(d.len() - 1)·sw + 1`
     /// long.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
     pub(super) unsafe fn pair_run(d: &mut [u32], lo: &[half::bf16], hi: &[half::bf16], sw: usize) {
         use std::arch::x86_64::*;
+        assert!(!d.is_empty() && lo.len() == (d.len() - 1) * sw + 1 && hi.len() == lo.len());
         let (lo, hi, out) = (
             lo.as_ptr().cast::<i16>(),
             hi.as_ptr().cast::<i16>(),
@@ -950,6 +1012,105 @@ mod x86 {
                 L::st(dst.as_mut_ptr().add(j), v, m);
             }
             j += 16;
+        }
+    }
+
+    /// A block's stores (`AmxConvPlan::store`, column step 1) in one call: for each output
+    /// channel `o` of `rows` (block row `o - rows.start` of `buf`, `px` F32 from computed
+    /// pixel `p0`), every run `buf + bias[o]`, rounded to `L` as stored, at `y + o·ch + to`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL and F16C; `buf` holds `rows.len()·px` values and every
+    /// run's pixels lie in `p0..p0 + px`; `y + o·ch + to` is writable for every run.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn store_runs<L: crate::cpu::norm_wide::x86::Lanes>(
+        buf: &[f32],
+        px: usize,
+        p0: usize,
+        rows: std::ops::Range<usize>,
+        bias: Option<&[f32]>,
+        y: *mut L,
+        ch: usize,
+        runs: &[super::Run],
+    ) {
+        use std::arch::x86_64::*;
+        for (r, o) in rows.enumerate() {
+            let bv = _mm512_set1_ps(bias.map_or(0.0, |b| b[o]));
+            let src = buf[r * px..(r + 1) * px].as_ptr();
+            // SAFETY (the whole row): per the caller's guarantee.
+            unsafe {
+                let dst = y.add(o * ch);
+                for run in runs {
+                    let (from, to, len) =
+                        (run.from as usize - p0, run.to as usize, run.len as usize);
+                    let mut j = 0;
+                    while j < len {
+                        let n = len - j;
+                        let m: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+                        let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.add(from + j)), bv);
+                        L::st(dst.add(to + j), v, m);
+                        j += 16;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `store_runs` into BF16 with `vcvtneps2bf16` (nearest-even, NaN quietened as
+    /// `convert::f32_to_bf16_bits` does, ignoring MXCSR), sixteen lanes in one instruction.
+    /// The instruction reads F32 subnormals as zero where the rule keeps them
+    /// (`convert::x86::f32_to_bf16_avx512bf16`), so a vector holding one takes the integer
+    /// rounding instead: the same bits either way.
+    ///
+    /// # Safety
+    /// As `store_runs`, and the CPU has AVX-512 BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn store_runs_ne(
+        buf: &[f32],
+        px: usize,
+        p0: usize,
+        rows: std::ops::Range<usize>,
+        bias: Option<&[f32]>,
+        y: *mut half::bf16,
+        ch: usize,
+        runs: &[super::Run],
+    ) {
+        use crate::cpu::norm_wide::x86::Lanes;
+        use std::arch::x86_64::*;
+        let (abs_mask, one, below) = (
+            _mm512_set1_epi32(0x7FFF_FFFF),
+            _mm512_set1_epi32(1),
+            _mm512_set1_epi32(0x7F_FFFF),
+        );
+        for (r, o) in rows.enumerate() {
+            let bv = _mm512_set1_ps(bias.map_or(0.0, |b| b[o]));
+            let src = buf[r * px..(r + 1) * px].as_ptr();
+            // SAFETY (the whole row): per the caller's guarantee.
+            unsafe {
+                let dst = y.add(o * ch);
+                for run in runs {
+                    let (from, to, len) =
+                        (run.from as usize - p0, run.to as usize, run.len as usize);
+                    let mut j = 0;
+                    while j < len {
+                        let n = len - j;
+                        let m: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
+                        let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.add(from + j)), bv);
+                        // Subnormal lanes: `abs - 1 < 0x7FFFFF` (unsigned), abs in 1..=0x7FFFFF.
+                        let abs = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+                        let sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(abs, one), below);
+                        if sub == 0 {
+                            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+                            _mm256_mask_storeu_epi16(dst.add(to + j).cast(), m, h);
+                        } else {
+                            <half::bf16 as Lanes>::st(dst.add(to + j), v, m);
+                        }
+                        j += 16;
+                    }
+                }
+            }
         }
     }
 
@@ -1293,12 +1454,18 @@ pub struct AmxWgradPlan {
 
 /// A weight gradient's copies of x and dy, the layout (geometry, images) their zeros were
 /// written for, and its F32 gradient in tile order.
-type WgradBuffers = (Vec<u16>, Vec<u32>, Option<(Conv2dGeom, usize)>, Vec<f32>);
+type WgradBuffers = (
+    Aligned<u16>,
+    Aligned<u32>,
+    Option<(Conv2dGeom, usize)>,
+    Aligned<f32>,
+);
 
 thread_local! {
     /// The copies of a weight gradient's run (x as BF16 planes, dy as pixel pairs) and its
     /// F32 gradient in tile order.
-    static WGRAD: RefCell<WgradBuffers> = const { RefCell::new((Vec::new(), Vec::new(), None, Vec::new())) };
+    static WGRAD: RefCell<WgradBuffers> =
+        const { RefCell::new((Aligned::new(), Aligned::new(), None, Aligned::new())) };
 }
 
 impl AmxWgradPlan {
@@ -1402,10 +1569,8 @@ impl AmxWgradPlan {
         WGRAD.with_borrow_mut(|(xc, dyq, layout, acc)| {
             // The copies hold zeros wherever no pixel is written: written once per layout.
             if *layout != Some((*g, n)) {
-                xc.clear();
-                xc.resize(groups * g.c_in * (np + self.tail), 0);
-                dyq.clear();
-                dyq.resize(g.c_out * np / 2, 0);
+                xc.set_zeroed(groups * g.c_in * (np + self.tail));
+                dyq.set_zeroed(g.c_out * np / 2);
                 *layout = Some((*g, n));
             }
             self.copy_x(x, n, xc);
@@ -1414,7 +1579,7 @@ impl AmxWgradPlan {
             // (a memset of up to 9 MiB per run on ResNet-50's last stage).
             let need = tap_slots * cit * cot * T16 * T16;
             if acc.len() < need {
-                acc.resize(need, 0.0);
+                acc.grow(need);
             }
             let plane = np + self.tail;
             let chunks = np / CHUNK;
@@ -1636,7 +1801,12 @@ mod tests {
                     let mut want = vec![0u32; len];
                     pair_run_portable(&mut want, lo, hi, sw);
                     let mut got = vec![u32::MAX; len + 1];
-                    pair_run(&mut got[..len], lo, hi, sw);
+                    pair_run_portable(&mut got[..len], lo, hi, sw);
+                    #[cfg(target_arch = "x86_64")]
+                    if sw <= 2 && wide_store() {
+                        // SAFETY: AVX-512 F/BW/VL; the lengths as `pair_run` needs.
+                        unsafe { x86::pair_run(&mut got[..len], lo, hi, sw) };
+                    }
                     assert_eq!(&got[..len], &want[..], "sw {sw} len {len} start {start}");
                     assert_eq!(got[len], u32::MAX, "wrote past the run");
                     assert_eq!(

@@ -23,6 +23,7 @@ macro_rules! with_f32_or_half {
     };
 }
 
+pub(crate) mod aligned;
 pub mod amp;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
