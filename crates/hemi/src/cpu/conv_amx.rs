@@ -1316,88 +1316,78 @@ mod x86 {
         }
     }
 
-    /// Weight gradient, 4 taps (A rows from `a[j]`) of one input-channel tile × one
-    /// output-channel tile (B from `b`): accumulators `c[j]` = (a[j], b), as `wgrad_2x2`.
+    /// Weight gradient, 2 taps (A rows from `a[j]`, B from `b[j]`) of one input-channel
+    /// tile × one output-channel tile: accumulators `c[j]` = (a[j], b[j]), as `wgrad_2x2`.
     ///
     /// # Safety
     /// As `wgrad_2x2`.
-    pub(super) unsafe fn wgrad_taps4(
+    pub(super) unsafe fn wgrad_taps2(
         chunks: usize,
-        a: [*const u8; 4],
+        a: [*const u8; 2],
         plane: usize,
-        b: *const u8,
-        c: [*mut f32; 4],
+        b: [*const u8; 2],
+        c: [*mut f32; 2],
     ) {
         // SAFETY: as in `wgrad_2x2`.
         unsafe {
             std::arch::asm!(
                 "tilezero tmm0",
                 "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
                 "2:",
-                "tileloadd tmm4, [{b} + {s64}]",
-                "tileloadd tmm5, [{a0} + {sa}]",
-                "tdpbf16ps tmm0, tmm5, tmm4",
-                "tileloadd tmm6, [{a1} + {sa}]",
-                "tdpbf16ps tmm1, tmm6, tmm4",
-                "tileloadd tmm7, [{a2} + {sa}]",
-                "tdpbf16ps tmm2, tmm7, tmm4",
-                "tileloadd tmm5, [{a3} + {sa}]",
-                "tdpbf16ps tmm3, tmm5, tmm4",
+                "tileloadd tmm4, [{a0} + {sa}]",
+                "tileloadd tmm6, [{b0} + {s64}]",
+                "tileloadd tmm5, [{a1} + {sa}]",
+                "tileloadd tmm7, [{b1} + {s64}]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm5, tmm7",
                 "add {a0}, 64",
                 "add {a1}, 64",
-                "add {a2}, 64",
-                "add {a3}, 64",
-                "add {b}, 1024",
+                "add {b0}, 1024",
+                "add {b1}, 1024",
                 "dec {n}",
                 "jnz 2b",
                 "tilestored [{c0} + {s64}], tmm0",
                 "tilestored [{c1} + {s64}], tmm1",
-                "tilestored [{c2} + {s64}], tmm2",
-                "tilestored [{c3} + {s64}], tmm3",
                 a0 = inout(reg) a[0] => _,
                 a1 = inout(reg) a[1] => _,
-                a2 = inout(reg) a[2] => _,
-                a3 = inout(reg) a[3] => _,
-                b = inout(reg) b => _,
+                b0 = inout(reg) b[0] => _,
+                b1 = inout(reg) b[1] => _,
                 n = inout(reg) chunks => _,
                 sa = in(reg) 2 * plane,
                 s64 = in(reg) 64usize,
                 c0 = in(reg) c[0],
                 c1 = in(reg) c[1],
-                c2 = in(reg) c[2],
-                c3 = in(reg) c[3],
                 options(nostack),
             );
         }
     }
 
     /// `copy_dy` for one image whose rows and padded width are even: pair `P / 2` of
-    /// channel tile `t` (`dyq[(t·np/2 + P/2)·16..][..16]`, `P = at + oh·wp + ow`) is the
-    /// pair at `(oh, ow)` of the tile's 16 channels of `dy`.
+    /// channel tile `t` (`dyq[(t·tile_pairs + P/2)·16..][..16]`, `P = at + oh·wp + ow`) is
+    /// the pair at `(oh, ow)` of the tile's 16 channels of `dy`.
     ///
     /// # Safety
     /// AVX-512 F; `w_out`, `wp` and `at` even; `dy` one image of `g`'s output gradient;
-    /// `dyq` holds `c_out·np/2` and every `P` is below `np`.
+    /// `dyq` holds `c_out / 16 · tile_pairs` pairs of 16 and every `P / 2` is below
+    /// `tile_pairs`.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn gather_pairs(
         dy: &[half::bf16],
         g: &crate::backend::nn::Conv2dGeom,
         wp: usize,
-        np: usize,
+        tile_pairs: usize,
         at: usize,
         dyq: &mut [u32],
     ) {
         use std::arch::x86_64::*;
         let (l2, wo2, wp2) = (g.l() / 2, g.w_out / 2, wp / 2);
-        debug_assert!(dy.len() >= g.out_image() && dyq.len() >= g.c_out * np / 2);
+        debug_assert!(dy.len() >= g.out_image() && dyq.len() >= g.c_out * tile_pairs);
         let lanes: [i32; 16] = std::array::from_fn(|c| (c * l2) as i32);
         let idx0 = _mm512_loadu_si512(lanes.as_ptr().cast());
         let src = dy.as_ptr().cast::<u8>();
         for t in 0..g.c_out / 16 {
             let tile = unsafe { src.add(t * 16 * l2 * 4) };
-            let out = unsafe { dyq.as_mut_ptr().add(t * np / 2 * 16 + at / 2 * 16) };
+            let out = unsafe { dyq.as_mut_ptr().add((t * tile_pairs + at / 2) * 16) };
             for oh in 0..g.h_out {
                 for q in 0..wo2 {
                     let idx = _mm512_add_epi32(idx0, _mm512_set1_epi32((oh * wo2 + q) as i32));
@@ -1413,14 +1403,19 @@ mod x86 {
 }
 
 /// How a weight-gradient plan tiles: 2 input-channel tiles × 2 output-channel tiles of one
-/// tap (input and output channels multiples of 32), or 4 taps of one input-channel tile and
-/// one output-channel tile (multiples of 16; the last group of taps padded by repeating its
-/// last tap, whose repeats are not stored).
+/// tap (input and output channels multiples of 32), or 2 taps of one input-channel tile and
+/// one output-channel tile (multiples of 16; an odd last tap paired with itself, its repeat
+/// not stored).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum WgradTiles {
     Channels2x2,
-    Taps4,
+    Taps2,
 }
+
+/// Pixel pairs of zeros before and after each output-channel tile of a weight gradient's
+/// `dy` copies: a tap's chunks start up to 31 pixels before the first pixel and end up to
+/// 31 past the last (`AmxWgradPlan::add_weight_grad`).
+const DY_PAD: usize = 16;
 
 /// The weight gradient of a BF16 convolution on AMX tiles, read from copies of a run of
 /// images: `dw[o][c][tap] = Σ_p dy[o][p] · x[c][p + off(tap)]` over the run's pixels (over
@@ -1525,7 +1520,7 @@ impl AmxWgradPlan {
         let tiles = if g.c_in.is_multiple_of(2 * T16) && g.c_out.is_multiple_of(2 * T16) {
             WgradTiles::Channels2x2
         } else {
-            WgradTiles::Taps4
+            WgradTiles::Taps2
         };
         Some(AmxWgradPlan {
             amx,
@@ -1560,21 +1555,30 @@ impl AmxWgradPlan {
         let taps = self.taps.len();
         let groups = self.phases.len();
         let (cit, cot) = (g.c_in / T16, g.c_out / T16);
-        // Taps rounded up to groups of 4 for `Taps4` (the repeats land past the real taps).
+        // Taps rounded up to pairs for `Taps2` (the repeat lands past the real taps).
         let tap_slots = match self.tiles {
             WgradTiles::Channels2x2 => taps,
-            WgradTiles::Taps4 => taps.next_multiple_of(4),
+            WgradTiles::Taps2 => taps.next_multiple_of(2),
         };
         let np = n * self.qx;
+        // Pairs per output-channel tile of one `dy` copy, and the u32 of one copy.
+        let tile_pairs = np / 2 + 2 * DY_PAD;
+        let copy_len = cot * tile_pairs * T16;
         WGRAD.with_borrow_mut(|(xc, dyq, layout, acc)| {
             // The copies hold zeros wherever no pixel is written: written once per layout.
             if *layout != Some((*g, n)) {
                 xc.set_zeroed(groups * g.c_in * (np + self.tail));
-                dyq.set_zeroed(g.c_out * np / 2);
+                dyq.set_zeroed(2 * copy_len);
                 *layout = Some((*g, n));
             }
             self.copy_x(x, n, xc);
-            self.copy_dy(dy, n, dyq);
+            let (even, odd) = dyq.split_at_mut(copy_len);
+            self.copy_dy(dy, n, tile_pairs, even);
+            // The odd pairing (pixels 2m - 1, 2m): halves of neighbouring even pairs.
+            odd[T16..]
+                .iter_mut()
+                .zip(even.iter().zip(&even[T16..]))
+                .for_each(|(d, (&prev, &this))| *d = (prev >> 16) | (this << 16));
             // Not zeroed: every tile is written once, from zero (`run`), before it is read
             // (a memset of up to 9 MiB per run on ResNet-50's last stage).
             let need = tap_slots * cit * cot * T16 * T16;
@@ -1582,7 +1586,24 @@ impl AmxWgradPlan {
                 acc.grow(need);
             }
             let plane = np + self.tail;
-            let chunks = np / CHUNK;
+            // Each tap sums over its own grid of 32-pixel chunks: those of x from its offset
+            // rounded down to 32 (so every A row starts on a 64-byte line: a row crossing
+            // lines made `tileloadd` 4 times slower), dy `r = off % 32` pixels before the
+            // run's start (zeros there and past its end), read from the copy paired from
+            // an even or an odd pixel. One chunk more than the run covers every pixel.
+            let chunks = np / CHUNK + 1;
+            let a_of = |grp: usize, ci: usize, off: usize| {
+                (grp * cit + ci) * T16 * plane + off / CHUNK * CHUNK
+            };
+            let b_of = |off: usize, co: usize| {
+                let r = off % CHUNK;
+                let (copy, first) = if r % 2 == 0 {
+                    (0, DY_PAD - r / 2)
+                } else {
+                    (1, DY_PAD - (r - 1) / 2)
+                };
+                copy * copy_len + (co * tile_pairs + first) * T16
+            };
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `amx` only where AMX-BF16 is usable (`with_amx`).
             let _release = self
@@ -1593,8 +1614,8 @@ impl AmxWgradPlan {
                     for (t, &(grp, off)) in self.taps.iter().enumerate() {
                         for ci in (0..cit).step_by(2) {
                             for co in (0..cot).step_by(2) {
-                                let a = [ci, ci + 1].map(|c| (grp * cit + c) * T16 * plane + off);
-                                let b = [co, co + 1].map(|c| c * np / 2 * T16);
+                                let a = [ci, ci + 1].map(|c| a_of(grp, c, off));
+                                let b = [co, co + 1].map(|c| b_of(off, c));
                                 let c = [(ci, co), (ci, co + 1), (ci + 1, co), (ci + 1, co + 1)]
                                     .map(|(i, o)| ((t * cit + i) * cot + o) * T16 * T16);
                                 self.run(
@@ -1603,27 +1624,24 @@ impl AmxWgradPlan {
                                     acc,
                                     plane,
                                     chunks,
-                                    [a[0], a[0], a[1], a[1]],
-                                    [b[0], b[1], b[0], b[1]],
-                                    c,
+                                    &[a[0], a[0], a[1], a[1]],
+                                    &[b[0], b[1], b[0], b[1]],
+                                    &c,
                                 );
                             }
                         }
                     }
                 }
-                WgradTiles::Taps4 => {
+                WgradTiles::Taps2 => {
                     for ci in 0..cit {
                         for co in 0..cot {
-                            for t0 in (0..taps).step_by(4) {
+                            for t0 in (0..taps).step_by(2) {
                                 let tap = |j: usize| self.taps[(t0 + j).min(taps - 1)];
-                                let a = [0, 1, 2, 3].map(|j| {
-                                    let (grp, off) = tap(j);
-                                    (grp * cit + ci) * T16 * plane + off
-                                });
-                                let b = co * np / 2 * T16;
-                                let c = [0, 1, 2, 3]
+                                let a = [0, 1].map(|j| a_of(tap(j).0, ci, tap(j).1));
+                                let b = [0, 1].map(|j| b_of(tap(j).1, co));
+                                let c = [0, 1]
                                     .map(|j| ((ci * cot + co) * tap_slots + t0 + j) * T16 * T16);
-                                self.run(xc, dyq, acc, plane, chunks, a, [b; 4], c);
+                                self.run(xc, dyq, acc, plane, chunks, &a, &b, &c);
                             }
                         }
                     }
@@ -1636,7 +1654,7 @@ impl AmxWgradPlan {
                         let (i, r, j, q) = (c / T16, c % T16, o / T16, o % T16);
                         let tile = match self.tiles {
                             WgradTiles::Channels2x2 => (t * cit + i) * cot + j,
-                            WgradTiles::Taps4 => (i * cot + j) * tap_slots + t,
+                            WgradTiles::Taps2 => (i * cot + j) * tap_slots + t,
                         };
                         dw[(o * g.c_in + c) * taps + t] += acc[(tile * T16 + r) * T16 + q];
                     }
@@ -1645,9 +1663,9 @@ impl AmxWgradPlan {
         })
     }
 
-    /// Four accumulator tiles `acc[c[j]..]` (16 × 16 F32 each, distinct) = A (`xc` from
-    /// `a[j]`, rows `plane` apart) · B (`dyq` from `b[j]`), summed from zero over `chunks`
-    /// chunks of 32 pixels.
+    /// Accumulator tiles `acc[c[j]..]` (16 × 16 F32 each, distinct; four for
+    /// `Channels2x2`, two for `Taps2`) = A (`xc` from `a[j]`, rows `plane` apart) · B (`dyq`
+    /// from `b[j]`), summed from zero over `chunks` chunks of 32 pixels.
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -1656,30 +1674,59 @@ impl AmxWgradPlan {
         acc: &mut [f32],
         plane: usize,
         chunks: usize,
-        a: [usize; 4],
-        b: [usize; 4],
-        c: [usize; 4],
+        a: &[usize],
+        b: &[usize],
+        c: &[usize],
     ) {
+        let tiles = match self.tiles {
+            WgradTiles::Channels2x2 => 4,
+            WgradTiles::Taps2 => 2,
+        };
+        assert!(a.len() == tiles && b.len() == tiles && c.len() == tiles);
+        for j in 0..tiles {
+            assert!(
+                a[j] + 15 * plane + chunks * CHUNK <= xc.len(),
+                "conv_amx: A past the copy"
+            );
+            assert!(
+                b[j] + chunks * T16 * T16 <= dyq.len(),
+                "conv_amx: B past the copy"
+            );
+            assert!(c[j] + T16 * T16 <= acc.len(), "conv_amx: C past the tiles");
+        }
         #[cfg(target_arch = "x86_64")]
         if self.amx {
-            // SAFETY: tiles configured (`add_weight_grad`); `chunks` chunks from every `a[j]`
-            // (16 rows `plane` apart, 32 pixels each) lie in `xc`, from every `b[j]` (16 rows
-            // of 16) in `dyq`; each `c[j]` is a whole tile of `acc`.
+            // SAFETY: tiles configured (`add_weight_grad`); the bounds checked above: every A
+            // row read (16 rows `plane` apart, 32 pixels a chunk) lies in `xc`, every B row
+            // (16 rows of 16 a chunk) in `dyq`, each C tile in `acc`.
             unsafe {
-                let xa = a.map(|o| xc.as_ptr().add(o).cast::<u8>());
-                let yb = b.map(|o| dyq.as_ptr().add(o).cast::<u8>());
-                let ca = c.map(|o| acc.as_mut_ptr().add(o));
+                let xa = |j: usize| xc.as_ptr().add(a[j]).cast::<u8>();
+                let yb = |j: usize| dyq.as_ptr().add(b[j]).cast::<u8>();
+                let accp = acc.as_mut_ptr();
+                let ca = |j: usize| accp.add(c[j]);
                 match self.tiles {
-                    WgradTiles::Channels2x2 => {
-                        x86::wgrad_2x2(chunks, xa[0], xa[2], plane, yb[0], yb[1], ca)
-                    }
-                    WgradTiles::Taps4 => x86::wgrad_taps4(chunks, xa, plane, yb[0], ca),
+                    WgradTiles::Channels2x2 => x86::wgrad_2x2(
+                        chunks,
+                        xa(0),
+                        xa(2),
+                        plane,
+                        yb(0),
+                        yb(1),
+                        [ca(0), ca(1), ca(2), ca(3)],
+                    ),
+                    WgradTiles::Taps2 => x86::wgrad_taps2(
+                        chunks,
+                        [xa(0), xa(1)],
+                        plane,
+                        [yb(0), yb(1)],
+                        [ca(0), ca(1)],
+                    ),
                 }
             }
             return;
         }
         let f = |bits: u16| f32::from_bits(u32::from(bits) << 16);
-        for j in 0..4 {
+        for j in 0..tiles {
             let tile = &mut acc[c[j]..c[j] + T16 * T16];
             tile.fill(0.0);
             for ch in 0..chunks {
@@ -1733,12 +1780,12 @@ impl AmxWgradPlan {
         }
     }
 
-    /// `dy`'s `n` images by pixel pair: `dyq[o / 16][P / 2][o % 16]` holds `dy[o]` at pixels
-    /// `P` (low half) and `P + 1` (high half), `P = i·qx + oh·wp + ow`; zeros elsewhere.
-    /// Writes only those pixels (`dyq` holds the zeros: `add_weight_grad`).
-    fn copy_dy(&self, dy: &[bf16], n: usize, dyq: &mut [u32]) {
+    /// `dy`'s `n` images by pixel pair: `dyq[o / 16][DY_PAD + P / 2][o % 16]` (`tile_pairs`
+    /// pairs a tile) holds `dy[o]` at pixels `P` (low half) and `P + 1` (high half), `P =
+    /// i·qx + oh·wq + ow`; zeros elsewhere. Writes only those pixels (`dyq` holds the zeros:
+    /// `add_weight_grad`).
+    fn copy_dy(&self, dy: &[bf16], n: usize, tile_pairs: usize, dyq: &mut [u32]) {
         let g = &self.g;
-        let np = n * self.qx;
         let (wo, l) = (g.w_out, g.l());
         #[cfg(target_arch = "x86_64")]
         if wo.is_multiple_of(2)
@@ -1751,19 +1798,20 @@ impl AmxWgradPlan {
                 let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
                 // SAFETY: AVX-512 F checked; the gathers read pairs within the image (`l` is
                 // even, every index below `c_out·l/2`) and the stores write pairs of `dyq`
-                // below `c_out·np/2` (`np = n·qx`).
-                unsafe { x86::gather_pairs(img, g, self.ph.wq, np, i * self.qx, dyq) };
+                // below `c_out / 16 · tile_pairs` (`DY_PAD + np/2 + DY_PAD` a tile).
+                let at = DY_PAD * 2 + i * self.qx;
+                unsafe { x86::gather_pairs(img, g, self.ph.wq, tile_pairs, at, dyq) };
             }
             return;
         }
-        // As 16-bit halves: pixel P of channel o at `(o / 16)·np·16 + (P / 2)·32 + (o % 16)·2
-        // + P % 2`, so consecutive pixels alternate between two halves of one `u32` and the
-        // next `u32` pair lies 32 halves on.
+        // As 16-bit halves: pixel P of channel o at `(o / 16)·tile_pairs·32 + (DY_PAD + P / 2)
+        // ·32 + (o % 16)·2 + P % 2`, so consecutive pixels alternate between two halves of one
+        // `u32` and the next `u32` pair lies 32 halves on.
         let halves: &mut [u16] = crate::cpu::gemm_half::as_halves(dyq);
         for i in 0..n {
             let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             for (o, src) in img.chunks_exact(l).enumerate() {
-                let base = (o / T16) * np * T16 + (o % T16) * 2;
+                let base = ((o / T16) * tile_pairs + DY_PAD) * 2 * T16 + (o % T16) * 2;
                 for (oh, row) in src.chunks_exact(wo).enumerate() {
                     let p0 = i * self.qx + oh * self.ph.wq;
                     for (ow, v) in row.iter().enumerate() {
