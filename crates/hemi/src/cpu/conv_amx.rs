@@ -1597,7 +1597,7 @@ impl AmxWgradPlan {
             };
             let b_of = |off: usize, co: usize| {
                 let r = off % CHUNK;
-                let (copy, first) = if r % 2 == 0 {
+                let (copy, first) = if r.is_multiple_of(2) {
                     (0, DY_PAD - r / 2)
                 } else {
                     (1, DY_PAD - (r - 1) / 2)
