@@ -219,3 +219,46 @@ fn convolutions_read_otherwise_get_no_plan() {
     assert!(WgradPlan::new(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 17)).is_none());
     assert!(WgradPlan::new_f32(&geom(1, 4, (8, 8), (3, 3), (1, 1), 1, 1, 17)).is_none());
 }
+
+/// F16 weight gradients of the convolutions the F32 plan reads (`conv2d_backward_weight`
+/// widens each run of images and runs that plan) are the F32 gradients of the widened values,
+/// bit for bit where the plan exists, and within the F32 summation bound of F64 everywhere;
+/// ResNet-20's 16-channel shape and an odd one, several runs of images.
+#[test]
+fn f16_weight_grads_are_the_f32_ones_of_the_widened_values() {
+    use half::f16;
+    use hemi::cpu::conv::conv2d_backward_weight;
+    let mut rng = Generator::new(404);
+    for g in [
+        geom(5, 16, (32, 32), (3, 3), (1, 1), 1, 1, 16),
+        geom(9, 5, (9, 11), (3, 3), (1, 1), 1, 1, 7),
+    ] {
+        let mut val = |len: usize| -> Vec<f16> {
+            (0..len)
+                .map(|_| f16::from_f64(rng.uniform(-2.0, 2.0)))
+                .collect()
+        };
+        let (x, dy) = (val(g.n * g.in_image()), val(g.n * g.out_image()));
+        let widen = |v: &[f16]| v.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        let (xf, dyf) = (widen(&x), widen(&dy));
+        let dw16 = conv2d_backward_weight::<f16, f32>(&x, &dy, &g);
+        let dw32 = conv2d_backward_weight::<f32, f32>(&xf, &dyf, &g);
+        if WgradPlan::new_f32(&g).is_some() {
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(
+                bits(&dw16),
+                bits(&dw32),
+                "{g:?}: F16 differs from F32 widened"
+            );
+        }
+        let f64s = |v: &[f32]| v.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+        let (want, mag) = conv2d_weight_grad_reference(&f64s(&xf), &f64s(&dyf), &g);
+        let tol = 2.0 * (g.n * (g.l() + 1) + 2) as f64 * f64::powi(2.0, -24);
+        for (i, ((&v, &w), &m)) in dw16.iter().zip(&want).zip(&mag).enumerate() {
+            assert!(
+                (f64::from(v) - w).abs() <= tol * m,
+                "{g:?}: dw[{i}] = {v}, want {w}"
+            );
+        }
+    }
+}
