@@ -40,7 +40,7 @@ fn geom(&(c_in, (h, w), (kh, kw), padding, d, c_out): &Geom6) -> Conv2dGeom {
     }
 }
 
-const CASES: [Geom6; 17] = [
+const CASES: [Geom6; 20] = [
     // Same copy layout, input at another place: the kept copy must not keep the first
     // image's values where the second has zeros.
     (32, (8, 8), (3, 3), (0, 0), 1, 32),
@@ -62,13 +62,17 @@ const CASES: [Geom6; 17] = [
     (16, (9, 9), (3, 3), (2, 2), 2, 48),
     (16, (5, 6), (1, 1), (0, 0), 1, 16),
     (16, (32, 32), (3, 3), (1, 1), 1, 16),
+    // One pixel, and kernels wider than the image: every tap but the centre reads padding.
+    (32, (1, 1), (3, 3), (1, 1), 1, 16),
+    (16, (2, 2), (5, 5), (2, 2), 1, 16),
+    (32, (2, 3), (5, 5), (2, 2), 1, 32),
 ];
 
 /// Strided convolutions (the copy cut into phase planes): ResNet's downsampling 3×3 and
 /// 1×1 convolutions and the 7×7 stem's shape, odd sizes, 16 input channels (two taps per
 /// chunk) at column strides 1 and 2 with odd and even kernel widths, a dilation that keeps
 /// every tap in one phase plane, unequal strides.
-const STRIDED: [(Geom6, (usize, usize)); 10] = [
+const STRIDED: [(Geom6, (usize, usize)); 12] = [
     ((16, (32, 32), (3, 3), (1, 1), 1, 32), (2, 2)),
     ((32, (16, 16), (3, 3), (1, 1), 1, 64), (2, 2)),
     ((16, (9, 11), (3, 3), (1, 1), 1, 16), (2, 2)),
@@ -79,6 +83,10 @@ const STRIDED: [(Geom6, (usize, usize)); 10] = [
     ((32, (11, 9), (3, 3), (1, 1), 1, 16), (2, 3)),
     ((32, (13, 13), (7, 7), (3, 3), 1, 32), (2, 2)),
     ((32, (6, 7), (2, 2), (0, 1), 1, 48), (2, 2)),
+    // Nine phases (more than a thread keeps copies of), and a dilation whose taps fall in
+    // both phases of each axis.
+    ((32, (10, 11), (3, 3), (0, 0), 1, 32), (3, 3)),
+    ((32, (13, 12), (3, 3), (3, 3), 3, 32), (2, 2)),
 ];
 
 fn strided(case: &Geom6, (sh, sw): (usize, usize)) -> Conv2dGeom {
@@ -379,10 +387,16 @@ fn input_grad_reference(w: &[f64], dy: &[f64], g: &Conv2dGeom) -> (Vec<f64>, Vec
 #[test]
 fn strided_input_grads_match_f64_on_the_twin_and_on_amx() {
     let mut rng = Generator::new(304);
-    for (i, (case, stride)) in STRIDED.iter().enumerate() {
+    // Input gradients only (the forward takes no 48 input channels): dx channels an odd
+    // multiple of 16, which stores its last 16 through the 1 × 4 tiling.
+    let extra = [
+        ((48, (9, 9), (3, 3), (1, 1), 1, 32), (2, 2)),
+        ((48, (8, 9), (1, 1), (0, 0), 1, 16), (2, 2)),
+    ];
+    for (i, (case, stride)) in STRIDED.iter().chain(&extra).enumerate() {
         let g = strided(case, *stride);
         let w0 = vec![bf16::ZERO; g.weight_len()];
-        let expect = !matches!(i, 5 | 7 | 9);
+        let expect = !matches!(i, 5 | 7 | 9 | 11);
         assert_eq!(
             AmxInputGradPlan::with_amx(&g, &w0, false).is_some(),
             expect,
@@ -448,4 +462,59 @@ fn strided_input_grads_match_f64_on_the_twin_and_on_amx() {
     // Stride 1 is a plain convolution of dy, not this plan's.
     let plain = geom(&(16, (8, 8), (3, 3), (1, 1), 1, 16));
     assert!(AmxInputGradPlan::with_amx(&plain, &vec![bf16::ZERO; 16 * 16 * 9], false).is_none());
+}
+
+/// One plan over batches of changing size (its buffers laid out for the last one): each
+/// call adds exactly the gradient of its own images. Small integers keep every sum exact,
+/// so the result must equal the F64 reference to the bit.
+#[test]
+fn weight_grads_follow_the_batch_size() {
+    let mut rng = Generator::new(305);
+    for case in [
+        (16, (7, 9), (3, 3), (1, 1), 1, 32),
+        (32, (6, 5), (3, 3), (1, 1), 1, 16),
+    ] {
+        let g = geom(&case);
+        let int = |rng: &mut Generator, r: f64| bf16::from_f64(rng.uniform(-r, r).round());
+        let x: Vec<bf16> = (0..3 * g.in_image()).map(|_| int(&mut rng, 4.0)).collect();
+        let dy: Vec<bf16> = (0..3 * g.out_image()).map(|_| int(&mut rng, 3.0)).collect();
+        let mut plans = vec![AmxWgradPlan::with_amx(&g, false).expect("a plan")];
+        plans.extend(AmxWgradPlan::with_amx(&g, true));
+        for plan in &plans {
+            let mut got = vec![0f32; g.weight_len()];
+            let mut want = vec![0f64; g.weight_len()];
+            for n in [3, 2, 3, 0, 1] {
+                let (x, dy) = (&x[..n * g.in_image()], &dy[..n * g.out_image()]);
+                plan.add_weight_grad(x, dy, n, &mut got);
+                if n > 0 {
+                    let f = |v: &[bf16]| v.iter().map(|v| v.to_f64()).collect::<Vec<f64>>();
+                    let (dw, _) =
+                        conv2d_weight_grad_reference(&f(x), &f(dy), &Conv2dGeom { n, ..g });
+                    want.iter_mut().zip(&dw).for_each(|(a, b)| *a += b);
+                }
+                let want32: Vec<f32> = want.iter().map(|&v| v as f32).collect();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want32),
+                    "{g:?} amx {}: after a batch of {n}",
+                    plan.uses_amx()
+                );
+            }
+        }
+    }
+}
+
+/// A convolution whose copies or outputs would hold positions past what the plans' `u32`
+/// runs keep gets no plan (the caller's other routes take it) rather than a panic.
+#[test]
+fn images_too_large_for_the_runs_get_no_plan() {
+    let big = geom(&(32, (40_000, 40_000), (3, 3), (1, 1), 1, 32));
+    let w = vec![bf16::ZERO; big.weight_len()];
+    assert!(AmxConvPlan::with_amx(&big, &w, false).is_none());
+    assert!(AmxWgradPlan::with_amx(&big, false).is_none());
+    let big2 = strided(&(32, (40_000, 40_000), (3, 3), (1, 1), 1, 32), (2, 2));
+    assert!(AmxInputGradPlan::with_amx(&big2, &w, false).is_none());
+    // The same convolution on a small image is taken.
+    let small = geom(&(32, (40, 40), (3, 3), (1, 1), 1, 32));
+    assert!(AmxConvPlan::with_amx(&small, &w, false).is_some());
 }

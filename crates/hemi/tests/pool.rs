@@ -11,13 +11,16 @@ type Window = ((usize, usize), (usize, usize), (usize, usize));
 
 /// The windows every dtype runs: odd and overlapping windows, padding, CifarNet's 2x2,
 /// ResNet's 1×1 subsampling (its own gather path).
-const WINDOWS: [Window; 6] = [
+const WINDOWS: [Window; 8] = [
     ((2, 2), (2, 2), (0, 0)),
     ((3, 2), (2, 1), (1, 1)),
     ((3, 3), (1, 1), (1, 1)),
     ((3, 3), (2, 3), (0, 1)),
     ((1, 1), (2, 2), (0, 0)),
     ((1, 1), (3, 2), (0, 0)),
+    // Non-overlapping windows over padding (the gradient's scatter in the stored dtype).
+    ((2, 2), (2, 2), (1, 1)),
+    ((3, 3), (3, 3), (1, 0)),
 ];
 
 /// Input shapes: odd sizes, a 3-D [C, H, W] input, size-1 dims.
@@ -216,7 +219,9 @@ dtype_tests!(max_pool_matches_reference, super::max_pool);
 fn max_pool_strided_gradient(dtype: DType) {
     let mut rng = Generator::new(13);
     let shape = [2, 3, 7, 6];
-    for win in [WINDOWS[0], WINDOWS[1], WINDOWS[4], WINDOWS[5]] {
+    for win in [
+        WINDOWS[0], WINDOWS[1], WINDOWS[4], WINDOWS[5], WINDOWS[6], WINDOWS[7],
+    ] {
         let (k, s, p) = win;
         let what = format!("{dtype} max_pool2d {win:?} through cat");
         let (x, xv) = rand_tensor(&shape, dtype, false, &mut rng);

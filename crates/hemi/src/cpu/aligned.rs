@@ -48,7 +48,7 @@ impl<T: Plain> Aligned<T> {
 
     /// Makes the buffer `len` zeros (reusing its memory where it is large enough).
     pub(crate) fn set_zeroed(&mut self, len: usize) {
-        let lines = (len * size_of::<T>()).div_ceil(64);
+        let lines = bytes::<T>(len).div_ceil(64);
         self.lines.clear();
         self.lines.resize(lines, Line([0; 64]));
         self.len = len;
@@ -58,10 +58,16 @@ impl<T: Plain> Aligned<T> {
     pub(crate) fn grow(&mut self, len: usize) {
         if len > self.len {
             self.lines
-                .resize((len * size_of::<T>()).div_ceil(64), Line([0; 64]));
+                .resize(bytes::<T>(len).div_ceil(64), Line([0; 64]));
             self.len = len;
         }
     }
+}
+
+/// The bytes of `len` `T`s; a count past the address space is a bug in the caller.
+fn bytes<T>(len: usize) -> usize {
+    len.checked_mul(size_of::<T>())
+        .expect("aligned buffer larger than the address space")
 }
 
 impl<T: Plain> std::ops::Deref for Aligned<T> {

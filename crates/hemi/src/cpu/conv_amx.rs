@@ -37,7 +37,11 @@
 //! that B rows 8–15 read tap `kj + 1` at the same pixel offset as rows 0–7 read tap `kj`.
 //! The zero weights of such a half chunk multiply real pixels (one tap past the row): an
 //! infinite input there makes a NaN of an output that im2col would have left finite
-//! (0 · inf). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
+//! (0 · inf). The weight gradient likewise sums over computed pixels that are no output
+//! (the columns past `w_out` of a padded row, the gaps between 32-pixel chunks), where dy
+//! is zero: an infinite input there makes a NaN of a weight gradient that im2col would
+//! have left finite. Either way the same input reaches real outputs through other taps,
+//! so the loss is already non-finite (and a loss scaler skips the step). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
 //! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
@@ -222,6 +226,18 @@ struct CopyLayout {
     q_len: usize,
 }
 
+/// Whether every position in one image's copies and outputs fits the `u32`s the runs keep:
+/// the padded image, with a kernel's reach and a part of slack on each axis, over the wider
+/// channel count, with room to spare.
+fn fits_u32(g: &Conv2dGeom) -> bool {
+    let rows = g.h + 2 * g.padding.0 + g.kh * g.dilation.0 + 2;
+    let cols = g.w + 2 * g.padding.1 + g.kw * g.dilation.1 + 2 * RUN_PART;
+    [rows, cols, g.c_in.max(g.c_out)]
+        .iter()
+        .try_fold(1usize, |a, &b| a.checked_mul(b))
+        .is_some_and(|e| e <= (u32::MAX / 4) as usize)
+}
+
 impl AmxConvPlan {
     /// The plan where this file is the route: BF16 weights `w [c_out, c_in, kh, kw]`, a
     /// convolution `with_amx` takes, on a CPU and OS that run AMX-BF16.
@@ -242,10 +258,9 @@ impl AmxConvPlan {
         }
         // 16 input channels: a chunk is two taps of one kernel row (`pair_taps`).
         let pair_taps = g.c_in == T16;
-        assert!(
-            w.len() >= g.weight_len(),
-            "conv_amx: weights too short for {g:?}"
-        );
+        if w.len() < g.weight_len() {
+            return None;
+        }
         let ph = Phases::new(g);
         let p_len = (g.h_out - 1) * ph.wq + g.w_out;
         let chunks = g.c_in.div_ceil(CHUNK);
@@ -377,7 +392,7 @@ impl AmxConvPlan {
         let c_in = g.c_in > 0 && (g.c_in.is_multiple_of(CHUNK) || g.c_in == T16);
         // Two taps of a row share one offset only at column stride 1, or 2 undilated.
         let pairs = g.c_in != T16 || sw == 1 || (sw == 2 && g.dilation.1 == 1);
-        shape && c_in && pairs && g.c_out > 0 && g.c_out.is_multiple_of(T16)
+        shape && c_in && pairs && g.c_out > 0 && g.c_out.is_multiple_of(T16) && fits_u32(g)
     }
 
     /// Whether the plan runs on AMX tiles (else on the portable twin).
@@ -601,7 +616,7 @@ impl AmxInputGradPlan {
         if g.stride == (1, 1) || sh == 0 || sw == 0 || g.groups != 1 || g.dilation != (1, 1) {
             return None;
         }
-        if g.l() == 0 || g.in_image() == 0 || w.len() < g.weight_len() {
+        if g.l() == 0 || g.in_image() == 0 || w.len() < g.weight_len() || !fits_u32(g) {
             return None;
         }
         let (ph, pw) = g.padding;
@@ -773,7 +788,7 @@ impl ConvOut for f32 {
         #[cfg(target_arch = "x86_64")]
         if wide_store() {
             // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths.
-            return unsafe { x86::add_run(dst, src, b) };
+            return unsafe { x86::add_run(dst.as_mut_ptr(), src, b) };
         }
         for (d, &s) in dst.iter_mut().zip(src) {
             *d = s + b;
@@ -812,7 +827,7 @@ impl ConvOut for MaybeUninit<bf16> {
         #[cfg(target_arch = "x86_64")]
         if wide_store() {
             // SAFETY: AVX-512 F/BW/VL (`wide_store`); equal lengths; `add_run` only stores.
-            return unsafe { x86::add_run(&mut *(dst as *mut [_] as *mut [bf16]), src, b) };
+            return unsafe { x86::add_run(dst.as_mut_ptr().cast::<bf16>(), src, b) };
         }
         let (mut t, mut h) = ([0f32; RUN_PART], [bf16::ZERO; RUN_PART]);
         let (t, h) = (&mut t[..src.len()], &mut h[..src.len()]);
@@ -993,23 +1008,24 @@ mod x86 {
     /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm_wide`'s store).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F/BW/VL and F16C; `dst` and `src` have the same length.
+    /// The CPU has AVX-512 F/BW/VL and F16C; `dst` is valid for writes of `src.len()`
+    /// elements (which it may not yet hold: it is only stored to).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     pub(super) unsafe fn add_run<L: crate::cpu::norm_wide::x86::Lanes>(
-        dst: &mut [L],
+        dst: *mut L,
         src: &[f32],
         b: f32,
     ) {
         use std::arch::x86_64::*;
         let bv = _mm512_set1_ps(b);
         let mut j = 0;
-        while j < dst.len() {
-            let n = dst.len() - j;
+        while j < src.len() {
+            let n = src.len() - j;
             let m: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
             // SAFETY: the lanes under `m` lie inside both slices.
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
-                L::st(dst.as_mut_ptr().add(j), v, m);
+                L::st(dst.add(j), v, m);
             }
             j += 16;
         }
@@ -1488,6 +1504,7 @@ impl AmxWgradPlan {
             || g.c_out == 0
             || !g.c_in.is_multiple_of(T16)
             || !g.c_out.is_multiple_of(T16)
+            || !fits_u32(g)
         {
             return None;
         }
