@@ -41,8 +41,10 @@
 //! (the columns past `w_out` of a padded row, the gaps between 32-pixel chunks), where dy
 //! is zero: an infinite input there makes a NaN of a weight gradient that im2col would
 //! have left finite. Either way the same input reaches real outputs through other taps,
-//! so the loss is already non-finite (and a loss scaler skips the step). Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last
-//! 16 channels of a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
+//! so the loss is already non-finite (and a loss scaler skips the step).
+//!
+//! Tiles: 2 output-channel tiles × 2 pixel tiles (32 × 32) or, for the last 16 channels of
+//! a `c_out` that is an odd multiple of 16, 1 × 4 (16 × 64).
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
 //! F32 over (tap, chunk) steps in order, the bias added at the end. Within one `tdpbf16ps`
@@ -256,11 +258,11 @@ impl AmxConvPlan {
         if (amx && !amx_available()) || !Self::takes(g) {
             return None;
         }
-        // 16 input channels: a chunk is two taps of one kernel row (`pair_taps`).
-        let pair_taps = g.c_in == T16;
         if w.len() < g.weight_len() {
             return None;
         }
+        // 16 input channels: a chunk is two taps of one kernel row (`pair_taps`).
+        let pair_taps = g.c_in == T16;
         let ph = Phases::new(g);
         let p_len = (g.h_out - 1) * ph.wq + g.w_out;
         let chunks = g.c_in.div_ceil(CHUNK);
@@ -1022,7 +1024,8 @@ mod x86 {
         while j < src.len() {
             let n = src.len() - j;
             let m: __mmask16 = if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 };
-            // SAFETY: the lanes under `m` lie inside both slices.
+            // SAFETY: the lanes under `m` lie inside `src` and the `src.len()` writable
+            // elements at `dst`.
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
                 L::st(dst.add(j), v, m);
