@@ -236,6 +236,19 @@ fn minmax(values: impl Iterator<Item = f64>) -> (f64, f64) {
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
+/// Writes an RGB buffer drawn by plotters as a PNG file (the `image` crate hemi already
+/// uses for data sets, rather than plotters' own encoder and its older `image`).
+fn save_png(path: &Path, pixels: Vec<u8>, (w, h): (u32, u32)) -> Result<()> {
+    let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| {
+        Error::Msg(format!(
+            "{}: chart buffer of the wrong size",
+            path.display()
+        ))
+    })?;
+    img.save_with_format(path, image::ImageFormat::Png)
+        .map_err(|e| Error::Msg(format!("{}: cannot write the PNG: {e}", path.display())))
+}
+
 /// One panel of `scale.png`: area, caption, y label, y range, the value of a step.
 type Panel<'a, 'b> = (
     &'b Area<'a>,
@@ -337,125 +350,136 @@ fn epoch_chart(area: &Area, path: &Path, runs: &[Run], c: EpochChart) -> Result<
 
 fn plot_curves(runs: &[Run], path: &Path) -> Result<()> {
     let err = draw_err(path);
-    let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(&err)?;
-    let (left, right) = root.split_horizontally(700);
-    let pts = |r: &Run, f: fn(&EpochPoint) -> Option<f64>| -> Vec<(f64, f64)> {
-        r.epochs
-            .iter()
-            .filter_map(|(&e, p)| Some((e as f64, f(p).filter(|v| v.is_finite())?)))
-            .collect()
-    };
-    epoch_chart(
-        &left,
-        path,
-        runs,
-        EpochChart {
-            caption: "Loss per epoch (solid: train, dashed: test)",
-            y_desc: "loss",
-            series: &|r| (pts(r, |p| p.train_loss), pts(r, |p| p.test_loss)),
-            dashed_name: "test",
-            legend_at: SeriesLabelPosition::UpperRight,
-        },
-    )?;
-    epoch_chart(
-        &right,
-        path,
-        runs,
-        EpochChart {
-            caption: "Test accuracy per epoch",
-            y_desc: "test accuracy (%)",
-            series: &|r| {
-                let a = pts(r, |p| p.test_accuracy.map(|a| 100.0 * a));
-                (a, Vec::new())
+    let size = (1400, 560);
+    let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let (left, right) = root.split_horizontally(700);
+        let pts = |r: &Run, f: fn(&EpochPoint) -> Option<f64>| -> Vec<(f64, f64)> {
+            r.epochs
+                .iter()
+                .filter_map(|(&e, p)| Some((e as f64, f(p).filter(|v| v.is_finite())?)))
+                .collect()
+        };
+        epoch_chart(
+            &left,
+            path,
+            runs,
+            EpochChart {
+                caption: "Loss per epoch (solid: train, dashed: test)",
+                y_desc: "loss",
+                series: &|r| (pts(r, |p| p.train_loss), pts(r, |p| p.test_loss)),
+                dashed_name: "test",
+                legend_at: SeriesLabelPosition::UpperRight,
             },
-            dashed_name: "",
-            legend_at: SeriesLabelPosition::LowerRight,
-        },
-    )?;
-    root.present().map_err(&err)?;
+        )?;
+        epoch_chart(
+            &right,
+            path,
+            runs,
+            EpochChart {
+                caption: "Test accuracy per epoch",
+                y_desc: "test accuracy (%)",
+                series: &|r| {
+                    let a = pts(r, |p| p.test_accuracy.map(|a| 100.0 * a));
+                    (a, Vec::new())
+                },
+                dashed_name: "",
+                legend_at: SeriesLabelPosition::LowerRight,
+            },
+        )?;
+        root.present().map_err(&err)?;
+    }
+    save_png(path, pixels, size)?;
     Ok(())
 }
 
 fn plot_scale(runs: &[Run], path: &Path) -> Result<()> {
     let err = draw_err(path);
-    let root = BitMapBackend::new(path, (1400, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(&err)?;
-    let (left, right) = root.split_horizontally(700);
-    let (x0, x1) = minmax(runs.iter().flat_map(|r| r.steps.keys().map(|&s| s as f64)));
-    let (s0, s1) = minmax(runs.iter().flat_map(|r| {
-        r.steps
-            .values()
-            .map(|p| p.scale.max(f64::MIN_POSITIVE).log2())
-    }));
-    let (k0, k1) = minmax(
-        runs.iter()
-            .flat_map(|r| r.steps.values().map(|p| p.skipped)),
-    );
-    let xr = padded(x0, x1);
-    let panels: [Panel; 2] = [
-        (
-            &left,
-            "Loss scale over steps",
-            "loss scale",
-            (s0.floor() - 1.0)..(s1.ceil() + 1.0),
-            |p| p.scale.max(f64::MIN_POSITIVE).log2(),
-        ),
-        (
-            &right,
-            "Skipped steps (inf/NaN gradients), cumulative",
-            "skipped steps",
-            padded(k0.min(0.0), k1.max(1.0)),
-            |p| p.skipped,
-        ),
-    ];
-    for (pi, (area, caption, desc, yr, f)) in panels.into_iter().enumerate() {
-        let mut chart = ChartBuilder::on(area)
-            .caption(caption, ("sans-serif", 22))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(xr.clone(), yr)
-            .map_err(&err)?;
-        let log_scale = pi == 0;
-        chart
-            .configure_mesh()
-            .x_desc("optimizer step")
-            .y_desc(desc)
-            .x_label_formatter(&|&x| whole(x, |s| s.to_string()))
-            .y_label_formatter(&|&y| {
-                whole(y, |k| {
-                    if log_scale {
-                        format!("2^{k}")
-                    } else {
-                        k.to_string()
-                    }
-                })
-            })
-            .label_style(("sans-serif", 14))
-            .draw()
-            .map_err(&err)?;
-        for (i, run) in runs.iter().enumerate() {
-            let c = color(i);
-            let pts: Vec<(f64, f64)> = run.steps.iter().map(|(&s, p)| (s as f64, f(p))).collect();
+    let size = (1400, 560);
+    let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let (left, right) = root.split_horizontally(700);
+        let (x0, x1) = minmax(runs.iter().flat_map(|r| r.steps.keys().map(|&s| s as f64)));
+        let (s0, s1) = minmax(runs.iter().flat_map(|r| {
+            r.steps
+                .values()
+                .map(|p| p.scale.max(f64::MIN_POSITIVE).log2())
+        }));
+        let (k0, k1) = minmax(
+            runs.iter()
+                .flat_map(|r| r.steps.values().map(|p| p.skipped)),
+        );
+        let xr = padded(x0, x1);
+        let panels: [Panel; 2] = [
+            (
+                &left,
+                "Loss scale over steps",
+                "loss scale",
+                (s0.floor() - 1.0)..(s1.ceil() + 1.0),
+                |p| p.scale.max(f64::MIN_POSITIVE).log2(),
+            ),
+            (
+                &right,
+                "Skipped steps (inf/NaN gradients), cumulative",
+                "skipped steps",
+                padded(k0.min(0.0), k1.max(1.0)),
+                |p| p.skipped,
+            ),
+        ];
+        for (pi, (area, caption, desc, yr, f)) in panels.into_iter().enumerate() {
+            let mut chart = ChartBuilder::on(area)
+                .caption(caption, ("sans-serif", 22))
+                .margin(12)
+                .x_label_area_size(40)
+                .y_label_area_size(70)
+                .build_cartesian_2d(xr.clone(), yr)
+                .map_err(&err)?;
+            let log_scale = pi == 0;
             chart
-                .draw_series(LineSeries::new(pts, c.stroke_width(2)))
-                .map_err(&err)?
-                .label(run.label.clone())
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                });
+                .configure_mesh()
+                .x_desc("optimizer step")
+                .y_desc(desc)
+                .x_label_formatter(&|&x| whole(x, |s| s.to_string()))
+                .y_label_formatter(&|&y| {
+                    whole(y, |k| {
+                        if log_scale {
+                            format!("2^{k}")
+                        } else {
+                            k.to_string()
+                        }
+                    })
+                })
+                .label_style(("sans-serif", 14))
+                .draw()
+                .map_err(&err)?;
+            for (i, run) in runs.iter().enumerate() {
+                let c = color(i);
+                let pts: Vec<(f64, f64)> =
+                    run.steps.iter().map(|(&s, p)| (s as f64, f(p))).collect();
+                chart
+                    .draw_series(LineSeries::new(pts, c.stroke_width(2)))
+                    .map_err(&err)?
+                    .label(run.label.clone())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::MiddleRight)
+                .label_font(("sans-serif", 14))
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK.mix(0.4))
+                .draw()
+                .map_err(&err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::MiddleRight)
-            .label_font(("sans-serif", 14))
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.4))
-            .draw()
-            .map_err(&err)?;
+        root.present().map_err(&err)?;
     }
-    root.present().map_err(&err)?;
+    save_png(path, pixels, size)?;
     Ok(())
 }
 
@@ -488,204 +512,209 @@ fn plot_grad_hist(rec: &GradRecord, label: &str, path: &Path) -> Result<()> {
     let row = 16u32;
     let top_h = 520u32;
     let height = top_h + 110 + row * layers as u32;
-    let root = BitMapBackend::new(path, (1400, height)).into_drawing_area();
-    root.fill(&WHITE).map_err(&err)?;
-    let (top, bottom) = root.split_vertically(top_h);
+    let size = (1400, height);
+    let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let (top, bottom) = root.split_vertically(top_h);
 
-    // Shares in %, on a log axis: the values F16 loses are a small share, invisible on a
-    // linear one.
-    let share: Vec<(i32, f64)> = all
-        .nonzero_bins()
-        .map(|(e, c)| (e, 100.0 * c as f64 / total))
-        .collect();
-    let smax = share.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9);
-    let smin = share.iter().map(|p| p.1).fold(smax, f64::min);
-    let (y0, y1) = (smin / 3.0, smax * 3.0);
-    let caption = format!(
-        "{label}, epoch {}: log2|g| of the unscaled gradients; F16 loses {:.3} % without \
-         scaling, {:.3} % at scale 2^{shift}",
-        rec.epoch,
-        100.0 * all.f16_lost_share(0),
-        100.0 * all.f16_lost_share(shift)
-    );
-    let mut chart = ChartBuilder::on(&top)
-        .caption(caption, ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(80)
-        .build_cartesian_2d(f64::from(lo)..f64::from(hi), (y0..y1).log_scale())
-        .map_err(&err)?;
-    chart
-        .configure_mesh()
-        .x_desc("floor(log2 |g|): the value lies in [2^e, 2^(e+1))")
-        .y_desc("share of values (%, log scale)")
-        .x_label_formatter(&|&x| whole(x, |e| e.to_string()))
-        .y_label_formatter(&|&y| format!("{y:.0e}"))
-        .label_style(("sans-serif", 14))
-        .draw()
-        .map_err(&err)?;
-    // The binades F16 keeps once the gradients are multiplied by the scale (2^shift).
-    let window = RGBColor(44, 160, 44);
-    chart
-        .draw_series(std::iter::once(Rectangle::new(
-            [
-                (f64::from(F16_SUB - shift), y0),
-                (f64::from(F16_OVER - shift), y1),
-            ],
-            window.mix(0.12).filled(),
-        )))
-        .map_err(&err)?
-        .label(format!(
-            "F16 range at loss scale 2^{shift}: 2^{} .. 2^{}",
-            F16_SUB - shift,
-            F16_OVER - shift
-        ))
-        .legend(move |(x, y)| {
-            Rectangle::new([(x, y - 6), (x + 20, y + 6)], window.mix(0.3).filled())
-        });
-    let (blue, red) = (RGBColor(31, 119, 180), RGBColor(214, 39, 40));
-    let bar = |e: i32, s: f64, c: RGBColor| {
-        Rectangle::new(
-            [(f64::from(e) + 0.08, y0), (f64::from(e) + 0.92, s)],
-            c.filled(),
-        )
-    };
-    let lost = |e: &i32| *e < F16_SUB || *e >= F16_OVER;
-    chart
-        .draw_series(
-            share
-                .iter()
-                .filter(|p| !lost(&p.0))
-                .map(|&(e, s)| bar(e, s, blue)),
-        )
-        .map_err(&err)?
-        .label("values F16 holds without scaling")
-        .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 20, y + 6)], blue.filled()));
-    chart
-        .draw_series(
-            share
-                .iter()
-                .filter(|p| lost(&p.0))
-                .map(|&(e, s)| bar(e, s, red)),
-        )
-        .map_err(&err)?
-        .label("values F16 loses without scaling")
-        .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 20, y + 6)], red.filled()));
-    let mut mark = |e: i32, c: RGBColor, name: &str| -> Result<()> {
-        let s = chart.draw_series(DashedLineSeries::new(
-            [(f64::from(e), y0), (f64::from(e), y1)],
-            5,
-            4,
-            c.stroke_width(2),
-        ));
-        s.map_err(&err)?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        Ok(())
-    };
-    let (normal, over) = (RGBColor(255, 127, 14), RGBColor(0, 0, 0));
-    mark(F16_SUB, red, "F16 smallest subnormal 2^-24")?;
-    mark(
-        F16_NORMAL,
-        normal,
-        "F16 smallest normal 2^-14 (below: fewer bits)",
-    )?;
-    mark(F16_OVER, over, "F16 overflow: 2^16 (above 65504)")?;
-    let purple = RGBColor(148, 103, 189);
-    for (e, name) in [
-        (BF16_SUB, "BF16 smallest subnormal 2^-133"),
-        (BF16_NORMAL, "BF16 smallest normal 2^-126"),
-        (BF16_OVER, "BF16 overflow 2^128"),
-    ] {
-        if (lo..=hi).contains(&e) {
-            mark(e, purple, name)?;
-        }
-    }
-    if lo > BF16_NORMAL && hi < BF16_OVER {
-        chart
-            .draw_series(std::iter::once(PathElement::new(vec![], purple)))
-            .map_err(&err)?
-            .label("BF16 holds 2^-133 .. 2^128, off this axis: it loses none of these")
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], purple.stroke_width(2))
-            });
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .label_font(("sans-serif", 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .draw()
-        .map_err(&err)?;
-
-    // Per parameter: the same histogram as a row of cells, shaded by log(1 + count) so that
-    // a handful of lost values still shows.
-    let mut grid = ChartBuilder::on(&bottom)
-        .caption(
-            "Per parameter (share lost in F16: unscaled / at the loss scale); darker = more values",
-            ("sans-serif", 18),
-        )
-        .margin(12)
-        .x_label_area_size(30)
-        .y_label_area_size(340)
-        .build_cartesian_2d(f64::from(lo)..f64::from(hi), 0.0..layers.max(1) as f64)
-        .map_err(&err)?;
-    grid.configure_mesh()
-        .disable_mesh()
-        .y_labels(0)
-        .x_label_formatter(&|&x| whole(x, |e| e.to_string()))
-        .label_style(("sans-serif", 12))
-        .draw()
-        .map_err(&err)?;
-    for (i, l) in rec.layers.iter().enumerate() {
-        // The first parameter on top.
-        let y = (layers - 1 - i) as f64;
-        let peak = (l.hist.counts.iter().copied().max().unwrap_or(1) as f64).ln_1p();
-        grid.draw_series(l.hist.nonzero_bins().map(|(e, c)| {
-            let s = (c as f64).ln_1p() / peak;
-            let lerp = |a: u8, b: u8| (f64::from(a) + (f64::from(b) - f64::from(a)) * s) as u8;
-            let col = if lost(&e) {
-                RGBColor(lerp(255, 165), lerp(255, 15), lerp(255, 21))
-            } else {
-                RGBColor(lerp(255, 8), lerp(255, 48), lerp(255, 107))
-            };
-            Rectangle::new(
-                [(f64::from(e), y + 0.1), (f64::from(e) + 1.0, y + 0.9)],
-                col.filled(),
-            )
-        }))
-        .map_err(&err)?;
-        let name = format!(
-            "{}  {:.2}% / {:.2}%",
-            l.name,
-            100.0 * l.hist.f16_lost_share(0),
-            100.0 * l.hist.f16_lost_share(shift)
+        // Shares in %, on a log axis: the values F16 loses are a small share, invisible on a
+        // linear one.
+        let share: Vec<(i32, f64)> = all
+            .nonzero_bins()
+            .map(|(e, c)| (e, 100.0 * c as f64 / total))
+            .collect();
+        let smax = share.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9);
+        let smin = share.iter().map(|p| p.1).fold(smax, f64::min);
+        let (y0, y1) = (smin / 3.0, smax * 3.0);
+        let caption = format!(
+            "{label}, epoch {}: log2|g| of the unscaled gradients; F16 loses {:.3} % without \
+             scaling, {:.3} % at scale 2^{shift}",
+            rec.epoch,
+            100.0 * all.f16_lost_share(0),
+            100.0 * all.f16_lost_share(shift)
         );
-        let (_, py) = grid.backend_coord(&(f64::from(lo), y + 0.5));
-        root.draw(&Text::new(
-            name,
-            (14, py - 6),
-            ("sans-serif", 12).into_font().color(&BLACK),
-        ))
-        .map_err(&err)?;
-    }
-    for (e, c) in [(F16_SUB, red), (F16_OVER, over)] {
-        grid.draw_series(std::iter::once(PathElement::new(
-            vec![(f64::from(e), 0.0), (f64::from(e), layers as f64)],
-            c.stroke_width(1),
+        let mut chart = ChartBuilder::on(&top)
+            .caption(caption, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(80)
+            .build_cartesian_2d(f64::from(lo)..f64::from(hi), (y0..y1).log_scale())
+            .map_err(&err)?;
+        chart
+            .configure_mesh()
+            .x_desc("floor(log2 |g|): the value lies in [2^e, 2^(e+1))")
+            .y_desc("share of values (%, log scale)")
+            .x_label_formatter(&|&x| whole(x, |e| e.to_string()))
+            .y_label_formatter(&|&y| format!("{y:.0e}"))
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(&err)?;
+        // The binades F16 keeps once the gradients are multiplied by the scale (2^shift).
+        let window = RGBColor(44, 160, 44);
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [
+                    (f64::from(F16_SUB - shift), y0),
+                    (f64::from(F16_OVER - shift), y1),
+                ],
+                window.mix(0.12).filled(),
+            )))
+            .map_err(&err)?
+            .label(format!(
+                "F16 range at loss scale 2^{shift}: 2^{} .. 2^{}",
+                F16_SUB - shift,
+                F16_OVER - shift
+            ))
+            .legend(move |(x, y)| {
+                Rectangle::new([(x, y - 6), (x + 20, y + 6)], window.mix(0.3).filled())
+            });
+        let (blue, red) = (RGBColor(31, 119, 180), RGBColor(214, 39, 40));
+        let bar = |e: i32, s: f64, c: RGBColor| {
+            Rectangle::new(
+                [(f64::from(e) + 0.08, y0), (f64::from(e) + 0.92, s)],
+                c.filled(),
+            )
+        };
+        let lost = |e: &i32| *e < F16_SUB || *e >= F16_OVER;
+        chart
+            .draw_series(
+                share
+                    .iter()
+                    .filter(|p| !lost(&p.0))
+                    .map(|&(e, s)| bar(e, s, blue)),
+            )
+            .map_err(&err)?
+            .label("values F16 holds without scaling")
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 20, y + 6)], blue.filled()));
+        chart
+            .draw_series(
+                share
+                    .iter()
+                    .filter(|p| lost(&p.0))
+                    .map(|&(e, s)| bar(e, s, red)),
+            )
+            .map_err(&err)?
+            .label("values F16 loses without scaling")
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 20, y + 6)], red.filled()));
+        let mut mark = |e: i32, c: RGBColor, name: &str| -> Result<()> {
+            let s = chart.draw_series(DashedLineSeries::new(
+                [(f64::from(e), y0), (f64::from(e), y1)],
+                5,
+                4,
+                c.stroke_width(2),
+            ));
+            s.map_err(&err)?.label(name).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+            });
+            Ok(())
+        };
+        let (normal, over) = (RGBColor(255, 127, 14), RGBColor(0, 0, 0));
+        mark(F16_SUB, red, "F16 smallest subnormal 2^-24")?;
+        mark(
+            F16_NORMAL,
+            normal,
+            "F16 smallest normal 2^-14 (below: fewer bits)",
+        )?;
+        mark(F16_OVER, over, "F16 overflow: 2^16 (above 65504)")?;
+        let purple = RGBColor(148, 103, 189);
+        for (e, name) in [
+            (BF16_SUB, "BF16 smallest subnormal 2^-133"),
+            (BF16_NORMAL, "BF16 smallest normal 2^-126"),
+            (BF16_OVER, "BF16 overflow 2^128"),
+        ] {
+            if (lo..=hi).contains(&e) {
+                mark(e, purple, name)?;
+            }
+        }
+        if lo > BF16_NORMAL && hi < BF16_OVER {
+            chart
+                .draw_series(std::iter::once(PathElement::new(vec![], purple)))
+                .map_err(&err)?
+                .label("BF16 holds 2^-133 .. 2^128, off this axis: it loses none of these")
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], purple.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font(("sans-serif", 14))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.4))
+            .draw()
+            .map_err(&err)?;
+
+        // Per parameter: the same histogram as a row of cells, shaded by log(1 + count) so that
+        // a handful of lost values still shows.
+        let mut grid = ChartBuilder::on(&bottom)
+            .caption(
+                "Per parameter (share lost in F16: unscaled / at the loss scale); darker = more values",
+                ("sans-serif", 18),
+            )
+            .margin(12)
+            .x_label_area_size(30)
+            .y_label_area_size(340)
+            .build_cartesian_2d(f64::from(lo)..f64::from(hi), 0.0..layers.max(1) as f64)
+            .map_err(&err)?;
+        grid.configure_mesh()
+            .disable_mesh()
+            .y_labels(0)
+            .x_label_formatter(&|&x| whole(x, |e| e.to_string()))
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(&err)?;
+        for (i, l) in rec.layers.iter().enumerate() {
+            // The first parameter on top.
+            let y = (layers - 1 - i) as f64;
+            let peak = (l.hist.counts.iter().copied().max().unwrap_or(1) as f64).ln_1p();
+            grid.draw_series(l.hist.nonzero_bins().map(|(e, c)| {
+                let s = (c as f64).ln_1p() / peak;
+                let lerp = |a: u8, b: u8| (f64::from(a) + (f64::from(b) - f64::from(a)) * s) as u8;
+                let col = if lost(&e) {
+                    RGBColor(lerp(255, 165), lerp(255, 15), lerp(255, 21))
+                } else {
+                    RGBColor(lerp(255, 8), lerp(255, 48), lerp(255, 107))
+                };
+                Rectangle::new(
+                    [(f64::from(e), y + 0.1), (f64::from(e) + 1.0, y + 0.9)],
+                    col.filled(),
+                )
+            }))
+            .map_err(&err)?;
+            let name = format!(
+                "{}  {:.2}% / {:.2}%",
+                l.name,
+                100.0 * l.hist.f16_lost_share(0),
+                100.0 * l.hist.f16_lost_share(shift)
+            );
+            let (_, py) = grid.backend_coord(&(f64::from(lo), y + 0.5));
+            root.draw(&Text::new(
+                name,
+                (14, py - 6),
+                ("sans-serif", 12).into_font().color(&BLACK),
+            ))
+            .map_err(&err)?;
+        }
+        for (e, c) in [(F16_SUB, red), (F16_OVER, over)] {
+            grid.draw_series(std::iter::once(PathElement::new(
+                vec![(f64::from(e), 0.0), (f64::from(e), layers as f64)],
+                c.stroke_width(1),
+            )))
+            .map_err(&err)?;
+        }
+        grid.draw_series(std::iter::once(Rectangle::new(
+            [
+                (f64::from(F16_SUB - shift), 0.0),
+                (f64::from(F16_OVER - shift), layers as f64),
+            ],
+            window.stroke_width(2),
         )))
         .map_err(&err)?;
+        root.present().map_err(&err)?;
     }
-    grid.draw_series(std::iter::once(Rectangle::new(
-        [
-            (f64::from(F16_SUB - shift), 0.0),
-            (f64::from(F16_OVER - shift), layers as f64),
-        ],
-        window.stroke_width(2),
-    )))
-    .map_err(&err)?;
-    root.present().map_err(&err)?;
+    save_png(path, pixels, size)?;
     Ok(())
 }
 

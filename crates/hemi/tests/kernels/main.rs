@@ -1,0 +1,18 @@
+//! CPU kernels against their plain twins and f64 references: GEMM, convolutions, INT8 GEMM, thread-count independence.
+//!
+//! One test binary for these files (each a module, as each was its own binary before), so
+//! the suite links a few binaries instead of one per file.
+
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod conv_amx;
+mod conv_block;
+mod conv_direct;
+mod conv_implicit;
+mod conv_wgrad;
+mod gemm_half;
+mod gemm_f32_bench;
+mod qgemm;
+mod threads;

@@ -1,0 +1,24 @@
+//! Models, training, AMP and optimizers: PyTorch parity, presets, checkpoints, BERT, ResNets, quantisation, data parallel.
+//!
+//! One test binary for these files (each a module, as each was its own binary before), so
+//! the suite links a few binaries instead of one per file.
+
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod amp_master;
+mod amp_presets;
+mod amp_scaler;
+mod bert;
+mod bert_train;
+mod resnet;
+mod resnet_interop;
+mod train;
+mod training;
+mod optim;
+mod torch_parity;
+mod checkpoint;
+mod dist;
+mod quant;
+mod quant_torch;

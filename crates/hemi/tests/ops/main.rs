@@ -1,0 +1,26 @@
+//! Ops and autograd: every op against f64 references in F32/F16/BF16, finite-difference gradients, autocast.
+//!
+//! One test binary for these files (each a module, as each was its own binary before), so
+//! the suite links a few binaries instead of one per file.
+
+#[macro_use]
+#[path = "../common/mod.rs"]
+mod common;
+
+mod attention;
+mod autocast;
+mod autograd;
+mod bn_act;
+mod bn_relu_conv;
+mod conv;
+mod elementwise;
+mod index;
+mod loss;
+mod matmul;
+mod norm;
+mod pool;
+mod stats;
+mod tensor;
+mod transformer_ops;
+mod nn;
+mod grad_histogram;
