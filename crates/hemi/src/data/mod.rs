@@ -40,7 +40,9 @@ mod transforms;
 pub use cifar10::{Cifar10, CIFAR10_CLASSES};
 pub use dataset::{Dataset, Image, InMemoryDataset, Sample, Split};
 pub use fetch::{
-    fetch_archive, fetch_cifar10, unpack_cifar10, CIFAR10_BYTES, CIFAR10_SHA256, CIFAR10_URL,
+    cache_dir, fetch_archive, fetch_cifar10, fetch_minilm, fetch_minilm_from, find_or_fetch_minilm,
+    is_minilm_dir, unpack_cifar10, CIFAR10_BYTES, CIFAR10_SHA256, CIFAR10_URL, MINILM_BYTES,
+    MINILM_FILES, MINILM_NAME, MINILM_SHA256, MINILM_URL,
 };
 pub use idx::{
     load_idx, parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels, IdxImages,
