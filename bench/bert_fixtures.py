@@ -5,7 +5,7 @@ transformers with no missing or unexpected keys.
     /tmp/torch-ref/bin/python bench/bert_fixtures.py            # writes the fixtures
     /tmp/torch-ref/bin/python bench/bert_fixtures.py --check-hemi DIR [--kind cls|mlm|base]
 
-hemi's side of the check: `HEMI_BERT_EXPORT=/tmp/x cargo test --release -p hemi --test bert
+hemi's side of the check: `HEMI_BERT_EXPORT=/tmp/x cargo test --release -p hemi --test models
 save_pretrained` leaves hemi-written models in /tmp/x/cls and /tmp/x/mlm.
 
 Fixtures (see the README this script writes beside them):
@@ -188,7 +188,7 @@ MiniLM one) hold it and hemi ignores it.
 
 ## Checking hemi-written checkpoints in transformers
 
-    HEMI_BERT_EXPORT=/tmp/x cargo test --release -p hemi --test bert save_pretrained
+    HEMI_BERT_EXPORT=/tmp/x cargo test --release -p hemi --test models save_pretrained
     /tmp/torch-ref/bin/python bench/bert_fixtures.py --check-hemi /tmp/x/cls --kind cls
     /tmp/torch-ref/bin/python bench/bert_fixtures.py --check-hemi /tmp/x/mlm --kind mlm
 

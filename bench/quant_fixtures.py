@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Records PyTorch's INT8 arithmetic as fixtures for crates/hemi/tests/quant_torch.rs, which
+"""Records PyTorch's INT8 arithmetic as fixtures for crates/hemi/tests/models/quant_torch.rs, which
 replays the same inputs through hemi and compares bit for bit.
 
     /tmp/torch-ref/bin/python bench/quant_fixtures.py          # rewrites the fixture

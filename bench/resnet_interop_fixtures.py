@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """ResNet interop between hemi and PyTorch/torchvision: fixtures for
-`crates/hemi/tests/resnet_interop.rs`, and the reverse check (a hemi-written ResNet loaded
+`crates/hemi/tests/models/resnet_interop.rs`, and the reverse check (a hemi-written ResNet loaded
 into torchvision with strict=True).
 
     /tmp/torch-ref/bin/python bench/resnet_interop_fixtures.py          # (re)write fixtures
@@ -276,7 +276,7 @@ def check_hemi(d):
     ref = io["logits"]
     err = (got - ref).abs().max().item()
     scale = ref.abs().max().item()
-    # The Rust test's bound (crates/hemi/tests/resnet_interop.rs, `tolerance`):
+    # The Rust test's bound (crates/hemi/tests/models/resnet_interop.rs, `tolerance`):
     # 16 * eps_f32 * max|logit| * sqrt(depth), depth = weight layers on the longest path.
     eps = 2.0 ** -23
     tol = 16 * eps * scale * math.sqrt(int(arch[len("resnet"):]))

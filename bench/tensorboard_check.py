@@ -3,7 +3,7 @@
 
   python3 bench/tensorboard_check.py fixture OUT.tfevents
       writes a small event file with TensorBoard's Python writer (scalars and a histogram
-      with known values); crates/hemi/tests/tensorboard.rs reads the committed copy
+      with known values); crates/hemi/tests/io/tensorboard.rs reads the committed copy
       (crates/hemi/tests/fixtures/tensorboard/python.tfevents) and checks every value.
 
   python3 bench/tensorboard_check.py check LOGDIR [--metrics FILE]

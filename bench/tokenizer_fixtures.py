@@ -1,6 +1,6 @@
 """Writes crates/hemi/tests/fixtures/text/tokens.json: what Hugging Face's tokenizer
 (transformers.AutoTokenizer, the fast Rust tokenizer behind it) makes of SST-2 dev
-sentences and tricky strings, for tests/text_data.rs to compare hemi::data::Tokenizer with.
+sentences and tricky strings, for tests/io/text_data.rs to compare hemi::data::Tokenizer with.
 
     /tmp/torch-ref/bin/pip install transformers tokenizers
     /tmp/torch-ref/bin/python bench/tokenizer_fixtures.py [--shared /work/shared]

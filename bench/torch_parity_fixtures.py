@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Records PyTorch's SGD, Adam, AdamW and GradScaler trajectories, bit for bit, as fixtures
-for crates/hemi/tests/torch_parity.rs (which replays them through hemi's public API and
+for crates/hemi/tests/models/torch_parity.rs (which replays them through hemi's public API and
 compares every step's F32 bits).
 
     /tmp/torch-ref/bin/python bench/torch_parity_fixtures.py          # rewrites the fixtures

@@ -230,13 +230,14 @@ fn check_batch(b: usize) -> Result<()> {
     Ok(())
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+pub fn run(mut args: BenchArgs) -> Result<()> {
     if args.threads == 0 || args.reps == 0 {
         return Err(Error::arg(
             "bench",
             "--threads and --reps must be at least 1",
         ));
     }
+    args.threads = crate::cap_threads(args.threads)?;
     match &args.which {
         Which::Matmul { sizes, .. } => {
             for &n in sizes {

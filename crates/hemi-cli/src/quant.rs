@@ -88,6 +88,32 @@ pub fn run_quantize(args: QuantizeArgs) -> Result<()> {
         setup.precision,
         setup.description
     );
+    let mode = match args.mode {
+        ModeArg::Dynamic => Mode::Dynamic,
+        ModeArg::Static => Mode::Static,
+    };
+    // Refused before the float model's evaluation, which can take minutes.
+    if mode == Mode::Static && setup.unit != "images" {
+        return Err(Error::arg(
+            "quantize",
+            "static quantisation is implemented for image models; use --mode dynamic",
+        ));
+    }
+    if quant::quantizable_layers(setup.model.as_mut(), mode).is_empty() {
+        return Err(Error::arg(
+            "quantize",
+            format!(
+                "{} has no layers {} quantisation takes (it lists no {}); nothing was written",
+                ck.info.model,
+                mode.name(),
+                if mode == Mode::Static {
+                    "Conv2d or Linear layers"
+                } else {
+                    "Linear layers"
+                }
+            ),
+        ));
+    }
     let float = if args.no_eval {
         None
     } else {
@@ -95,20 +121,10 @@ pub fn run_quantize(args: QuantizeArgs) -> Result<()> {
         Some(report_eval(&mut setup)?)
     };
     let t0 = Instant::now();
-    let mode = match args.mode {
-        ModeArg::Dynamic => Mode::Dynamic,
-        ModeArg::Static => Mode::Static,
-    };
     let model = setup.model.as_mut();
     let layers = match mode {
         Mode::Dynamic => quant::quantize_dynamic(model)?,
         Mode::Static => {
-            if setup.unit != "images" {
-                return Err(Error::arg(
-                    "quantize",
-                    "static quantisation is implemented for image models; use --mode dynamic",
-                ));
-            }
             quant::prepare_static(model, observer)?;
             model.set_training(false);
             let _g = hemi::autograd::no_grad();

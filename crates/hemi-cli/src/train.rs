@@ -53,190 +53,211 @@ pub enum OptimizerArg {
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// A registered model (`hemi models` lists them): cifar-net, mlp, resnet20, resnet18...
-    #[arg(long, default_value = "cifar-net")]
+    #[arg(help_heading = "Model and recipe", long, default_value = "cifar-net")]
     model: String,
-    #[arg(long, value_enum, default_value_t = DatasetArg::Auto)]
+    /// The kind of data set under --data-dir (auto: CIFAR-10 if found, else the built-in
+    /// synthetic set).
+    #[arg(help_heading = "Data", long, value_enum, default_value_t = DatasetArg::Auto)]
     dataset: DatasetArg,
     /// Where the data lives: CIFAR-10 binary batches, or `train/` and `test/` class folders
     /// (the layout of the CIFAR-10 JPEG archive), or MNIST IDX files.
-    #[arg(long, default_value = "data")]
+    #[arg(help_heading = "Data", long, default_value = "data")]
     data_dir: PathBuf,
     /// A training recipe (`hemi models` lists them); default: the model's own
     /// (`documents` for cifar-net and mlp, `resnet-cifar` for the CIFAR ResNets). The flags
     /// below override its single settings.
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     recipe: Option<String>,
     /// Default: the recipe's (10 for `documents`, 30 for `resnet-cifar`).
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     epochs: Option<usize>,
     /// Default: the recipe's (128).
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     batch_size: Option<usize>,
     /// Default: the recipe's (SGD; AdamW for the BERT recipes).
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Optimizer and schedule", long, value_enum)]
     optimizer: Option<OptimizerArg>,
     /// Default: the recipe's (0.001 for `documents`, 0.1 for `resnet-cifar`).
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     lr: Option<f64>,
     /// Default: the recipe's (0.9).
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     momentum: Option<f64>,
     /// Default: the recipe's, else the optimizer's own (0; 0.01 for AdamW).
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     weight_decay: Option<f64>,
     /// Nesterov momentum (SGD): `--nesterov` or `--nesterov false`.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Optimizer and schedule", long, num_args = 0..=1, default_missing_value = "true")]
     nesterov: Option<bool>,
     /// No weight decay on biases and BatchNorm/LayerNorm weights (parameters of rank < 2).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Optimizer and schedule", long, num_args = 0..=1, default_missing_value = "true")]
     no_decay_norm_bias: Option<bool>,
     /// The lr schedule after the warm-up, per step: constant, cosine (to 0 at the end of the
     /// run) or step (x --gamma at each of --milestones epochs).
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     schedule: Option<String>,
     /// Epochs at which the step schedule multiplies the lr by --gamma, e.g. `82,123`.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(help_heading = "Optimizer and schedule", long, value_delimiter = ',')]
     milestones: Vec<usize>,
-    #[arg(long, default_value_t = 0.1)]
+    /// The step schedule's lr factor at each milestone.
+    #[arg(help_heading = "Optimizer and schedule", long, default_value_t = 0.1)]
     gamma: f64,
     /// Linear warm-up over this many epochs (fractions allowed).
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     warmup_epochs: Option<f64>,
     /// Stop after this many epochs in total, checkpointed as usual; the schedule still spans
     /// --epochs and --resume continues the run (a 30-epoch cosine run looked at after 10).
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     stop_after: Option<usize>,
     /// Label smoothing ε of the training loss, in [0, 1].
-    #[arg(long)]
+    #[arg(help_heading = "Optimizer and schedule", long)]
     label_smoothing: Option<f64>,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the initialisation, the data order and the augmentation.
+    #[arg(help_heading = "Model and recipe", long, default_value_t = 0)]
     seed: u64,
-    /// Compute threads (default: all cores).
-    #[arg(long)]
+    /// Compute threads (default: all cores; more than the cores available is capped to
+    /// them, with a warning).
+    #[arg(help_heading = "Model and recipe", long)]
     threads: Option<usize>,
     /// Data loader threads.
-    #[arg(long, default_value_t = 2)]
+    #[arg(help_heading = "Data", long, default_value_t = 2)]
     workers: usize,
     /// Print the loss every this many batches.
-    #[arg(long, default_value_t = 200)]
+    #[arg(help_heading = "Observation", long, default_value_t = 200)]
     log_every: usize,
     /// Random crop (padding an eighth of the side: 4 on 32x32) and horizontal flip on the
     /// training images: `--augment` or `--augment false` (default: the recipe's).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Data", long, num_args = 0..=1, default_missing_value = "true")]
     augment: Option<bool>,
     /// Size of the built-in synthetic training set.
-    #[arg(long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
+    #[arg(help_heading = "Data", long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
     synthetic_size: usize,
     /// Checkpoint root: a checkpoint directory (epoch-0003/...) is written into it after every
     /// epoch and on Ctrl-C. A directory that already holds checkpoints needs --resume.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     checkpoint_dir: Option<PathBuf>,
     /// Continue from the newest complete checkpoint in --checkpoint-dir.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     resume: bool,
     /// With --resume: settings that may differ from the checkpoint's run, comma-separated
     /// (e.g. `lr,epochs`); any other difference is an error that lists them.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(help_heading = "Checkpoints", long, value_delimiter = ',')]
     r#override: Vec<String>,
     /// Keep only the newest N checkpoints.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     keep: Option<usize>,
     /// Also keep the checkpoint with the best test accuracy (with --keep).
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     keep_best: bool,
     /// Write JSON lines of metrics (one per log line, one per epoch) to this file; with
     /// --resume they are appended.
-    #[arg(long)]
+    #[arg(help_heading = "Observation", long)]
     metrics: Option<PathBuf>,
     /// A loss-scaled run stops as diverged when more than this fraction of the last 100 steps
     /// was skipped for inf/NaN gradients (1 never stops).
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(help_heading = "Precision", long, default_value_t = 0.5)]
     max_skipped_fraction: f64,
     /// No progress bar (log lines only).
-    #[arg(long)]
+    #[arg(help_heading = "Observation", long)]
     quiet: bool,
     /// Precision preset: fp32, amp-fp16 (mixed_float16), amp-bf16 (mixed_bfloat16),
     /// fp16-master, pure-fp16, pure-bf16.
-    #[arg(long, default_value = "amp-fp16", value_parser = parse_precision)]
+    #[arg(help_heading = "Precision", long, default_value = "amp-fp16", value_parser = parse_precision)]
     precision: Precision,
     /// Count, per parameter, gradient values F16 could not hold without loss scaling
     /// (|g| < 2^-24 or > 65504); printed at the end.
-    #[arg(long)]
+    #[arg(help_heading = "Observation", long)]
     grad_stats: bool,
     /// Write TensorBoard event files into this directory (`tensorboard --logdir DIR`):
     /// loss, lr, loss scale, skipped steps, images/s per step; test accuracy and loss per
     /// epoch; histograms of parameters and gradients every --histogram-every steps; with
     /// --grad-stats, the share of gradient values F16 loses per epoch.
-    #[arg(long)]
+    #[arg(help_heading = "Observation", long)]
     tensorboard: Option<PathBuf>,
     /// With --tensorboard: histograms of every parameter and its (unscaled) gradient every
     /// this many steps (0: none).
-    #[arg(long, default_value_t = 100)]
+    #[arg(help_heading = "Observation", long, default_value_t = 100)]
     histogram_every: usize,
     /// Text models: a Hugging Face model directory (config.json, model.safetensors,
     /// tokenizer.json) to start from, e.g. ../shared/models/all-MiniLM-L6-v2.
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     pretrained: Option<PathBuf>,
     /// Text models: a BERT config.json for a freshly initialised model (default:
     /// --pretrained's).
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     config: Option<PathBuf>,
     /// Text models: a tokenizer.json, or a directory holding one (default: --pretrained's).
-    #[arg(long)]
+    #[arg(help_heading = "Model and recipe", long)]
     tokenizer: Option<PathBuf>,
     /// Text: tokens per sequence at most, special tokens included (longer texts are
     /// truncated); each batch is padded to its longest sequence.
-    #[arg(long, default_value_t = 64)]
+    #[arg(help_heading = "Data", long, default_value_t = 64)]
     max_length: usize,
     /// Text: batch sequences of similar length together (less padding).
-    #[arg(long)]
+    #[arg(help_heading = "Data", long)]
     bucket: bool,
     /// Train on the samples in file order every epoch (PyTorch's `shuffle=False`): for
     /// step-by-step comparisons with another framework fed the same batches.
-    #[arg(long)]
+    #[arg(help_heading = "Data", long)]
     no_shuffle: bool,
     /// Text classification: the column holding the text (a header name, or a 0-based
     /// index for files without a header line).
-    #[arg(long, default_value = "sentence")]
+    #[arg(help_heading = "Data", long, default_value = "sentence")]
     text_column: String,
     /// Text classification: the column holding the label.
-    #[arg(long, default_value = "label")]
+    #[arg(help_heading = "Data", long, default_value = "label")]
     label_column: String,
+    /// Text classification: the number of classes, when the data uses fewer than it has
+    /// (integer labels must be below it). Without it, integer labels must be exactly
+    /// 0..N-1 for the N distinct labels in the file.
+    #[arg(help_heading = "Data", long)]
+    num_classes: Option<usize>,
     /// Masked-LM: the share of tokens chosen as targets (of which 80 % become [MASK], 10 %
     /// a random token, 10 % stay).
-    #[arg(long, default_value_t = 0.15)]
+    #[arg(help_heading = "Data", long, default_value_t = 0.15)]
     mlm_probability: f64,
     /// Text models: after training, write the model in Hugging Face's layout (config.json,
     /// model.safetensors, tokenizer.json) to this directory, so `transformers` loads it.
-    #[arg(long)]
+    #[arg(help_heading = "Checkpoints", long)]
     save_pretrained: Option<PathBuf>,
     /// Quantisation-aware training from this float checkpoint (a run root or one
     /// checkpoint directory of the same model): its weights are loaded, then every Conv2d
     /// and Linear trains with fake-quantised weights (per channel) and activations (moving
     /// averages of their ranges), straight-through gradients. `hemi quantize --mode static`
     /// turns the result into INT8.
-    #[arg(long, value_name = "CHECKPOINT")]
+    #[arg(help_heading = "Model and recipe", long, value_name = "CHECKPOINT")]
     qat: Option<PathBuf>,
     /// Gradient accumulation: split each batch into this many micro-batches, one backward
     /// each, and step once (1 rank with --micro-batches N trains exactly like N ranks).
-    #[arg(long, default_value_t = 1)]
+    #[arg(help_heading = "Optimizer and schedule", long, default_value_t = 1)]
     micro_batches: usize,
     /// Data parallel (`mpirun -np N hemi train`, a build with `--features mpi`): the dtype
     /// gradients are all-reduced in: f32, f16 (pre-scaled by a power of two so the sum
     /// neither overflows nor underflows) or bf16; sums are always accumulated in F32.
     /// --batch-size is per rank, as with PyTorch's DDP.
-    #[arg(long, default_value = "f32", value_parser = parse_wire)]
+    #[arg(help_heading = "Distributed (mpirun, a build with --features mpi)", long, default_value = "f32", value_parser = parse_wire)]
     allreduce: Wire,
     /// Data parallel: gradient bucket size in MiB (DDP's bucket_cap_mb).
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(
+        help_heading = "Distributed (mpirun, a build with --features mpi)",
+        long,
+        default_value_t = 25.0
+    )]
     bucket_mb: f64,
     /// Data parallel: seconds a rank waits for another before the job ends with an error.
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(
+        help_heading = "Distributed (mpirun, a build with --features mpi)",
+        long,
+        default_value_t = 300.0
+    )]
     dist_timeout: f64,
     /// Data parallel: SyncBatchNorm, batch-norm statistics over the batches of all ranks
     /// (default: each rank's own batch, as DDP does; rank 0's running statistics are used
     /// for evaluation and saved).
-    #[arg(long)]
+    #[arg(
+        help_heading = "Distributed (mpirun, a build with --features mpi)",
+        long
+    )]
     sync_bn: bool,
 }
 
@@ -688,6 +709,7 @@ fn prepare_text(
         label: column(&args.label_column),
         header: !(args.text_column.parse::<usize>().is_ok()
             && args.label_column.parse::<usize>().is_ok()),
+        num_classes: args.num_classes,
         ..TextColumns::named("sentence", "label")
     };
     let data = load_text_data(data_dir, mlm, &columns)?;
@@ -734,6 +756,9 @@ fn prepare_text(
     } else {
         settings.insert("text_column".into(), args.text_column.clone());
         settings.insert("label_column".into(), args.label_column.clone());
+        if let Some(k) = args.num_classes {
+            settings.insert("num_classes".into(), k.to_string());
+        }
     }
     let save = match spec.architecture {
         Some(architecture) => Some(SavePretrained {
@@ -835,9 +860,10 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
     }
     // Ranks sharing a machine share its cores (torchrun sets OMP_NUM_THREADS=1 for the
     // same reason): without --threads each takes cores / ranks on this machine.
-    let threads = args
-        .threads
-        .or_else(|| group.as_ref().map(|_| crate::dist::threads_per_rank()));
+    let threads = match args.threads {
+        Some(t) => Some(crate::cap_threads(t)?),
+        None => group.as_ref().map(|_| crate::dist::threads_per_rank()),
+    };
     if let Some(t) = threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -848,6 +874,16 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
     let task = hemi::train::find_task(spec.task)?;
     let mut settings = std::collections::BTreeMap::new();
     settings.insert("batch_size".to_string(), batch_size.to_string());
+    if args.num_classes.is_some() && spec.input != InputKind::Text {
+        return Err(Error::arg(
+            "train",
+            format!(
+                "--num-classes applies to text classification data; {}'s classes are the \
+                 data set's",
+                spec.name
+            ),
+        ));
+    }
     let prepared = match spec.input {
         InputKind::Image => prepare_images(
             &args,
@@ -1485,10 +1521,34 @@ pub(crate) fn eval_setup(
     if spec.input == InputKind::Text {
         return eval_setup_text(ck, data_dir, batch_size, &spec, load_weights);
     }
+    // A --data-dir given here is where to evaluate: it must exist, and a checkpoint trained
+    // on the built-in set is evaluated on whatever data set lies there (checked below
+    // against the checkpoint's classes and input shape), never silently on the built-in set.
+    let given = data_dir.is_some();
+    if let Some(d) = &data_dir {
+        if !d.is_dir() {
+            return Err(Error::Msg(format!(
+                "--data-dir {}: no such directory (omit --data-dir to evaluate on the data \
+                 the checkpoint was trained on)",
+                d.display()
+            )));
+        }
+    }
     let dir = data_dir
         .or(ck.info.data_dir.clone())
         .unwrap_or_else(|| PathBuf::from("data"));
     let kind = match ck.info.dataset.as_str() {
+        "synthetic" if given => {
+            if Cifar10::probe(&dir)?.is_none() && !has_class_folders(&dir) {
+                return Err(Error::Msg(format!(
+                    "--data-dir {}: no data set there (CIFAR-10 binary batches, or train/ and \
+                     test/ image folders); the checkpoint was trained on the built-in \
+                     synthetic set, which `hemi eval` uses when --data-dir is omitted",
+                    dir.display()
+                )));
+            }
+            DatasetArg::Auto
+        }
         "synthetic" => DatasetArg::Synthetic,
         "cifar10" => DatasetArg::Cifar10,
         "image-folder" => DatasetArg::ImageFolder,
@@ -1603,10 +1663,15 @@ fn eval_setup_text(
         TextColumns::named("sentence", "label")
     } else {
         let (t, l) = (setting("text_column")?, setting("label_column")?);
+        let num_classes = match ck.info.settings.get("num_classes") {
+            Some(_) => Some(number("num_classes")?),
+            None => None,
+        };
         TextColumns {
             text: column(t),
             label: column(l),
             header: !(t.parse::<usize>().is_ok() && l.parse::<usize>().is_ok()),
+            num_classes,
             ..TextColumns::named("sentence", "label")
         }
     };

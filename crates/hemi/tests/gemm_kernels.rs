@@ -478,7 +478,7 @@ fn half_products_take_the_wide_kernel_where_it_suits() {
 /// is exact in F32 (|sum| < 2^24), so whatever order the hardware adds in, the two agree to
 /// the bit, and a misplaced, dropped or doubled element of any panel shows; on random values
 /// they agree within the F32 summation bound (each is checked against F64 in
-/// `tests/gemm_half.rs`). Every layout, k past a block (512) and odd, edge tiles (m, n no
+/// `tests/kernels/gemm_half.rs`). Every layout, k past a block (512) and odd, edge tiles (m, n no
 /// multiples of 32), accumulating or not. Skipped where the CPU or the OS gives no AMX.
 #[test]
 fn amx_agrees_with_its_portable_twin() {

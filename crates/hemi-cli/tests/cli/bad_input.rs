@@ -142,6 +142,7 @@ fn dirs(root: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(root)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != ".hemi-lock")
         .collect();
     v.sort();
     v
@@ -756,5 +757,246 @@ fn an_mpi_launch_of_a_build_without_mpi_is_refused() {
     assert!(
         err.contains("2 ranks") && err.contains("--features mpi"),
         "{err}"
+    );
+}
+
+/// The lock file a run holds in its checkpoint directory (see `train::checkpoint::lock_dir`).
+const LOCK: &str = ".hemi-lock";
+
+/// A longer run (5 epochs of 512 images) in the background, holding `ck` while it trains.
+fn spawn_run(dir: &Path, ck: &str, seed: &str) -> std::process::Child {
+    let args = small(&[
+        "--synthetic-size",
+        "512",
+        "--epochs",
+        "5",
+        "--checkpoint-dir",
+        ck,
+        "--seed",
+        seed,
+        "--quiet",
+    ]);
+    Command::new(hemi_bin())
+        .args(&args)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start hemi")
+}
+
+fn seed_of(ck: &Path) -> u64 {
+    let v: serde_json::Value = serde_json::from_slice(&read(&ck.join("state.json"))).unwrap();
+    v["run"]["seed"]
+        .as_u64()
+        .or_else(|| v["seed"].as_u64())
+        .unwrap_or_else(|| panic!("no seed in {}: {v}", ck.display()))
+}
+
+#[test]
+fn a_second_run_in_a_held_checkpoint_directory_is_refused_naming_the_holder() {
+    let t = tmp();
+    let first = spawn_run(t.path(), "ck", "0");
+    // Wait until the first run holds the directory (its PID is in the lock file).
+    let lock = t.path().join("ck").join(LOCK);
+    let pid = first.id().to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !std::fs::read_to_string(&lock).is_ok_and(|s| s.contains(&format!("pid {pid} "))) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first run never took the lock"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = run(
+        t.path(),
+        &["--checkpoint-dir", "ck", "--seed", "5", "--epochs", "3"],
+    );
+    let err = fails_with(&o, &["ck", "in use", &format!("pid {pid}"), "host"]);
+    assert!(!text(&o).0.contains("[1,"), "trained before failing: {err}");
+    let out = first.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the first run failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every checkpoint is the first run's.
+    let names: Vec<String> = dirs(&t.path().join("ck"))
+        .into_iter()
+        .filter(|n| n.starts_with("epoch-"))
+        .collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    for n in &names {
+        assert_eq!(seed_of(&t.path().join("ck").join(n)), 0, "{n}");
+    }
+    // Once it has ended the lock is free again: a resume takes it (nothing to resume).
+    fails_with(
+        &run(
+            t.path(),
+            &[
+                "--checkpoint-dir",
+                "ck",
+                "--synthetic-size",
+                "512",
+                "--epochs",
+                "5",
+                "--resume",
+            ],
+        ),
+        &["already holds 5 of 5 epochs"],
+    );
+}
+
+#[test]
+fn two_runs_started_together_in_one_directory_one_trains_one_is_refused() {
+    let t = tmp();
+    let a = spawn_run(t.path(), "ck", "0");
+    let b = spawn_run(t.path(), "ck", "5");
+    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let ok: Vec<&Output> = [&oa, &ob]
+        .into_iter()
+        .filter(|o| o.status.success())
+        .collect();
+    assert_eq!(
+        ok.len(),
+        1,
+        "exactly one run trains\nA: {}\nB: {}",
+        String::from_utf8_lossy(&oa.stderr),
+        String::from_utf8_lossy(&ob.stderr)
+    );
+    let (winner_seed, loser) = if oa.status.success() {
+        (0, &ob)
+    } else {
+        (5, &oa)
+    };
+    fails_with(loser, &["in use", "pid "]);
+    let names: Vec<String> = dirs(&t.path().join("ck"))
+        .into_iter()
+        .filter(|n| n.starts_with("epoch-"))
+        .collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    for n in &names {
+        assert_eq!(seed_of(&t.path().join("ck").join(n)), winner_seed, "{n}");
+    }
+}
+
+#[test]
+fn stop_after_zero_is_an_error_like_epochs_zero() {
+    let t = tmp();
+    let o = run(t.path(), &["--epochs", "3", "--stop-after", "0"]);
+    let e = fails_with(&o, &["stop_after"]);
+    assert!(!text(&o).0.contains("NaN"), "{e}");
+}
+
+#[test]
+fn threads_above_the_cores_are_capped_with_a_warning() {
+    let t = tmp();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let o = run(t.path(), &["--threads", "1000"]);
+    let out = succeeds(&o);
+    let err = text(&o).1;
+    assert!(
+        err.contains("--threads 1000") && err.contains(&format!("using {cores}")),
+        "{err}"
+    );
+    assert!(out.contains(&format!("{cores} threads")), "{out}");
+    fails_with(&run(t.path(), &["--threads", "0"]), &["--threads"]);
+}
+
+#[test]
+fn negative_numbers_reach_the_flags_own_check() {
+    let t = tmp();
+    let o = run(t.path(), &["--lr", "-1"]);
+    let err = fails_with(&o, &["learning rate", "-1"]);
+    assert!(!err.contains("unexpected argument"), "{err}");
+    let o = run(t.path(), &["--epochs", "-1"]);
+    let (_, err) = text(&o);
+    // clap's own parse error for a count (exit 2) names the value, not an unknown argument.
+    assert!(
+        err.contains("-1") && !err.contains("unexpected argument"),
+        "{err}"
+    );
+}
+
+#[test]
+fn eval_with_a_data_dir_evaluates_there_or_says_why_not() {
+    let t = tmp();
+    succeeds(&run(t.path(), &["--checkpoint-dir", "ck"]));
+    let ck = t.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    // A directory that does not exist.
+    fails_with(
+        &hemi_in(
+            t.path(),
+            &["eval", "--checkpoint", ck, "--data-dir", "/nonexistent"],
+        ),
+        &["/nonexistent", "no such directory"],
+    );
+    // A directory with no data set in it.
+    std::fs::create_dir_all(t.path().join("empty")).unwrap();
+    fails_with(
+        &hemi_in(
+            t.path(),
+            &["eval", "--checkpoint", ck, "--data-dir", "empty"],
+        ),
+        &["empty", "no data set"],
+    );
+    // A data set of other classes and image size than the synthetic set's: named, refused.
+    folders(t.path(), &["cat", "dog"], &["cat", "dog"]);
+    fails_with(
+        &hemi_in(
+            t.path(),
+            &["eval", "--checkpoint", ck, "--data-dir", "data"],
+        ),
+        &["data", "classes"],
+    );
+    // Without --data-dir: the data the run trained on.
+    let out = succeeds(&hemi_in(t.path(), &["eval", "--checkpoint", ck]));
+    assert!(out.contains("synthetic"), "{out}");
+}
+
+#[test]
+fn quantize_refuses_a_model_without_quantisable_layers_before_evaluating() {
+    let t = tmp();
+    succeeds(&run(
+        t.path(),
+        &[
+            "--model",
+            "resnet20",
+            "--synthetic-size",
+            "64",
+            "--batch-size",
+            "32",
+            "--checkpoint-dir",
+            "ck",
+        ],
+    ));
+    let o = hemi_in(
+        t.path(),
+        &[
+            "quantize",
+            "--checkpoint",
+            "ck",
+            "--out",
+            "q",
+            "--mode",
+            "dynamic",
+        ],
+    );
+    fails_with(&o, &["resnet20", "no layers", "dynamic"]);
+    let out = text(&o).0;
+    assert!(!out.contains("float:"), "evaluated first:\n{out}");
+    assert!(!t.path().join("q").exists(), "wrote an output");
+}
+
+#[test]
+fn num_classes_is_for_text_data_and_fetch_names_what_it_can_fetch() {
+    let t = tmp();
+    let o = run(t.path(), &["--num-classes", "12"]);
+    fails_with(&o, &["--num-classes", "text"]);
+    assert!(!text(&o).0.contains("[1,"), "trained before failing");
+    fails_with(
+        &hemi_in(t.path(), &["data", "fetch", "imagenet"]),
+        &["imagenet", "cifar10", "all-minilm-l6-v2"],
     );
 }

@@ -3,7 +3,7 @@
 //! and reports a positive time for each dtype. Tiny sizes, so this checks that the
 //! benchmarks run, not how fast.
 
-mod common;
+use crate::common;
 use common::{hemi, ok};
 
 /// `hemi bench KIND --batch-size 2 --reps 3 --json ARGS`, its JSON lines parsed.

@@ -2,12 +2,12 @@
 //! to an opset-17 graph with the model's inputs, outputs and metadata (F16 weights about
 //! half the size), `--sample` writes inputs with hemi's logits, a Hugging Face directory
 //! exports too, and bad input is an error that names it (never a panic), leaving no file.
-//! What the graph computes is checked in `crates/hemi/tests/onnx.rs` (a reference
+//! What the graph computes is checked in `crates/hemi/tests/io/onnx.rs` (a reference
 //! interpreter) and `bench/onnx_check.py` (onnxruntime).
 
-use std::path::Path;
-mod common;
+use crate::common;
 use common::{hemi, ok};
+use std::path::Path;
 use std::process::Output;
 
 use hemi::io::onnx::{decode, OPSET};

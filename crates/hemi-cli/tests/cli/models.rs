@@ -3,7 +3,7 @@
 //! unknown name is an error naming it and the known ones (inputs a model cannot take are
 //! covered by the registry's unit test).
 
-mod common;
+use crate::common;
 use common::{hemi, ok};
 
 #[test]
@@ -139,4 +139,74 @@ fn unknown_models_are_errors_naming_them_and_the_known_ones() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(err.contains("resnet7") && err.contains("resnet20"), "{err}");
+}
+
+#[test]
+fn help_screens_are_grouped_and_read_as_a_users_sentences() {
+    let t = tempfile::tempdir().unwrap();
+    let top = ok(&hemi(t.path(), &["--help"]));
+    let train_line = top
+        .lines()
+        .find(|l| l.trim_start().starts_with("train"))
+        .unwrap_or_else(|| panic!("no train line:\n{top}"));
+    assert!(
+        !train_line.contains("boxed") && train_line.contains("Train a model"),
+        "{train_line}"
+    );
+    assert!(
+        top.contains("all-minilm-l6-v2"),
+        "data fetch names the model:\n{top}"
+    );
+    let help = ok(&hemi(t.path(), &["train", "--help"]));
+    let headings = [
+        "Data:",
+        "Model and recipe:",
+        "Precision:",
+        "Optimizer and schedule:",
+        "Checkpoints:",
+        "Observation:",
+        "Distributed",
+    ];
+    let mut at = Vec::new();
+    for h in headings {
+        let i = help
+            .lines()
+            .position(|l| l.starts_with(h))
+            .unwrap_or_else(|| panic!("no heading {h:?} in:\n{help}"));
+        at.push(i);
+    }
+    // Each flag under the heading of its group.
+    let under = |flag: &str| -> &str {
+        let line = help
+            .lines()
+            .position(|l| l.trim_start().starts_with(flag))
+            .unwrap_or_else(|| panic!("no {flag}"));
+        // The nearest heading above the flag.
+        let (k, _) = at
+            .iter()
+            .enumerate()
+            .filter(|(_, &h)| h < line)
+            .max_by_key(|(_, &h)| h)
+            .expect("flag before any heading");
+        headings[k]
+    };
+    assert_eq!(under("--data-dir"), "Data:");
+    assert_eq!(under("--precision"), "Precision:");
+    assert_eq!(under("--lr"), "Optimizer and schedule:");
+    assert_eq!(under("--checkpoint-dir"), "Checkpoints:");
+    assert_eq!(under("--tensorboard"), "Observation:");
+    assert_eq!(under("--sync-bn"), "Distributed");
+    assert_eq!(under("--model"), "Model and recipe:");
+    // Every flag says what it does: a sentence on its line or on the next.
+    let short = ok(&hemi(t.path(), &["train", "-h"]));
+    let lines: Vec<&str> = short.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if !line.trim_start().starts_with("--") || line.contains("--help") {
+            continue;
+        }
+        let next = lines.get(i + 1).map_or("", |l| l.trim_start());
+        let described = line.split_whitespace().count() >= 3
+            || (!next.is_empty() && !next.starts_with('-') && next.split_whitespace().count() >= 3);
+        assert!(described, "a flag without a description: {line:?}");
+    }
 }

@@ -2,9 +2,9 @@
 //! run's (checked against its --metrics file), `--grad-stats` writes per-epoch log2
 //! histograms, and `hemi plot` draws PNGs from metrics files; bad inputs are named errors.
 
-use std::path::Path;
-mod common;
+use crate::common;
 use common::{hemi, ok};
+use std::path::Path;
 use std::process::Output;
 
 use hemi::io::tensorboard::read_events;

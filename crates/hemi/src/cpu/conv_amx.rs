@@ -51,7 +51,7 @@
 //! the hardware's order is its own (see `gemm_half::Kernel::PortableAmx`), so the portable
 //! twin (the Intel SDM's sequential order) agrees with the AMX tiles to the bit only where
 //! the sums are exact; both are checked against F64 with the F32 summation bound
-//! (`tests/conv_amx.rs`).
+//! (`tests/kernels/conv_amx.rs`).
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;

@@ -18,7 +18,7 @@
 //!
 //! Each output element sums its k steps in order from zero, one FMA (one rounding) each, then
 //! the bias is added: what the GEMM does where `K` fits one k block. The portable twin does
-//! the same with `f32::mul_add`, so the two give the same bits (`tests/conv_direct.rs`).
+//! the same with `f32::mul_add`, so the two give the same bits (`tests/kernels/conv_direct.rs`).
 
 use half::{bf16, f16};
 

@@ -21,7 +21,7 @@
 //!
 //! Each output element sums its k steps in order from zero, one FMA (one rounding) each, then
 //! the bias is added: what the GEMM does where `K` fits one k block. The portable twin does
-//! the same with `f32::mul_add`, so the two give the same bits (`tests/conv_implicit.rs`).
+//! the same with `f32::mul_add`, so the two give the same bits (`tests/kernels/conv_implicit.rs`).
 //! F16 and BF16 images are widened to F32 in the padded copy (exact), so their products are
 //! the F32 products of the same values.
 

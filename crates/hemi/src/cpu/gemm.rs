@@ -155,7 +155,7 @@ pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
 /// `gemm_basic_generic`) splits only the output's rows and columns among threads, and cuts
 /// k into blocks whose size comes from the shape and the cache sizes, added into the
 /// output one after another; each microkernel sums its k block in order into one register
-/// per element (`tests/threads.rs` holds it to that).
+/// per element (`tests/kernels/threads.rs` holds it to that).
 fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
     let threads = rayon::current_num_threads();
     if threads > 1 && m * n * k >= 64 * 64 * 64 {

@@ -501,7 +501,7 @@ pub fn gemm_unfold_packed<B: WithDType>(
 /// NR output pixels) is one shifted run of those pairs, the pair format the kernel reads.
 /// A's k index `2r + e` is channel `2cp + e` at the kernel offset of row `r`
 /// (`cpu::conv` reorders the weights so). The same bits as `gemm_with` on the explicit
-/// matrix in that k order (`tests/gemm_half.rs`).
+/// matrix in that k order (`tests/kernels/gemm_half.rs`).
 pub fn gemm_unfold_pairs(
     kernel: Kernel,
     dst: &mut [f32],

@@ -89,6 +89,11 @@ pub struct TextColumns {
     pub header: bool,
     /// Field separator; `None` chooses by extension: `.tsv` tab, `.csv` comma.
     pub delimiter: Option<u8>,
+    /// The declared number of classes for integer labels: every label must be below it,
+    /// and classes no line uses are allowed. `None`: the classes are the labels seen, which
+    /// must then be exactly 0..N-1 for the N distinct labels (a gap, such as labels 0, 1 and
+    /// 7, is an error listing the odd labels and their lines).
+    pub num_classes: Option<usize>,
 }
 
 impl TextColumns {
@@ -101,6 +106,7 @@ impl TextColumns {
             label: Column::Name(label.to_string()),
             header: true,
             delimiter: None,
+            num_classes: None,
         }
     }
 }
@@ -108,7 +114,8 @@ impl TextColumns {
 /// Labelled texts from a CSV or TSV file (see the module docs).
 ///
 /// Labels: when every label is a non-negative integer, label `k` is class `k` and the
-/// classes are "0".."K-1" (K = largest label + 1); when no label looks like a number, the
+/// classes are "0".."K-1", K being the number of distinct labels (the labels must then be
+/// exactly 0..K-1) or the declared `TextColumns::num_classes`; when no label looks like a number, the
 /// classes are the distinct label strings, sorted, and a label is its position among them.
 /// A file that mixes the two (`1`, `0`, `-1`, or `pos`, `3`) is an error naming the first
 /// label that does not fit, as is an empty label.
@@ -244,7 +251,7 @@ impl TextClassificationDataset {
             }
             raw_labels.push((field(label_col, &columns.label)?.trim().to_string(), line));
         }
-        let (labels, class_names) = assign_labels(path, &raw_labels)?;
+        let (labels, class_names) = assign_labels(path, &raw_labels, columns.num_classes)?;
         texts.shrink_to_fit();
         Ok(TextClassificationDataset {
             path: path.to_path_buf(),
@@ -335,7 +342,20 @@ impl TextDataset for TextClassificationDataset {
 }
 
 /// Class indices and names from the label strings (see `TextClassificationDataset`).
-fn assign_labels(path: &Path, raw: &[(String, u64)]) -> Result<(Vec<u32>, Vec<String>)> {
+fn assign_labels(
+    path: &Path,
+    raw: &[(String, u64)],
+    declared: Option<usize>,
+) -> Result<(Vec<u32>, Vec<String>)> {
+    if declared == Some(0) || declared.is_some_and(|k| k > MAX_CLASSES) {
+        return Err(data_error(
+            path,
+            format!(
+                "the declared class count {} is not in 1..={MAX_CLASSES}",
+                declared.unwrap_or(0)
+            ),
+        ));
+    }
     if let Some((_, line)) = raw.iter().find(|(s, _)| s.is_empty()) {
         return Err(data_error(path, format!("line {line}: empty label")));
     }
@@ -369,9 +389,62 @@ fn assign_labels(path: &Path, raw: &[(String, u64)]) -> Result<(Vec<u32>, Vec<St
                 }
             }
         }
-        let k = labels.iter().max().map_or(0, |&m| m as usize + 1);
+        let distinct: BTreeSet<u32> = labels.iter().copied().collect();
+        let k = declared.unwrap_or(distinct.len());
+        // Labels at or above the class count: with gaps, an integer column would silently
+        // build a head as wide as its largest label.
+        let odd: Vec<u32> = distinct.range(k as u32..).copied().collect();
+        if !odd.is_empty() {
+            let show = |v: u32| {
+                let lines: Vec<String> = raw
+                    .iter()
+                    .zip(&labels)
+                    .filter(|(_, &l)| l == v)
+                    .map(|((_, line), _)| line.to_string())
+                    .collect();
+                let more = lines.len().saturating_sub(5);
+                let mut text = format!("{v} (line {}", lines[..lines.len().min(5)].join(", "));
+                if more > 0 {
+                    text.push_str(&format!(" and {more} more"));
+                }
+                text.push(')');
+                text
+            };
+            let listed: Vec<String> = odd.iter().take(10).map(|&v| show(v)).collect();
+            let rest = odd.len().saturating_sub(10);
+            let tail = if rest > 0 {
+                format!(" and {rest} more labels")
+            } else {
+                String::new()
+            };
+            let why = match declared {
+                Some(k) => format!("the declared class count is {k}, so labels must be 0..{k}"),
+                None => format!(
+                    "{} distinct labels were seen, so they must be 0..{} (integer labels are \
+                     class indices); if the data set has more classes than it uses, declare \
+                     them (hemi train --num-classes N)",
+                    distinct.len(),
+                    distinct.len()
+                ),
+            };
+            return Err(data_error(
+                path,
+                format!("labels out of range: {}{tail}; {why}", listed.join(", ")),
+            ));
+        }
         Ok((labels, (0..k).map(|i| i.to_string()).collect()))
     } else {
+        if let Some(k) = declared {
+            return Err(data_error(
+                path,
+                format!(
+                    "a class count ({k}) was declared, but the labels are class names (as \
+                     {:?} on line {}), whose classes are the names seen",
+                    raw.first().map_or("", |r| r.0.as_str()),
+                    raw.first().map_or(0, |r| r.1)
+                ),
+            ));
+        }
         let names: Vec<String> = raw
             .iter()
             .map(|(s, _)| s.clone())

@@ -121,8 +121,9 @@ pub fn models() -> Vec<ModelSpec> {
     let mut v = vec![
         ModelSpec {
             name: "cifar-net",
-            description:
-                "the documents' CNN: conv 64, conv 128 (3x3, ReLU, 2x2 max-pool), fc 512, 256",
+            description: "the documents' CNN: conv 3->64 and 64->128 (3x3, no padding, each \
+                          with ReLU and a 2x2 max-pool), fc 4608->256 (ReLU) and 256->classes \
+                          on 32x32 images",
             input: InputKind::Image,
             input_shape: [3, 32, 32],
             recipe: "documents",
@@ -133,7 +134,7 @@ pub fn models() -> Vec<ModelSpec> {
         },
         ModelSpec {
             name: "mlp",
-            description: "two linear layers (hidden 512) over the flattened image",
+            description: "fc (C*H*W)->512 (ReLU) and 512->classes over the flattened image",
             input: InputKind::Image,
             input_shape: [1, 28, 28],
             recipe: "documents",
@@ -150,32 +151,38 @@ pub fn models() -> Vec<ModelSpec> {
     let resnets: [(&'static str, &'static str, Family); 6] = [
         (
             "resnet20",
-            "He et al. 2016 CIFAR ResNet, 3 BasicBlocks per stage, option-A shortcuts",
+            "He et al. 2016 CIFAR ResNet: 3x3 stem, 3 stages of 16/32/64 channels with 3 \
+             BasicBlocks each, option-A shortcuts",
             CIFAR,
         ),
         (
             "resnet32",
-            "He et al. 2016 CIFAR ResNet, 5 BasicBlocks per stage",
+            "He et al. 2016 CIFAR ResNet: 3x3 stem, 3 stages of 16/32/64 channels with 5 \
+             BasicBlocks each, option-A shortcuts",
             CIFAR,
         ),
         (
             "resnet56",
-            "He et al. 2016 CIFAR ResNet, 9 BasicBlocks per stage",
+            "He et al. 2016 CIFAR ResNet: 3x3 stem, 3 stages of 16/32/64 channels with 9 \
+             BasicBlocks each, option-A shortcuts",
             CIFAR,
         ),
         (
             "resnet18",
-            "torchvision resnet18 (BasicBlock [2, 2, 2, 2], ImageNet stem)",
+            "torchvision resnet18: ImageNet stem, BasicBlocks [2, 2, 2, 2] over 64/128/256/512 \
+             channels",
             IMAGENET,
         ),
         (
             "resnet34",
-            "torchvision resnet34 (BasicBlock [3, 4, 6, 3], ImageNet stem)",
+            "torchvision resnet34: ImageNet stem, BasicBlocks [3, 4, 6, 3] over 64/128/256/512 \
+             channels",
             IMAGENET,
         ),
         (
             "resnet50",
-            "torchvision resnet50 v1.5 (Bottleneck [3, 4, 6, 3], ImageNet stem)",
+            "torchvision resnet50 v1.5: ImageNet stem, Bottlenecks [3, 4, 6, 3] over \
+             256/512/1024/2048 channels",
             IMAGENET,
         ),
     ];
@@ -314,5 +321,88 @@ mod tests {
         assert!(e.contains("image model"), "{e}");
         let e = err_of(cls.build_text(std::path::Path::new("/nonexistent/config.json"), 2, 0));
         assert!(e.contains("/nonexistent/config.json"), "{e}");
+    }
+
+    /// The shapes `hemi models` describes are the shapes the models have.
+    #[test]
+    fn descriptions_match_the_built_models() {
+        let shape = |net: &dyn Module, name: &str| -> Vec<usize> {
+            net.tensors()
+                .into_iter()
+                .find(|(n, ..)| n == name)
+                .map(|(_, t, ..)| t.shape().to_vec())
+                .unwrap_or_else(|| panic!("no {name}"))
+        };
+        let d = |name: &str| find(name).unwrap().description;
+        let net = build("cifar-net", [3, 32, 32], 10, 0).unwrap();
+        assert_eq!(shape(net.as_ref(), "conv1.weight"), [64, 3, 3, 3]);
+        assert_eq!(shape(net.as_ref(), "conv2.weight"), [128, 64, 3, 3]);
+        assert_eq!(shape(net.as_ref(), "fc1.weight"), [256, 4608]);
+        assert_eq!(shape(net.as_ref(), "fc2.weight"), [10, 256]);
+        for part in ["3->64", "64->128", "4608->256", "256->classes"] {
+            assert!(d("cifar-net").contains(part), "{part}");
+        }
+        let net = build("mlp", [1, 28, 28], 10, 0).unwrap();
+        assert_eq!(shape(net.as_ref(), "fc1.weight"), [512, 784]);
+        assert_eq!(shape(net.as_ref(), "fc2.weight"), [10, 512]);
+        assert!(d("mlp").contains("->512") && d("mlp").contains("512->classes"));
+        // ResNets: blocks per stage and each stage's output channels, from the weights.
+        for name in [
+            "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50",
+        ] {
+            let net = build(name, find(name).unwrap().input_shape, 10, 0).unwrap();
+            let names: Vec<String> = net.tensors().into_iter().map(|(n, ..)| n).collect();
+            let mut blocks = Vec::new();
+            let mut widths = Vec::new();
+            for stage in 1..=4 {
+                let n = (0..)
+                    .take_while(|b| {
+                        names
+                            .iter()
+                            .any(|x| x.starts_with(&format!("layer{stage}.{b}.")))
+                    })
+                    .count();
+                if n == 0 {
+                    break;
+                }
+                blocks.push(n);
+                let last = format!("layer{stage}.{}.", n - 1);
+                let bn = if names.contains(&format!("{last}bn3.weight")) {
+                    "bn3"
+                } else {
+                    "bn2"
+                };
+                widths.push(shape(net.as_ref(), &format!("{last}{bn}.weight"))[0]);
+                if bn == "bn3" {
+                    assert!(d(name).contains("Bottlenecks"), "{name}");
+                }
+            }
+            let desc = d(name);
+            let widths_text = widths
+                .iter()
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join("/");
+            assert!(
+                desc.contains(&widths_text),
+                "{name}: {desc} vs {widths_text}"
+            );
+            if blocks.iter().all(|&b| b == blocks[0]) && blocks.len() == 3 {
+                assert!(
+                    desc.contains(&format!("with {} BasicBlocks each", blocks[0])),
+                    "{name}: {desc}"
+                );
+            } else {
+                let list = blocks
+                    .iter()
+                    .map(|b| b.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                assert!(
+                    desc.contains(&format!("[{list}]")),
+                    "{name}: {desc} vs {list}"
+                );
+            }
+        }
     }
 }

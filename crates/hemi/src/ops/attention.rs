@@ -10,7 +10,7 @@
 //! BF16 probabilities (6 MiB in F32) per attention call; the recomputation (one
 //! `[64, 32] x [32, 64]` product and an exp per score, per head) measured within the
 //! run-to-run noise, about 2 ms of the 22 ms forward + backward on 2 cores
-//! (`tests/attention.rs`, `attention_speed`, ignored).
+//! (`tests/ops/attention.rs`, `attention_speed`, ignored).
 //!
 //! Masks: an additive float mask broadcastable to `[.., Lq, Lk]` (BERT's padding mask is
 //! `[B, 1, 1, Lk]` of 0 and a large negative). It is read in F32 whatever its dtype and is

@@ -5,7 +5,7 @@
 //! and rounds once into the parameter's dtype (`optimizer.rs` says why). The update rules
 //! and defaults are PyTorch's, step for step, and so is the F32 rounding of its CPU kernels
 //! (fused multiply-adds where ATen fuses), so that a run reproduces PyTorch's bit for bit
-//! (`tests/torch_parity.rs`).
+//! (`tests/models/torch_parity.rs`).
 
 mod adam;
 mod clip;

@@ -72,7 +72,7 @@ impl SgdConfig {
 /// p = p - lr * g
 /// ```
 ///
-/// The F32 arithmetic is PyTorch's CPU arithmetic, bit for bit (`tests/torch_parity.rs`):
+/// The F32 arithmetic is PyTorch's CPU arithmetic, bit for bit (`tests/models/torch_parity.rs`):
 /// each `x + a * y` above is one fused multiply-add, `momentum * b` is rounded on its own,
 /// and the hyper-parameters are rounded to F32 once, as ATen does with Python floats.
 pub struct Sgd {

@@ -80,6 +80,18 @@ fn layers_or_error(model: &mut dyn Module) -> Result<Vec<(String, LayerMut<'_>)>
     Ok(layers)
 }
 
+/// The layers `mode` would quantise in `model` (dynamic: every `Linear`; static: every
+/// `Conv2d` and `Linear`), leaving the model as it is: a caller can refuse a model with none
+/// before spending time on it.
+pub fn quantizable_layers(model: &mut dyn Module, mode: Mode) -> Vec<String> {
+    model
+        .layers_mut()
+        .into_iter()
+        .filter(|(_, l)| mode == Mode::Static || matches!(l, LayerMut::Linear(_)))
+        .map(|(n, _)| n)
+        .collect()
+}
+
 /// Dynamic quantisation of every `Linear` layer; returns their names. Conv layers stay
 /// float, as in PyTorch.
 pub fn quantize_dynamic(model: &mut dyn Module) -> Result<Vec<String>> {

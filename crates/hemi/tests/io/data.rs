@@ -839,7 +839,7 @@ fn loader_reports_a_panicking_worker_as_an_error() {
 
 // ----- measurements (run by hand) --------------------------------------------------------
 //
-// HEMI_CIFAR_JPEG=/tmp/cifar cargo test -p hemi --release --test data -- --ignored --nocapture
+// HEMI_CIFAR_JPEG=/tmp/cifar cargo test -p hemi --release --test io -- --ignored --nocapture
 // with the real CIFAR-10 image folder extracted to /tmp/cifar (train/, test/).
 
 fn cifar_jpeg_dir() -> Option<PathBuf> {

@@ -9,7 +9,7 @@ mod common;
 
 mod data;
 mod data_bad_input;
-mod text_data;
+mod fuzz_regressions;
 mod onnx;
 mod tensorboard;
-mod fuzz_regressions;
+mod text_data;

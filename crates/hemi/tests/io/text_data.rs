@@ -16,14 +16,16 @@ use hemi::Error;
 
 // ----- helpers ---------------------------------------------------------------------------
 
+/// A file of `../shared` beside the checkout (GLUE SST-2), for the tests run with
+/// `--ignored` where it is there (CI's `.ci/run` runs them: `shared_data_` tests).
 fn shared(rel: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared")
         .join(rel);
     assert!(
         p.exists(),
-        "{} is missing: these tests need the shared models and data checked out as ../shared \
-         beside this repository (all-MiniLM-L6-v2's tokenizer.json, GLUE SST-2)",
+        "{} is missing: the shared_data_ tests need GLUE SST-2 in ../shared/data/sst2 beside \
+         this repository",
         p.display()
     );
     p
@@ -32,17 +34,10 @@ fn shared(rel: &str) -> PathBuf {
 fn tokenizer() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| {
+        let p = crate::common::minilm_dir().join("tokenizer.json");
         Arc::new(
-            Tokenizer::from_file(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/models/all-MiniLM-L6-v2/tokenizer.json"
-            ))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot load the test tokenizer ({e}); CI keeps ../shared beside the \
-                     checkout with models/all-MiniLM-L6-v2/tokenizer.json"
-                )
-            }),
+            Tokenizer::from_file(&p)
+                .unwrap_or_else(|e| panic!("cannot load the test tokenizer {}: {e}", p.display())),
         )
     })
     .clone()
@@ -228,7 +223,7 @@ fn tokenizer_ids_and_errors() {
     assert_eq!(tok.id_to_token(2009).as_deref(), Some("it"));
     assert!(tok.is_special(100) && !tok.is_special(1996));
     // from_dir reads dir/tokenizer.json, the same tokenizer.
-    let dir = Tokenizer::from_dir(shared("models/all-MiniLM-L6-v2")).unwrap();
+    let dir = Tokenizer::from_dir(crate::common::minilm_dir()).unwrap();
     assert_eq!(
         dir.encode("a charming journey", 16).unwrap(),
         tok.encode("a charming journey", 16).unwrap()
@@ -263,7 +258,8 @@ fn tokenizer_ids_and_errors() {
 // ----- data sets -------------------------------------------------------------------------
 
 #[test]
-fn sst2_loads_every_row_and_tokenises() {
+#[ignore = "needs GLUE SST-2 in ../shared/data/sst2 (CI runs it: .ci/run)"]
+fn shared_data_sst2_loads_every_row_and_tokenises() {
     let cols = || TextColumns::named("sentence", "label");
     let t0 = Instant::now();
     let train = TextClassificationDataset::open(shared("data/sst2/train.tsv"), cols()).unwrap();
@@ -333,6 +329,7 @@ fn csv_quoting_pairs_and_string_labels() {
         label: Column::Name("label".into()),
         header: true,
         delimiter: None,
+        num_classes: None,
     };
     let ds = TextClassificationDataset::open(&path, cols).unwrap();
     assert_eq!(ds.len(), 4);
@@ -369,7 +366,8 @@ fn csv_quoting_pairs_and_string_labels() {
     assert_eq!(ds.get(1).unwrap().text, "he said \"no");
     assert_eq!(ds.labels(), &[1, 0, 1]);
 
-    // No header, columns by index, a delimiter set explicitly on an unknown extension.
+    // No header, columns by index, a delimiter set explicitly on an unknown extension, and
+    // a declared class count (labels 0 and 3 of 4 classes).
     let path = tmp.path().join("plain.txt");
     write(&path, b"3;first\n0;second\n");
     let cols = TextColumns {
@@ -378,6 +376,7 @@ fn csv_quoting_pairs_and_string_labels() {
         label: Column::Index(0),
         header: false,
         delimiter: Some(b';'),
+        num_classes: Some(4),
     };
     let ds = TextClassificationDataset::open(&path, cols).unwrap();
     assert_eq!(ds.class_names(), &["0", "1", "2", "3"]);
@@ -427,6 +426,7 @@ fn csv_tsv_errors_name_file_line_and_problem() {
         label: Column::Index(2),
         header: false,
         delimiter: None,
+        num_classes: None,
     };
     let m = case("f.tsv", b"good\t1\n", cols.clone());
     assert!(
@@ -857,4 +857,69 @@ fn text_loader_errors() {
         ),
         "{e:?}"
     );
+}
+
+#[test]
+fn integer_labels_with_gaps_are_named_unless_a_class_count_is_declared() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("gaps.tsv");
+    write(
+        &path,
+        b"sentence\tlabel\na\t0\nb\t1\nc\t7\nd\t1\ne\t100000\nf\t7\n",
+    );
+    // Four distinct labels: they must be 0..3. 7 and 100000 are named with their lines.
+    let msg = data_error_naming(
+        TextClassificationDataset::open(&path, TextColumns::named("sentence", "label"))
+            .unwrap_err(),
+        &path,
+    );
+    assert!(
+        msg.contains("7 (line 4, 7)") && msg.contains("100000 (line 6)"),
+        "{msg}"
+    );
+    assert!(msg.contains("--num-classes"), "{msg}");
+    // A declared count the labels fit: classes no line uses are allowed.
+    let declared = |k| TextColumns {
+        num_classes: Some(k),
+        ..TextColumns::named("sentence", "label")
+    };
+    let ok = TextClassificationDataset::open(&path, declared(100_001)).unwrap();
+    assert_eq!(ok.num_classes(), 100_001);
+    assert_eq!(ok.labels(), &[0, 1, 7, 1, 100_000, 7]);
+    // A declared count some label exceeds.
+    let msg = data_error_naming(
+        TextClassificationDataset::open(&path, declared(8)).unwrap_err(),
+        &path,
+    );
+    assert!(
+        msg.contains("100000 (line 6)") && !msg.contains("7 (line") && msg.contains("0..8"),
+        "{msg}"
+    );
+    // Labels 0..N-1 need no declaration; a dev set with only some classes takes one.
+    let path = tmp.path().join("dev.tsv");
+    write(&path, b"sentence\tlabel\na\t2\nb\t0\nc\t1\n");
+    assert_eq!(
+        TextClassificationDataset::open(&path, TextColumns::named("sentence", "label"))
+            .unwrap()
+            .num_classes(),
+        3
+    );
+    write(&path, b"sentence\tlabel\na\t0\nb\t2\n");
+    assert!(
+        TextClassificationDataset::open(&path, TextColumns::named("sentence", "label")).is_err()
+    );
+    assert_eq!(
+        TextClassificationDataset::open(&path, declared(3))
+            .unwrap()
+            .num_classes(),
+        3
+    );
+    // A declared count for class-name labels is an error: their classes are the names.
+    let path = tmp.path().join("names.tsv");
+    write(&path, b"sentence\tlabel\na\tpos\nb\tneg\n");
+    let msg = data_error_naming(
+        TextClassificationDataset::open(&path, declared(3)).unwrap_err(),
+        &path,
+    );
+    assert!(msg.contains("class names"), "{msg}");
 }

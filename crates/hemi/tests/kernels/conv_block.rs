@@ -4,7 +4,7 @@
 //! shapes, strides, padding, groups and non-contiguous inputs; the NaN and tie rules; the
 //! unfused fallbacks; and autocast.
 
-mod common;
+use crate::common;
 use common::block::*;
 use common::*;
 use hemi::ops::conv::Conv2dOptions;

@@ -4,7 +4,7 @@
 //! median of several rounds in which the two take turns. Run it with
 //!
 //! ```sh
-//! cargo test --release -p hemi --test gemm_f32_bench -- --ignored --nocapture
+//! cargo test --release -p hemi --test kernels -- --ignored --nocapture
 //! ```
 //!
 //! `GEMM_F32_BENCH_REPS` sets the rounds (default 7), `GEMM_F32_BENCH_ONLY` a substring of

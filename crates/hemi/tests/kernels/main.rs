@@ -12,7 +12,7 @@ mod conv_block;
 mod conv_direct;
 mod conv_implicit;
 mod conv_wgrad;
-mod gemm_half;
 mod gemm_f32_bench;
+mod gemm_half;
 mod qgemm;
 mod threads;

@@ -7,7 +7,7 @@
 //! (or f64) bits of every result with the one-thread run, naming the first that differs.
 //! Sizes are odd and large enough that every parallel path splits its work.
 
-mod common;
+use crate::common;
 use std::sync::Arc;
 
 use common::rand_tensor;

@@ -5,9 +5,10 @@
 //!
 //! Fixtures: `tests/fixtures/bert/` (made by `bench/bert_fixtures.py`, see its README).
 //! The pretrained model is read from `../shared/models/all-MiniLM-L6-v2` beside the
-//! checkout, never copied into the repository.
+//! checkout, or hemi's cache (fetched there once: `common::minilm_dir`), never copied into
+//! the repository.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
@@ -23,21 +24,10 @@ use hemi::ops::loss::{cross_entropy, CrossEntropyOptions};
 use hemi::optim::{AdamW, AdamWConfig, Optimizer};
 use hemi::{DType, Generator, Tensor};
 
-const MINILM: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/models/all-MiniLM-L6-v2"
-);
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bert");
 
 fn minilm_dir() -> PathBuf {
-    let d = PathBuf::from(MINILM);
-    assert!(
-        d.join("model.safetensors").is_file() && d.join("config.json").is_file(),
-        "the pretrained all-MiniLM-L6-v2 is missing: expected config.json and \
-         model.safetensors in {} (the shared/ folder beside the checkout)",
-        d.display()
-    );
-    d
+    common::minilm_dir()
 }
 
 fn fixture(rel: &str) -> Vec<(String, Tensor)> {

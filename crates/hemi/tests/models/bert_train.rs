@@ -18,13 +18,8 @@ use hemi::train::{evaluate_task, find_task, train, OptimizerKind, RunInfo, Sched
 use hemi::Generator;
 
 fn tokenizer() -> Arc<Tokenizer> {
-    let p = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/models/all-MiniLM-L6-v2/tokenizer.json"
-    ));
-    Arc::new(Tokenizer::from_file(&p).unwrap_or_else(|e| {
-        panic!("{e}: these tests need ../shared beside the checkout (CI keeps it there)")
-    }))
+    let p = crate::common::minilm_dir().join("tokenizer.json");
+    Arc::new(Tokenizer::from_file(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
 }
 
 /// A two-layer BERT with the MiniLM vocabulary, written as a transformers config.json.

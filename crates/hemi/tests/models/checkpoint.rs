@@ -10,7 +10,7 @@ use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
 use hemi::models::Mlp;
 use hemi::nn::Module;
 use hemi::train::checkpoint::{
-    parse_manifest, parse_state, prune_checkpoints, remove_stray, Progress,
+    lock_dir, parse_manifest, parse_state, prune_checkpoints, remove_stray, Progress, LOCK_FILE,
 };
 use hemi::train::{list_checkpoints, load_checkpoint, train, Event, RunInfo, TrainConfig};
 use hemi::{Error, Generator};
@@ -86,10 +86,13 @@ fn bits(m: &dyn Module) -> Vec<(String, Vec<u32>)> {
         .collect()
 }
 
+/// The entries of `root`, sorted, but for the lock file every run leaves in its checkpoint
+/// directory (`.hemi-lock`).
 fn names(root: &Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(root)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != ".hemi-lock")
         .collect();
     v.sort();
     v
@@ -391,4 +394,49 @@ fn progress_names_sort_in_training_order() {
     ] {
         assert_eq!(Progress::parse_dir_name(bad), None, "{bad}");
     }
+}
+
+#[test]
+fn a_held_checkpoint_directory_refuses_a_second_holder_and_its_stray_files_stay() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let held = lock_dir(&root).unwrap();
+    assert_eq!(held.path(), root.join(LOCK_FILE));
+    let text = std::fs::read_to_string(root.join(LOCK_FILE)).unwrap();
+    assert!(
+        text.contains(&format!("pid {} on host ", std::process::id())),
+        "{text}"
+    );
+    // A second holder (another open file description, as another process has) is refused,
+    // naming the holder.
+    let err = lock_dir(&root).unwrap_err().to_string();
+    assert!(
+        err.contains("in use") && err.contains(&format!("pid {}", std::process::id())),
+        "{err}"
+    );
+    // A training run into the held directory fails before touching it: the live save's
+    // temporary stays.
+    std::fs::create_dir(root.join(".tmp-epoch-0001-4242")).unwrap();
+    let (tr, te) = loaders();
+    let err = match train(&mut model(), &tr, &te, &cfg(&root, 1), &info(), &mut |_| {}) {
+        Ok(_) => panic!("a held directory is refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("in use"), "{err}");
+    assert!(
+        root.join(".tmp-epoch-0001-4242").is_dir(),
+        "a live temporary was removed"
+    );
+    // Released, the directory is free; the lock file stays and never blocks.
+    drop(held);
+    let again = lock_dir(&root).unwrap();
+    drop(again);
+    assert!(root.join(LOCK_FILE).is_file());
+    // The lock file is not a stray temporary.
+    assert!(remove_stray(&root)
+        .unwrap()
+        .iter()
+        .all(|p| !p.ends_with(LOCK_FILE)));
+    assert!(root.join(LOCK_FILE).is_file());
+    assert!(!root.join(".tmp-epoch-0001-4242").exists());
 }

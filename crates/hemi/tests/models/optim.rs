@@ -6,7 +6,7 @@
 //! against an F32 twin whose parameter is rounded to the half dtype after every step: with
 //! F32 state and F32 maths the two must agree bit for bit.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::optim::{
     clip_grad_norm, clip_grad_value, no_decay_mask, Adam, AdamConfig, AdamW, AdamWConfig,
@@ -1186,7 +1186,7 @@ fn clip_grad_value_clamps() {
 // ----- timing (not a test of speed: run it by hand) -----------------------------------------
 
 /// Prints the time of one optimizer step over CifarNet's parameters (1.26M, F32):
-/// `cargo test --release -p hemi --test optim -- --ignored --nocapture step_timing`.
+/// `cargo test --release -p hemi --test models -- --ignored --nocapture step_timing`.
 #[test]
 #[ignore]
 fn step_timing_on_cifar_net_sized_parameters() {

@@ -5,7 +5,7 @@
 //! half precision; dropout's determinism, kept fraction and gradient; errors; and (ignored)
 //! the speed and memory of the fused op against the composed one.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{amp::autocast, DType, Generator, Tensor};
 

@@ -2,7 +2,7 @@
 //! are per thread; parameter casts are cached for the outermost scope with gradients still
 //! reaching the F32 parameters; backward is not autocast.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

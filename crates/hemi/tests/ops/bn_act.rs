@@ -1,10 +1,10 @@
 //! The fused batch norm + residual add + ReLU (`Tensor::batch_norm_act`, ResNet's BN + ReLU
 //! and BN + shortcut + ReLU): values and every gradient against the F64 composition of the
-//! separate ops (itself checked by finite differences below and in tests/norm.rs), per
+//! separate ops (itself checked by finite differences below and in tests/ops/norm.rs), per
 //! dtype, on odd shapes and non-contiguous inputs, in training and eval; bit-identical to
 //! the unfused composition in F32; the same bits on any thread count.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Generator, Tensor};
 

@@ -9,7 +9,7 @@
 //! inputs; and close to the F64 composition. Also the graph's own part: an activation that
 //! no backward saved is freed after the forward.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::amp::autocast;
 use hemi::ops::conv::Conv2dOptions;
@@ -268,7 +268,7 @@ fn fused_under_autocast_is_bit_identical_to_the_composition() {
 }
 
 /// The F32 fused op against the F64 composition (itself checked by finite differences in
-/// tests/bn_act.rs and tests/conv.rs).
+/// tests/ops/bn_act.rs and tests/ops/conv.rs).
 #[test]
 fn fused_f32_matches_the_f64_composition() {
     for (op, (k, case)) in OPS

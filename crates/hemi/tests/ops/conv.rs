@@ -1,7 +1,7 @@
 //! conv2d against a direct 7-loop f64 convolution, per dtype (forward and backward), its
 //! gradients by finite differences in F64, the CifarNet shapes, and the errors it reports.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Error, Generator, Tensor};

@@ -1,7 +1,7 @@
 //! Elementwise ops, views and sum/mean against f64 references, per dtype, and their
 //! gradients by finite differences.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Generator, Tensor};
 

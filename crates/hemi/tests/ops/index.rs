@@ -2,7 +2,7 @@
 //! gradients by finite differences (repeated indices accumulate), dtype promotion, and
 //! error cases naming the op and the shapes.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::ops::index::embedding;
 use hemi::{DType, Error, Generator, Tensor};

@@ -3,7 +3,7 @@
 //! PyTorch's ignore_index and label-smoothing semantics, gradients by finite differences,
 //! and the errors.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::ops::loss::{cross_entropy, mse_loss, nll_loss, CrossEntropyOptions, Reduction};
 use hemi::{DType, Error, Generator, Tensor};

@@ -2,7 +2,7 @@
 //! broadcast batch dims and strided (transposed, sliced) operands; their gradients by
 //! finite differences; and the errors they return.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Generator, Tensor};
 

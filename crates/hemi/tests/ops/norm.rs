@@ -2,7 +2,7 @@
 //! f64 references per dtype, their gradients by finite differences, running-statistic
 //! updates, mixed-precision parameters, dropout's mask statistics, and error cases.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Error, Generator, Tensor};
 

@@ -2,7 +2,7 @@
 //! references, per dtype (forward and backward), gradients by finite differences in F64,
 //! PyTorch's tie and padding rules, and the errors they report.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Error, Generator, Tensor};
 

@@ -1,7 +1,7 @@
 //! max/min (over dims and along one dim with indices), argmax/argmin and var against f64
 //! references, per dtype, and their gradients by finite differences.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Error, Generator, Tensor};
 

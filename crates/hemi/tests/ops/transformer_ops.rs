@@ -5,7 +5,7 @@
 //! repeated ids from a `[B, L]` batch per dtype, and batched matmul broadcasting
 //! `[2, 1, 5, 7] x [3, 7, 4]` forward and backward per dtype.
 
-mod common;
+use crate::common;
 use common::*;
 use hemi::{DType, Generator, Tensor};
 

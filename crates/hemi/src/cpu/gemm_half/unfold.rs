@@ -12,7 +12,7 @@
 //! F32 training step.
 //!
 //! The panels are exactly those `pack_f32` makes from the explicit column matrix (same
-//! values, same zeros), so products give the same bits either way (`tests/gemm_half.rs`
+//! values, same zeros), so products give the same bits either way (`tests/kernels/gemm_half.rs`
 //! holds every F32-panel kernel to that). Kernels on BF16 pairs cannot read im2col's k
 //! order this way (a pair step would interleave two shifted runs; the versions of that tried
 //! made ResNet-20's amp-bf16 step 2–30 % slower than im2col + pack), but with k taken in
