@@ -230,6 +230,19 @@ fn check_batch(b: usize) -> Result<()> {
     Ok(())
 }
 
+/// The CPU configuration a benchmark ran under, and the CPU's instruction sets, for its
+/// JSON record (`hemi::cpu::features`).
+pub(crate) fn cpu_record() -> serde_json::Value {
+    use hemi::cpu::features as f;
+    let c = f::current();
+    serde_json::json!({
+        "level": c.level.name(),
+        "amx": c.amx,
+        "bf16_route": c.bf16_route.map_or("auto", |r| r.name()),
+        "detected": f::detected_names(),
+    })
+}
+
 pub fn run(mut args: BenchArgs) -> Result<()> {
     if args.threads == 0 || args.reps == 0 {
         return Err(Error::arg(
@@ -445,7 +458,7 @@ fn bench_conv(
                     let j = serde_json::json!({
                         "bench": "conv", "layer": layer.name(), "input": xs, "weight": ws,
                         "padding": pad, "output": ys, "pass": pass, "dtype": dt.to_string(),
-                        "threads": args.threads, "reps": args.reps, "flop": flop,
+                        "threads": args.threads, "cpu": cpu_record(), "reps": args.reps, "flop": flop,
                         "median_s": s, "median_ms": s * 1e3, "gflops": gflops(s),
                     });
                     println!("{j}");
@@ -518,7 +531,7 @@ fn bench_pool(args: &BenchArgs, pool: &rayon::ThreadPool, batch: usize) -> Resul
                     let j = serde_json::json!({
                         "bench": "pool", "op": "max_pool2d", "input": shape, "kernel": [2, 2],
                         "stride": [2, 2], "pass": pass, "dtype": dt.to_string(),
-                        "threads": args.threads, "reps": args.reps, "median_s": at(d),
+                        "threads": args.threads, "cpu": cpu_record(), "reps": args.reps, "median_s": at(d),
                         "median_ms": at(d) * 1e3, "gelems": elems / at(d) / 1e9,
                     });
                     println!("{j}");
@@ -615,7 +628,7 @@ fn bench_train(
     if args.json {
         let j = serde_json::json!({
             "bench": "train", "model": model_name, "precision": precision.name(),
-            "batch_size": batch, "image_size": size, "steps": steps, "threads": args.threads,
+            "batch_size": batch, "image_size": size, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
             "images_per_s": ips, "median_step_ms": med * 1e3,
             "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
             "skipped": opt.skipped_steps(),
@@ -769,7 +782,7 @@ fn bench_train_text(
     if args.json {
         let j = serde_json::json!({
             "bench": "train", "model": spec.name, "precision": precision.name(),
-            "batch_size": batch, "max_length": l, "steps": steps, "threads": args.threads,
+            "batch_size": batch, "max_length": l, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
             "sentences_per_s": sps, "median_step_ms": med * 1e3,
             "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
             "skipped": opt.skipped_steps(),
@@ -920,9 +933,10 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
             for ((imp, dt, secs), kernel) in gflops.iter().zip(kernels) {
                 println!(
                     "{{\"bench\":\"matmul\",\"impl\":\"{imp}\",\"dtype\":\"{dt}\",\"n\":{n},\
-                     \"kernel\":\"{kernel}\",\"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\
+                     \"kernel\":\"{kernel}\",\"threads\":{},\"cpu\":{},\"reps\":{},\"median_s\":{secs:.6e},\
                      \"gflops\":{:.3}}}",
                     args.threads,
+                    cpu_record(),
                     args.reps,
                     rate(*secs)
                 );
@@ -1036,11 +1050,12 @@ fn bench_int8(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> Re
             let r = rate(s);
             if args.json {
                 println!(
-                    "{{\"bench\":\"matmul-int8\",\"n\":{n},\"kernel\":\"{}\",\"threads\":{},\
+                    "{{\"bench\":\"matmul-int8\",\"n\":{n},\"kernel\":\"{}\",\"threads\":{},\"cpu\":{},\
                      \"reps\":{},\"median_s\":{s:.6e},\"gops\":{r:.3},\"f32_gflops\":{f32_rate:.3},\
                      \"bf16_gflops\":{bf16_rate:.3},\"vs_f32\":{:.3},\"vs_bf16\":{:.3}}}",
                     kernel.name(),
                     args.threads,
+                    cpu_record(),
                     args.reps,
                     r / f32_rate,
                     r / bf16_rate
@@ -1129,8 +1144,9 @@ fn bench_convert(args: &BenchArgs, pool: &rayon::ThreadPool, n: usize) -> Result
             for (imp, secs) in [("hemi", hemi_s), ("half-scalar", scalar_s)] {
                 println!(
                     "{{\"bench\":\"convert\",\"impl\":\"{imp}\",\"conversion\":\"{name}\",\"n\":{n},\
-                     \"threads\":{},\"reps\":{},\"median_s\":{secs:.6e},\"gelems\":{:.3}}}",
+                     \"threads\":{},\"cpu\":{},\"reps\":{},\"median_s\":{secs:.6e},\"gelems\":{:.3}}}",
                     args.threads,
+                    cpu_record(),
                     args.reps,
                     rate(secs)
                 );

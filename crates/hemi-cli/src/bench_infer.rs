@@ -448,7 +448,7 @@ fn infer(args: &BenchArgs, a: &InferArgs, spec: &ModelSpec, max_b: usize) -> Res
             let mut j = serde_json::json!({
                 "bench": "infer", "model": spec.name, "quant": a.quant.name(),
                 "int8_kernel": kernel, "quantized_layers": layers.len(), "batch": b,
-                "threads": args.threads, "reps": args.reps, "warmup": a.warmup,
+                "threads": args.threads, "cpu": super::cpu_record(), "reps": args.reps, "warmup": a.warmup,
                 "median_ms": med * 1e3, "min_ms": min * 1e3, "mean_ms": mean * 1e3,
                 "items_per_s": ips, "peak_rss_mib": rss, "peak_rss_reset": rss_reset,
                 "setup_s": setup_s,

@@ -24,6 +24,46 @@ static ALLOC: alloc::HugePageAlloc = alloc::HugePageAlloc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    cpu: CpuArgs,
+}
+
+/// The CPU configuration (`hemi::cpu::features`): which of the CPU's instruction sets the
+/// kernels may use. It changes which kernel runs, so the bits of some results (each within
+/// the dtype's bound), and is recorded with benchmark results.
+#[derive(clap::Args)]
+struct CpuArgs {
+    /// Kernels up to this level: native (everything the CPU has, AMX included), avx512,
+    /// avx2 (what an AVX2 + FMA + F16C CPU runs: to measure one on a newer CPU), portable
+    /// (the plain-Rust twins). HEMI_CPU_LEVEL overrides it.
+    #[arg(long, global = true, default_value = "native", help_heading = "CPU")]
+    cpu_level: String,
+    /// Use AMX tiles where the CPU and the OS allow them (native level only). HEMI_NO_AMX
+    /// turns them off.
+    #[arg(long, global = true, default_value_t = true, action = clap::ArgAction::Set,
+          help_heading = "CPU")]
+    amx: bool,
+    /// How BF16 products run without AMX: auto (the CPU vendor's faster route), pairs
+    /// (vdpbf16ps) or f32 (widened to F32). HEMI_BF16_GEMM overrides it.
+    #[arg(long, global = true, default_value = "auto", help_heading = "CPU")]
+    bf16_route: String,
+}
+
+impl CpuArgs {
+    /// Sets the library's CPU configuration from the flags, before any kernel runs.
+    fn configure(&self) -> hemi::Result<()> {
+        use hemi::cpu::features::{configure, Bf16Route, CpuConfig, CpuLevel};
+        let bf16_route = match self.bf16_route.as_str() {
+            "auto" => None,
+            r => Some(Bf16Route::parse(r).map_err(|e| hemi::Error::arg("--bf16-route", e))?),
+        };
+        configure(CpuConfig {
+            level: CpuLevel::parse(&self.cpu_level)
+                .map_err(|e| hemi::Error::Msg(format!("--cpu-level: {e}")))?,
+            amx: self.amx,
+            bf16_route,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -142,6 +182,10 @@ fn main() {
     tune_allocator();
     let matches = allow_negative_numbers(Cli::command()).get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Err(e) = cli.cpu.configure() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
     let result = match cli.command {
         Command::Train(args) => train::run_train(*args),
         Command::Eval(args) => train::run_eval(args),

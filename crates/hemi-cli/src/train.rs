@@ -1027,10 +1027,11 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
         ..partial
     };
     println!(
-        "model: {model_name} ({} parameters), {} threads, precision {}",
+        "model: {model_name} ({} parameters), {} threads, precision {}, cpu {}",
         model.num_parameters(),
         rayon::current_num_threads(),
         args.precision,
+        hemi::cpu::features::describe(&hemi::cpu::features::current()),
     );
     println!(
         "recipe {}: {} lr {} momentum {}{}, weight decay {}{}, batch {batch_size}, {epochs} \

@@ -140,6 +140,15 @@
 
 #![warn(missing_docs)]
 
+/// Whether kernels may use the instruction set `$f` (a [`cpu::features::Feature`] variant):
+/// the CPU has it and the CPU configuration allows it. Every kernel choice asks through it,
+/// never through `is_x86_feature_detected!` directly.
+macro_rules! cpu_has {
+    ($f:ident) => {
+        $crate::cpu::features::has($crate::cpu::features::Feature::$f)
+    };
+}
+
 pub mod amp;
 pub mod autograd;
 pub mod backend;

@@ -46,15 +46,11 @@ pub(crate) fn keep_factors<C: Copy>(
         unsafe fn avx2<C: Copy>(s: u64, b: u64, t: u64, k: C, d: C, out: &mut [C]) {
             keep_factors_loop(s, b, t, k, d, out)
         }
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
+        if cpu_has!(Avx512f) && cpu_has!(Avx512dq) && cpu_has!(Avx512vl) && cpu_has!(Avx512bw) {
             // SAFETY: the features were detected.
             return unsafe { avx512(seed, base, threshold, keep, drop, out) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if cpu_has!(Avx2) {
             // SAFETY: the feature was detected.
             return unsafe { avx2(seed, base, threshold, keep, drop, out) };
         }

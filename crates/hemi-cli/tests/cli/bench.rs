@@ -48,3 +48,54 @@ fn pool_bench_times_forward_and_backward_repeatedly() {
         check(chunk, &["forward", "backward"]);
     }
 }
+
+/// `--cpu-level` caps the kernels every product may take, and the benchmark records the
+/// configuration it ran under; a level that does not exist is an error naming the levels.
+#[test]
+fn cpu_level_caps_the_kernels_and_is_recorded() {
+    let t = tempfile::tempdir().unwrap();
+    let kernels = |level: &str| -> Vec<(String, String)> {
+        let out = ok(&hemi(
+            t.path(),
+            &[
+                "bench",
+                "matmul",
+                "--sizes",
+                "64",
+                "--reps",
+                "1",
+                "--json",
+                "--cpu-level",
+                level,
+            ],
+        ));
+        out.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|r| {
+                assert_eq!(r["cpu"]["level"], level, "{r}");
+                (
+                    r["dtype"].as_str().unwrap().to_string(),
+                    r["kernel"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    // The plain-Rust twins only.
+    for (dtype, k) in kernels("portable") {
+        assert!(
+            k == "gemm" || k.starts_with("portable"),
+            "{dtype}: {k} at the portable level"
+        );
+    }
+    // At most AVX2: no AVX-512 or AMX kernel, whatever this CPU has.
+    for (dtype, k) in kernels("avx2") {
+        assert!(
+            !k.contains("avx512") && !k.contains("amx"),
+            "{dtype}: {k} at the avx2 level"
+        );
+    }
+    let o = hemi(t.path(), &["--cpu-level", "sse9", "models"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("sse9") && err.contains("avx2"), "{err}");
+}

@@ -18,8 +18,9 @@ pub(crate) enum AmxType {
 /// Whether this process may run AMX code on `ty`: the CPU has AMX-TILE and the type
 /// (CPUID leaf 7), the OS saves the tile state (XCR0 bits 17 and 18), and Linux granted the
 /// tile data to the process (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, asked
-/// once per process; without it the first tile instruction faults). `HEMI_NO_AMX` set
-/// turns AMX off (to measure the other kernels on an AMX CPU).
+/// once per process; without it the first tile instruction faults), and the CPU
+/// configuration allows AMX (`cpu::features::amx_allowed`: `--amx false`, `--cpu-level`
+/// below native, or `HEMI_NO_AMX` turn it off, to measure the other kernels on an AMX CPU).
 ///
 /// Answered once per type: CPUID is serialising, and in a virtual machine it traps to the
 /// hypervisor (microseconds), while kernels ask this for every product (it was 5 % of a
@@ -31,7 +32,8 @@ pub(crate) fn usable(ty: AmxType) -> bool {
         AmxType::Bf16 => (&BF16, 22),
         AmxType::Int8 => (&INT8, 25),
     };
-    *cell.get_or_init(|| tiles_usable() && cpuid7_edx() >> bit & 1 == 1)
+    crate::cpu::features::amx_allowed()
+        && *cell.get_or_init(|| tiles_usable() && cpuid7_edx() >> bit & 1 == 1)
 }
 
 fn cpuid7_edx() -> u32 {
@@ -46,12 +48,7 @@ fn cpuid7_edx() -> u32 {
 /// The tile unit, the OS's tile state and the permission, checked and asked once.
 fn tiles_usable() -> bool {
     static USABLE: OnceLock<bool> = OnceLock::new();
-    *USABLE.get_or_init(|| {
-        std::env::var_os("HEMI_NO_AMX").is_none()
-            && cpuid7_edx() >> 24 & 1 == 1
-            && os_saves_tiles()
-            && request_tile_data()
-    })
+    *USABLE.get_or_init(|| cpuid7_edx() >> 24 & 1 == 1 && os_saves_tiles() && request_tile_data())
 }
 
 fn os_saves_tiles() -> bool {

@@ -760,7 +760,7 @@ mod sealed {
 fn bf16ne_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512bf16")
+        cpu_has!(Avx512bf16)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -1808,10 +1808,7 @@ impl AmxWgradPlan {
         let g = &self.g;
         let (wo, l) = (g.w_out, g.l());
         #[cfg(target_arch = "x86_64")]
-        if wo.is_multiple_of(2)
-            && self.ph.wq.is_multiple_of(2)
-            && std::arch::is_x86_feature_detected!("avx512f")
-        {
+        if wo.is_multiple_of(2) && self.ph.wq.is_multiple_of(2) && cpu_has!(Avx512f) {
             // Even rows over an even padded width: a pair of pixels of the copy is a pair of
             // one row of dy, gathered 16 channels at a time.
             for i in 0..n {

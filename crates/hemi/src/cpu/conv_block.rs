@@ -111,7 +111,7 @@ fn relu_pool_image(
 #[inline]
 fn row_pair_fast(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if cpu_has!(Avx2) {
         // SAFETY: AVX2 is present (checked just above).
         return unsafe { x86::row_pair_avx2::<true>(r0, r1, out, idx) };
     }
@@ -125,7 +125,7 @@ fn row_pair_fast(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usi
 /// without AVX2.
 pub(crate) fn max_pool_row_pair(r0: &[f32], r1: &[f32], out: &mut [f32], idx: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if cpu_has!(Avx2) {
         // SAFETY: AVX2 is present (checked just above).
         return unsafe { x86::row_pair_avx2::<false>(r0, r1, out, idx) };
     }

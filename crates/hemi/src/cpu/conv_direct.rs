@@ -211,8 +211,7 @@ impl DirectPlan {
 fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
-        has!("avx512f") && has!("avx512bw") && has!("avx512vl")
+        cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512vl)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -338,7 +338,7 @@ impl ShiftMasks {
 fn has_avx512bw() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512bw")
+        cpu_has!(Avx512bw)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -193,23 +193,12 @@ impl Kernel {
             | Kernel::PortableF32Wide
             | Kernel::PortableAmx => true,
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2Fma => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-            }
+            Kernel::Avx2Fma => cpu_has!(Avx2) && cpu_has!(Fma) && cpu_has!(F16c),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Bf16 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512bf16")
-            }
+            Kernel::Avx512Bf16 => cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512bf16),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512F32 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
+                cpu_has!(Avx512f) && cpu_has!(Avx2) && cpu_has!(Fma) && cpu_has!(F16c)
             }
             #[cfg(target_arch = "x86_64")]
             Kernel::AmxBf16 => x86::amx_usable(),
@@ -314,31 +303,43 @@ pub enum Bf16Route {
 }
 
 impl Bf16Route {
-    /// The route for a CPU of this vendor, or the one `setting` names (`HEMI_BF16_GEMM`:
-    /// `pairs` or `f32`); an error names a setting that is neither.
-    pub fn choose(setting: Option<&str>, intel: bool) -> Result<Self, String> {
-        match setting {
-            None => Ok(if intel { Bf16Route::Widen } else { Bf16Route::Pairs }),
-            Some("pairs") => Ok(Bf16Route::Pairs),
-            Some("f32") => Ok(Bf16Route::Widen),
-            Some(other) => Err(format!(
-                "HEMI_BF16_GEMM={other:?} is neither \"pairs\" (vdpbf16ps) nor \"f32\" (widen to F32)"
+    /// The route `setting` names: `pairs` or `f32`; an error names a setting that is
+    /// neither.
+    pub fn parse(setting: &str) -> Result<Self, String> {
+        match setting.trim() {
+            "pairs" => Ok(Bf16Route::Pairs),
+            "f32" | "widen" => Ok(Bf16Route::Widen),
+            other => Err(format!(
+                "BF16 route {other:?} is neither \"pairs\" (vdpbf16ps) nor \"f32\" (widen to F32)"
             )),
         }
     }
 
-    /// This process's route: `choose` on `HEMI_BF16_GEMM` and the CPU's vendor, read once
-    /// (a bad setting is reported on stderr once and the vendor's route kept).
-    pub fn current() -> Self {
-        static ROUTE: OnceLock<Bf16Route> = OnceLock::new();
-        *ROUTE.get_or_init(|| {
-            let setting = std::env::var("HEMI_BF16_GEMM").ok();
-            let intel = cpu_is_intel();
-            Self::choose(setting.as_deref(), intel).unwrap_or_else(|e| {
-                eprintln!("hemi: {e}; using this CPU's default");
-                Self::choose(None, intel).expect("no setting")
-            })
+    /// `"pairs"` or `"f32"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Route::Pairs => "pairs",
+            Bf16Route::Widen => "f32",
+        }
+    }
+
+    /// The route for a CPU of this vendor (`intel`), unless `chosen`.
+    pub fn choose(chosen: Option<Bf16Route>, intel: bool) -> Self {
+        chosen.unwrap_or(if intel {
+            Bf16Route::Widen
+        } else {
+            Bf16Route::Pairs
         })
+    }
+
+    /// This process's route: the CPU configuration's (`cpu::features`, which
+    /// `HEMI_BF16_GEMM` overrides), else the vendor's.
+    pub fn current() -> Self {
+        static INTEL: OnceLock<bool> = OnceLock::new();
+        Self::choose(
+            crate::cpu::features::current().bf16_route,
+            *INTEL.get_or_init(cpu_is_intel),
+        )
     }
 }
 

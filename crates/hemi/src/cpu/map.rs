@@ -245,9 +245,9 @@ pub(crate) enum VectorLevel {
 pub(crate) fn vector_level() -> VectorLevel {
     static LEVEL: std::sync::OnceLock<VectorLevel> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if cpu_has!(Avx512f) {
             VectorLevel::Avx512
-        } else if std::arch::is_x86_feature_detected!("avx2") {
+        } else if cpu_has!(Avx2) {
             VectorLevel::Avx2
         } else {
             VectorLevel::Baseline
@@ -654,7 +654,7 @@ mod tests {
                 unary_chunk(op, xs, &mut wide);
                 assert!(same(&plain, &wide), "{op:?} forward, n {n}");
                 #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx2") {
+                if crate::cpu::features::Feature::Avx2.detected() {
                     // The AVX2 loop too where the CPU would pick AVX-512.
                     // SAFETY: the CPU has AVX2.
                     unsafe { x86_loops::unary_avx2(op, xs, &mut wide) };
@@ -665,7 +665,7 @@ mod tests {
                     unary_backward_chunk(op, uses_out, gs, xs, &mut wide);
                     assert!(same(&plain, &wide), "{op:?} backward, n {n}");
                     #[cfg(target_arch = "x86_64")]
-                    if std::arch::is_x86_feature_detected!("avx2") {
+                    if crate::cpu::features::Feature::Avx2.detected() {
                         // SAFETY: the CPU has AVX2.
                         unsafe { x86_loops::unary_backward_avx2(op, uses_out, gs, xs, &mut wide) };
                         assert!(same(&plain, &wide), "{op:?} backward (avx2), n {n}");

@@ -35,6 +35,7 @@ pub mod conv_block;
 pub mod conv_direct;
 pub mod conv_implicit;
 pub mod conv_wgrad;
+pub mod features;
 pub mod gemm;
 pub mod gemm_half;
 pub mod index;

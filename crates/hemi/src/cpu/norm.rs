@@ -1008,7 +1008,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn relu_sums_avx2_equals_the_portable_loop() {
-        if !std::arch::is_x86_feature_detected!("avx2") {
+        if !crate::cpu::features::Feature::Avx2.detected() {
             return;
         }
         for special in [
@@ -1050,7 +1050,6 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn wide_norm_backward_loops_equal_the_portable_loop() {
-        use std::arch::is_x86_feature_detected as has;
         let k = DxTrain {
             mu: 0.3,
             rs: 1.7,
@@ -1067,10 +1066,10 @@ mod tests {
         type Mask = unsafe fn(&mut [f32], &[f32], &[f32]);
         type Dx = unsafe fn(&mut [f32], &[f32], &[f32], DxTrain);
         let mut builds: Vec<(&str, Mask, Dx)> = vec![];
-        if has!("avx2") {
+        if crate::cpu::features::Feature::Avx2.detected() {
             builds.push(("avx2", wide::relu_mask_avx2, wide::dx_train_avx2));
         }
-        if has!("avx512f") {
+        if crate::cpu::features::Feature::Avx512f.detected() {
             builds.push(("avx512", wide::relu_mask_avx512, wide::dx_train_avx512));
         }
         for n in (0..50).chain([1027]) {
@@ -1105,13 +1104,13 @@ mod tests {
                 let mut want = vec![0f32; n];
                 bn_apply_impl(&mut want, &x, r, k(relu));
                 let mut wide: Vec<(&str, Vec<f32>)> = vec![];
-                if has!("avx2") {
+                if crate::cpu::features::Feature::Avx2.detected() {
                     let mut o = vec![0f32; n];
                     // SAFETY: AVX2 detected.
                     unsafe { wide::bn_apply_avx2(&mut o, &x, r, k(relu)) };
                     wide.push(("avx2", o));
                 }
-                if has!("avx512f") {
+                if crate::cpu::features::Feature::Avx512f.detected() {
                     let mut o = vec![0f32; n];
                     // SAFETY: AVX-512 F detected.
                     unsafe { wide::bn_apply_avx512(&mut o, &x, r, k(relu)) };

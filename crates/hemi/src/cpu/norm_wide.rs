@@ -47,8 +47,7 @@ pub(crate) fn available() -> bool {
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *HAS.get_or_init(|| {
-            use std::arch::is_x86_feature_detected as has;
-            has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("f16c")
+            cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512vl) && cpu_has!(F16c)
         })
     }
     #[cfg(not(target_arch = "x86_64"))]

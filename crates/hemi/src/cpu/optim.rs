@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Layout;
 
 /// Whether the update loops can run their FMA build: x86-64 with AVX2 and FMA (checked once
-/// per call; `is_x86_feature_detected!` caches the answer).
+/// per call; `cpu_has!` reads cached answers).
 ///
 /// Why the loops care (PyTorch parity, see `sgd.rs` and `adam.rs`): PyTorch's CPU kernels
 /// fuse `a + alpha * b` into one fused multiply-add, and hemi's loops reproduce that with
@@ -23,7 +23,7 @@ use crate::tensor::Layout;
 fn has_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        cpu_has!(Avx2) && cpu_has!(Fma)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -133,17 +133,11 @@ impl QKernel {
             | QKernel::PortableI16Pairs
             | QKernel::PortableAmx => true,
             #[cfg(target_arch = "x86_64")]
-            QKernel::Avx2I16 => is_x86_feature_detected!("avx2"),
+            QKernel::Avx2I16 => cpu_has!(Avx2),
             #[cfg(target_arch = "x86_64")]
-            QKernel::AvxVnni => {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni")
-            }
+            QKernel::AvxVnni => cpu_has!(Avx2) && cpu_has!(AvxVnni),
             #[cfg(target_arch = "x86_64")]
-            QKernel::Avx512Vnni => {
-                is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vnni")
-            }
+            QKernel::Avx512Vnni => cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512vnni),
             #[cfg(target_arch = "x86_64")]
             QKernel::AmxInt8 => QKernel::Avx512Vnni.is_available() && x86::amx_usable(),
             #[cfg(not(target_arch = "x86_64"))]

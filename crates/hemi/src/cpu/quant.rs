@@ -48,11 +48,11 @@ macro_rules! multiversion {
                 unsafe fn wide512($($arg: $ty),*) $body
                 #[target_feature(enable = "avx2")]
                 unsafe fn wide256($($arg: $ty),*) $body
-                if std::arch::is_x86_feature_detected!("avx512bw") {
+                if cpu_has!(Avx512bw) {
                     // SAFETY: the features were detected just above.
                     return unsafe { wide512($($arg),*) };
                 }
-                if std::arch::is_x86_feature_detected!("avx2") {
+                if cpu_has!(Avx2) {
                     // SAFETY: as above.
                     return unsafe { wide256($($arg),*) };
                 }

@@ -228,12 +228,10 @@ type F32ToBf16 = fn(&[f32], &mut [bf16]);
 fn f32_to_bf16_kernel() -> F32ToBf16 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512bf16")
-            && std::arch::is_x86_feature_detected!("avx512f")
-        {
+        if cpu_has!(Avx512bf16) && cpu_has!(Avx512f) {
             return x86::f32_to_bf16_avx512bf16;
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if cpu_has!(Avx2) {
             return x86::f32_to_bf16_avx2;
         }
     }
@@ -262,12 +260,10 @@ fn bf16_to_f32_portable(src: &[bf16], dst: &mut [f32]) {
 fn bf16_to_f32_kernel() -> fn(&[bf16], &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
+        if cpu_has!(Avx512f) && cpu_has!(Avx512bw) {
             return x86::bf16_to_f32_avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if cpu_has!(Avx2) {
             return x86::bf16_to_f32_avx2;
         }
     }
@@ -324,7 +320,7 @@ mod x86 {
 
     /// Whether the CPU has AVX and F16C (`vcvtph2ps` / `vcvtps2ph` on 8 lanes).
     pub(crate) fn has_f16c() -> bool {
-        is_x86_feature_detected!("avx") && is_x86_feature_detected!("f16c")
+        cpu_has!(Avx) && cpu_has!(F16c)
     }
 
     /// F16 -> F32 with `vcvtph2ps`, 16 per step, inlined (also into `gemm_half`'s packing).
@@ -409,7 +405,7 @@ mod x86 {
         unsafe fn inner(src: &[f32], dst: &mut [bf16]) {
             f32_to_bf16_portable(src, dst)
         }
-        // SAFETY: selected only after `is_x86_feature_detected!("avx2")`.
+        // SAFETY: selected only after `cpu_has!(Avx2)`.
         unsafe { inner(src, dst) }
     }
 
@@ -438,7 +434,7 @@ mod x86 {
             }
             bf16_to_f32_portable(&src[i..n], &mut dst[i..n]);
         }
-        // SAFETY: selected only after `is_x86_feature_detected!` found AVX-512 F and BW.
+        // SAFETY: selected only after `cpu_has!` found AVX-512 F and BW.
         unsafe { inner(src, dst) }
     }
 
@@ -448,7 +444,7 @@ mod x86 {
         unsafe fn inner(src: &[bf16], dst: &mut [f32]) {
             bf16_to_f32_portable(src, dst)
         }
-        // SAFETY: selected only after `is_x86_feature_detected!("avx2")`.
+        // SAFETY: selected only after `cpu_has!(Avx2)`.
         unsafe { inner(src, dst) }
     }
 
@@ -461,7 +457,7 @@ mod x86 {
     /// therefore goes through the bit trick instead. Subnormals are rare in real data, so the
     /// check is one compare per vector and a branch that is almost never taken.
     pub(super) fn f32_to_bf16_avx512bf16(src: &[f32], dst: &mut [bf16]) {
-        // SAFETY: selected only after `is_x86_feature_detected!` for avx512f and avx512bf16.
+        // SAFETY: selected only after `cpu_has!` found AVX-512 F and BF16.
         unsafe { f32_to_bf16_avx512bf16_inner(src, dst) }
     }
 
@@ -863,11 +859,12 @@ mod tests {
         let mut kernels: Vec<(&str, Kernel)> = vec![];
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") {
+            if crate::cpu::features::Feature::Avx512f.detected()
+                && crate::cpu::features::Feature::Avx512bw.detected()
+            {
                 kernels.push(("avx512", super::x86::bf16_to_f32_avx512));
             }
-            if has!("avx2") {
+            if crate::cpu::features::Feature::Avx2.detected() {
                 kernels.push(("avx2", super::x86::bf16_to_f32_avx2));
             }
         }
@@ -1009,11 +1006,11 @@ mod tests {
         let mut kernels: Vec<(&str, F32ToBf16)> = vec![("portable", f32_to_bf16_portable)];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if crate::cpu::features::Feature::Avx2.detected() {
                 kernels.push(("avx2", x86::f32_to_bf16_avx2));
             }
-            if std::arch::is_x86_feature_detected!("avx512bf16")
-                && std::arch::is_x86_feature_detected!("avx512f")
+            if crate::cpu::features::Feature::Avx512bf16.detected()
+                && crate::cpu::features::Feature::Avx512f.detected()
             {
                 kernels.push(("avx512bf16", x86::f32_to_bf16_avx512bf16));
             } else {

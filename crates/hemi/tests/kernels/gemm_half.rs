@@ -566,21 +566,21 @@ fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     assert_eq!(Kernel::Avx2Fma.is_available(), avx2);
 }
 
-/// BF16 products take `vdpbf16ps` pairs on AMD and widen to F32 on Intel unless
-/// `HEMI_BF16_GEMM` says otherwise; a setting that names neither is an error that quotes it.
+/// BF16 products take `vdpbf16ps` pairs on AMD and widen to F32 on Intel unless the CPU
+/// configuration (`--bf16-route`, `HEMI_BF16_GEMM`) says otherwise; a setting that names
+/// neither is an error that quotes it.
 #[test]
 fn bf16_route_follows_the_vendor_and_the_setting() {
-    assert_eq!(Bf16Route::choose(None, false), Ok(Bf16Route::Pairs));
-    assert_eq!(Bf16Route::choose(None, true), Ok(Bf16Route::Widen));
+    assert_eq!(Bf16Route::choose(None, false), Bf16Route::Pairs);
+    assert_eq!(Bf16Route::choose(None, true), Bf16Route::Widen);
     for intel in [false, true] {
-        assert_eq!(
-            Bf16Route::choose(Some("pairs"), intel),
-            Ok(Bf16Route::Pairs)
-        );
-        assert_eq!(Bf16Route::choose(Some("f32"), intel), Ok(Bf16Route::Widen));
-        let err = Bf16Route::choose(Some("fast"), intel).unwrap_err();
-        assert!(err.contains("HEMI_BF16_GEMM=\"fast\""), "{err}");
+        for r in [Bf16Route::Pairs, Bf16Route::Widen] {
+            assert_eq!(Bf16Route::choose(Some(r), intel), r);
+            assert_eq!(Bf16Route::parse(r.name()), Ok(r));
+        }
     }
+    let err = Bf16Route::parse("fast").unwrap_err();
+    assert!(err.contains("\"fast\"") && err.contains("pairs"), "{err}");
 }
 
 /// GFLOP/s at 1024³ on 2 threads, median of 5 (run with `--ignored --nocapture`): the gemm

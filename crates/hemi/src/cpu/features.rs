@@ -1,0 +1,331 @@
+//! What this CPU has, and what hemi may use of it: the one place that asks the CPU for its
+//! instruction sets, and the explicit CPU configuration every kernel choice goes through.
+//!
+//! Kernels never call `is_x86_feature_detected!` themselves: they ask [`has`], which is the
+//! CPU's answer capped by the configuration. The configuration is library state set by
+//! [`configure`] (the CLI sets it from `--cpu-level`, `--amx` and `--bf16-route`) before the
+//! first kernel runs; it changes which kernel runs and so the bits of some results (each
+//! kernel sums in its own order, every one within the dtype's bound of an f64 reference).
+//! Environment variables only override it, documented in the README:
+//!
+//! | variable | overrides | values |
+//! |---|---|---|
+//! | `HEMI_CPU_LEVEL` | `level` | `native`, `avx512`, `avx2`, `portable` |
+//! | `HEMI_NO_AMX` (set) | `amx` | AMX off |
+//! | `HEMI_BF16_GEMM` | `bf16_route` | `pairs` (`vdpbf16ps`), `f32` (widen to F32) |
+//!
+//! Capping at a level is how one machine measures another's kernels: on an AVX-512 CPU,
+//! `--cpu-level avx2` runs exactly the kernels an AVX2 + FMA + F16C CPU (Zen 3, most
+//! laptops) runs, and `portable` the plain-Rust twins of them all.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use crate::error::{Error, Result};
+
+/// The instruction sets hemi's kernels ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Feature {
+    /// AVX (256-bit float).
+    Avx,
+    /// AVX2 (256-bit integer).
+    Avx2,
+    /// FMA3.
+    Fma,
+    /// F16C (8 F16 ↔ F32 conversions an instruction).
+    F16c,
+    /// AVX-VNNI (256-bit `vpdpbusd`).
+    AvxVnni,
+    /// AVX-512 Foundation.
+    Avx512f,
+    /// AVX-512 byte and word.
+    Avx512bw,
+    /// AVX-512 doubleword and quadword.
+    Avx512dq,
+    /// AVX-512 vector length (128/256-bit forms).
+    Avx512vl,
+    /// AVX-512 BF16 (`vdpbf16ps`, `vcvtneps2bf16`).
+    Avx512bf16,
+    /// AVX-512 VNNI.
+    Avx512vnni,
+}
+
+impl Feature {
+    /// The lowest [`CpuLevel`] that may use this feature.
+    fn level(self) -> CpuLevel {
+        match self {
+            Feature::Avx | Feature::Avx2 | Feature::Fma | Feature::F16c | Feature::AvxVnni => {
+                CpuLevel::Avx2
+            }
+            Feature::Avx512f
+            | Feature::Avx512bw
+            | Feature::Avx512dq
+            | Feature::Avx512vl
+            | Feature::Avx512bf16
+            | Feature::Avx512vnni => CpuLevel::Avx512,
+        }
+    }
+
+    /// Whether the CPU (and the OS) support it, whatever the configuration.
+    pub fn detected(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as d;
+            match self {
+                Feature::Avx => d!("avx"),
+                Feature::Avx2 => d!("avx2"),
+                Feature::Fma => d!("fma"),
+                Feature::F16c => d!("f16c"),
+                Feature::AvxVnni => d!("avxvnni"),
+                Feature::Avx512f => d!("avx512f"),
+                Feature::Avx512bw => d!("avx512bw"),
+                Feature::Avx512dq => d!("avx512dq"),
+                Feature::Avx512vl => d!("avx512vl"),
+                Feature::Avx512bf16 => d!("avx512bf16"),
+                Feature::Avx512vnni => d!("avx512vnni"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
+/// The most hemi's kernels may use of the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuLevel {
+    /// The plain-Rust twins only (no SIMD kernel, no AMX).
+    Portable,
+    /// AVX2 + FMA + F16C (and AVX-VNNI): what most laptops, desktops and older servers
+    /// have (Zen 3, Haswell to Alder Lake). No AVX-512, no AMX.
+    Avx2,
+    /// Also AVX-512 (F, BW, DQ, VL, BF16, VNNI); no AMX.
+    Avx512,
+    /// Everything the CPU has, AMX included (the default).
+    Native,
+}
+
+impl CpuLevel {
+    /// `"portable"`, `"avx2"`, `"avx512"`, `"native"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuLevel::Portable => "portable",
+            CpuLevel::Avx2 => "avx2",
+            CpuLevel::Avx512 => "avx512",
+            CpuLevel::Native => "native",
+        }
+    }
+
+    /// The level `s` names; an error lists the names.
+    pub fn parse(s: &str) -> Result<CpuLevel> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "portable" => Ok(CpuLevel::Portable),
+            "avx2" => Ok(CpuLevel::Avx2),
+            "avx512" | "avx-512" => Ok(CpuLevel::Avx512),
+            "native" => Ok(CpuLevel::Native),
+            other => Err(Error::arg(
+                "cpu level",
+                format!("{other:?}: expected native, avx512, avx2 or portable"),
+            )),
+        }
+    }
+}
+
+/// How BF16 × BF16 products run on a CPU with AVX-512 BF16 and no usable AMX (see
+/// `gemm_half::Bf16Route`): `None` takes the CPU vendor's faster route.
+pub use super::gemm_half::Bf16Route;
+
+/// The CPU configuration: which of the CPU's instruction sets hemi's kernels may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuConfig {
+    /// The highest level of kernels (default: native).
+    pub level: CpuLevel,
+    /// Whether AMX tiles may be used where the CPU and the OS allow them (default: yes;
+    /// only at the native level).
+    pub amx: bool,
+    /// The BF16 product route; `None`: the vendor's (pairs on AMD, widened on Intel).
+    pub bf16_route: Option<Bf16Route>,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        CpuConfig {
+            level: CpuLevel::Native,
+            amx: true,
+            bf16_route: None,
+        }
+    }
+}
+
+/// The configured level (`CpuLevel as u8`), AMX and route (0 vendor, 1 pairs, 2 widen).
+static LEVEL: AtomicU8 = AtomicU8::new(CpuLevel::Native as u8);
+static AMX: AtomicBool = AtomicBool::new(true);
+static ROUTE: AtomicU8 = AtomicU8::new(0);
+/// Set by the first kernel choice: from then on the configuration is fixed.
+static FIXED: AtomicBool = AtomicBool::new(false);
+/// The environment's overrides, read once.
+static ENV: OnceLock<Overrides> = OnceLock::new();
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Overrides {
+    level: Option<CpuLevel>,
+    no_amx: bool,
+    route: Option<Bf16Route>,
+}
+
+fn overrides() -> Overrides {
+    *ENV.get_or_init(|| {
+        let level = std::env::var("HEMI_CPU_LEVEL").ok().and_then(|v| {
+            CpuLevel::parse(&v)
+                .map_err(|e| eprintln!("hemi: HEMI_CPU_LEVEL: {e}; ignored"))
+                .ok()
+        });
+        let route = std::env::var("HEMI_BF16_GEMM").ok().and_then(|v| {
+            Bf16Route::parse(&v)
+                .map_err(|e| eprintln!("hemi: HEMI_BF16_GEMM: {e}; ignored"))
+                .ok()
+        });
+        Overrides {
+            level,
+            no_amx: std::env::var_os("HEMI_NO_AMX").is_some(),
+            route,
+        }
+    })
+}
+
+/// Sets the CPU configuration. Call it before the first tensor op: kernels are chosen (and
+/// some choices cached) on first use, so once one has run, a configuration other than the
+/// one in force is an error saying so. Environment variables override it (module docs).
+pub fn configure(cfg: CpuConfig) -> Result<()> {
+    if FIXED.load(Ordering::Acquire) && cfg != configured() {
+        return Err(Error::Msg(format!(
+            "the CPU configuration cannot change once a kernel has run (it is {}; asked for \
+             {}): call hemi::cpu::features::configure before the first tensor op",
+            describe(&configured()),
+            describe(&cfg)
+        )));
+    }
+    LEVEL.store(cfg.level as u8, Ordering::Release);
+    AMX.store(cfg.amx, Ordering::Release);
+    ROUTE.store(
+        match cfg.bf16_route {
+            None => 0,
+            Some(Bf16Route::Pairs) => 1,
+            Some(Bf16Route::Widen) => 2,
+        },
+        Ordering::Release,
+    );
+    Ok(())
+}
+
+/// The configuration as set by [`configure`] (before the environment's overrides).
+fn configured() -> CpuConfig {
+    let level = match LEVEL.load(Ordering::Acquire) {
+        0 => CpuLevel::Portable,
+        1 => CpuLevel::Avx2,
+        2 => CpuLevel::Avx512,
+        _ => CpuLevel::Native,
+    };
+    CpuConfig {
+        level,
+        amx: AMX.load(Ordering::Acquire),
+        bf16_route: match ROUTE.load(Ordering::Acquire) {
+            1 => Some(Bf16Route::Pairs),
+            2 => Some(Bf16Route::Widen),
+            _ => None,
+        },
+    }
+}
+
+/// The configuration in force: [`configure`]'s, with the environment's overrides applied.
+/// Asking fixes it (kernels ask before they choose).
+pub fn current() -> CpuConfig {
+    if !FIXED.load(Ordering::Relaxed) {
+        FIXED.store(true, Ordering::Release);
+    }
+    let mut c = configured();
+    let o = overrides();
+    if let Some(l) = o.level {
+        c.level = l;
+    }
+    if o.no_amx {
+        c.amx = false;
+    }
+    if o.route.is_some() {
+        c.bf16_route = o.route;
+    }
+    c
+}
+
+/// Whether kernels may use `f`: the CPU has it and the configuration's level allows it.
+#[inline]
+pub fn has(f: Feature) -> bool {
+    level_allows(f.level()) && f.detected()
+}
+
+/// Whether the configuration in force allows kernels of `level`.
+fn level_allows(level: CpuLevel) -> bool {
+    current().level >= level
+}
+
+/// Whether AMX may be used (the CPU's and the OS's support is checked by `cpu::amx`).
+pub fn amx_allowed() -> bool {
+    let c = current();
+    c.level == CpuLevel::Native && c.amx
+}
+
+/// `level avx2, amx off, bf16 route f32`: the configuration in words, for logs and
+/// benchmark records.
+pub fn describe(c: &CpuConfig) -> String {
+    format!(
+        "level {}, amx {}, bf16 route {}",
+        c.level.name(),
+        if c.amx { "on" } else { "off" },
+        c.bf16_route.map_or("auto", Bf16Route::name)
+    )
+}
+
+/// The CPU's instruction sets (detected, whatever the configuration) as names, for the
+/// record of a benchmark.
+pub fn detected_names() -> Vec<&'static str> {
+    use Feature::*;
+    [
+        (Avx2, "avx2"),
+        (Fma, "fma"),
+        (F16c, "f16c"),
+        (AvxVnni, "avxvnni"),
+        (Avx512f, "avx512f"),
+        (Avx512bw, "avx512bw"),
+        (Avx512bf16, "avx512bf16"),
+        (Avx512vnni, "avx512vnni"),
+    ]
+    .into_iter()
+    .filter(|(f, _)| f.detected())
+    .map(|(_, n)| n)
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_order_and_parse() {
+        assert!(CpuLevel::Portable < CpuLevel::Avx2);
+        assert!(CpuLevel::Avx2 < CpuLevel::Avx512);
+        assert!(CpuLevel::Avx512 < CpuLevel::Native);
+        for l in [
+            CpuLevel::Portable,
+            CpuLevel::Avx2,
+            CpuLevel::Avx512,
+            CpuLevel::Native,
+        ] {
+            assert_eq!(CpuLevel::parse(l.name()).unwrap(), l);
+        }
+        let e = CpuLevel::parse("sse9").unwrap_err().to_string();
+        assert!(e.contains("sse9") && e.contains("avx2"), "{e}");
+        assert_eq!(Feature::Avx512bf16.level(), CpuLevel::Avx512);
+        assert_eq!(Feature::F16c.level(), CpuLevel::Avx2);
+    }
+}
