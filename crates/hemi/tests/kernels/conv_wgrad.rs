@@ -154,8 +154,8 @@ fn f32_weight_gradients_match_f64_and_the_twin_bit_for_bit() {
         (2, 9, (7, 7), (1, 1), (0, 0), 1, 10),
         (1, 6, (4, 6), (3, 3), (4, 1), 1, 2),
     ];
-    let simd_runs =
-        Kernel::Avx512F32.is_available() && std::arch::is_x86_feature_detected!("avx512bw");
+    let simd_runs = Kernel::Avx512F32.is_available()
+        && hemi::cpu::features::has(hemi::cpu::features::Feature::Avx512bw);
     println!("avx512f checked against the twin: {simd_runs}");
     for (n, c_in, hw, k, pad, d, c_out) in cases {
         let g = geom(n, c_in, hw, k, pad, d, 1, c_out);

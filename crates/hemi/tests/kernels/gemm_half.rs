@@ -532,10 +532,12 @@ fn pair_kernel_rejects_f32_operands() {
 fn dispatcher_picks_the_best_kernel_for_the_cpu() {
     #[cfg(target_arch = "x86_64")]
     let (bf16_dot, avx2) = {
-        use std::arch::is_x86_feature_detected as has;
+        // What the kernels may use: the CPU capped by the CPU configuration
+        // (`HEMI_CPU_LEVEL=avx2` runs this file as an AVX2 CPU would).
+        use hemi::cpu::features::{has, Feature::*};
         (
-            has!("avx512f") && has!("avx512bw") && has!("avx512bf16"),
-            has!("avx2") && has!("fma") && has!("f16c"),
+            has(Avx512f) && has(Avx512bw) && has(Avx512bf16),
+            has(Avx2) && has(Fma) && has(F16c),
         )
     };
     #[cfg(not(target_arch = "x86_64"))]
