@@ -6,6 +6,7 @@
 //! The loop reports through `Event`s; the CLI turns them into a progress bar, log lines and
 //! a metrics file.
 
+pub mod callbacks;
 pub mod checkpoint;
 pub mod recipe;
 pub mod task;
@@ -16,6 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use crate::backend::train::Log2Histogram;
+pub use callbacks::{BackwardEnd, Callback, EpochEnd, StepEnd};
+use callbacks::{Divergence, EpochCheckpoints, GradStats, InjectInf, Reporter, Tensors};
 pub use checkpoint::{
     latest_checkpoint, list_checkpoints, load_checkpoint, parse_state, save_checkpoint, Checkpoint,
     Progress, RunInfo,
@@ -858,6 +861,21 @@ pub fn train(
     info: &RunInfo,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<Summary> {
+    train_with_callbacks(model, train, test, cfg, info, &mut [], on_event)
+}
+
+/// [`train`] with `extra` callbacks, called at each hook after hemi's own (inf injection,
+/// gradient statistics, tensors, divergence checks, epoch checkpoints, events; see
+/// [`callbacks`]).
+pub fn train_with_callbacks(
+    model: &mut dyn Module,
+    train: &DataLoader,
+    test: &DataLoader,
+    cfg: &TrainConfig,
+    info: &RunInfo,
+    extra: &mut [&mut dyn Callback],
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<Summary> {
     let group = cfg.dist.as_ref().map(|d| d.group.clone());
     let rank = group.as_ref().map_or(0, |g| g.rank());
     let root = rank == 0;
@@ -942,7 +960,6 @@ pub fn train(
         .into_iter()
         .map(|(n, _)| n)
         .collect();
-    let mut grad_stats: Vec<GradStat> = names.iter().map(|n| GradStat::new(n)).collect();
     let (skipped_before, mut steps) = (opt.skipped_steps(), 0u64);
     let mut summary = Summary {
         precision,
@@ -957,12 +974,30 @@ pub fn train(
         train_seconds: 0.0,
         comm: None,
     };
+    // Everything but the step, in the order its events reach `on_event`.
+    let mut inject = cfg.inject_inf.map(InjectInf::new);
+    let mut divergence = Divergence::new(cfg.divergence.clone(), precision);
+    let mut grad_stats = cfg.grad_stats.then(|| GradStats::new(&names));
+    let mut tensors = Tensors::new(cfg.tensors_every);
+    let mut saves = root.then(|| EpochCheckpoints::new(cfg, info));
+    let mut reporter = Reporter::new(cfg.log_every);
+    let mut callbacks: Vec<&mut dyn Callback> = Vec::new();
+    if let Some(c) = inject.as_mut() {
+        callbacks.push(c);
+    }
+    if let Some(c) = grad_stats.as_mut() {
+        callbacks.push(c);
+    }
+    callbacks.push(&mut tensors);
+    callbacks.push(&mut divergence);
+    if let Some(c) = saves.as_mut() {
+        callbacks.push(c);
+    }
+    callbacks.push(&mut reporter);
+    for c in extra.iter_mut() {
+        callbacks.push(&mut **c);
+    }
     let task = cfg.task.as_ref();
-    /// Consecutive non-finite losses a loss-scaled run tolerates (each halves the scale).
-    const MAX_BAD_LOSSES: usize = 50;
-    let mut bad_losses = 0usize;
-    let div = &cfg.divergence;
-    let mut window = SkipWindow::default();
     let stopping = || cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
     model.set_training(true);
     for epoch in first_epoch..=last {
@@ -982,29 +1017,21 @@ pub fn train(
             (0.0, 0, 0)
         };
         let mut trained_images = 0usize;
-        // This epoch's share of the gradient statistics (`Event::GradStats`).
-        let mut epoch_stats: Vec<GradStat> = names.iter().map(|n| GradStat::new(n)).collect();
-        let (mut log_loss, mut log_batches, mut log_images, mut log_start) =
-            (0.0, 0usize, 0usize, Instant::now());
+        for c in callbacks.iter_mut() {
+            c.on_epoch_start(epoch)?;
+        }
         for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
+            let progress = Progress {
+                epochs_done: epoch - 1,
+                batches_done: b,
+                partial_loss_sum: epoch_loss,
+                partial_batches: epoch_batches,
+                partial_images: epoch_images,
+            };
             // Data-parallel runs agree on stopping after the backward (below), so that every
             // rank stops at the same batch.
             if group.is_none() && stopping() {
-                return Err(interrupt(
-                    steps,
-                    cfg,
-                    model,
-                    &opt,
-                    info,
-                    Progress {
-                        epochs_done: epoch - 1,
-                        batches_done: b,
-                        partial_loss_sum: epoch_loss,
-                        partial_batches: epoch_batches,
-                        partial_images: epoch_images,
-                    },
-                    root,
-                ));
+                return Err(interrupt(steps, cfg, model, &opt, info, progress, root));
             }
             let batch = batch?;
             // The schedule is a closed form of the global step: a resumed run sets the same
@@ -1013,6 +1040,7 @@ pub fn train(
             opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
             let skipped_before_step = opt.skipped_steps();
+            // The documents' step: forward under autocast, (scaled) backward, step.
             let k = cfg.micro_batches;
             let mut lv = 0.0;
             for j in 0..k {
@@ -1044,101 +1072,40 @@ pub fn train(
                     }
                 }
             }
-            if cfg.inject_inf == Some((rank, t + 1)) {
-                inject_inf(opt.optimizer().params())?;
-            }
             if let Some(g) = &group {
                 // One small collective per step: the stop flag, and the ranks' mean loss.
                 let s = g.sum_f64(&[f64::from(u8::from(stopping())), lv])?;
                 lv = s[1] / g.size() as f64;
                 if s[0] > 0.0 {
-                    return Err(interrupt(
-                        steps,
-                        cfg,
-                        model,
-                        &opt,
-                        info,
-                        Progress {
-                            epochs_done: epoch - 1,
-                            batches_done: b,
-                            partial_loss_sum: epoch_loss,
-                            partial_batches: epoch_batches,
-                            partial_images: epoch_images,
-                        },
-                        root,
-                    ));
+                    return Err(interrupt(steps, cfg, model, &opt, info, progress, root));
                 }
             }
-            // Under loss scaling a non-finite loss gives non-finite gradients: the step is
-            // skipped and the scale backs off. Only a run that keeps producing them, or one
-            // without a scaler, has diverged.
-            bad_losses = if lv.is_finite() { 0 } else { bad_losses + 1 };
-            let scaled = precision.loss_scaling();
-            if bad_losses > if scaled { MAX_BAD_LOSSES } else { 0 } {
-                let advice = if scaled {
-                    "lower the learning rate"
-                } else if precision == Precision::Fp32 {
-                    "lower the learning rate, or add gradient clipping"
-                } else {
-                    "lower the learning rate, or use a loss-scaled or F32 precision"
-                };
-                return Err(Error::Diverged(format!(
-                    "epoch {epoch}, batch {}: the loss is {lv} ({bad_losses} in a row); \
-                     training diverged ({advice}); the last checkpoint is intact",
-                    b + 1
-                )));
+            let ready = BackwardEnd {
+                epoch,
+                batch: b + 1,
+                global_step: t + 1,
+                loss: lv,
+                rank,
+                opt: &opt,
+            };
+            for c in callbacks.iter_mut() {
+                c.after_backward(&ready, on_event)?;
             }
             let lr = opt.optimizer().lr();
-            let tensors_due =
-                cfg.tensors_every > 0 && (t + 1).is_multiple_of(cfg.tensors_every as u64);
-            if cfg.grad_stats || tensors_due {
+            if callbacks.iter().any(|c| c.wants_unscaled(t + 1)) {
                 opt.unscale()?;
             }
             opt.step()?;
             steps += 1;
-            if cfg.grad_stats {
-                for (st, t) in epoch_stats.iter_mut().zip(opt.grad_tensors()) {
-                    if let Some(g) = t.grad() {
-                        st.count(&g)?;
-                    }
-                }
-            }
-            if tensors_due {
-                let tensors = model
-                    .named_parameters()
-                    .into_iter()
-                    .zip(opt.grad_tensors())
-                    .map(|((n, p), m)| (n, p, m.grad()))
-                    .collect();
-                on_event(&Event::Tensors {
-                    global_step: t + 1,
-                    tensors,
-                });
-            }
-            let (scale, skipped) = (opt.scale(), opt.skipped_steps());
-            if scaled {
-                window.push(skipped > skipped_before_step, !lv.is_finite(), div.window);
-                if let Some(why) = window.diverged(div, scale) {
-                    return Err(Error::Diverged(format!(
-                        "epoch {epoch}, batch {}: {why}, loss scale {scale}; training diverged \
-                         (lower the learning rate; the limit is --max-skipped-fraction {}); the \
-                         last checkpoint is intact",
-                        b + 1,
-                        div.max_skipped_fraction,
-                    )));
-                }
-            }
             let n = batch.len();
             epoch_images += n;
             trained_images += n;
-            log_images += n;
             if lv.is_finite() {
                 epoch_loss += lv;
                 epoch_batches += 1;
-                log_loss += lv;
-                log_batches += 1;
             }
-            on_event(&Event::Batch {
+            let (scale, skipped) = (opt.scale(), opt.skipped_steps());
+            let done = StepEnd {
                 epoch,
                 batch: b + 1,
                 global_step: t + 1,
@@ -1147,34 +1114,15 @@ pub fn train(
                 images: n,
                 scale,
                 skipped,
-            });
-            if (b + 1) % cfg.log_every == 0 {
-                let secs = log_start.elapsed().as_secs_f64();
-                on_event(&Event::Log {
-                    epoch,
-                    step: b + 1,
-                    global_step: t + 1,
-                    loss: mean_or_nan(log_loss, log_batches),
-                    lr: opt.optimizer().lr(),
-                    images_per_s: log_images as f64 / secs.max(1e-9),
-                    scale,
-                    skipped,
-                });
-                (log_loss, log_batches, log_images, log_start) = (0.0, 0, 0, Instant::now());
+                step_skipped: skipped > skipped_before_step,
+                model: &*model,
+                opt: &opt,
+            };
+            for c in callbacks.iter_mut() {
+                c.on_step_end(&done, on_event)?;
             }
         }
         let train_secs = start.elapsed().as_secs_f64();
-        if cfg.grad_stats {
-            for (run, ep) in grad_stats.iter_mut().zip(&epoch_stats) {
-                run.merge(ep);
-            }
-            on_event(&Event::GradStats {
-                epoch,
-                global_step: (epoch * train.num_batches()) as u64,
-                scale: opt.scale(),
-                stats: epoch_stats,
-            });
-        }
         let eval = match &group {
             Some(g) => {
                 check_params_equal(g, model, epoch)?;
@@ -1185,61 +1133,37 @@ pub fn train(
             }
             None => evaluate_task(model, test, precision, task)?,
         };
-        let acc = eval.accuracy;
-        let seconds = start.elapsed().as_secs_f64();
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
-        summary.test_accuracy = acc;
+        summary.test_accuracy = eval.accuracy;
         summary.train_images += trained_images;
         summary.train_seconds += train_secs;
-        if let Some(dir) = cfg.checkpoint_dir.as_ref().filter(|_| root) {
-            let (opt_state, scaler_state) = opt.state_dict();
-            save_checkpoint(
-                dir,
-                model,
-                &opt_state,
-                scaler_state.as_ref(),
-                Progress::epoch(epoch),
-                Some(acc),
-                info,
-            )?;
-            checkpoint::prune_checkpoints(dir, cfg.keep, cfg.keep_best)?;
-        }
-        on_event(&Event::Epoch {
+        let end = EpochEnd {
             epoch,
             train_loss: mean_or_nan(epoch_loss, epoch_batches),
-            test_accuracy: acc,
+            test_accuracy: eval.accuracy,
             test_loss: eval.loss,
-            seconds,
+            seconds: start.elapsed().as_secs_f64(),
             images_per_s: trained_images as f64 / train_secs.max(1e-9),
-        });
+            global_step: (epoch * train.num_batches()) as u64,
+            model: &*model,
+            opt: &opt,
+        };
+        for c in callbacks.iter_mut() {
+            c.on_epoch_end(&end, on_event)?;
+        }
     }
     summary.steps = steps;
     summary.skipped_steps = opt.skipped_steps() - skipped_before;
     summary.final_scale = opt.scale();
-    if cfg.grad_stats {
-        summary.grad_stats = grad_stats;
+    drop(callbacks);
+    if let Some(g) = grad_stats {
+        summary.grad_stats = g.run;
     }
     if let (Some(g), Some(start)) = (&cfg.dist, comm_start) {
         summary.comm = Some(g.group.stats().since(&start));
     }
     Ok(summary)
-}
-
-/// Sets the first gradient value of the first parameter that has one to +inf
-/// (`TrainConfig::inject_inf`).
-fn inject_inf(params: &[Tensor]) -> Result<()> {
-    for p in params {
-        if let Some(g) = p.grad() {
-            let mut v = g.to_vec_f32();
-            if let Some(x) = v.first_mut() {
-                *x = f32::INFINITY;
-                p.set_grad(Some(Tensor::from_f32_vec(v, g.shape(), g.dtype())?));
-                return Ok(());
-            }
-        }
-    }
-    Ok(())
 }
 
 /// A SHA-256 over every parameter's name, shape, dtype and bits.

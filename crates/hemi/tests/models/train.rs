@@ -318,3 +318,154 @@ fn recipe_settings_are_checked_before_training() {
         assert!(e.contains(word), "{e}");
     }
 }
+
+/// A user's callback: counts the hooks, checks that it sees the step's gradients unscaled
+/// when it asks for them, and stops the run with its own error at a chosen step.
+struct Watcher {
+    epochs_started: Vec<usize>,
+    backward_losses: Vec<f64>,
+    step_losses: Vec<f64>,
+    epochs_ended: Vec<(usize, f64)>,
+    /// Max |gradient| of the first parameter after each step (unscaled on request).
+    grad_max: Vec<f64>,
+    unscaled: bool,
+    stop_at: Option<u64>,
+}
+
+impl Watcher {
+    fn new(unscaled: bool, stop_at: Option<u64>) -> Self {
+        Watcher {
+            epochs_started: Vec::new(),
+            backward_losses: Vec::new(),
+            step_losses: Vec::new(),
+            epochs_ended: Vec::new(),
+            grad_max: Vec::new(),
+            unscaled,
+            stop_at,
+        }
+    }
+}
+
+impl hemi::train::Callback for Watcher {
+    fn on_epoch_start(&mut self, epoch: usize) -> hemi::Result<()> {
+        self.epochs_started.push(epoch);
+        Ok(())
+    }
+    fn after_backward(
+        &mut self,
+        b: &hemi::train::BackwardEnd<'_>,
+        _emit: &mut hemi::train::callbacks::Emit<'_>,
+    ) -> hemi::Result<()> {
+        self.backward_losses.push(b.loss);
+        Ok(())
+    }
+    fn wants_unscaled(&self, _step: u64) -> bool {
+        self.unscaled
+    }
+    fn on_step_end(
+        &mut self,
+        s: &hemi::train::StepEnd<'_>,
+        _emit: &mut hemi::train::callbacks::Emit<'_>,
+    ) -> hemi::Result<()> {
+        self.step_losses.push(s.loss);
+        let g = s.opt.grad_tensors()[0].grad().unwrap().to_vec_f64();
+        self.grad_max
+            .push(g.iter().fold(0.0f64, |m, x| m.max(x.abs())));
+        if Some(s.global_step) == self.stop_at {
+            return Err(hemi::Error::Msg(format!(
+                "the watcher stops at step {}",
+                s.global_step
+            )));
+        }
+        Ok(())
+    }
+    fn on_epoch_end(
+        &mut self,
+        e: &hemi::train::EpochEnd<'_>,
+        _emit: &mut hemi::train::callbacks::Emit<'_>,
+    ) -> hemi::Result<()> {
+        self.epochs_ended.push((e.epoch, e.test_accuracy));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_callback_sees_every_step_and_can_end_the_run() {
+    use hemi::train::train_with_callbacks;
+    let (tr, te) = loaders(1);
+    let cfg = TrainConfig {
+        epochs: 2,
+        optimizer: OptimizerKind::Sgd,
+        lr: 0.01,
+        log_every: 4,
+        precision: hemi::amp::Precision::AmpFp16,
+        ..Default::default()
+    };
+    // Watched (gradients left scaled) and unwatched runs end with the same weights: a
+    // callback that only reads changes nothing.
+    let mut plain = model();
+    let mut events = Vec::new();
+    let s0 = train(&mut plain, &tr, &te, &cfg, &info(), &mut |e| {
+        events.push(format!("{e:?}").chars().take(12).collect::<String>())
+    })
+    .unwrap();
+    let mut watched = model();
+    let mut w = Watcher::new(false, None);
+    let mut watched_events = Vec::new();
+    let s1 = train_with_callbacks(
+        &mut watched,
+        &tr,
+        &te,
+        &cfg,
+        &info(),
+        &mut [&mut w],
+        &mut |e| watched_events.push(format!("{e:?}").chars().take(12).collect::<String>()),
+    )
+    .unwrap();
+    assert_eq!(events, watched_events, "the same events in the same order");
+    assert_eq!(s0.test_accuracy, s1.test_accuracy);
+    for ((_, a), (_, b)) in plain.state_dict().iter().zip(watched.state_dict().iter()) {
+        assert_eq!(a.to_vec_f64(), b.to_vec_f64());
+    }
+    let steps = 2 * tr.num_batches();
+    assert_eq!(w.epochs_started, [1, 2]);
+    assert_eq!(w.backward_losses.len(), steps);
+    assert_eq!(w.backward_losses, w.step_losses);
+    assert_eq!(w.epochs_ended.len(), 2);
+    assert_eq!(w.epochs_ended[1].1, s1.test_accuracy);
+    // Asking for the gradients unscaled before the step (as gradient statistics do): the
+    // step, which unscales them itself otherwise, takes the same values, and after it the
+    // gradients are the unscaled ones either way.
+    let mut u = Watcher::new(true, None);
+    let mut m = model();
+    train_with_callbacks(&mut m, &tr, &te, &cfg, &info(), &mut [&mut u], &mut |_| {}).unwrap();
+    assert_eq!(u.grad_max, w.grad_max);
+    assert!(
+        w.grad_max.iter().all(|g| g.is_finite() && *g < 100.0),
+        "{:?}",
+        w.grad_max
+    );
+    for ((_, a), (_, b)) in plain.state_dict().iter().zip(m.state_dict().iter()) {
+        assert_eq!(
+            a.to_vec_f64(),
+            b.to_vec_f64(),
+            "unscaling first changes no bit"
+        );
+    }
+    // An error from a callback ends the run with that error.
+    let mut stopper = Watcher::new(false, Some(3));
+    let err = match train_with_callbacks(
+        &mut model(),
+        &tr,
+        &te,
+        &cfg,
+        &info(),
+        &mut [&mut stopper],
+        &mut |_| {},
+    ) {
+        Ok(_) => panic!("the callback's error ends the run"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("the watcher stops at step 3"), "{err}");
+    assert_eq!(stopper.step_losses.len(), 3);
+}
