@@ -31,6 +31,15 @@ targets are CifarNet's and are only checked for it.
         # is measured before and after in one run (medians and the after/before ratio)
     python3 bench/torch_side_by_side.py --model resnet20 --pairs fp32,bf16
     python3 bench/torch_side_by_side.py --model resnet50 --rounds 1 --steps 3
+    python3 bench/torch_side_by_side.py --model resnet20 --cpu-level avx2   # an AVX2 CPU's kernels
+
+--cpu-level caps both sides at an instruction-set level, so that any machine here measures
+what an AVX2 + FMA + F16C CPU runs: hemi gets `--cpu-level LEVEL` (HEMI_CPU_LEVEL for a
+--hemi-baseline build older than the flag), PyTorch ATEN_CPU_CAPABILITY and
+ONEDNN_MAX_CPU_ISA, and the script checks that PyTorch reports the capability. Every run
+also prints its utilisation: achieved GFLOP/s (a training step's multiply-adds, counted per
+model below, times 2) against the level's FMA peak on the cores used (2 FMA units, at the
+clock /proc/cpuinfo reports).
 
 Python 3.11 standard library only. Needs a PyTorch venv (see --torch-python).
 """
@@ -52,6 +61,16 @@ VENV_HINT = ("python3 -m venv /tmp/torch-ref && "
 PAIRS = [("fp32", "fp32", "fp32"), ("bf16", "bf16", "amp-bf16"), ("fp16", "fp16", "amp-fp16")]
 
 # --model: (title, PyTorch script, its model arguments, default batch, default image side).
+# Multiply-adds of one image's forward pass (convolutions and linear layers), at the
+# model's default image size; a training step is counted as 3 forward passes (forward,
+# input gradients, weight gradients). CifarNet: 3->64 3x3 on 30x30, 64->128 3x3 on 13x13,
+# 4608->256, 256->10. ResNets: He et al. / torchvision's published counts.
+FORWARD_MACS = {"cifar-net": 15.2e6, "resnet20": 40.8e6, "resnet18": 1.82e9,
+                "resnet50": 4.11e9}
+
+from cpu_level import LEVELS, check_torch_level, cpu_ghz, torch_env
+
+
 MODELS = {
     "cifar-net": ("CifarNet (k3)", "torch_cnn_throughput.py", ["--variant", "k3"], 128, 32),
     "resnet20": ("ResNet-20 (CIFAR, option A)", "torch_resnet_throughput.py",
@@ -75,11 +94,11 @@ def find_torch_script(given, name):
     return REPO.parent / "shared" / "bench" / name
 
 
-def run_child(cmd):
+def run_child(cmd, env=None):
     """Runs cmd to completion; returns (stdout, wall seconds, peak RSS MiB of the child)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as errf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
         # Read stdout to its end before waiting (stderr goes to a file, so the child cannot
         # block on a full pipe); the child is still unreaped then, so wait4 gets its rusage.
         out = proc.stdout.read()
@@ -121,6 +140,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pairs", default="fp32,bf16,fp16")
     ap.add_argument("--json", metavar="FILE", help="write every raw run here ('-': stdout)")
+    ap.add_argument("--cpu-level", default="native", choices=list(LEVELS),
+                    help="cap both sides' kernels at this instruction-set level")
     a = ap.parse_args()
 
     if not Path(a.torch_python).exists():
@@ -142,6 +163,11 @@ def main():
         print(f"{a.hemi} missing: cargo build --release -p hemi-cli", file=sys.stderr)
         subprocess.run(["cargo", "build", "--release", "-p", "hemi-cli"], cwd=REPO, check=True)
 
+    torch_capability = check_torch_level(a.torch_python, a.cpu_level)
+    print(f"--cpu-level {a.cpu_level}: PyTorch reports {torch_capability}", file=sys.stderr)
+    hemi_env = dict(os.environ, HEMI_CPU_LEVEL=a.cpu_level)
+    step_gflop = 3 * 2 * FORWARD_MACS[a.model] * (a.image_size / size0) ** 2 / 1e9
+    peak_gflops = a.threads * cpu_ghz() * LEVELS[a.cpu_level][3]
     pairs = [p for p in PAIRS if p[0] in a.pairs.split(",")]
     runs = []  # one dict per process
     for r in range(a.rounds):
@@ -151,7 +177,7 @@ def main():
             out, wall, rss = run_child(
                 [a.torch_python, str(script), "--mode", mode, *torch_model_args, *size_args,
                  "--steps", str(steps), "--warmup", str(warm), "--batch", str(a.batch_size),
-                 "--threads", str(a.threads)])
+                 "--threads", str(a.threads)], env=torch_env(a.cpu_level))
             j = last_json(out)
             runs.append({"round": r + 1, "pair": label, "side": "torch", "mode": mode,
                          "images_per_s": j["images_per_s"],
@@ -165,10 +191,12 @@ def main():
                 # Alternate which build goes first, so neither always follows PyTorch.
                 sides.insert(r % 2, ("base", a.hemi_baseline))
             for side, binary in sides:
+                level_args = [] if side == "base" else ["--cpu-level", a.cpu_level]
                 out, wall, rss = run_child(
-                    [binary, "bench", "--threads", str(a.threads), "train", "--model",
-                     a.model, "--precision", prec, "--batch-size", str(a.batch_size),
-                     *hemi_size_args, "--steps", str(a.steps), "--json"])
+                    [binary, *level_args, "bench", "--threads", str(a.threads), "train",
+                     "--model", a.model, "--precision", prec, "--batch-size",
+                     str(a.batch_size), *hemi_size_args, "--steps", str(a.steps), "--json"],
+                    env=hemi_env)
                 j = last_json(out)
                 runs.append({"round": r + 1, "pair": label, "side": side, "mode": prec,
                              "images_per_s": j["images_per_s"],
@@ -185,7 +213,7 @@ def main():
         return statistics.median(v) if v else float("nan")
 
     print(f"\n{title}, batch {a.batch_size} ({a.image_size}x{a.image_size}), {a.threads} "
-          f"threads, random data, medians "
+          f"threads, --cpu-level {a.cpu_level} (PyTorch: {torch_capability}), random data, medians "
           f"of {a.rounds} rounds; timed steps: {a.steps} (PyTorch fp16: "
           f"{a.torch_fp16_steps}); peak RSS = child's ru_maxrss")
     print("| pair | PyTorch img/s | hemi img/s | hemi/PyTorch speed "
@@ -199,6 +227,14 @@ def main():
         m[label] = (ti, hi, tr, hr)
         print(f"| torch {mode} / hemi {prec} | {ti:.0f} | {hi:.0f} | {hi / ti:.2f}x "
               f"| {tr:.0f} | {hr:.0f} ({hs:.0f}) | {hr / tr:.2f}x |")
+    print(f"\nutilisation: a training step is {step_gflop:.3f} GFLOP per image; the "
+          f"{a.cpu_level} FMA peak of {a.threads} cores at {cpu_ghz():.2f} GHz is "
+          f"{peak_gflops:.0f} GFLOP/s")
+    for label, mode, prec in pairs:
+        for side, name in (("torch", f"torch {mode}"), ("hemi", f"hemi {prec}")):
+            ips = med(label, side, "images_per_s")
+            g = ips * step_gflop
+            print(f"  {name:14s} {g:7.1f} GFLOP/s = {100 * g / peak_gflops:5.1f} % of peak")
 
     if a.hemi_baseline:
         print(f"\nhemi ({a.hemi}) against the baseline ({a.hemi_baseline}), same rounds:")
@@ -239,7 +275,9 @@ def main():
         print(f"  {'met    ' if ok else 'NOT met'}  {name}: {got:.2f}x")
 
     if a.json:
-        doc = {"model": a.model, "image_size": a.image_size,
+        doc = {"model": a.model, "image_size": a.image_size, "cpu_level": a.cpu_level,
+               "torch_cpu_capability": torch_capability, "step_gflop": step_gflop,
+               "peak_gflops": peak_gflops,
                "batch_size": a.batch_size, "threads": a.threads, "rounds": a.rounds,
                "steps": a.steps, "torch_fp16_steps": a.torch_fp16_steps,
                "torch_script": str(script), "runs": runs}
