@@ -18,8 +18,7 @@
 //! `--cpu-level avx2` runs exactly the kernels an AVX2 + FMA + F16C CPU (Zen 3, most
 //! laptops) runs, and `portable` the plain-Rust twins of them all.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use crate::error::{Error, Result};
 
@@ -158,115 +157,67 @@ impl Default for CpuConfig {
     }
 }
 
-/// The configured level (`CpuLevel as u8`), AMX and route (0 vendor, 1 pairs, 2 widen).
-static LEVEL: AtomicU8 = AtomicU8::new(CpuLevel::Native as u8);
-static AMX: AtomicBool = AtomicBool::new(true);
-static ROUTE: AtomicU8 = AtomicU8::new(0);
-/// Set by the first kernel choice: from then on the configuration is fixed.
-static FIXED: AtomicBool = AtomicBool::new(false);
-/// The environment's overrides, read once.
-static ENV: OnceLock<Overrides> = OnceLock::new();
+/// The configuration [`configure`] asked for (the default until it is called).
+static REQUESTED: Mutex<Option<CpuConfig>> = Mutex::new(None);
+/// The configuration in force: fixed by the first kernel's question.
+static IN_FORCE: OnceLock<CpuConfig> = OnceLock::new();
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Overrides {
-    level: Option<CpuLevel>,
-    no_amx: bool,
-    route: Option<Bf16Route>,
+fn requested() -> CpuConfig {
+    REQUESTED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or_default()
 }
 
-fn overrides() -> Overrides {
-    *ENV.get_or_init(|| {
-        let level = std::env::var("HEMI_CPU_LEVEL").ok().and_then(|v| {
-            CpuLevel::parse(&v)
-                .map_err(|e| eprintln!("hemi: HEMI_CPU_LEVEL: {e}; ignored"))
-                .ok()
-        });
-        let route = std::env::var("HEMI_BF16_GEMM").ok().and_then(|v| {
-            Bf16Route::parse(&v)
-                .map_err(|e| eprintln!("hemi: HEMI_BF16_GEMM: {e}; ignored"))
-                .ok()
-        });
-        Overrides {
-            level,
-            no_amx: std::env::var_os("HEMI_NO_AMX").is_some(),
-            route,
+/// `c` with the environment's documented overrides applied (module docs); a value that
+/// names nothing is reported on stderr and ignored.
+fn with_overrides(mut c: CpuConfig) -> CpuConfig {
+    if let Ok(v) = std::env::var("HEMI_CPU_LEVEL") {
+        match CpuLevel::parse(&v) {
+            Ok(l) => c.level = l,
+            Err(e) => eprintln!("hemi: HEMI_CPU_LEVEL: {e}; ignored"),
         }
-    })
+    }
+    if std::env::var_os("HEMI_NO_AMX").is_some() {
+        c.amx = false;
+    }
+    if let Ok(v) = std::env::var("HEMI_BF16_GEMM") {
+        match Bf16Route::parse(&v) {
+            Ok(r) => c.bf16_route = Some(r),
+            Err(e) => eprintln!("hemi: HEMI_BF16_GEMM: {e}; ignored"),
+        }
+    }
+    c
 }
 
 /// Sets the CPU configuration. Call it before the first tensor op: kernels are chosen (and
 /// some choices cached) on first use, so once one has run, a configuration other than the
 /// one in force is an error saying so. Environment variables override it (module docs).
 pub fn configure(cfg: CpuConfig) -> Result<()> {
-    if FIXED.load(Ordering::Acquire) && cfg != configured() {
+    let mut requested = REQUESTED.lock().unwrap_or_else(|e| e.into_inner());
+    let asked = requested.unwrap_or_default();
+    if IN_FORCE.get().is_some() && cfg != asked {
         return Err(Error::Msg(format!(
             "the CPU configuration cannot change once a kernel has run (it is {}; asked for \
              {}): call hemi::cpu::features::configure before the first tensor op",
-            describe(&configured()),
+            describe(&asked),
             describe(&cfg)
         )));
     }
-    LEVEL.store(cfg.level as u8, Ordering::Release);
-    AMX.store(cfg.amx, Ordering::Release);
-    ROUTE.store(
-        match cfg.bf16_route {
-            None => 0,
-            Some(Bf16Route::Pairs) => 1,
-            Some(Bf16Route::Widen) => 2,
-        },
-        Ordering::Release,
-    );
+    *requested = Some(cfg);
     Ok(())
 }
 
-/// The configuration as set by [`configure`] (before the environment's overrides).
-fn configured() -> CpuConfig {
-    let level = match LEVEL.load(Ordering::Acquire) {
-        0 => CpuLevel::Portable,
-        1 => CpuLevel::Avx2,
-        2 => CpuLevel::Avx512,
-        _ => CpuLevel::Native,
-    };
-    CpuConfig {
-        level,
-        amx: AMX.load(Ordering::Acquire),
-        bf16_route: match ROUTE.load(Ordering::Acquire) {
-            1 => Some(Bf16Route::Pairs),
-            2 => Some(Bf16Route::Widen),
-            _ => None,
-        },
-    }
-}
-
-/// The configuration in force: [`configure`]'s, with the environment's overrides applied.
-/// Asking fixes it (kernels ask before they choose).
+/// The configuration in force: [`configure`]'s, with the environment's overrides applied,
+/// fixed by the first call (kernels ask before they choose).
 pub fn current() -> CpuConfig {
-    if !FIXED.load(Ordering::Relaxed) {
-        FIXED.store(true, Ordering::Release);
-    }
-    let mut c = configured();
-    let o = overrides();
-    if let Some(l) = o.level {
-        c.level = l;
-    }
-    if o.no_amx {
-        c.amx = false;
-    }
-    if o.route.is_some() {
-        c.bf16_route = o.route;
-    }
-    c
+    *IN_FORCE.get_or_init(|| with_overrides(requested()))
 }
 
 /// Whether kernels may use `f`: the CPU has it and the configuration's level allows it.
 #[inline]
 pub fn has(f: Feature) -> bool {
-    level_allows(f.level()) && f.detected()
-}
-
-/// Whether the configuration in force allows kernels of `level`.
-fn level_allows(level: CpuLevel) -> bool {
-    current().level >= level
+    current().level >= f.level() && f.detected()
 }
 
 /// Whether AMX may be used (the CPU's and the OS's support is checked by `cpu::amx`).

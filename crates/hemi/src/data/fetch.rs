@@ -146,8 +146,7 @@ pub fn fetch_minilm_from(
                 .any(|(f, _)| *f == rel)
                 .then(|| PathBuf::from(rel))
         };
-        let required: Vec<(&str, Option<&str>)> = MINILM_FILES.to_vec();
-        unpack_into(archive, &dest, &pick, &required)
+        unpack_into(archive, &dest, &pick, &MINILM_FILES)
     })?;
     Ok(dest)
 }

@@ -387,30 +387,9 @@ pub fn lock_dir(root: &Path) -> Result<DirLock> {
     Ok(DirLock { _file: file, path })
 }
 
-/// Creates `root` if needed and checks that checkpoints can be written there, by writing and
-/// removing a small file: an unwritable or non-directory path is found before training.
-pub fn check_writable(root: &Path) -> Result<()> {
-    if root.exists() && !root.is_dir() {
-        return Err(Error::Msg(format!(
-            "{}: the checkpoint directory exists and is not a directory",
-            root.display()
-        )));
-    }
-    fs::create_dir_all(root).map_err(|e| io_err(root, e))?;
-    let probe = root.join(format!(".write-test-{}", std::process::id()));
-    write_synced(&probe, b"hemi").map_err(|e| {
-        let _ = fs::remove_file(&probe);
-        Error::Msg(format!(
-            "{}: cannot write checkpoints here: {e}",
-            root.display()
-        ))
-    })?;
-    fs::remove_file(&probe).map_err(|e| io_err(&probe, e))
-}
-
 /// Removes what an interrupted save left in `root`: temporary checkpoint directories
 /// (`.tmp-*`), the trash of a replaced checkpoint, and temporary files of older versions
-/// (`.NAME.tmpPID`). Returns the paths removed. Call it only while holding the directory's
+/// (`.NAME.tmpPID`, the `.write-test-PID` probes of versions before the lock). Returns the paths removed. Call it only while holding the directory's
 /// lock ([`lock_dir`]): then no live run owns any of them.
 pub fn remove_stray(root: &Path) -> Result<Vec<PathBuf>> {
     let mut removed = Vec::new();

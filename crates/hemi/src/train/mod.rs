@@ -760,8 +760,9 @@ fn preflight(
         // whole run: a second run is refused before it touches anything, and what lies
         // there from a run that is gone can be tidied safely.
         if root {
+            // Taking the lock creates the directory and writes its lock file: an
+            // unwritable or non-directory path is found here, before training.
             lock = Some(checkpoint::lock_dir(dir)?);
-            checkpoint::check_writable(dir)?;
             for p in checkpoint::remove_stray(dir)? {
                 eprintln!("removed {} (left by an interrupted save)", p.display());
             }
