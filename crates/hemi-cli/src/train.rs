@@ -164,6 +164,16 @@ pub struct TrainArgs {
     /// fp16-master, pure-fp16, pure-bf16.
     #[arg(help_heading = "Precision", long, default_value = "amp-fp16", value_parser = parse_precision)]
     precision: Precision,
+    /// A precision policy file (JSON) that pins modules or ops to f32, f16 or bf16 over the
+    /// preset, e.g. {"modules": {"layer3.1.bn2": "f32"}, "ops": {"softmax": "f32"}}; see
+    /// the README. `hemi doctor --search` writes one.
+    #[arg(help_heading = "Precision", long)]
+    policy: Option<PathBuf>,
+    /// Replay this many skipped (inf/NaN) steps with per-op checks and name the op and
+    /// module where the overflow started (log line and metrics `"kind": "overflow"`);
+    /// later skips are only counted. 0: no replays.
+    #[arg(help_heading = "Observation", long, default_value_t = 8)]
+    overflow_reports: usize,
     /// Count, per parameter, gradient values F16 could not hold without loss scaling
     /// (|g| < 2^-24 or > 65504); printed at the end.
     #[arg(help_heading = "Observation", long)]
@@ -1015,6 +1025,8 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
         dist,
         micro_batches: args.micro_batches,
         inject_inf: crate::dist::inject_inf()?,
+        policy: load_policy(args.policy.as_deref())?,
+        overflow_reports: args.overflow_reports,
         ..Default::default()
     };
     let model_name = args.model.as_str();
@@ -1190,6 +1202,36 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
             }
             if let Some(w) = tb.as_mut() {
                 if let Err(e) = w.add_scalar("train/images_per_s", *images_per_s, *global_step) {
+                    write_err.get_or_insert(e);
+                }
+            }
+        }
+        Event::Overflow {
+            epoch,
+            batch,
+            global_step,
+            scale,
+            message,
+            reports_left,
+            ..
+        } => {
+            let mut line = format!("[{epoch}, {batch:5}] step {global_step} overflow: {message}");
+            if *reports_left == 0 {
+                line += " (no more overflow replays in this run: --overflow-reports)";
+            }
+            match &bar {
+                Some(b) => b.suspend(|| eprintln!("{line}")),
+                None => eprintln!("{line}"),
+            }
+            if let Some(m) = metrics.as_mut() {
+                let j = overflow_json(ev);
+                if let Err(e) = m.write(&j, true) {
+                    write_err.get_or_insert(e);
+                }
+            }
+            if let Some(w) = tb.as_mut() {
+                // The step's finding is in the log and the metrics; TensorBoard marks it.
+                if let Err(e) = w.add_scalar("train/overflow_replayed", *scale, *global_step) {
                     write_err.get_or_insert(e);
                 }
             }
@@ -1373,6 +1415,48 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
     }
     print_precision_summary(&summary);
     Ok(())
+}
+
+/// An `Event::Overflow` as a metrics line (`"kind": "overflow"`).
+fn overflow_json(ev: &Event) -> serde_json::Value {
+    let Event::Overflow {
+        epoch,
+        batch,
+        global_step,
+        scale,
+        forward,
+        backward,
+        message,
+        ..
+    } = ev
+    else {
+        return json!(null);
+    };
+    let fwd = forward.as_ref().map(|f| {
+        json!({"op": f.op, "module": f.module, "dtype": f.dtype.to_string(), "index": f.index,
+               "input_max_abs": f.input_max_abs, "nonfinite": f.nonfinite, "nan": f.nan})
+    });
+    let bwd = backward.as_ref().map(|b| {
+        json!({"op": b.op, "module": b.module, "param": b.param, "dtype": b.dtype.to_string(),
+               "index": b.index})
+    });
+    json!({"kind": "overflow", "epoch": epoch, "batch": batch, "global_step": global_step,
+           "scale": scale, "forward": fwd, "backward": bwd, "message": message})
+}
+
+/// Reads `--policy`; a policy that pins nothing is a warning.
+fn load_policy(path: Option<&std::path::Path>) -> Result<Option<hemi::amp::PrecisionPolicy>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let p = hemi::amp::PrecisionPolicy::load(path)?;
+    if p.is_empty() {
+        eprintln!(
+            "warning: the policy {} pins nothing; the run uses the preset as it is",
+            path.display()
+        );
+    }
+    Ok(Some(p))
 }
 
 /// One epoch's `--grad-stats` as a metrics line (`"kind": "grad_stats"`): per parameter the

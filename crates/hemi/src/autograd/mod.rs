@@ -28,6 +28,8 @@ pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sy
 pub struct Node {
     /// The op's name (`"matmul"`), for errors and graph dumps.
     pub op: &'static str,
+    /// The module the op ran in, kept while precision checks are on (`ops::check`).
+    pub(crate) site: Option<Arc<str>>,
     /// The inputs and the gradient rule, until a backward that frees the graph has run it.
     saved: Mutex<Option<Saved>>,
 }
@@ -44,6 +46,7 @@ impl Node {
     pub(crate) fn new(op: &'static str, inputs: Vec<Tensor>, backward: Box<BackwardFn>) -> Node {
         Node {
             op,
+            site: None,
             saved: Mutex::new(Some(Saved { inputs, backward })),
         }
     }
@@ -219,6 +222,7 @@ fn sweep(
             // A leaf: PyTorch semantics, add to whatever .grad holds. Every consumer of the
             // leaf came earlier in `order`, so its gradient of this backward is complete
             // now: the post-accumulate hooks may read it.
+            crate::ops::check::on_leaf_grad(&t, &g);
             if capture.is_none() {
                 t.accumulate_grad(g)?;
                 run_post_accumulate_hooks(&t)?;
@@ -235,6 +239,7 @@ fn sweep(
             return Err(freed(node.op));
         };
         let input_grads = (s.backward)(&g)?;
+        crate::ops::check::on_grads(node.op, node.site.as_ref(), &input_grads);
         drop(g);
         debug_assert_eq!(input_grads.len(), s.inputs.len(), "op {}", node.op);
         for (inp, ig) in s.inputs.iter().zip(input_grads) {

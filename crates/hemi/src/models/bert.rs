@@ -646,6 +646,7 @@ impl BertLayer {
         let k = split(self.key.forward(h)?)?;
         let v = split(self.value.forward(h)?)?;
         let ctx = {
+            let _scope = crate::ops::scope::enter("attention.self");
             let mut rng = self
                 .attention_rng
                 .lock()
@@ -828,9 +829,11 @@ impl BertModel {
             _ => wdt,
         };
         let mask = extended_attention_mask(attention_mask, score_dtype)?;
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let _scope = crate::ops::scope::enter_index("encoder.layer", i);
             h = layer.forward(&h, Some(&mask))?;
         }
+        let _scope = crate::ops::scope::enter("pooler");
         let pooled = match &self.pooler {
             Some(p) => Some(p.forward(&h.narrow(1, 0, 1)?.squeeze(1)?)?.tanh()?),
             None => None,
@@ -868,6 +871,15 @@ impl BertModel {
 }
 
 impl Module for BertModel {
+    fn generators(&self) -> Vec<&Mutex<Generator>> {
+        let mut v = self.embeddings.dropout.generators();
+        for l in &self.layers {
+            v.push(&l.attention_rng);
+            v.extend(l.attention_output_dropout.generators());
+            v.extend(l.output_dropout.generators());
+        }
+        v
+    }
     /// input_ids `[B, L]` I64 -> last_hidden_state.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward_ids(x)?.0)
@@ -973,9 +985,11 @@ impl BertForSequenceClassification {
         attention_mask: &Tensor,
         token_type_ids: &Tensor,
     ) -> Result<Tensor> {
-        let (_, pooled) = self
-            .bert
-            .forward_text(input_ids, attention_mask, token_type_ids)?;
+        let (_, pooled) = {
+            let _scope = crate::ops::scope::enter("bert");
+            self.bert
+                .forward_text(input_ids, attention_mask, token_type_ids)?
+        };
         let pooled = pooled.ok_or_else(|| Error::Msg("BERT classifier without a pooler".into()))?;
         self.classifier.forward(&self.dropout.forward(&pooled)?)
     }
@@ -993,6 +1007,11 @@ impl BertForSequenceClassification {
 }
 
 impl Module for BertForSequenceClassification {
+    fn generators(&self) -> Vec<&Mutex<Generator>> {
+        let mut v = self.bert.generators();
+        v.extend(self.dropout.generators());
+        v
+    }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let ones = Tensor::ones(x.shape(), DType::I64)?;
         let zeros = Tensor::zeros(x.shape(), DType::I64)?;
@@ -1070,9 +1089,11 @@ impl BertForMaskedLM {
         attention_mask: &Tensor,
         token_type_ids: &Tensor,
     ) -> Result<Tensor> {
-        let (h, _) = self
-            .bert
-            .forward_text(input_ids, attention_mask, token_type_ids)?;
+        let (h, _) = {
+            let _scope = crate::ops::scope::enter("bert");
+            self.bert
+                .forward_text(input_ids, attention_mask, token_type_ids)?
+        };
         let t = self
             .bert
             .config
@@ -1094,6 +1115,9 @@ impl BertForMaskedLM {
 }
 
 impl Module for BertForMaskedLM {
+    fn generators(&self) -> Vec<&Mutex<Generator>> {
+        self.bert.generators()
+    }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let ones = Tensor::ones(x.shape(), DType::I64)?;
         let zeros = Tensor::zeros(x.shape(), DType::I64)?;

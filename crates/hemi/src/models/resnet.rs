@@ -503,8 +503,12 @@ impl ResNet {
             Some(pool) => self.bn1.forward_conv_relu_max_pool(x, &self.conv1, pool)?,
             None => self.bn1.forward_act(&self.conv1.forward(x)?, None, true)?,
         };
-        for block in self.layers.iter().flatten() {
-            x = block.forward(&x)?;
+        const LAYERS: [&str; 4] = ["layer1", "layer2", "layer3", "layer4"];
+        for (l, layer) in self.layers.iter().enumerate() {
+            for (i, block) in layer.iter().enumerate() {
+                let _scope = crate::ops::scope::enter_index(LAYERS[l.min(3)], i);
+                x = block.forward(&x)?;
+            }
         }
         x.adaptive_avg_pool2d((1, 1))?.flatten(1, -1)
     }

@@ -72,6 +72,9 @@ impl Module for Dropout {
     fn set_training(&mut self, training: bool) {
         self.training.store(training, Ordering::Relaxed);
     }
+    fn generators(&self) -> Vec<&Mutex<Generator>> {
+        vec![&self.rng]
+    }
     fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
         Vec::new()
     }

@@ -178,6 +178,13 @@ pub trait Module: Send + std::any::Any {
     /// Switches train/eval behaviour (dropout, batch-norm statistics). Default: no-op.
     fn set_training(&mut self, _training: bool) {}
 
+    /// The generators the model's dropout draws from, in a fixed order: a replay of a step
+    /// (`amp::doctor`) saves and restores them so that it draws the step's masks again and
+    /// the run continues as if it had not happened. Default: none (no dropout).
+    fn generators(&self) -> Vec<&std::sync::Mutex<crate::rng::Generator>> {
+        Vec::new()
+    }
+
     /// The model's `BatchNorm2d` layers, in `state_dict` order (for SyncBatchNorm,
     /// `dist::convert_sync_batch_norm`). Default: none.
     fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {

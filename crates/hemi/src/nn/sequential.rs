@@ -35,7 +35,8 @@ impl Sequential {
 impl Module for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
+            let _scope = crate::ops::scope::enter_at(i);
             h = l.forward(&h)?;
         }
         Ok(h)
@@ -44,6 +45,9 @@ impl Module for Sequential {
         self.layers
             .iter_mut()
             .for_each(|l| l.set_training(training));
+    }
+    fn generators(&self) -> Vec<&std::sync::Mutex<crate::rng::Generator>> {
+        self.layers.iter().flat_map(|l| l.generators()).collect()
     }
     fn batch_norms_mut(&mut self) -> Vec<&mut crate::nn::BatchNorm2d> {
         self.layers

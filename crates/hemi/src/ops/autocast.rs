@@ -34,6 +34,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use crate::dtype::DType;
 use crate::error::Result;
@@ -147,10 +148,64 @@ pub fn policy(op: &str) -> Option<CastPolicy> {
     POLICY.iter().find(|(n, _)| *n == op).map(|&(_, p)| p)
 }
 
+/// Per-module and per-op precision pins (a precision policy, `amp::PrecisionPolicy`): an
+/// op in a pinned module, or of a pinned kind, computes in the pinned dtype whatever the
+/// preset says (its float inputs are cast to it). Keras' per-layer `dtype` policy;
+/// PyTorch's nested `autocast(enabled=False)` around a module plus the casts it needs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pins {
+    /// Module paths (`state_dict` prefixes, `layer3.1.bn2`) and their dtype; a path pins
+    /// every module inside it, and the longest matching path wins.
+    pub modules: Vec<(String, DType)>,
+    /// Op names (`softmax`, `layer_norm`) and their dtype; an op pin wins over a module pin.
+    pub ops: Vec<(String, DType)>,
+    /// Where no autocast scope is open (the F16/BF16-weight presets): the dtype unpinned
+    /// GEMM-shaped ops compute in, so a pinned module's F32 output goes back to the
+    /// preset's dtype at the next such op instead of promoting the rest of the model.
+    pub lower: Option<DType>,
+}
+
+impl Pins {
+    /// The pinned dtype of `op` run at `sites` (its parameters' modules, or its scope).
+    fn dtype_of(&self, op: &str, sites: &[Arc<str>], scope: &str) -> Option<DType> {
+        if let Some(&(_, d)) = self.ops.iter().find(|(n, _)| n == op) {
+            return Some(d);
+        }
+        if self.modules.is_empty() {
+            return None;
+        }
+        let best = |path: &str| {
+            self.modules
+                .iter()
+                .filter(|(m, _)| crate::ops::scope::within(path, m))
+                .max_by_key(|(m, _)| m.len())
+                .map(|&(_, d)| d)
+        };
+        let found: Vec<DType> = if sites.is_empty() {
+            best(scope).into_iter().collect()
+        } else {
+            sites.iter().filter_map(|s| best(s)).collect()
+        };
+        // A fused op that reads a pinned and an unpinned layer computes at the widest pin.
+        found.into_iter().max_by_key(|d| match d {
+            DType::F32 | DType::F64 => 2,
+            _ => 1,
+        })
+    }
+}
+
+#[derive(Clone)]
+struct Scope {
+    /// `Some(dtype)` enabled, `None` disabled.
+    dtype: Option<DType>,
+    /// Pins in force in this scope (not inherited by nested scopes).
+    pins: Option<Arc<Pins>>,
+}
+
 #[derive(Default)]
 struct State {
-    /// One entry per open scope: `Some(dtype)` enabled, `None` disabled.
-    scopes: Vec<Option<DType>>,
+    /// One entry per open scope.
+    scopes: Vec<Scope>,
     /// Casts of F32 parameters, alive until the outermost scope closes.
     cache: HashMap<(TensorId, DType), Tensor>,
 }
@@ -183,8 +238,8 @@ impl Drop for AutocastGuard {
     }
 }
 
-fn push(scope: Option<DType>) -> AutocastGuard {
-    STATE.with(|s| s.borrow_mut().scopes.push(scope));
+fn push(dtype: Option<DType>, pins: Option<Arc<Pins>>) -> AutocastGuard {
+    STATE.with(|s| s.borrow_mut().scopes.push(Scope { dtype, pins }));
     AutocastGuard {
         _not_send: PhantomData,
     }
@@ -201,12 +256,20 @@ pub fn autocast(dtype: DType) -> AutocastGuard {
 /// `torch.autocast(..., enabled=False)`, which also switches off an enclosing scope).
 pub fn autocast_enabled(dtype: DType, enabled: bool) -> AutocastGuard {
     let on = enabled && matches!(dtype, DType::F16 | DType::BF16);
-    push(on.then_some(dtype))
+    push(on.then_some(dtype), None)
+}
+
+/// A scope with precision pins: autocast to `dtype` (`None`: autocast off) where `pins`
+/// do not say otherwise. Pins apply to the ops called in this scope only, not in nested
+/// ones (a backward pass, an `autocast_enabled(_, false)` inside, runs without them).
+pub fn autocast_pinned(dtype: Option<DType>, pins: Arc<Pins>) -> AutocastGuard {
+    let dtype = dtype.filter(|d| matches!(d, DType::F16 | DType::BF16));
+    push(dtype, Some(pins))
 }
 
 /// The dtype autocast casts to on this thread now, if a scope is enabled.
 pub fn autocast_dtype() -> Option<DType> {
-    STATE.with(|s| s.borrow().scopes.last().copied().flatten())
+    STATE.with(|s| s.borrow().scopes.last().and_then(|sc| sc.dtype))
 }
 
 /// Whether an enabled autocast scope is open on this thread.
@@ -221,21 +284,43 @@ pub fn cached_casts() -> usize {
 
 /// A disabled scope (backward passes run under one).
 pub(crate) fn suspend() -> AutocastGuard {
-    push(None)
+    push(None, None)
 }
 
 /// The dtype `op`'s float inputs must be cast to under the current scope, or `None` when
 /// nothing is to be cast (no scope, or every eligible input already has that dtype).
 pub(crate) fn target(op: &'static str, inputs: &[Option<&Tensor>]) -> Option<DType> {
-    let ac = autocast_dtype()?;
-    let want = match policy(op) {
-        Some(LowerPrecision) => ac,
-        Some(Fp32) => DType::F32,
-        Some(Fp32Statistics | Promote | PassThrough) => return None,
-        None => {
-            debug_assert!(false, "op {op} has no autocast policy");
-            return None;
+    let (ac, pins) = STATE.with(|s| {
+        let s = s.borrow();
+        match s.scopes.last() {
+            Some(sc) => (sc.dtype, sc.pins.clone()),
+            None => (None, None),
         }
+    });
+    let pinned = pins.as_ref().and_then(|p| {
+        let sites = crate::ops::check::owners(inputs);
+        let scope = if sites.is_empty() {
+            crate::ops::scope::current()
+        } else {
+            String::new()
+        };
+        p.dtype_of(op, &sites, &scope)
+    });
+    let want = match (pinned, ac) {
+        (Some(d), _) => d,
+        (None, Some(ac)) => match policy(op) {
+            Some(LowerPrecision) => ac,
+            Some(Fp32) => DType::F32,
+            Some(Fp32Statistics | Promote | PassThrough) => return None,
+            None => {
+                debug_assert!(false, "op {op} has no autocast policy");
+                return None;
+            }
+        },
+        (None, None) => match (pins.as_ref().and_then(|p| p.lower), policy(op)) {
+            (Some(d), Some(LowerPrecision)) => d,
+            _ => return None,
+        },
     };
     inputs
         .iter()
@@ -259,6 +344,7 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
         return Ok(t.clone());
     }
     let cacheable = t.dtype() == DType::F32
+        && STATE.with(|s| !s.borrow().scopes.is_empty())
         && t.is_leaf()
         && t.requires_grad()
         && crate::autograd::is_grad_enabled();

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod autocast;
+pub mod check;
 pub mod conv;
 pub mod dropout;
 pub mod elementwise;
@@ -12,6 +13,7 @@ pub mod matmul;
 pub mod norm;
 pub mod pool;
 pub mod reduce;
+pub mod scope;
 pub mod stats;
 
 pub use elementwise::promote_all;

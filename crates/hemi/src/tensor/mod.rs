@@ -123,14 +123,23 @@ impl Tensor {
     ) -> Tensor {
         let needs_grad = autograd::is_grad_enabled() && inputs.iter().any(|t| t.requires_grad());
         let (dtype, device) = (storage.dtype(), storage.device());
+        // Precision checks and parameter names (`ops::check`): one flag read when off.
+        let watched = crate::ops::check::named() || crate::ops::check::is_on();
+        let site = if watched {
+            crate::ops::check::site_of(inputs)
+        } else {
+            None
+        };
         let grad_fn = needs_grad.then(|| {
-            Arc::new(Node::new(
+            let mut node = Node::new(
                 op,
                 inputs.iter().map(|t| t.graph_edge()).collect(),
                 Box::new(backward),
-            ))
+            );
+            node.site = site.clone();
+            Arc::new(node)
         });
-        Tensor(Arc::new(TensorImpl {
+        let out = Tensor(Arc::new(TensorImpl {
             id: TensorId::next(),
             storage: RwLock::new(storage),
             layout,
@@ -139,7 +148,11 @@ impl Tensor {
             requires_grad: AtomicBool::new(needs_grad),
             grad_fn,
             grad: Mutex::new(None),
-        }))
+        }));
+        if watched {
+            crate::ops::check::on_op(op, site.as_deref(), inputs, &out);
+        }
+        out
     }
 
     /// The handle a graph node keeps on one of its inputs. A leaf is kept as it is (the

@@ -26,7 +26,7 @@ pub use checkpoint::{
 pub use recipe::{Recipe, Schedule};
 pub use task::{find_task, Classification, MaskedLm, Task, TaskOutput};
 
-use crate::amp::{AmpOptimizer, GradScalerConfig, Precision};
+use crate::amp::{AmpOptimizer, GradScalerConfig, Precision, PrecisionPolicy};
 use crate::data::DataLoader;
 use crate::dist::{CommSnapshot, DistConfig, GradReducer, ProcessGroup};
 use crate::error::{Error, Result};
@@ -147,6 +147,13 @@ pub struct TrainConfig {
     /// reduced, one gradient value is set to +inf, so that the found-inf reduction must make
     /// every rank skip that step.
     pub inject_inf: Option<(usize, u64)>,
+    /// Per-module and per-op precision pins over the preset (`--policy`), for training and
+    /// evaluation; recorded in the checkpoint settings.
+    pub policy: Option<PrecisionPolicy>,
+    /// How many skipped (or, unscaled, non-finite) steps are replayed and named as an
+    /// `Event::Overflow` (default 8); later ones are only counted, so that a run of skips
+    /// cannot flood the log. 0 switches the replays off.
+    pub overflow_reports: usize,
 }
 
 impl Default for TrainConfig {
@@ -180,6 +187,8 @@ impl Default for TrainConfig {
             dist: None,
             micro_batches: 1,
             inject_inf: None,
+            policy: None,
+            overflow_reports: 8,
         }
     }
 }
@@ -264,6 +273,9 @@ fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
     }
     if cfg.label_smoothing != 0.0 {
         v.push(("label_smoothing", cfg.label_smoothing.to_string()));
+    }
+    if let Some(p) = cfg.policy.as_ref().filter(|p| !p.is_empty()) {
+        v.push(("policy", p.to_json_compact()));
     }
     if cfg.task.name() != Classification.name() {
         v.push(("task", cfg.task.name().to_string()));
@@ -407,6 +419,27 @@ pub enum Event {
         global_step: u64,
         /// (name, parameter, unscaled gradient) per parameter.
         tensors: Vec<(String, Tensor, Option<Tensor>)>,
+    },
+    /// A step was skipped for inf/NaN gradients (or, where the loss is not scaled, its loss
+    /// was not finite), and a replay of it with per-op checks named where the overflow
+    /// started (`amp::doctor`). At most `TrainConfig::overflow_reports` per run.
+    Overflow {
+        /// The epoch, 1-based.
+        epoch: usize,
+        /// The batch within the epoch, 1-based.
+        batch: usize,
+        /// The step (as in `Batch`).
+        global_step: u64,
+        /// The loss scale the step used (1.0 where the preset does not scale).
+        scale: f64,
+        /// The first non-finite op result in forward order, if any.
+        forward: Option<crate::ops::check::ForwardCulprit>,
+        /// Else the first non-finite gradient in backward order, if any.
+        backward: Option<crate::ops::check::BackwardCulprit>,
+        /// The finding in one line.
+        message: String,
+        /// Replays left in this run after this one (0: later overflows are only counted).
+        reports_left: usize,
     },
     /// An epoch finished and the test set was evaluated.
     Epoch {
@@ -566,7 +599,18 @@ pub fn evaluate_task(
     precision: Precision,
     task: &dyn Task,
 ) -> Result<Evaluation> {
-    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, task)?;
+    evaluate_task_with_policy(model, loader, precision, None, task)
+}
+
+/// `evaluate_task` with a precision policy's pins over the preset.
+pub fn evaluate_task_with_policy(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+    policy: Option<&PrecisionPolicy>,
+    task: &dyn Task,
+) -> Result<Evaluation> {
+    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, policy, task)?;
     if total == 0 {
         return Err(Error::arg("evaluate", "the test set is empty"));
     }
@@ -586,7 +630,19 @@ pub fn evaluate_task_dist(
     task: &dyn Task,
     group: &ProcessGroup,
 ) -> Result<Evaluation> {
-    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, task)?;
+    evaluate_task_dist_with_policy(model, loader, precision, None, task, group)
+}
+
+/// `evaluate_task_dist` with a precision policy's pins over the preset.
+pub fn evaluate_task_dist_with_policy(
+    model: &mut dyn Module,
+    loader: &DataLoader,
+    precision: Precision,
+    policy: Option<&PrecisionPolicy>,
+    task: &dyn Task,
+    group: &ProcessGroup,
+) -> Result<Evaluation> {
+    let (correct, total, loss_sum) = evaluate_sums(model, loader, precision, policy, task)?;
     let s = group.sum_f64(&[correct as f64, total as f64, loss_sum])?;
     if s[1] == 0.0 {
         return Err(Error::arg("evaluate", "the test set is empty"));
@@ -598,11 +654,89 @@ pub fn evaluate_task_dist(
     })
 }
 
+/// The forward pass's scope: the preset's autocast, with the policy's pins when one is set.
+fn forward_scope(
+    precision: Precision,
+    policy: Option<&PrecisionPolicy>,
+    model: &dyn Module,
+) -> std::result::Result<crate::amp::PolicyScope, crate::amp::AutocastGuard> {
+    match policy {
+        Some(p) => Ok(p.scope(precision, model)),
+        None => Err(precision.autocast()),
+    }
+}
+
+/// What `replay_overflow` needs of the run.
+struct ReplayCtx<'a> {
+    task: &'a dyn Task,
+    precision: Precision,
+    policy: Option<&'a PrecisionPolicy>,
+    label_smoothing: f64,
+    scale: f64,
+    generators: Option<&'a [crate::rng::Generator]>,
+    micro_batches: usize,
+}
+
+/// Replays a failed step (each micro-batch until one shows the overflow) and names where
+/// it started.
+fn replay_overflow(
+    model: &mut dyn Module,
+    batch: &crate::data::Batch,
+    c: &ReplayCtx<'_>,
+    (epoch, b, step): (usize, usize, u64),
+) -> Result<Option<Event>> {
+    use crate::amp::doctor::{describe, replay_step, Replay};
+    let k = c.micro_batches.max(1);
+    let mut last = None;
+    for j in 0..k {
+        let micro = if k == 1 {
+            batch.clone()
+        } else {
+            let rows: Vec<usize> = (j..batch.len()).step_by(k).collect();
+            batch.select_rows(&rows)?
+        };
+        let r = replay_step(
+            model,
+            &Replay {
+                task: c.task,
+                batch: &micro,
+                precision: c.precision,
+                policy: c.policy,
+                label_smoothing: c.label_smoothing,
+                scale: c.scale,
+                // Dropout draws the masks of the micro-batches in order: only the first
+                // replays from the step's starting state.
+                generators: if j == 0 { c.generators } else { None },
+            },
+        )?;
+        let found = r.report.forward.is_some() || r.report.backward.is_some();
+        last = Some(r.report);
+        if found {
+            break;
+        }
+    }
+    let Some(report) = last else {
+        return Ok(None);
+    };
+    let scale = c.precision.loss_scaling().then_some(c.scale);
+    Ok(Some(Event::Overflow {
+        epoch,
+        batch: b,
+        global_step: step,
+        scale: scale.unwrap_or(1.0),
+        message: describe(&report, scale),
+        forward: report.forward,
+        backward: report.backward,
+        reports_left: 0,
+    }))
+}
+
 /// (targets predicted correctly, targets, summed loss) of `model` on `loader`.
 fn evaluate_sums(
     model: &mut dyn Module,
     loader: &DataLoader,
     precision: Precision,
+    policy: Option<&PrecisionPolicy>,
     task: &dyn Task,
 ) -> Result<(usize, usize, f64)> {
     model.set_training(false);
@@ -612,7 +746,7 @@ fn evaluate_sums(
         for batch in loader.epoch(0) {
             let batch = batch?;
             let out = {
-                let _ac = precision.autocast();
+                let _scope = forward_scope(precision, policy, &*model);
                 task.forward(&*model, &batch, precision, 0.0, true)?
             };
             correct += out.correct;
@@ -891,7 +1025,14 @@ pub fn train_with_callbacks(
         info.settings.insert(k.to_string(), v);
     }
     let info = &info;
-    precision.prepare_model(model)?;
+    let policy = cfg.policy.as_ref().filter(|p| !p.is_empty());
+    match policy {
+        Some(p) => {
+            p.validate(&*model)?;
+            p.prepare_model(precision, model)?;
+        }
+        None => precision.prepare_model(model)?,
+    }
     let params = model.parameters();
     let decay = no_decay_mask(&params);
     let mut opt = AmpOptimizer::new(precision, params, cfg.scaler.clone(), cfg.seed, |params| {
@@ -999,6 +1140,7 @@ pub fn train_with_callbacks(
         callbacks.push(&mut **c);
     }
     let task = cfg.task.as_ref();
+    let mut overflow_left = cfg.overflow_reports;
     let stopping = || cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
     model.set_training(true);
     for epoch in first_epoch..=last {
@@ -1041,6 +1183,11 @@ pub fn train_with_callbacks(
             opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
             let skipped_before_step = opt.skipped_steps();
+            // What a replay of this step needs (`amp::doctor`): the scale and the dropout
+            // generators before it (a few words each).
+            let scale_before = opt.scale();
+            let gens_before =
+                (overflow_left > 0).then(|| crate::amp::doctor::generator_states(&*model));
             // The documents' step: forward under autocast, (scaled) backward, step.
             let k = cfg.micro_batches;
             let mut lv = 0.0;
@@ -1055,7 +1202,7 @@ pub fn train_with_callbacks(
                     r.set_sync(j + 1 == k);
                 }
                 let loss = {
-                    let _ac = precision.autocast();
+                    let _scope = forward_scope(precision, policy, &*model);
                     task.forward(&*model, &micro, precision, cfg.label_smoothing, false)?
                         .loss
                 };
@@ -1096,7 +1243,38 @@ pub fn train_with_callbacks(
             if callbacks.iter().any(|c| c.wants_unscaled(t + 1)) {
                 opt.unscale()?;
             }
+            // Unscaled presets: a non-finite loss is named before the step changes the
+            // weights; loss-scaled ones: a skipped step after it (the weights did not change).
+            let replay_now = |model: &mut dyn Module| -> Result<Option<Event>> {
+                let ctx = ReplayCtx {
+                    task,
+                    precision,
+                    policy,
+                    label_smoothing: cfg.label_smoothing,
+                    scale: scale_before,
+                    generators: gens_before.as_deref(),
+                    micro_batches: k,
+                };
+                replay_overflow(model, &batch, &ctx, (epoch, b + 1, t + 1))
+            };
+            let mut overflow = None;
+            if overflow_left > 0 && !precision.loss_scaling() && !lv.is_finite() {
+                overflow = replay_now(model)?;
+            }
             opt.step()?;
+            if overflow_left > 0
+                && precision.loss_scaling()
+                && opt.skipped_steps() > skipped_before_step
+            {
+                overflow = replay_now(model)?;
+            }
+            if let Some(mut ev) = overflow {
+                overflow_left -= 1;
+                if let Event::Overflow { reports_left, .. } = &mut ev {
+                    *reports_left = overflow_left;
+                }
+                on_event(&ev);
+            }
             steps += 1;
             let n = batch.len();
             epoch_images += n;
@@ -1130,9 +1308,9 @@ pub fn train_with_callbacks(
                 // BatchNorm running statistics are rank 0's everywhere (DDP's
                 // broadcast_buffers), so every rank evaluates the model rank 0 saves.
                 crate::dist::broadcast_buffers(g, model)?;
-                evaluate_task_dist(model, test, precision, task, g)?
+                evaluate_task_dist_with_policy(model, test, precision, policy, task, g)?
             }
-            None => evaluate_task(model, test, precision, task)?,
+            None => evaluate_task_with_policy(model, test, precision, policy, task)?,
         };
         summary.epochs_run += 1;
         summary.last_epoch = epoch;

@@ -14,6 +14,7 @@ mod bert;
 mod bert_train;
 mod checkpoint;
 mod dist;
+mod doctor;
 mod optim;
 mod quant;
 mod quant_torch;

@@ -1,0 +1,292 @@
+//! The precision doctor: named overflow (a replay with per-op checks names the first
+//! non-finite op in forward order, else the first non-finite gradient in backward order),
+//! the replay being bit-identical to the step it replays, and precision policies.
+
+use hemi::amp::doctor::{generator_states, replay_step, Replay};
+use hemi::amp::{Precision, PrecisionPolicy};
+use hemi::data::{Batch, Inputs};
+use hemi::nn::{Dropout, Flatten, Linear, Module, Relu, Sequential};
+use hemi::rng::Generator;
+use hemi::train::task::{Classification, Task};
+use hemi::{DType, Tensor};
+
+/// Flatten, fc (4 → 8), ReLU, fc (8 → 8), dropout, fc (8 → 3); `big` multiplies the
+/// middle layer's weights (at 1e5 its F16 output overflows: inputs of magnitude ~10).
+fn net(big: f32, dropout: f64) -> Sequential {
+    let mut rng = Generator::new(7);
+    let fc2 = Linear::new(8, 8, true, &mut rng).unwrap();
+    let w = fc2
+        .weight
+        .to_vec_f32()
+        .iter()
+        .map(|v| v * big)
+        .collect::<Vec<_>>();
+    fc2.weight
+        .set_data(&Tensor::from_vec(w, &[8, 8]).unwrap())
+        .unwrap();
+    Sequential::new()
+        .add(Flatten)
+        .add(Linear::new(4, 8, true, &mut rng).unwrap())
+        .add(Relu)
+        .add(fc2)
+        .add(Dropout::new(dropout, 11).unwrap())
+        .add(Linear::new(8, 3, true, &mut rng).unwrap())
+}
+
+fn batch(magnitude: f32) -> Batch {
+    let x: Vec<f32> = (0..6 * 4)
+        .map(|i| magnitude * (((i * 37) % 11) as f32 / 11.0 - 0.3))
+        .collect();
+    Batch {
+        inputs: Inputs::Images(Tensor::from_vec(x, &[6, 1, 1, 4]).unwrap()),
+        labels: Tensor::from_vec(vec![0i64, 1, 2, 0, 1, 2], &[6]).unwrap(),
+        indices: (0..6).collect(),
+    }
+}
+
+fn replay(
+    model: &mut dyn Module,
+    b: &Batch,
+    p: Precision,
+    scale: f64,
+) -> hemi::amp::doctor::StepReplay {
+    replay_step(
+        model,
+        &Replay {
+            task: &Classification,
+            batch: b,
+            precision: p,
+            policy: None,
+            label_smoothing: 0.0,
+            scale,
+            generators: None,
+        },
+    )
+    .unwrap()
+}
+
+/// A module whose F16 activations exceed 65504 is named exactly, in forward order.
+#[test]
+fn a_forward_overflow_is_named_by_op_and_module() {
+    let mut m = net(1e5, 0.0);
+    let r = replay(&mut m, &batch(10.0), Precision::AmpFp16, 1.0);
+    let f = r.report.forward.expect("the forward overflows");
+    assert_eq!(f.op, "linear");
+    assert_eq!(f.module, "3", "the Sequential's fc2 is layer 3");
+    assert_eq!(f.dtype, DType::F16);
+    assert!(f.nonfinite > 0);
+    // Its inputs were finite and of the magnitude the batch gives (the culprit is the op,
+    // not an earlier one).
+    assert!(f.input_max_abs.is_finite() && f.input_max_abs > 1.0);
+    // The same model in FP32 is finite everywhere.
+    let r32 = replay(&mut m, &batch(10.0), Precision::Fp32, 1.0);
+    assert!(r32.report.forward.is_none() && r32.report.backward.is_none());
+    assert!(r32.report.forward_ops > 5);
+}
+
+/// A finite forward whose scaled gradients overflow F16 is named by the gradient.
+#[test]
+fn a_backward_only_overflow_is_named_by_its_gradient() {
+    let mut m = net(1.0, 0.0);
+    let b = batch(1.0);
+    // At scale 2^10 every gradient is finite; at 2^40 the backward overflows F16 (the
+    // scaled loss itself is finite in F32).
+    let ok = replay(&mut m, &b, Precision::AmpFp16, 1024.0);
+    assert!(ok.report.forward.is_none() && ok.report.backward.is_none());
+    let r = replay(&mut m, &b, Precision::AmpFp16, 2f64.powi(40));
+    assert!(r.report.forward.is_none(), "{:?}", r.report.forward);
+    let g = r.report.backward.clone().expect("the backward overflows");
+    assert_eq!(g.dtype, DType::F16);
+    assert!(g.op.is_some());
+    // The first non-finite gradient comes before any parameter's: the node is named.
+    assert!(g.index < r.report.backward_nodes);
+    let msg = hemi::amp::doctor::describe(&r.report, Some(2f64.powi(40)));
+    assert!(
+        msg.contains("backward") && msg.contains("loss scale"),
+        "{msg}"
+    );
+}
+
+/// The replay computes the step's loss and gradients again, bit for bit (dropout masks
+/// included), and leaves the generators where the step left them.
+#[test]
+fn the_replay_is_bit_identical_to_the_step_it_replays() {
+    for p in [Precision::AmpFp16, Precision::Fp32, Precision::AmpBf16] {
+        let mut m = net(1.0, 0.3);
+        let b = batch(3.0);
+        let scale = 256.0;
+        let before = generator_states(&m);
+        // The step as the training loop takes it.
+        let loss = {
+            let _ac = p.autocast();
+            Classification.forward(&m, &b, p, 0.0, false).unwrap().loss
+        };
+        let scaled = if p.loss_scaling() {
+            loss.to_dtype(DType::F32)
+                .unwrap()
+                .mul_scalar(scale)
+                .unwrap()
+        } else {
+            loss.clone()
+        };
+        scaled.backward().unwrap();
+        let grads: Vec<Vec<u32>> = m
+            .parameters()
+            .iter()
+            .map(|t| {
+                t.grad()
+                    .unwrap()
+                    .to_vec_f32()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect();
+        let after = generator_states(&m);
+        let r = replay_step(
+            &mut m,
+            &Replay {
+                task: &Classification,
+                batch: &b,
+                precision: p,
+                policy: None,
+                label_smoothing: 0.0,
+                scale,
+                generators: Some(&before),
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            r.loss.to_bits(),
+            loss.to_scalar().unwrap().to_bits(),
+            "{p:?}"
+        );
+        for (i, (_, g)) in r.grads.iter().enumerate() {
+            let bits: Vec<u32> = g.to_vec_f32().iter().map(|v| v.to_bits()).collect();
+            assert_eq!(bits, grads[i], "{p:?}: gradient {i}");
+        }
+        // The run continues as if the replay had not happened.
+        let now = generator_states(&m);
+        for (a, b) in now.iter().zip(&after) {
+            assert_eq!(a.clone().next_u64(), b.clone().next_u64());
+        }
+        // The parameters' accumulated gradients are untouched.
+        for (i, t) in m.parameters().iter().enumerate() {
+            let bits: Vec<u32> = t
+                .grad()
+                .unwrap()
+                .to_vec_f32()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            assert_eq!(bits, grads[i]);
+        }
+    }
+}
+
+/// Modules pinned to F32 compute in F32 under amp-fp16 and under pure-fp16 (where their
+/// weights stay F32 too): pinning the layer the doctor named and the one its output feeds
+/// removes the overflow; an unpinned layer after a pinned one computes in F16 again.
+#[test]
+fn a_policy_pins_a_module_to_f32_and_cures_its_overflow() {
+    let policy = PrecisionPolicy::from_json(r#"{"modules": {"3": "f32", "5": "f32"}}"#).unwrap();
+    let first = PrecisionPolicy::from_json(r#"{"modules": {"1": "f32"}}"#).unwrap();
+    for p in [Precision::AmpFp16, Precision::PureFp16] {
+        let mut m = net(1e5, 0.0);
+        policy.validate(&m).unwrap();
+        policy.prepare_model(p, &mut m).unwrap();
+        let dtypes: Vec<DType> = m.parameters().iter().map(|t| t.dtype()).collect();
+        if p == Precision::PureFp16 {
+            // fc1 (2), fc2 and fc3 pinned (2 + 2).
+            assert_eq!(
+                dtypes,
+                [
+                    DType::F16,
+                    DType::F16,
+                    DType::F32,
+                    DType::F32,
+                    DType::F32,
+                    DType::F32
+                ]
+            );
+        }
+        let r = replay_step(
+            &mut m,
+            &Replay {
+                task: &Classification,
+                batch: &batch(10.0),
+                precision: p,
+                policy: Some(&policy),
+                label_smoothing: 0.0,
+                scale: 1.0,
+                generators: None,
+            },
+        )
+        .unwrap();
+        assert!(r.report.forward.is_none(), "{p:?}: {:?}", r.report.forward);
+        let y = {
+            let _s = policy.scope(p, &m);
+            m.forward(&p.input(batch(10.0).images().unwrap()).unwrap())
+                .unwrap()
+        };
+        assert_eq!(y.dtype(), DType::F32, "{p:?}");
+        assert!(y.to_vec_f32().iter().all(|v| v.is_finite()));
+        // fc1 pinned: the layers after it go back to the preset's dtype.
+        let mut m = net(1.0, 0.0);
+        first.prepare_model(p, &mut m).unwrap();
+        let y = {
+            let _s = first.scope(p, &m);
+            m.forward(&p.input(batch(1.0).images().unwrap()).unwrap())
+                .unwrap()
+        };
+        assert_eq!(y.dtype(), DType::F16, "{p:?}");
+        // Without the policy the same model overflows.
+        let mut plain = net(1e5, 0.0);
+        p.prepare_model(&mut plain).unwrap();
+        let r = replay(&mut plain, &batch(10.0), p, 1.0);
+        assert!(r.report.forward.is_some(), "{p:?}");
+    }
+}
+
+/// Unknown names are errors naming them and the nearest real ones; op pins work.
+#[test]
+fn policy_files_are_checked_against_the_model() {
+    let m = net(1.0, 0.0);
+    let e = PrecisionPolicy::from_json(r#"{"modules": {"33": "f32"}}"#)
+        .unwrap()
+        .validate(&m)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"33\"") && e.contains("nearest: 3"), "{e}");
+    let e = PrecisionPolicy::from_json(r#"{"ops": {"softmx": "f32"}}"#)
+        .unwrap()
+        .validate(&m)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("softmx") && e.contains("softmax"), "{e}");
+    let e = PrecisionPolicy::from_json(r#"{"ops": {"relu": "f32"}}"#)
+        .unwrap()
+        .validate(&m)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("keeps its input dtype"), "{e}");
+    for bad in [
+        r#"{"modules": {"3": "f8"}}"#,
+        r#"{"layers": {}}"#,
+        "[1]",
+        "{",
+    ] {
+        assert!(PrecisionPolicy::from_json(bad).is_err(), "{bad}");
+    }
+    // An op pin: linear in F32 everywhere under amp-fp16.
+    let p = PrecisionPolicy::from_json(r#"{"ops": {"linear": "f32"}}"#).unwrap();
+    p.validate(&m).unwrap();
+    let y = {
+        let _s = p.scope(Precision::AmpFp16, &m);
+        m.forward(batch(1.0).images().unwrap()).unwrap()
+    };
+    assert_eq!(y.dtype(), DType::F32);
+    // The round trip through the file format.
+    let q = PrecisionPolicy::from_json(&p.to_json()).unwrap();
+    assert_eq!(p, q);
+}
