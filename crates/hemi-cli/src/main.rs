@@ -6,6 +6,7 @@ use hemi::models::registry::InputKind;
 mod alloc;
 mod bench;
 mod dist;
+mod doctor;
 mod export;
 mod plot;
 mod quant;
@@ -66,6 +67,15 @@ impl CpuArgs {
     }
 }
 
+/// `hemi doctor`: `hemi train`'s flags and the doctor's own.
+#[derive(clap::Args)]
+struct DoctorArgs {
+    #[command(flatten)]
+    run: train::TrainArgs,
+    #[command(flatten)]
+    doctor: doctor::DoctorOpts,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (by default CifarNet, mixed precision, on CIFAR-10 or the built-in
@@ -74,6 +84,9 @@ enum Command {
     Train(Box<train::TrainArgs>),
     /// Test accuracy of a saved checkpoint.
     Eval(train::EvalArgs),
+    /// How far a precision preset strays from FP32, module by module, on the run that
+    /// `hemi train` with the same flags would make; --search writes a policy that fixes it.
+    Doctor(Box<DoctorArgs>),
     /// Data sets and pretrained models: `hemi data fetch cifar10`, `hemi data fetch
     /// all-minilm-l6-v2`.
     Data {
@@ -189,6 +202,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => train::run_train(*args),
         Command::Eval(args) => train::run_eval(args),
+        Command::Doctor(args) => train::run_doctor(args.run, &args.doctor),
         Command::Quantize(args) => quant::run_quantize(args),
         Command::Data {
             command: DataCommand::Fetch { name, data_dir },

@@ -799,3 +799,123 @@ pub fn run(args: PlotArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// `hemi doctor --plot FILE.png`: per module (forward order), the activation and gradient
+/// relative errors of the preset against the reference, on a log axis.
+pub fn doctor_chart(d: &hemi::train::doctor::Diagnosis, path: &Path) -> Result<()> {
+    if path.extension().and_then(|e| e.to_str()) != Some("png") {
+        return Err(Error::arg(
+            "doctor",
+            format!(
+                "--plot {}: charts are PNG files (name it .png)",
+                path.display()
+            ),
+        ));
+    }
+    register_font()?;
+    let err = draw_err(path);
+    let n = d.modules.len();
+    let series: [(&str, Vec<(f64, f64)>); 2] = [
+        (
+            "activation relative error",
+            d.modules
+                .iter()
+                .enumerate()
+                .map(|(i, m)| (i as f64, m.act_rel_err))
+                .collect(),
+        ),
+        (
+            "gradient relative error",
+            d.modules
+                .iter()
+                .enumerate()
+                .map(|(i, m)| (i as f64, m.grad_rel_err))
+                .collect(),
+        ),
+    ];
+    let (lo, hi) = minmax(
+        series
+            .iter()
+            .flat_map(|s| s.1.iter().map(|p| p.1))
+            .filter(|v| *v > 0.0),
+    );
+    let (lo, hi) = if lo.is_finite() {
+        (lo / 3.0, hi * 3.0)
+    } else {
+        (1e-8, 1.0)
+    };
+    let size = (1400u32, 700u32);
+    let mut pixels = vec![0u8; size.0 as usize * size.1 as usize * 3];
+    {
+        let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let caption = format!(
+            "{} against {} over {} steps: per-module error (x: module in forward order)",
+            d.precision,
+            if d.reference == hemi::DType::F64 {
+                "f64"
+            } else {
+                "fp32"
+            },
+            d.steps
+        );
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(80)
+            .build_cartesian_2d(-0.5..(n.max(1) as f64 - 0.5), (lo..hi).log_scale())
+            .map_err(&err)?;
+        let names: Vec<String> = d.modules.iter().map(|m| m.module.clone()).collect();
+        chart
+            .configure_mesh()
+            .x_desc("module")
+            .y_desc("relative error (log scale)")
+            .x_labels(n.clamp(1, 24))
+            .x_label_formatter(&|&x| {
+                let i = x.round();
+                if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+                    let s = &names[i as usize];
+                    s.rsplit('.')
+                        .take(2)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect::<Vec<_>>()
+                        .join(".")
+                } else {
+                    String::new()
+                }
+            })
+            .label_style(("sans-serif", 12))
+            .draw()
+            .map_err(&err)?;
+        for (k, (label, pts)) in series.iter().enumerate() {
+            let c = color(k);
+            let pts: Vec<(f64, f64)> = pts
+                .iter()
+                .copied()
+                .filter(|p| p.1 > 0.0 && p.1.is_finite())
+                .collect();
+            chart
+                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
+                .map_err(&err)?
+                .label(*label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
+            chart
+                .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
+                .map_err(&err)?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 14))
+            .draw()
+            .map_err(&err)?;
+        root.present().map_err(&err)?;
+    }
+    save_png(path, pixels, size)
+}

@@ -533,6 +533,8 @@ impl Metrics {
 /// A model and its data, ready for `train`.
 struct Prepared {
     model: Box<dyn Module>,
+    /// Builds the same initial model again (the doctor's copies).
+    make: Box<dyn Fn() -> Result<Box<dyn Module>>>,
     train: DataLoader,
     test: DataLoader,
     /// What a sample is called in rates: `images`, `texts`.
@@ -613,6 +615,10 @@ fn prepare_images(
     let shape = data.train.image_shape();
     let classes = data.train.num_classes();
     let model = build_model(&args.model, shape, classes, args.seed)?;
+    let make = {
+        let (name, seed) = (args.model.clone(), args.seed);
+        Box::new(move || build_model(&name, shape, classes, seed))
+    };
     let (mean, std) = recipe.normalize_for(shape[0])?;
     let norm = Normalize { mean, std };
     let (train, test) = loaders(
@@ -647,6 +653,7 @@ fn prepare_images(
     }
     Ok(Prepared {
         model,
+        make,
         train,
         test,
         unit: "images",
@@ -713,7 +720,7 @@ fn prepare_text(
         args.config.as_deref(),
         args.tokenizer.as_deref(),
     )?;
-    let tokenizer = sources.tokenizer()?;
+    let tokenizer = Arc::new(sources.tokenizer()?);
     let columns = TextColumns {
         text: column(&args.text_column),
         label: column(&args.label_column),
@@ -750,6 +757,11 @@ fn prepare_text(
         data.train.num_classes()
     };
     let model = sources.build(spec, classes, &tokenizer, args.seed)?;
+    let make: Box<dyn Fn() -> Result<Box<dyn Module>>> = {
+        let (src, name, seed) = (sources.clone(), spec.name, args.seed);
+        let tok = tokenizer.clone();
+        Box::new(move || src.build(&hemi::models::registry::find(name)?, classes, &tok, seed))
+    };
     match &sources.weights {
         Some(w) => println!("weights: {}", w.display()),
         None => println!("weights: fresh, from {}", sources.config.display()),
@@ -785,6 +797,7 @@ fn prepare_text(
     };
     Ok(Prepared {
         model,
+        make,
         train,
         test,
         unit: "texts",
@@ -817,7 +830,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         return Err(Error::arg("train", "--bucket-mb must be > 0"));
     }
     let group = crate::dist::setup(Duration::from_secs_f64(args.dist_timeout))?;
-    let result = run_train_on(args, group.clone());
+    let result = run_train_on(args, group.clone(), None);
     match (&result, &group) {
         (Err(Error::Interrupted(_)), _) | (Ok(()), _) | (_, None) => result,
         (Err(e), Some(g)) => {
@@ -827,7 +840,16 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     }
 }
 
-fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()> {
+/// `hemi doctor`: the run `args` describes, diagnosed instead of trained.
+pub fn run_doctor(args: TrainArgs, opts: &crate::doctor::DoctorOpts) -> Result<()> {
+    run_train_on(args, None, Some(opts))
+}
+
+fn run_train_on(
+    args: TrainArgs,
+    group: Option<Arc<ProcessGroup>>,
+    doctor: Option<&crate::doctor::DoctorOpts>,
+) -> Result<()> {
     let root = group.as_ref().is_none_or(|g| g.rank() == 0);
     // First, so that a Ctrl-C during data loading is already a clean stop.
     let stop = stop_flag()?;
@@ -907,6 +929,7 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
     };
     let Prepared {
         mut model,
+        make,
         train: mut train_loader,
         test: mut test_loader,
         unit,
@@ -1071,6 +1094,10 @@ fn run_train_on(args: TrainArgs, group: Option<Arc<ProcessGroup>>) -> Result<()>
             String::new()
         },
     );
+    if let Some(opts) = doctor {
+        drop(model);
+        return crate::doctor::run(opts, &*make, &train_loader, &cfg);
+    }
     let perplexity = cfg.task.reports_perplexity();
     let mut last_test_loss = f64::NAN;
     let precision = args.precision;

@@ -3,7 +3,6 @@
 //! scaling (`GradScaler`, PyTorch semantics plus hysteresis and min/max scale), F32 master
 //! weights for F16 models (`Fp16Optimizer`, apex's FP16_Optimizer) and the precision presets.
 
-pub mod doctor;
 pub mod master;
 pub mod policy;
 pub mod precision;

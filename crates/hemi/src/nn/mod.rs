@@ -179,7 +179,7 @@ pub trait Module: Send + std::any::Any {
     fn set_training(&mut self, _training: bool) {}
 
     /// The generators the model's dropout draws from, in a fixed order: a replay of a step
-    /// (`amp::doctor`) saves and restores them so that it draws the step's masks again and
+    /// (`train::doctor`) saves and restores them so that it draws the step's masks again and
     /// the run continues as if it had not happened. Default: none (no dropout).
     fn generators(&self) -> Vec<&std::sync::Mutex<crate::rng::Generator>> {
         Vec::new()

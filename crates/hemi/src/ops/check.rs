@@ -1,5 +1,5 @@
 //! Per-op precision checks: a mode of the op entry points, off unless a replay of a failed
-//! step or the precision doctor (`amp::doctor`) switches it on for one forward and backward.
+//! step or the precision doctor (`train::doctor`) switches it on for one forward and backward.
 //!
 //! Every op result passes through `Tensor::from_op`; with checks on, it looks at the result
 //! (finite? largest magnitude?) and remembers the op's *site*: the module it ran in. A site
@@ -272,6 +272,8 @@ pub struct CheckReport {
 struct State {
     report: CheckReport,
     record: bool,
+    /// The forward is over (`end_forward`): later op results are not module outputs.
+    forward_done: bool,
     scale: f64,
     index: HashMap<String, usize>,
 }
@@ -295,7 +297,7 @@ impl State {
     fn forward_op(&mut self, op: &'static str, site: &str, inputs: &[&Tensor], out: &Tensor) {
         let i = self.report.forward_ops;
         self.report.forward_ops += 1;
-        if self.record && !CARRY.contains(&op) {
+        if self.record && !self.forward_done && !CARRY.contains(&op) {
             self.module(site).output = Some(out.clone());
         }
         if self.report.forward.is_some() || !out.dtype().is_float() {
@@ -390,6 +392,7 @@ pub fn begin(record: bool, factor: f64) -> CheckGuard {
         *s.borrow_mut() = Some(State {
             report: CheckReport::default(),
             record,
+            forward_done: false,
             scale: if factor > 0.0 { factor } else { 1.0 },
             index: HashMap::new(),
         })
@@ -405,6 +408,16 @@ pub struct CheckGuard {
 }
 
 impl CheckGuard {
+    /// The model's forward (and loss) is done: ops from here on (the loss scaling) are not
+    /// recorded as module outputs, though still checked.
+    pub fn end_forward(&self) {
+        STATE.with(|s| {
+            if let Some(st) = s.borrow_mut().as_mut() {
+                st.forward_done = true;
+            }
+        });
+    }
+
     /// Ends the checks and returns their findings.
     pub fn finish(self) -> CheckReport {
         let r = STATE.with(|s| s.borrow_mut().take());

@@ -8,6 +8,7 @@
 
 pub mod callbacks;
 pub mod checkpoint;
+pub mod doctor;
 pub mod recipe;
 pub mod task;
 
@@ -422,7 +423,7 @@ pub enum Event {
     },
     /// A step was skipped for inf/NaN gradients (or, where the loss is not scaled, its loss
     /// was not finite), and a replay of it with per-op checks named where the overflow
-    /// started (`amp::doctor`). At most `TrainConfig::overflow_reports` per run.
+    /// started (`train::doctor`). At most `TrainConfig::overflow_reports` per run.
     Overflow {
         /// The epoch, 1-based.
         epoch: usize,
@@ -685,7 +686,7 @@ fn replay_overflow(
     c: &ReplayCtx<'_>,
     (epoch, b, step): (usize, usize, u64),
 ) -> Result<Option<Event>> {
-    use crate::amp::doctor::{describe, replay_step, Replay};
+    use crate::train::doctor::{describe, replay_step, Replay};
     let k = c.micro_batches.max(1);
     let mut last = None;
     for j in 0..k {
@@ -1183,11 +1184,11 @@ pub fn train_with_callbacks(
             opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
             let skipped_before_step = opt.skipped_steps();
-            // What a replay of this step needs (`amp::doctor`): the scale and the dropout
+            // What a replay of this step needs (`train::doctor`): the scale and the dropout
             // generators before it (a few words each).
             let scale_before = opt.scale();
             let gens_before =
-                (overflow_left > 0).then(|| crate::amp::doctor::generator_states(&*model));
+                (overflow_left > 0).then(|| crate::train::doctor::generator_states(&*model));
             // The documents' step: forward under autocast, (scaled) backward, step.
             let k = cfg.micro_batches;
             let mut lv = 0.0;

@@ -2,11 +2,11 @@
 //! non-finite op in forward order, else the first non-finite gradient in backward order),
 //! the replay being bit-identical to the step it replays, and precision policies.
 
-use hemi::amp::doctor::{generator_states, replay_step, Replay};
 use hemi::amp::{Precision, PrecisionPolicy};
 use hemi::data::{Batch, Inputs};
 use hemi::nn::{Dropout, Flatten, Linear, Module, Relu, Sequential};
 use hemi::rng::Generator;
+use hemi::train::doctor::{generator_states, replay_step, Replay};
 use hemi::train::task::{Classification, Task};
 use hemi::{DType, Tensor};
 
@@ -49,7 +49,7 @@ fn replay(
     b: &Batch,
     p: Precision,
     scale: f64,
-) -> hemi::amp::doctor::StepReplay {
+) -> hemi::train::doctor::StepReplay {
     replay_step(
         model,
         &Replay {
@@ -100,7 +100,7 @@ fn a_backward_only_overflow_is_named_by_its_gradient() {
     assert!(g.op.is_some());
     // The first non-finite gradient comes before any parameter's: the node is named.
     assert!(g.index < r.report.backward_nodes);
-    let msg = hemi::amp::doctor::describe(&r.report, Some(2f64.powi(40)));
+    let msg = hemi::train::doctor::describe(&r.report, Some(2f64.powi(40)));
     assert!(
         msg.contains("backward") && msg.contains("loss scale"),
         "{msg}"

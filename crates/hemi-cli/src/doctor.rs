@@ -1,0 +1,207 @@
+//! `hemi doctor`: how far a precision preset strays from FP32, module by module, on a
+//! model and its data (`hemi::train::doctor`), and with `--search` a precision policy that
+//! keeps the preset's loss within a tolerance of FP32's.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use hemi::data::{Batch, DataLoader};
+use hemi::nn::Module;
+use hemi::train::doctor::{diagnose, train_losses, Diagnosis};
+use hemi::train::TrainConfig;
+use hemi::{DType, Error, Result};
+
+/// What `hemi doctor` adds to `hemi train`'s flags.
+#[derive(Args, Debug, Clone)]
+pub struct DoctorOpts {
+    /// Training steps to diagnose (one batch each, the first batches of the first epoch).
+    #[arg(help_heading = "Doctor", long, default_value_t = 20)]
+    pub steps: usize,
+    /// The reference the preset is compared with: f32, or f64 (to check the doctor itself
+    /// on small models).
+    #[arg(help_heading = "Doctor", long, default_value = "f32", value_parser = ["f32", "f64"])]
+    pub reference: String,
+    /// Write the report as JSON to this file.
+    #[arg(help_heading = "Doctor", long)]
+    pub json: Option<PathBuf>,
+    /// Draw the per-module errors into this PNG or SVG file.
+    #[arg(help_heading = "Doctor", long)]
+    pub plot: Option<PathBuf>,
+    /// Search a small set of modules to keep in F32 (greedy over the report's ranking) so
+    /// that the preset's loss stays within --tolerance of FP32's, and write it as a policy
+    /// file for `hemi train --policy`.
+    #[arg(help_heading = "Doctor", long)]
+    pub search: bool,
+    /// With --search: the largest accepted |loss − FP32 loss| (mean over the last quarter of
+    /// the steps).
+    #[arg(help_heading = "Doctor", long, default_value_t = 0.02)]
+    pub tolerance: f64,
+    /// With --search: at most this many modules pinned.
+    #[arg(help_heading = "Doctor", long, default_value_t = 8)]
+    pub max_pins: usize,
+    /// With --search: where the policy file goes.
+    #[arg(help_heading = "Doctor", long, default_value = "policy.json")]
+    pub write_policy: PathBuf,
+}
+
+/// The first `n` training batches.
+fn batches(loader: &DataLoader, n: usize) -> Result<Vec<Batch>> {
+    let mut v = Vec::with_capacity(n);
+    for b in loader.epoch(0).take(n) {
+        v.push(b?);
+    }
+    if v.len() < n {
+        println!(
+            "doctor: the training set has {} batches; diagnosing {} steps",
+            v.len(),
+            v.len()
+        );
+    }
+    if v.is_empty() {
+        return Err(Error::arg("doctor", "the training set is empty"));
+    }
+    Ok(v)
+}
+
+/// Runs the doctor on the model `make` builds and the first batches of `loader`.
+pub fn run(
+    opts: &DoctorOpts,
+    make: &dyn Fn() -> Result<Box<dyn Module>>,
+    loader: &DataLoader,
+    cfg: &TrainConfig,
+) -> Result<()> {
+    if opts.steps == 0 {
+        return Err(Error::arg("doctor", "--steps must be at least 1"));
+    }
+    if opts.search && !(opts.tolerance >= 0.0 && opts.tolerance.is_finite()) {
+        return Err(Error::arg(
+            "doctor",
+            "--tolerance must be a finite number >= 0",
+        ));
+    }
+    let reference = if opts.reference == "f64" {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let data = batches(loader, opts.steps)?;
+    let t0 = std::time::Instant::now();
+    let d = diagnose(make, &data, cfg, reference)?;
+    print!("{}", d.table());
+    println!("({:.1} s)", t0.elapsed().as_secs_f64());
+    let ranking: Vec<String> = d.ranking().iter().map(|m| m.module.clone()).collect();
+    println!(
+        "ranking (the modules that lose the most precision themselves first): {}",
+        ranking
+            .iter()
+            .take(8)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut json = d.to_json();
+    if let Some(p) = &opts.plot {
+        crate::plot::doctor_chart(&d, p)?;
+        println!("plot: {}", p.display());
+    }
+    if opts.search {
+        let found = search(opts, make, &data, cfg, &d)?;
+        json["search"] = found;
+    }
+    if let Some(p) = &opts.json {
+        hemi::io::atomic_write(
+            p,
+            serde_json::to_string_pretty(&json)
+                .expect("JSON")
+                .as_bytes(),
+        )?;
+        println!("report: {}", p.display());
+    }
+    Ok(())
+}
+
+/// Greedy search over the ranking: pins one more module (its parameter modules) at a time
+/// until the preset's loss is within the tolerance of FP32's.
+fn search(
+    opts: &DoctorOpts,
+    make: &dyn Fn() -> Result<Box<dyn Module>>,
+    data: &[Batch],
+    cfg: &TrainConfig,
+    d: &Diagnosis,
+) -> Result<serde_json::Value> {
+    let probe = make()?;
+    let paths = hemi::amp::policy::module_paths(&*probe);
+    drop(probe);
+    let reference = &d.loss_reference;
+    let k = (reference.len() / 4).max(1);
+    let tail = |v: &[f64]| v[v.len() - k..].iter().sum::<f64>() / k as f64;
+    let target = tail(reference);
+    let mut base = cfg.policy.clone().unwrap_or_default();
+    let mut tried = Vec::new();
+    let gap = |losses: &[f64]| (tail(losses) - target).abs();
+    let mut current = gap(&d.loss_preset);
+    println!(
+        "search: the preset's loss is {:.5} against FP32's {target:.5} (|difference| {current:.5}, \
+         tolerance {})",
+        tail(&d.loss_preset),
+        opts.tolerance
+    );
+    let mut pinned: Vec<String> = Vec::new();
+    for m in d.ranking() {
+        if current.is_finite() && current <= opts.tolerance {
+            break;
+        }
+        if pinned.len() >= opts.max_pins {
+            break;
+        }
+        // A fused op's site names two modules; a scope is a module path too.
+        let mods: Vec<String> = m
+            .module
+            .split('+')
+            .filter(|p| paths.iter().any(|q| q == p))
+            .map(str::to_string)
+            .filter(|p| !base.modules.iter().any(|(q, _)| q == p))
+            .collect();
+        if mods.is_empty() {
+            continue;
+        }
+        for p in &mods {
+            base.modules.push((p.clone(), DType::F32));
+        }
+        let mut c = cfg.clone();
+        c.policy = Some(base.clone());
+        let (losses, skipped) = train_losses(make, data, &c, cfg.precision, c.policy.as_ref())?;
+        let g = gap(&losses);
+        println!(
+            "search: + {} -> loss {:.5} (|difference| {g:.5}, {skipped} skipped)",
+            mods.join(", "),
+            tail(&losses)
+        );
+        tried.push(serde_json::json!({"pinned": mods, "loss": tail(&losses), "gap": g}));
+        pinned.extend(mods);
+        current = g;
+    }
+    let ok = current.is_finite() && current <= opts.tolerance;
+    if ok {
+        base.save(&opts.write_policy)?;
+        println!(
+            "search: {} module{} in F32 keep the loss within {} of FP32's; policy written to {} \
+             (train with --policy {})",
+            pinned.len(),
+            if pinned.len() == 1 { "" } else { "s" },
+            opts.tolerance,
+            opts.write_policy.display(),
+            opts.write_policy.display()
+        );
+    } else {
+        println!(
+            "search: no policy of at most {} modules reached the tolerance (best |difference| \
+             {current:.5}); nothing written",
+            opts.max_pins
+        );
+    }
+    Ok(
+        serde_json::json!({"tolerance": opts.tolerance, "steps": tried, "reached": ok,
+        "policy": ok.then(|| serde_json::from_str::<serde_json::Value>(&base.to_json()).ok())}),
+    )
+}
