@@ -236,7 +236,8 @@ pub struct Diagnosis {
     pub modules: Vec<ModuleDiagnosis>,
     /// The preset's training loss at each step.
     pub loss_preset: Vec<f64>,
-    /// The reference run's training loss at each step (same initial weights and batches).
+    /// The FP32 run's training loss at each step (same initial weights and batches; FP32
+    /// also when `reference` is F64).
     pub loss_reference: Vec<f64>,
     /// Mean |loss − loss_ref| at the same weights (the forward's own error).
     pub loss_same_weights: f64,
@@ -469,6 +470,7 @@ pub fn train_losses(
         None => precision.prepare_model(&mut *m)?,
     }
     m.set_training(true);
+    let mut losses = Vec::with_capacity(batches.len());
     let mut opt = AmpOptimizer::new(
         precision,
         m.parameters(),
@@ -476,7 +478,6 @@ pub fn train_losses(
         cfg.seed,
         |p| build_optimizer(cfg, p),
     )?;
-    let mut losses = Vec::with_capacity(batches.len());
     for b in batches {
         losses.push(train_step(&*m, &mut opt, b, cfg, precision, policy)?);
     }
@@ -555,13 +556,9 @@ pub fn diagnose(
             overflow = Some(describe(&r.report, Some(scale)));
         }
     }
-    let ref_precision = Precision::Fp32;
-    let make_ref = || -> Result<Box<dyn Module>> {
-        let mut m = make()?;
-        m.to_dtype(reference, false)?;
-        Ok(m)
-    };
-    let (loss_reference, _) = train_losses(&make_ref, batches, cfg, ref_precision, None)?;
+    // The loss trajectory's reference trains in FP32 (optimizers update F32 state; an f64
+    // reference is for the per-step comparisons).
+    let (loss_reference, _) = train_losses(make, batches, cfg, Precision::Fp32, None)?;
     let n = batches.len().max(1) as f64;
     let modules = order
         .iter()

@@ -290,3 +290,119 @@ fn policy_files_are_checked_against_the_model() {
     let q = PrecisionPolicy::from_json(&p.to_json()).unwrap();
     assert_eq!(p, q);
 }
+
+fn small() -> hemi::Result<Box<dyn Module>> {
+    let mut rng = Generator::new(3);
+    Ok(Box::new(
+        Sequential::new()
+            .add(Flatten)
+            .add(Linear::new(4, 8, true, &mut rng)?)
+            .add(Relu)
+            .add(Linear::new(8, 3, true, &mut rng)?),
+    ))
+}
+
+fn cfg(p: Precision) -> hemi::train::TrainConfig {
+    hemi::train::TrainConfig {
+        precision: p,
+        lr: 0.05,
+        ..Default::default()
+    }
+}
+
+fn module<'a>(
+    d: &'a hemi::train::doctor::Diagnosis,
+    m: &str,
+) -> &'a hemi::train::doctor::ModuleDiagnosis {
+    d.modules
+        .iter()
+        .find(|x| x.module == m)
+        .unwrap_or_else(|| panic!("no module {m}: {:?}", d.modules))
+}
+
+/// A model whose every module computes in F32, against F32: every error is exactly zero.
+#[test]
+fn the_doctor_reports_zeros_when_the_preset_is_the_reference() {
+    let batches = vec![batch(2.0), batch(1.0), batch(3.0)];
+    let d =
+        hemi::train::doctor::diagnose(&small, &batches, &cfg(Precision::Fp32), DType::F32).unwrap();
+    assert!(d.modules.len() >= 3, "{:?}", d.modules);
+    for m in &d.modules {
+        assert_eq!(m.act_rel_err, 0.0, "{}", m.module);
+        if m.params > 0 {
+            assert_eq!(m.grad_rel_err, 0.0, "{}", m.module);
+            assert!((m.grad_cosine - 1.0).abs() < 1e-12, "{}", m.module);
+        }
+    }
+    assert_eq!(d.loss_same_weights, 0.0);
+    assert_eq!(d.loss_difference(), 0.0);
+    assert_eq!(d.loss_preset, d.loss_reference);
+}
+
+/// The errors the doctor reports for F32 and amp-fp16 against an f64 reference are the ones
+/// computed here directly, and within what the dtypes allow.
+#[test]
+fn the_doctors_errors_match_an_f64_computation() {
+    let b = batch(2.0);
+    let rel = |a: &[f64], r: &[f64]| {
+        let d: f64 = a.iter().zip(r).map(|(x, y)| (x - y) * (x - y)).sum();
+        let n: f64 = r.iter().map(|y| y * y).sum();
+        (d / n).sqrt()
+    };
+    // The first layer's output and the last layer's gradients, by hand.
+    let x = b.images().unwrap().flatten(1, -1).unwrap();
+    let grads = |m: &dyn Module, p: Precision| -> Vec<f64> {
+        let loss = {
+            let _ac = p.autocast();
+            Classification.forward(m, &b, p, 0.0, false).unwrap().loss
+        };
+        loss.backward().unwrap();
+        let ps = m.parameters();
+        let mut v = ps[2].grad().unwrap().to_vec_f64();
+        v.extend(ps[3].grad().unwrap().to_vec_f64());
+        v
+    };
+    let m64 = {
+        let mut m = small().unwrap();
+        m.to_dtype(DType::F64, false).unwrap();
+        m
+    };
+    let p64 = m64.parameters();
+    let y64 = x
+        .to_dtype(DType::F64)
+        .unwrap()
+        .linear(&p64[0], Some(&p64[1]))
+        .unwrap()
+        .to_vec_f64();
+    let g64 = grads(&*m64, Precision::Fp32);
+    for (p, act_hi, grad_hi) in [
+        // F32: rounding of 4-term sums and of the loss's exp/log: a few F32 ulps.
+        (Precision::Fp32, 1e-6, 1e-5),
+        // F16 inputs, weights and outputs: a few F16 ulps (2^-11 = 4.9e-4).
+        (Precision::AmpFp16, 3.0 * 4.9e-4, 3e-2),
+    ] {
+        let d =
+            hemi::train::doctor::diagnose(&small, std::slice::from_ref(&b), &cfg(p), DType::F64)
+                .unwrap();
+        let m32 = small().unwrap();
+        let w = m32.parameters();
+        let y = {
+            let _ac = p.autocast();
+            x.linear(&w[0], Some(&w[1])).unwrap().to_vec_f64()
+        };
+        let want = rel(&y, &y64);
+        let got = module(&d, "1").act_rel_err;
+        assert!(want > 0.0 && want < act_hi, "{p:?}: {want}");
+        assert!(
+            (got - want).abs() <= 1e-9 * want,
+            "{p:?}: doctor {got}, by hand {want}"
+        );
+        let want = rel(&grads(&*m32, p), &g64);
+        let got = module(&d, "3").grad_rel_err;
+        assert!(want > 0.0 && want < grad_hi, "{p:?}: {want}");
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "{p:?}: doctor {got}, by hand {want}"
+        );
+    }
+}
