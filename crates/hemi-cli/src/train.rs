@@ -174,6 +174,13 @@ pub struct TrainArgs {
     /// later skips are only counted. 0: no replays.
     #[arg(help_heading = "Observation", long, default_value_t = 8)]
     overflow_reports: usize,
+    /// Self-healing (amp presets): when the overflow replays name the same module this many
+    /// times (or once the loss scale has fallen to 1), pin it to F32 for the rest of the run
+    /// and go on; logged, in the metrics (`"kind": "promote"`) and TensorBoard, and recorded
+    /// in checkpoints so --resume continues with it. Off unless given (`--auto-promote` alone
+    /// means 3).
+    #[arg(help_heading = "Precision", long, num_args = 0..=1, default_missing_value = "3")]
+    auto_promote: Option<usize>,
     /// Count, per parameter, gradient values F16 could not hold without loss scaling
     /// (|g| < 2^-24 or > 65504); printed at the end.
     #[arg(help_heading = "Observation", long)]
@@ -1050,6 +1057,7 @@ fn run_train_on(
         inject_inf: crate::dist::inject_inf()?,
         policy: load_policy(args.policy.as_deref())?,
         overflow_reports: args.overflow_reports,
+        auto_promote: args.auto_promote,
         ..Default::default()
     };
     let model_name = args.model.as_str();
@@ -1116,6 +1124,7 @@ fn run_train_on(
     let mut batches = 0usize;
     let mut write_err: Option<Error> = None;
     let mut tb: Option<SummaryWriter> = None;
+    let mut promoted_total = 0usize;
     let mut on_event = |ev: &Event| match ev {
         Event::Start {
             first_epoch,
@@ -1259,6 +1268,37 @@ fn run_train_on(
             if let Some(w) = tb.as_mut() {
                 // The step's finding is in the log and the metrics; TensorBoard marks it.
                 if let Err(e) = w.add_scalar("train/overflow_replayed", *scale, *global_step) {
+                    write_err.get_or_insert(e);
+                }
+            }
+        }
+        Event::Promoted {
+            global_step,
+            modules,
+            reason,
+        } => {
+            let line = format!(
+                "step {global_step}: auto-promote: {} now in F32 ({reason})",
+                modules.join(", ")
+            );
+            match &bar {
+                Some(b) => b.suspend(|| eprintln!("{line}")),
+                None => eprintln!("{line}"),
+            }
+            promoted_total += modules.len();
+            if let Some(m) = metrics.as_mut() {
+                let j = json!({"kind": "promote", "global_step": global_step,
+                               "modules": modules, "reason": reason});
+                if let Err(e) = m.write(&j, true) {
+                    write_err.get_or_insert(e);
+                }
+            }
+            if let Some(w) = tb.as_mut() {
+                if let Err(e) = w.add_scalar(
+                    "train/promoted_modules",
+                    promoted_total as f64,
+                    *global_step,
+                ) {
                     write_err.get_or_insert(e);
                 }
             }

@@ -357,13 +357,40 @@ impl Callback for Divergence {
 pub struct EpochCheckpoints<'a> {
     cfg: &'a TrainConfig,
     info: &'a RunInfo,
+    promoted: Option<Promoted>,
+}
+
+/// The modules `--auto-promote` moved to F32 so far (shared by the loop and the
+/// checkpoints, which record them as the setting `promoted`).
+pub type Promoted = std::rc::Rc<std::cell::RefCell<Vec<String>>>;
+
+/// `info` with the promoted modules recorded (setting `promoted`, a JSON list).
+pub fn with_promoted(info: &RunInfo, promoted: &[String]) -> RunInfo {
+    let mut i = info.clone();
+    if !promoted.is_empty() {
+        i.settings.insert(
+            "promoted".into(),
+            serde_json::Value::from(promoted.to_vec()).to_string(),
+        );
+    }
+    i
 }
 
 impl<'a> EpochCheckpoints<'a> {
     /// Checkpoints into `cfg.checkpoint_dir` (none without one), describing the run as
     /// `info`.
     pub fn new(cfg: &'a TrainConfig, info: &'a RunInfo) -> Self {
-        EpochCheckpoints { cfg, info }
+        EpochCheckpoints {
+            cfg,
+            info,
+            promoted: None,
+        }
+    }
+
+    /// Records the modules `--auto-promote` moved to F32 in every checkpoint.
+    pub fn with_promoted(mut self, promoted: Promoted) -> Self {
+        self.promoted = Some(promoted);
+        self
     }
 }
 
@@ -378,7 +405,10 @@ impl Callback for EpochCheckpoints<'_> {
                 scaler_state.as_ref(),
                 Progress::epoch(e.epoch),
                 Some(e.test_accuracy),
-                self.info,
+                &match &self.promoted {
+                    Some(p) => with_promoted(self.info, &p.borrow()),
+                    None => self.info.clone(),
+                },
             )?;
             checkpoint::prune_checkpoints(dir, self.cfg.keep, self.cfg.keep_best)?;
         }

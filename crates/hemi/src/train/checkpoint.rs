@@ -117,6 +117,8 @@ impl RunInfo {
         let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
         keys.sort();
         keys.dedup();
+        // What the run decided itself (`--auto-promote`), not a setting to compare.
+        keys.retain(|k| k.as_str() != "promoted" && k.as_str() != "settings.promoted");
         keys.into_iter()
             .filter_map(|k| {
                 let (x, y) = (a.get(k), b.get(k));

@@ -18,8 +18,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use crate::backend::train::Log2Histogram;
+use callbacks::{
+    with_promoted, Divergence, EpochCheckpoints, GradStats, InjectInf, Reporter, Tensors,
+};
 pub use callbacks::{BackwardEnd, Callback, EpochEnd, StepEnd};
-use callbacks::{Divergence, EpochCheckpoints, GradStats, InjectInf, Reporter, Tensors};
 pub use checkpoint::{
     latest_checkpoint, list_checkpoints, load_checkpoint, parse_state, save_checkpoint, Checkpoint,
     Progress, RunInfo,
@@ -155,6 +157,11 @@ pub struct TrainConfig {
     /// `Event::Overflow` (default 8); later ones are only counted, so that a run of skips
     /// cannot flood the log. 0 switches the replays off.
     pub overflow_reports: usize,
+    /// Self-healing (`--auto-promote`, amp presets): a module the overflow replays name
+    /// this many times, or once the loss scale has fallen to 1, is pinned to F32 for the
+    /// rest of the run (`Event::Promoted`; checkpoints record it, so `--resume` continues
+    /// with it). `None`: off.
+    pub auto_promote: Option<usize>,
 }
 
 impl Default for TrainConfig {
@@ -190,6 +197,7 @@ impl Default for TrainConfig {
             inject_inf: None,
             policy: None,
             overflow_reports: 8,
+            auto_promote: None,
         }
     }
 }
@@ -442,6 +450,15 @@ pub enum Event {
         /// Replays left in this run after this one (0: later overflows are only counted).
         reports_left: usize,
     },
+    /// `--auto-promote` pinned modules to F32 for the rest of the run.
+    Promoted {
+        /// The step after which the pins apply (as in `Batch`).
+        global_step: u64,
+        /// The modules pinned now.
+        modules: Vec<String>,
+        /// Why: how often the replays named them, and the loss scale.
+        reason: String,
+    },
     /// An epoch finished and the test set was evaluated.
     Epoch {
         /// The epoch, 1-based.
@@ -665,6 +682,56 @@ fn forward_scope(
         Some(p) => Ok(p.scope(precision, model)),
         None => Err(precision.autocast()),
     }
+}
+
+/// `--auto-promote`: the modules to pin to F32 after the overflow `ev` (and why), when the
+/// replays have now named them `after` times or the loss scale has fallen to 1.
+fn promotion(
+    ev: &Event,
+    after: usize,
+    promotable: &[String],
+    promoted: &[String],
+    named: &mut std::collections::HashMap<String, usize>,
+    precision: Precision,
+    scale: f64,
+) -> Option<(Vec<String>, String)> {
+    let Event::Overflow {
+        forward, backward, ..
+    } = ev
+    else {
+        return None;
+    };
+    let site = match (forward, backward) {
+        (Some(f), _) => f.module.clone(),
+        (None, Some(b)) => match &b.param {
+            Some(p) => crate::ops::check::module_of(p).to_string(),
+            None => b.module.clone(),
+        },
+        (None, None) => return None,
+    };
+    let mods: Vec<String> = site
+        .split('+')
+        .filter(|m| promotable.iter().any(|q| q == m))
+        .filter(|m| !promoted.iter().any(|q| q == m))
+        .map(str::to_string)
+        .collect();
+    let n = named.entry(site.clone()).or_insert(0);
+    *n += 1;
+    let floor = precision.loss_scaling() && scale <= 1.0;
+    if mods.is_empty() || (*n < after && !floor) {
+        return None;
+    }
+    let reason = format!(
+        "the overflow replays named {} {} time{}; loss scale now {scale}",
+        if site.is_empty() {
+            "the model's top level"
+        } else {
+            &site
+        },
+        n,
+        if *n == 1 { "" } else { "s" }
+    );
+    Some((mods, reason))
 }
 
 /// What `replay_overflow` needs of the run.
@@ -1049,6 +1116,17 @@ pub fn train_with_callbacks(
         cfg.epochs,
         train.num_batches(),
     )?;
+    if cfg.auto_promote.is_some() && precision.autocast_dtype().is_none() {
+        return Err(Error::arg(
+            "auto_promote",
+            format!(
+                "--auto-promote needs an autocast preset (amp-fp16, amp-bf16), whose weights \
+                 stay F32; {} keeps half weights that a module cannot switch mid-run",
+                precision.name()
+            ),
+        ));
+    }
+    let mut resumed_promoted: Vec<String> = Vec::new();
     let mut start_at = Progress::default();
     if cfg.resume {
         let dir = cfg.checkpoint_dir.as_ref().expect("checked in preflight");
@@ -1071,6 +1149,10 @@ pub fn train_with_callbacks(
                 ck.progress.batches_done,
                 train.num_batches()
             )));
+        }
+        if let Some(p) = ck.info.settings.get("promoted") {
+            resumed_promoted = serde_json::from_str(p)
+                .map_err(|e| Error::Msg(format!("{}: setting promoted: {e}", ck.dir.display())))?;
         }
         model.load_state_dict(&ck.model)?;
         apply_overrides(&mut ck.optimizer, cfg);
@@ -1122,7 +1204,18 @@ pub fn train_with_callbacks(
     let mut divergence = Divergence::new(cfg.divergence.clone(), precision);
     let mut grad_stats = cfg.grad_stats.then(|| GradStats::new(&names));
     let mut tensors = Tensors::new(cfg.tensors_every);
-    let mut saves = root.then(|| EpochCheckpoints::new(cfg, info));
+    // `--auto-promote`: the policy in force (the run's, plus the promoted modules).
+    let mut live: Option<PrecisionPolicy> = policy.cloned();
+    if !resumed_promoted.is_empty() {
+        let p = live.get_or_insert_with(PrecisionPolicy::default);
+        for m in &resumed_promoted {
+            p.modules.push((m.clone(), crate::DType::F32));
+        }
+    }
+    let promoted: callbacks::Promoted = std::rc::Rc::new(std::cell::RefCell::new(resumed_promoted));
+    let mut named_count: std::collections::HashMap<String, usize> = Default::default();
+    let promotable = crate::amp::policy::module_paths(&*model);
+    let mut saves = root.then(|| EpochCheckpoints::new(cfg, info).with_promoted(promoted.clone()));
     let mut reporter = Reporter::new(cfg.log_every);
     let mut callbacks: Vec<&mut dyn Callback> = Vec::new();
     if let Some(c) = inject.as_mut() {
@@ -1175,7 +1268,15 @@ pub fn train_with_callbacks(
             // Data-parallel runs agree on stopping after the backward (below), so that every
             // rank stops at the same batch.
             if group.is_none() && stopping() {
-                return Err(interrupt(steps, cfg, model, &opt, info, progress, root));
+                return Err(interrupt(
+                    steps,
+                    cfg,
+                    model,
+                    &opt,
+                    &with_promoted(info, &promoted.borrow()),
+                    progress,
+                    root,
+                ));
             }
             let batch = batch?;
             // The schedule is a closed form of the global step: a resumed run sets the same
@@ -1203,7 +1304,7 @@ pub fn train_with_callbacks(
                     r.set_sync(j + 1 == k);
                 }
                 let loss = {
-                    let _scope = forward_scope(precision, policy, &*model);
+                    let _scope = forward_scope(precision, live.as_ref(), &*model);
                     task.forward(&*model, &micro, precision, cfg.label_smoothing, false)?
                         .loss
                 };
@@ -1226,7 +1327,15 @@ pub fn train_with_callbacks(
                 let s = g.sum_f64(&[f64::from(u8::from(stopping())), lv])?;
                 lv = s[1] / g.size() as f64;
                 if s[0] > 0.0 {
-                    return Err(interrupt(steps, cfg, model, &opt, info, progress, root));
+                    return Err(interrupt(
+                        steps,
+                        cfg,
+                        model,
+                        &opt,
+                        &with_promoted(info, &promoted.borrow()),
+                        progress,
+                        root,
+                    ));
                 }
             }
             let ready = BackwardEnd {
@@ -1250,7 +1359,7 @@ pub fn train_with_callbacks(
                 let ctx = ReplayCtx {
                     task,
                     precision,
-                    policy,
+                    policy: live.as_ref(),
                     label_smoothing: cfg.label_smoothing,
                     scale: scale_before,
                     generators: gens_before.as_deref(),
@@ -1259,22 +1368,44 @@ pub fn train_with_callbacks(
                 replay_overflow(model, &batch, &ctx, (epoch, b + 1, t + 1))
             };
             let mut overflow = None;
-            if overflow_left > 0 && !precision.loss_scaling() && !lv.is_finite() {
+            let replays = overflow_left > 0 || cfg.auto_promote.is_some();
+            if replays && !precision.loss_scaling() && !lv.is_finite() {
                 overflow = replay_now(model)?;
             }
             opt.step()?;
-            if overflow_left > 0
-                && precision.loss_scaling()
-                && opt.skipped_steps() > skipped_before_step
-            {
+            if replays && precision.loss_scaling() && opt.skipped_steps() > skipped_before_step {
                 overflow = replay_now(model)?;
             }
             if let Some(mut ev) = overflow {
-                overflow_left -= 1;
-                if let Event::Overflow { reports_left, .. } = &mut ev {
-                    *reports_left = overflow_left;
+                if let Some(after) = cfg.auto_promote {
+                    if let Some((mods, reason)) = promotion(
+                        &ev,
+                        after,
+                        &promotable,
+                        &promoted.borrow(),
+                        &mut named_count,
+                        precision,
+                        opt.scale(),
+                    ) {
+                        let p = live.get_or_insert_with(PrecisionPolicy::default);
+                        for m in &mods {
+                            p.modules.push((m.clone(), crate::DType::F32));
+                        }
+                        promoted.borrow_mut().extend(mods.iter().cloned());
+                        on_event(&Event::Promoted {
+                            global_step: t + 1,
+                            modules: mods,
+                            reason,
+                        });
+                    }
                 }
-                on_event(&ev);
+                if overflow_left > 0 {
+                    overflow_left -= 1;
+                    if let Event::Overflow { reports_left, .. } = &mut ev {
+                        *reports_left = overflow_left;
+                    }
+                    on_event(&ev);
+                }
             }
             steps += 1;
             let n = batch.len();
@@ -1309,9 +1440,9 @@ pub fn train_with_callbacks(
                 // BatchNorm running statistics are rank 0's everywhere (DDP's
                 // broadcast_buffers), so every rank evaluates the model rank 0 saves.
                 crate::dist::broadcast_buffers(g, model)?;
-                evaluate_task_dist_with_policy(model, test, precision, policy, task, g)?
+                evaluate_task_dist_with_policy(model, test, precision, live.as_ref(), task, g)?
             }
-            None => evaluate_task_with_policy(model, test, precision, policy, task)?,
+            None => evaluate_task_with_policy(model, test, precision, live.as_ref(), task)?,
         };
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
