@@ -22,3 +22,4 @@ mod resnet_interop;
 mod torch_parity;
 mod train;
 mod training;
+mod unit;
