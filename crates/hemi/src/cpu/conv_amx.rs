@@ -729,7 +729,8 @@ impl AmxInputGradPlan {
 
 /// `d[t]` = channel pair `(lo, hi)` at element `t·sw` of the input runs `lo`, `hi`
 /// (`(d.len() - 1)·sw + 1` long): `lo`'s bits low, `hi`'s high.
-fn pair_run_portable(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
+#[doc(hidden)]
+pub fn pair_run_portable(d: &mut [u32], lo: &[bf16], hi: &[bf16], sw: usize) {
     let (a, b) = (lo.iter().step_by(sw), hi.iter().step_by(sw));
     for ((d, a), b) in d.iter_mut().zip(a).zip(b) {
         *d = u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16;
@@ -770,7 +771,8 @@ fn bf16ne_available() -> bool {
 
 /// Whether the run stores take their AVX-512 build (the AMX route always does).
 #[inline]
-fn wide_store() -> bool {
+#[doc(hidden)]
+pub fn wide_store() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         crate::cpu::norm_wide::available()
@@ -940,8 +942,11 @@ pub fn amx_available() -> bool {
     }
 }
 
+/// The x86-64 kernels: pair copies, run stores, AMX tile blocks (public, hidden, for the
+/// unit tests in `tests/kernels/unit/`).
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+#[doc(hidden)]
+pub mod x86 {
     /// `conv_amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
     /// pairs per step under a mask, at strides 1 and 2.
     ///
@@ -971,7 +976,7 @@ mod x86 {
     /// long.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     #[inline]
-    pub(super) unsafe fn pair_run(d: &mut [u32], lo: &[half::bf16], hi: &[half::bf16], sw: usize) {
+    pub unsafe fn pair_run(d: &mut [u32], lo: &[half::bf16], hi: &[half::bf16], sw: usize) {
         use std::arch::x86_64::*;
         assert!(!d.is_empty() && lo.len() == (d.len() - 1) * sw + 1 && hi.len() == lo.len());
         let (lo, hi, out) = (
@@ -1840,44 +1845,6 @@ impl AmxWgradPlan {
                         };
                         halves[base + (pix >> 1) * 2 * T16 + half] = v.to_bits();
                     }
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The AVX-512 pair runs equal the plain loop at strides 1 and 2, every tail length,
-    /// from odd starts, without reading past their runs (the slices end where they end).
-    #[test]
-    fn pair_runs_equal_the_portable_loop() {
-        let vals: Vec<bf16> = (0..200u16)
-            .map(|i| bf16::from_bits(i.wrapping_mul(40503)))
-            .collect();
-        let his: Vec<bf16> = (0..200u16).map(|i| bf16::from_bits(i ^ 0xA5C3)).collect();
-        for sw in [1, 2, 3] {
-            for len in 1..40 {
-                for start in [0, 1, 7] {
-                    let n = (len - 1) * sw + 1;
-                    let (lo, hi) = (&vals[start..start + n], &his[start + 3..start + 3 + n]);
-                    let mut want = vec![0u32; len];
-                    pair_run_portable(&mut want, lo, hi, sw);
-                    let mut got = vec![u32::MAX; len + 1];
-                    pair_run_portable(&mut got[..len], lo, hi, sw);
-                    #[cfg(target_arch = "x86_64")]
-                    if sw <= 2 && wide_store() {
-                        // SAFETY: AVX-512 F/BW/VL; the lengths as `pair_run` needs.
-                        unsafe { x86::pair_run(&mut got[..len], lo, hi, sw) };
-                    }
-                    assert_eq!(&got[..len], &want[..], "sw {sw} len {len} start {start}");
-                    assert_eq!(got[len], u32::MAX, "wrote past the run");
-                    assert_eq!(
-                        want[0],
-                        u32::from(lo[0].to_bits()) | u32::from(hi[0].to_bits()) << 16
-                    );
                 }
             }
         }

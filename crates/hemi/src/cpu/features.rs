@@ -51,7 +51,8 @@ pub enum Feature {
 
 impl Feature {
     /// The lowest [`CpuLevel`] that may use this feature.
-    fn level(self) -> CpuLevel {
+    #[doc(hidden)]
+    pub fn level(self) -> CpuLevel {
         match self {
             Feature::Avx | Feature::Avx2 | Feature::Fma | Feature::F16c | Feature::AvxVnni => {
                 CpuLevel::Avx2
@@ -255,28 +256,4 @@ pub fn detected_names() -> Vec<&'static str> {
     .filter(|(f, _)| f.detected())
     .map(|(_, n)| n)
     .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn levels_order_and_parse() {
-        assert!(CpuLevel::Portable < CpuLevel::Avx2);
-        assert!(CpuLevel::Avx2 < CpuLevel::Avx512);
-        assert!(CpuLevel::Avx512 < CpuLevel::Native);
-        for l in [
-            CpuLevel::Portable,
-            CpuLevel::Avx2,
-            CpuLevel::Avx512,
-            CpuLevel::Native,
-        ] {
-            assert_eq!(CpuLevel::parse(l.name()).unwrap(), l);
-        }
-        let e = CpuLevel::parse("sse9").unwrap_err().to_string();
-        assert!(e.contains("sse9") && e.contains("avx2"), "{e}");
-        assert_eq!(Feature::Avx512bf16.level(), CpuLevel::Avx512);
-        assert_eq!(Feature::F16c.level(), CpuLevel::Avx2);
-    }
 }

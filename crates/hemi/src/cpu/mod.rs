@@ -44,7 +44,8 @@ pub mod map;
 pub mod matmul;
 pub mod nn;
 pub mod norm;
-pub(crate) mod norm_wide;
+#[doc(hidden)]
+pub mod norm_wide;
 pub mod optim;
 pub mod pool;
 pub mod qgemm;

@@ -22,7 +22,8 @@ use crate::dtype::{same_slice, same_slice_mut, WithDType};
 /// The constants of the forward's elementwise pass: `(x − mu)·scale + shift`, then the
 /// residual, then the ReLU.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Apply {
+#[doc(hidden)]
+pub struct Apply {
     pub mu: f32,
     pub scale: f32,
     pub shift: f32,
@@ -32,7 +33,8 @@ pub(crate) struct Apply {
 /// The constants of the input gradient. Training: `rs · ((gz·wc − dm) − xhat·dn)` with
 /// `xhat = (x − mu)·rs`; eval: `(gz·wc)·rs`.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Dx {
+#[doc(hidden)]
+pub struct Dx {
     pub training: bool,
     pub mu: f32,
     pub rs: f32,
@@ -42,7 +44,8 @@ pub(crate) struct Dx {
 }
 
 /// True where these kernels run: x86-64 with AVX-512 F, BW, VL and F16C (checked once).
-pub(crate) fn available() -> bool {
+#[doc(hidden)]
+pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -89,7 +92,8 @@ macro_rules! on_x86 {
 /// # Safety
 /// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn sum<T: WithDType>(x: &[T]) -> f32 {
+#[doc(hidden)]
+pub unsafe fn sum<T: WithDType>(x: &[T]) -> f32 {
     // SAFETY: forwarded.
     on_x86!(T, L => unsafe { x86::sum::<L>(cast(x)) })
 }
@@ -99,7 +103,8 @@ pub(crate) unsafe fn sum<T: WithDType>(x: &[T]) -> f32 {
 /// # Safety
 /// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
+#[doc(hidden)]
+pub unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
     // SAFETY: forwarded.
     on_x86!(T, L => unsafe { x86::sq_dev::<L>(cast(x), mu) })
 }
@@ -110,12 +115,8 @@ pub(crate) unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
 /// # Safety
 /// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn apply<T: WithDType>(
-    o: &mut [MaybeUninit<T>],
-    x: &[T],
-    r: Option<&[T]>,
-    k: Apply,
-) {
+#[doc(hidden)]
+pub unsafe fn apply<T: WithDType>(o: &mut [MaybeUninit<T>], x: &[T], r: Option<&[T]>, k: Apply) {
     assert!(x.len() >= o.len() && r.is_none_or(|r| r.len() >= o.len()));
     // SAFETY: forwarded; lengths checked above.
     on_x86!(T, L => unsafe { x86::apply::<L>(cast_mut(o), cast(x), r.map(cast), k) })
@@ -127,7 +128,8 @@ pub(crate) unsafe fn apply<T: WithDType>(
 /// # Safety
 /// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn relu_sums<T: WithDType>(
+#[doc(hidden)]
+pub unsafe fn relu_sums<T: WithDType>(
     g: &[T],
     y: Option<&[T]>,
     x: &[T],
@@ -145,7 +147,8 @@ pub(crate) unsafe fn relu_sums<T: WithDType>(
 /// # Safety
 /// `available()` is true.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub(crate) unsafe fn dx<T: WithDType>(
+#[doc(hidden)]
+pub unsafe fn dx<T: WithDType>(
     g: &[T],
     y: Option<&[T]>,
     x: &[T],
@@ -167,9 +170,9 @@ pub(crate) unsafe fn dx<T: WithDType>(
 ///
 /// # Safety
 /// `available()` is true.
-#[cfg(test)]
+#[doc(hidden)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+pub unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
     assert_eq!(src.len(), dst.len());
     // SAFETY: forwarded; equal lengths.
     on_x86!(T, L => unsafe { x86::round_into::<L>(src, cast_mut(dst)) })
@@ -352,10 +355,8 @@ pub(crate) mod x86 {
     entry!(fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [MaybeUninit<L>]>,
         dres: Option<&mut [MaybeUninit<L>]>) = dx_imp);
 
-    #[cfg(test)]
     entry!(fn round_into(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into_imp);
 
-    #[cfg(test)]
     #[inline(always)]
     unsafe fn round_into_imp<L: Lanes>(src: &[f32], dst: &mut [MaybeUninit<L>]) {
         let mut j = 0;
@@ -535,72 +536,8 @@ pub(crate) mod x86 {
 }
 
 /// `v` as a slice the kernels write into (they only store values of `T`).
-#[cfg(test)]
-pub(crate) fn uninit<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
+#[doc(hidden)]
+pub fn uninit<T>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
     // SAFETY: same layout; the kernels write only initialised `T` values through it.
     unsafe { &mut *(v as *mut [T] as *mut [MaybeUninit<T>]) }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::chunked;
-    use half::{bf16, f16};
-
-    /// The kernels' stores round as `convert` does (`chunked::write`), bit for bit, on random
-    /// bit patterns and on the values where rounding goes wrong first: ties to even, the
-    /// largest finite values, subnormals, infinities, signalling and quiet NaN.
-    #[test]
-    fn stores_round_as_convert_does() {
-        if !available() {
-            return;
-        }
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut bits: Vec<u32> = (0..4099)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                (seed >> 16) as u32
-            })
-            .collect();
-        for b in [
-            0x3F80_8000, // 1 + 2^-8: a BF16 tie, rounds to even (down)
-            0x3F81_8000, // a BF16 tie that rounds up
-            0x3F80_1000, // 1 + 2^-11: an F16 tie
-            0x3F80_3000,
-            0x7F7F_FFFF, // largest finite F32: BF16 and F16 overflow
-            0x477F_E000, // F16's rounding edge to inf
-            0x0000_0001, // smallest subnormal
-            0x807F_FFFF,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7F80_0001, // signalling NaN
-            0xFFC1_2345, // quiet NaN with payload
-            0x0000_0000,
-            0x8000_0000,
-        ] {
-            bits.push(b);
-        }
-        let src: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
-        fn check<T: WithDType>(src: &[f32]) {
-            for n in [src.len(), 17, 5] {
-                let src = &src[src.len() - n..];
-                let mut want = vec![T::default(); n];
-                chunked::write(src, &mut want);
-                let mut got = vec![T::default(); n];
-                // SAFETY: `available()` (checked by the caller); equal lengths.
-                unsafe { round_into(src, uninit(&mut got)) };
-                let bytes = |v: &[T]| {
-                    let mut out = vec![];
-                    v.iter().for_each(|&x| x.write_le(&mut out));
-                    out
-                };
-                assert_eq!(bytes(&got), bytes(&want), "{:?}, n {n}", T::DTYPE);
-            }
-        }
-        check::<f32>(&src);
-        check::<f16>(&src);
-        check::<bf16>(&src);
-    }
 }

@@ -133,7 +133,10 @@ impl Drop for CudaStorage {
     }
 }
 
-fn nvrtc_arch(major: i32, minor: i32) -> Option<&'static str> {
+/// NVRTC's virtual architecture (`compute_XY`) for compute capability `major.minor`, or
+/// `None` for one not in the list.
+#[doc(hidden)]
+pub fn nvrtc_arch(major: i32, minor: i32) -> Option<&'static str> {
     Some(match (major, minor) {
         (7, 0) => "compute_70",
         (7, 5) => "compute_75",
@@ -156,7 +159,8 @@ pub fn include_dirs() -> Vec<String> {
 }
 
 /// [`include_dirs`] from given variable values (testable without touching the environment).
-fn include_dirs_from(
+#[doc(hidden)]
+pub fn include_dirs_from(
     hemi: Option<String>,
     cuda_home: Option<String>,
     cuda_path: Option<String>,
@@ -751,66 +755,5 @@ impl CudaDevice {
         }
         .map_err(|e| Error::device(op, format!("cuBLAS: {e:?} for {g:?}")))?;
         Ok(g)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn include_dirs_hold_the_half_headers_and_their_cccl_dirs() {
-        let tmp = std::env::temp_dir().join(format!("hemi-cuda-inc-{}", std::process::id()));
-        let (with, without) = (tmp.join("a"), tmp.join("b"));
-        std::fs::create_dir_all(with.join("cccl")).unwrap();
-        std::fs::create_dir_all(&without).unwrap();
-        std::fs::write(with.join("cuda_fp16.h"), "").unwrap();
-        let var = format!(
-            "{}:{}:{}",
-            without.display(),
-            with.display(),
-            with.display()
-        );
-        let dirs = include_dirs_from(
-            Some(var),
-            Some(tmp.join("none").display().to_string()),
-            None,
-        );
-        let a = with.display().to_string();
-        assert_eq!(&dirs[..2], &[a.clone(), format!("{a}/cccl")], "{dirs:?}");
-        assert!(!dirs
-            .iter()
-            .any(|d| d.starts_with(&without.display().to_string())));
-        std::fs::remove_dir_all(&tmp).unwrap();
-    }
-
-    #[test]
-    fn creating_a_device_without_cuda_is_an_error_not_a_panic() {
-        match CudaDevice::new(0) {
-            Ok(d) => {
-                println!("SKIPPED (no CUDA device): creating_a_device_without_cuda (found {d:?})");
-                // With a device, an absurd ordinal is the range error.
-                let e = CudaDevice::new(1 << 20).unwrap_err().to_string();
-                assert!(
-                    e.contains("cuda:1048576") && e.contains("device(s) found"),
-                    "{e}"
-                );
-            }
-            Err(e) => {
-                assert!(matches!(e, Error::Device { .. }), "{e:?}");
-                let msg = e.to_string();
-                assert!(
-                    msg.contains("could not load") || msg.contains("device(s) found"),
-                    "the error says what is missing: {msg}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn arch_names_cover_current_gpus() {
-        assert_eq!(nvrtc_arch(9, 0), Some("compute_90"));
-        assert_eq!(nvrtc_arch(8, 0), Some("compute_80"));
-        assert_eq!(nvrtc_arch(1, 0), None);
     }
 }

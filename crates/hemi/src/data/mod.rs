@@ -26,7 +26,8 @@
 
 mod cifar10;
 mod dataset;
-mod fetch;
+#[doc(hidden)]
+pub mod fetch;
 mod idx;
 mod image_folder;
 mod inputs;

@@ -13,3 +13,4 @@ mod fuzz_regressions;
 mod onnx;
 mod tensorboard;
 mod text_data;
+mod unit;

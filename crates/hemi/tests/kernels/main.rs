@@ -16,3 +16,4 @@ mod gemm_f32_bench;
 mod gemm_half;
 mod qgemm;
 mod threads;
+mod unit;

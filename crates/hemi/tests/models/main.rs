@@ -23,3 +23,4 @@ mod resnet_interop;
 mod torch_parity;
 mod train;
 mod training;
+mod unit;

@@ -510,3 +510,4 @@ fn allocator_reuses_memory_across_training_steps() {
     assert_eq!(s.peak_reserved, first.peak_reserved);
     println!("allocator after 11 steps: {s}");
 }
+mod unit;
