@@ -14,7 +14,7 @@ use hemi::{DType, Error, Result};
 /// What `hemi doctor` adds to `hemi train`'s flags.
 #[derive(Args, Debug, Clone)]
 pub struct DoctorOpts {
-    /// Training steps to diagnose (one batch each, the first batches of the first epoch).
+    /// Training steps to diagnose (one batch each, in the training order of `hemi train`).
     #[arg(help_heading = "Doctor", long, default_value_t = 20)]
     pub steps: usize,
     /// The reference the preset is compared with: f32, or f64 (to check the doctor itself
@@ -44,21 +44,18 @@ pub struct DoctorOpts {
     pub write_policy: PathBuf,
 }
 
-/// The first `n` training batches.
+/// The first `n` training batches (through as many epochs as it takes).
 fn batches(loader: &DataLoader, n: usize) -> Result<Vec<Batch>> {
-    let mut v = Vec::with_capacity(n);
-    for b in loader.epoch(0).take(n) {
-        v.push(b?);
-    }
-    if v.len() < n {
-        println!(
-            "doctor: the training set has {} batches; diagnosing {} steps",
-            v.len(),
-            v.len()
-        );
-    }
-    if v.is_empty() {
+    if loader.num_batches() == 0 {
         return Err(Error::arg("doctor", "the training set is empty"));
+    }
+    let mut v = Vec::with_capacity(n);
+    let mut epoch = 0u64;
+    while v.len() < n {
+        for b in loader.epoch(epoch).take(n - v.len()) {
+            v.push(b?);
+        }
+        epoch += 1;
     }
     Ok(v)
 }

@@ -225,7 +225,9 @@ impl AmpOptimizer {
             ));
         }
         for (i, p) in params.iter().enumerate() {
-            let ok = p.dtype() == want || (p.dtype() == DType::F32 && precision.keep_norms_f32());
+            // F32 parameters: norms under fp16-master, and modules a precision policy pins
+            // to F32 under any preset (`PrecisionPolicy::prepare_model`).
+            let ok = p.dtype() == want || p.dtype() == DType::F32;
             if !ok {
                 return Err(Error::dtype(
                     "AmpOptimizer",

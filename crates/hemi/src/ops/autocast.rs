@@ -297,6 +297,7 @@ pub(crate) fn target(op: &'static str, inputs: &[Option<&Tensor>]) -> Option<DTy
             None => (None, None),
         }
     });
+    crate::ops::check::note_op(inputs);
     let pinned = pins.as_ref().and_then(|p| {
         let sites = crate::ops::check::owners(inputs);
         let scope = if sites.is_empty() {
@@ -349,13 +350,13 @@ pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
         && t.requires_grad()
         && crate::autograd::is_grad_enabled();
     if !cacheable {
-        return t.to_dtype(dtype);
+        return crate::ops::check::for_cast(|| t.to_dtype(dtype));
     }
     let key = (t.id(), dtype);
     if let Some(c) = STATE.with(|s| s.borrow().cache.get(&key).cloned()) {
         return Ok(c);
     }
-    let c = t.to_dtype(dtype)?;
+    let c = crate::ops::check::for_cast(|| t.to_dtype(dtype))?;
     STATE.with(|s| s.borrow_mut().cache.insert(key, c.clone()));
     Ok(c)
 }

@@ -20,6 +20,10 @@ use crate::dtype::DType;
 use crate::tensor::{Tensor, TensorId};
 
 thread_local! {
+    /// The site of the op whose inputs autocast is casting now (`for_cast`).
+    static CAST_SITE: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
+    /// The site of the last op autocast looked at (`note_op`).
+    static OP_SITE: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
     static NAMED: Cell<bool> = const { Cell::new(false) };
     static NAMES: RefCell<Vec<Names>> = const { RefCell::new(Vec::new()) };
     static ON: Cell<bool> = const { Cell::new(false) };
@@ -122,10 +126,35 @@ pub(crate) fn site(inputs: &[Option<&Tensor>]) -> String {
     }
 }
 
+/// Autocast is about to cast the inputs of an op with these inputs: remember its site, so
+/// the casts are named by the op that needs them (`fc2`'s input cast, not a cast at the
+/// model's top level). Only while names are bound or checks are on.
+pub(crate) fn note_op(inputs: &[Option<&Tensor>]) {
+    if named() || is_on() {
+        let s: Arc<str> = site(inputs).into();
+        OP_SITE.with(|o| *o.borrow_mut() = Some(s));
+    }
+}
+
+/// Runs `f` (a cast autocast makes for the op last noted) named by that op's site.
+pub(crate) fn for_cast<R>(f: impl FnOnce() -> R) -> R {
+    if !(named() || is_on()) {
+        return f();
+    }
+    let s = OP_SITE.with(|o| o.borrow().clone());
+    let prev = CAST_SITE.with(|c| std::mem::replace(&mut *c.borrow_mut(), s));
+    let r = f();
+    CAST_SITE.with(|c| *c.borrow_mut() = prev);
+    r
+}
+
 /// The site `Tensor::from_op` keeps in a graph node: only while checks are on.
 pub(crate) fn site_of(inputs: &[&Tensor]) -> Option<Arc<str>> {
     if !is_on() {
         return None;
+    }
+    if let Some(s) = CAST_SITE.with(|c| c.borrow().clone()) {
+        return Some(s);
     }
     let opt: Vec<Option<&Tensor>> = inputs.iter().map(|t| Some(*t)).collect();
     Some(site(&opt).into())

@@ -1378,7 +1378,7 @@ pub fn train_with_callbacks(
             }
             if let Some(mut ev) = overflow {
                 if let Some(after) = cfg.auto_promote {
-                    if let Some((mods, reason)) = promotion(
+                    let found = promotion(
                         &ev,
                         after,
                         &promotable,
@@ -1386,7 +1386,8 @@ pub fn train_with_callbacks(
                         &mut named_count,
                         precision,
                         opt.scale(),
-                    ) {
+                    );
+                    if let Some((mods, reason)) = found {
                         let p = live.get_or_insert_with(PrecisionPolicy::default);
                         for m in &mods {
                             p.modules.push((m.clone(), crate::DType::F32));

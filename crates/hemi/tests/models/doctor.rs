@@ -191,12 +191,16 @@ fn the_replay_is_bit_identical_to_the_step_it_replays() {
 fn a_policy_pins_a_module_to_f32_and_cures_its_overflow() {
     let policy = PrecisionPolicy::from_json(r#"{"modules": {"3": "f32", "5": "f32"}}"#).unwrap();
     let first = PrecisionPolicy::from_json(r#"{"modules": {"1": "f32"}}"#).unwrap();
-    for p in [Precision::AmpFp16, Precision::PureFp16] {
+    for p in [
+        Precision::AmpFp16,
+        Precision::PureFp16,
+        Precision::Fp16Master,
+    ] {
         let mut m = net(1e5, 0.0);
         policy.validate(&m).unwrap();
         policy.prepare_model(p, &mut m).unwrap();
         let dtypes: Vec<DType> = m.parameters().iter().map(|t| t.dtype()).collect();
-        if p == Precision::PureFp16 {
+        if p != Precision::AmpFp16 {
             // fc1 (2), fc2 and fc3 pinned (2 + 2).
             assert_eq!(
                 dtypes,
@@ -404,5 +408,184 @@ fn the_doctors_errors_match_an_f64_computation() {
             (got - want).abs() <= 1e-6 * want,
             "{p:?}: doctor {got}, by hand {want}"
         );
+    }
+}
+
+/// Every preset trains with a policy that keeps a module's weights in F32 (the optimizers
+/// take the pinned F32 parameters beside the half ones), and the pinned module's weights
+/// stay F32 through the steps.
+#[test]
+fn every_preset_trains_with_pinned_f32_modules() {
+    let policy = PrecisionPolicy::from_json(r#"{"modules": {"3": "f32"}}"#).unwrap();
+    let batches = vec![batch(1.0), batch(2.0), batch(1.5)];
+    for p in hemi::amp::Precision::ALL {
+        let mut c = cfg(p);
+        c.policy = Some(policy.clone());
+        let (losses, _) =
+            hemi::train::doctor::train_losses(&small_pinnable, &batches, &c, p, Some(&policy))
+                .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        assert!(losses.iter().all(|l| l.is_finite()), "{p:?}: {losses:?}");
+        assert!(losses[2] != losses[0], "{p:?}: the weights moved");
+    }
+}
+
+fn small_pinnable() -> hemi::Result<Box<dyn Module>> {
+    Ok(Box::new(net(1.0, 0.0)))
+}
+
+mod auto_promote {
+    use std::sync::Arc;
+
+    use hemi::amp::Precision;
+    use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
+    use hemi::models::Mlp;
+    use hemi::nn::Module;
+    use hemi::train::{load_checkpoint, train, Event, RunInfo, TrainConfig};
+    use hemi::{Generator, Tensor};
+
+    fn loaders() -> (DataLoader, DataLoader) {
+        let tr = Arc::new(Synthetic::generate(3, Split::Train, 256));
+        let te = Arc::new(Synthetic::generate(3, Split::Test, 64));
+        let cfg = |shuffle| LoaderConfig {
+            batch_size: 32,
+            shuffle,
+            seed: 5,
+            transform: Transform::to_tensor_normalize_half(),
+            ..Default::default()
+        };
+        (
+            DataLoader::new(tr, cfg(true)).unwrap(),
+            DataLoader::new(te, cfg(false)).unwrap(),
+        )
+    }
+
+    /// An MLP whose first layer's F16 outputs overflow: weights 1e5 times PyTorch's init.
+    fn model() -> Mlp {
+        let m = Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(1)).unwrap();
+        let w = m
+            .fc1
+            .weight
+            .to_vec_f32()
+            .iter()
+            .map(|v| v * 1e5)
+            .collect::<Vec<_>>();
+        m.fc1
+            .weight
+            .set_data(&Tensor::from_vec(w, m.fc1.weight.shape()).unwrap())
+            .unwrap();
+        m
+    }
+
+    fn info() -> RunInfo {
+        RunInfo {
+            model: "mlp".into(),
+            dataset: "synthetic".into(),
+            input_shape: [3, 32, 32],
+            classes: 10,
+            seed: 1,
+            precision: "amp-fp16".into(),
+            ..Default::default()
+        }
+    }
+
+    /// The replays name fc1, `--auto-promote 2` pins it to F32 after its second overflow, the
+    /// run stops skipping, the checkpoint records the promotion and a resumed run ends
+    /// bit-identical to an uninterrupted one.
+    #[test]
+    fn a_module_that_keeps_overflowing_is_promoted_and_the_run_resumes_identically() {
+        let (tr, te) = loaders();
+        let dir = std::env::temp_dir().join(format!("hemi-promote-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = TrainConfig {
+            epochs: 3,
+            lr: 0.01,
+            precision: Precision::AmpFp16,
+            auto_promote: Some(2),
+            ..Default::default()
+        };
+        let mut whole = model();
+        let (mut named, mut promoted, mut skips_after) = (Vec::new(), Vec::new(), 0u64);
+        let mut last_skipped = 0;
+        let s = train(&mut whole, &tr, &te, &cfg, &info(), &mut |e| match e {
+            Event::Overflow {
+                forward,
+                backward,
+                global_step,
+                ..
+            } => named.push((
+                global_step.to_owned(),
+                forward.as_ref().map(|f| f.module.clone()),
+                backward.as_ref().map(|b| b.module.clone()),
+            )),
+            Event::Promoted { modules, .. } => promoted.extend(modules.iter().cloned()),
+            Event::Batch { skipped, .. } => {
+                if !promoted.is_empty() && *skipped > last_skipped {
+                    skips_after += 1;
+                }
+                last_skipped = *skipped;
+            }
+            _ => {}
+        })
+        .unwrap();
+        assert!(named.len() >= 2, "{named:?}");
+        assert_eq!(named[0].1.as_deref(), Some("fc1"), "{named:?}");
+        assert_eq!(
+            promoted.first().map(String::as_str),
+            Some("fc1"),
+            "{promoted:?}"
+        );
+        // The skips stop once the culprits are F32 (fc1, then at most fc2, which its
+        // large F32 outputs feed).
+        assert!(
+            s.skipped_steps <= 8,
+            "{} skipped: {named:?}",
+            s.skipped_steps
+        );
+        assert!(
+            skips_after <= 4,
+            "{skips_after} skips after the first promotion: {named:?}, {promoted:?}"
+        );
+        // The last epoch (steps 17..24) trains without a skip.
+        assert!(
+            named.iter().all(|n| n.0 <= 16),
+            "skips in the last epoch: {named:?}"
+        );
+        assert!(s.test_accuracy.is_finite());
+
+        // Interrupted after epoch 1 and resumed: the checkpoint carries the promotion.
+        let stop = TrainConfig {
+            checkpoint_dir: Some(dir.clone()),
+            stop_after: Some(1),
+            ..cfg.clone()
+        };
+        let mut first = model();
+        train(&mut first, &tr, &te, &stop, &info(), &mut |_| {}).unwrap();
+        let ck = load_checkpoint(&dir).unwrap();
+        let rec = ck
+            .info
+            .settings
+            .get("promoted")
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            rec.contains("fc1"),
+            "checkpoint settings: {:?}",
+            ck.info.settings
+        );
+        let resume = TrainConfig {
+            checkpoint_dir: Some(dir.clone()),
+            resume: true,
+            ..cfg.clone()
+        };
+        let mut resumed = model();
+        train(&mut resumed, &tr, &te, &resume, &info(), &mut |_| {}).unwrap();
+        for ((n, a), (_, b)) in whole.state_dict().iter().zip(resumed.state_dict().iter()) {
+            let (a, b) = (a.to_vec_f32(), b.to_vec_f32());
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{n} differs after resume"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
