@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
+use hemi::amp::PrecisionPolicy;
 use hemi::data::{Batch, DataLoader};
 use hemi::nn::Module;
 use hemi::train::doctor::{diagnose, train_losses, Diagnosis};
@@ -39,6 +40,9 @@ pub struct DoctorOpts {
     /// With --search: at most this many modules pinned.
     #[arg(help_heading = "Doctor", long, default_value_t = 8)]
     pub max_pins: usize,
+    /// With --search: candidate modules tried per round (the best-ranked not yet pinned).
+    #[arg(help_heading = "Doctor", long, default_value_t = 4)]
+    pub candidates: usize,
     /// With --search: where the policy file goes.
     #[arg(help_heading = "Doctor", long, default_value = "policy.json")]
     pub write_policy: PathBuf,
@@ -117,8 +121,9 @@ pub fn run(
     Ok(())
 }
 
-/// Greedy search over the ranking: pins one more module (its parameter modules) at a time
-/// until the preset's loss is within the tolerance of FP32's.
+/// Greedy search over the ranking: pins one more module at a time, the one of the
+/// best-ranked candidates that brings the preset's loss closest to FP32's, until it is
+/// within the tolerance.
 fn search(
     opts: &DoctorOpts,
     make: &dyn Fn() -> Result<Box<dyn Module>>,
@@ -144,37 +149,65 @@ fn search(
         opts.tolerance
     );
     let mut pinned: Vec<String> = Vec::new();
-    for m in d.ranking() {
-        if current.is_finite() && current <= opts.tolerance {
-            break;
-        }
-        if pinned.len() >= opts.max_pins {
-            break;
-        }
-        // A fused op's site names two modules; a scope is a module path too.
-        let mods: Vec<String> = m
-            .module
-            .split('+')
-            .filter(|p| paths.iter().any(|q| q == p))
-            .map(str::to_string)
-            .filter(|p| !base.modules.iter().any(|(q, _)| q == p))
+    // Candidates: the ranking's modules (a fused op's site names two; a scope is a module
+    // path too), each a set of module paths a policy can name.
+    let candidates: Vec<Vec<String>> = d
+        .ranking()
+        .iter()
+        .map(|m| {
+            m.module
+                .split('+')
+                .filter(|p| paths.iter().any(|q| q == p))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .filter(|v| !v.is_empty())
+        .collect();
+    // Forward selection: each round tries the best-ranked --candidates sets not yet pinned
+    // and keeps the one that brings the loss closest to FP32's.
+    while !(current.is_finite() && current <= opts.tolerance) && pinned.len() < opts.max_pins {
+        let round: Vec<&Vec<String>> = candidates
+            .iter()
+            .filter(|c| c.iter().any(|m| !pinned.contains(m)))
+            .take(opts.candidates.max(1))
             .collect();
-        if mods.is_empty() {
-            continue;
+        if round.is_empty() {
+            break;
         }
-        for p in &mods {
-            base.modules.push((p.clone(), DType::F32));
+        let mut best: Option<(f64, PrecisionPolicy, Vec<String>, f64)> = None;
+        for c in round {
+            let mut trial = base.clone();
+            let mods: Vec<String> = c.iter().filter(|m| !pinned.contains(m)).cloned().collect();
+            for m in &mods {
+                trial.modules.push((m.clone(), DType::F32));
+            }
+            let mut cc = cfg.clone();
+            cc.policy = Some(trial.clone());
+            let (losses, skipped) = train_losses(make, data, &cc, cfg.precision, Some(&trial))?;
+            let g = gap(&losses);
+            println!(
+                "search: {} + {} -> loss {:.5} (|difference| {g:.5}, {skipped} skipped)",
+                if pinned.is_empty() {
+                    "(none)".to_string()
+                } else {
+                    pinned.join(", ")
+                },
+                mods.join(", "),
+                tail(&losses)
+            );
+            tried.push(serde_json::json!({"pinned": pinned, "added": mods, "loss": tail(&losses), "gap": g}));
+            if best.as_ref().is_none_or(|b| g < b.0) {
+                best = Some((g, trial, mods, tail(&losses)));
+            }
         }
-        let mut c = cfg.clone();
-        c.policy = Some(base.clone());
-        let (losses, skipped) = train_losses(make, data, &c, cfg.precision, c.policy.as_ref())?;
-        let g = gap(&losses);
-        println!(
-            "search: + {} -> loss {:.5} (|difference| {g:.5}, {skipped} skipped)",
-            mods.join(", "),
-            tail(&losses)
-        );
-        tried.push(serde_json::json!({"pinned": mods, "loss": tail(&losses), "gap": g}));
+        let Some((g, trial, mods, _)) = best else {
+            break;
+        };
+        if !(g < current) {
+            println!("search: no candidate brings the loss closer; stopping");
+            break;
+        }
+        base = trial;
         pinned.extend(mods);
         current = g;
     }

@@ -219,6 +219,10 @@ pub struct ModuleDiagnosis {
     pub max_safe_scale: f64,
     /// The module's parameters (scalars).
     pub params: usize,
+    /// Share of the module's weights with a nonzero gradient that the optimizer step left
+    /// unchanged: updates too small for the weights' dtype to hold (the half-weight presets'
+    /// drift; zero with F32 weights unless the update itself underflows).
+    pub update_lost: f64,
 }
 
 /// What `diagnose` found.
@@ -261,7 +265,8 @@ impl Diagnosis {
 
     /// Modules ordered by how much precision each loses *itself*: the rise of the
     /// activation error over the module before it (an error made upstream is not its
-    /// fault), then gradient overflow and flushed shares. Modules that cannot be pinned
+    /// fault), the gradient error, the gradient overflow and flushed shares, and the share
+    /// of its weight updates lost to the weights' dtype. Modules that cannot be pinned
     /// (the model's top level) are left out.
     pub fn ranking(&self) -> Vec<&ModuleDiagnosis> {
         let mut prev = 0.0f64;
@@ -281,7 +286,7 @@ impl Diagnosis {
             if e.is_finite() {
                 prev = prev.max(e);
             }
-            let score = rise + 0.1 * g + m.f16_overflow * 10.0 + m.f16_flushed;
+            let score = rise + 0.1 * g + m.f16_overflow * 10.0 + m.f16_flushed + m.update_lost;
             if !m.module.is_empty() {
                 v.push((score, m));
             }
@@ -318,8 +323,15 @@ impl Diagnosis {
             .unwrap_or(6)
             .clamp(6, 60);
         s += &format!(
-            "{:<w$}  {:>10}  {:>9}  {:>10}  {:>9}  {:>9}  {:>10}\n",
-            "module", "act err", "grad cos", "grad err", "f16 flush", "f16 ovfl", "max scale"
+            "{:<w$}  {:>10}  {:>9}  {:>10}  {:>9}  {:>9}  {:>10}  {:>9}\n",
+            "module",
+            "act err",
+            "grad cos",
+            "grad err",
+            "f16 flush",
+            "f16 ovfl",
+            "max scale",
+            "upd lost"
         );
         let f = |v: f64, p: usize| {
             if v.is_nan() {
@@ -335,7 +347,7 @@ impl Diagnosis {
                 &m.module
             };
             s += &format!(
-                "{:<w$}  {:>10}  {:>9}  {:>10}  {:>8.3}%  {:>8.3}%  {:>10}\n",
+                "{:<w$}  {:>10}  {:>9}  {:>10}  {:>8.3}%  {:>8.3}%  {:>10}  {:>8.3}%\n",
                 name,
                 f(m.act_rel_err, 2),
                 if m.grad_cosine.is_nan() {
@@ -347,6 +359,7 @@ impl Diagnosis {
                 100.0 * m.f16_flushed,
                 100.0 * m.f16_overflow,
                 f(m.max_safe_scale, 1),
+                100.0 * m.update_lost,
             );
         }
         s += &format!(
@@ -383,6 +396,7 @@ impl Diagnosis {
                     "grad_cosine": num(m.grad_cosine), "grad_rel_err": num(m.grad_rel_err),
                     "f16_flushed": m.f16_flushed, "f16_overflow": m.f16_overflow,
                     "max_safe_scale": num(m.max_safe_scale), "params": m.params,
+                    "update_lost": m.update_lost,
                 })
             })
             .collect();
@@ -526,6 +540,9 @@ pub fn diagnose(
     let (mut loss_preset, mut same) = (Vec::new(), 0.0);
     let mut first_scale = None;
     let mut overflow = None;
+    // Per parameter module: (weights left unchanged though their gradient was not zero,
+    // weights with a nonzero gradient).
+    let mut lost: std::collections::HashMap<String, (u64, u64)> = Default::default();
     for b in batches {
         let scale = if precision.loss_scaling() {
             opt.scale()
@@ -550,7 +567,23 @@ pub fn diagnose(
         same += (rp.loss - rr.loss).abs();
         compare(&rp, &rr, scale, &param_modules, &mut order, &mut acc)?;
         let skipped = opt.skipped_steps();
+        let before: Vec<Vec<f32>> = mp.parameters().iter().map(|t| t.to_vec_f32()).collect();
         loss_preset.push(train_step(&*mp, &mut opt, b, cfg, precision, policy)?);
+        if opt.skipped_steps() == skipped {
+            for (i, t) in mp.parameters().iter().enumerate() {
+                let Some(g) = t.grad() else { continue };
+                let (g, after) = (g.to_vec_f32(), t.to_vec_f32());
+                let e = lost
+                    .entry(param_modules[i].0.clone())
+                    .or_insert((0u64, 0u64));
+                for ((g, a), b) in g.iter().zip(&after).zip(&before[i]) {
+                    if *g != 0.0 {
+                        e.1 += 1;
+                        e.0 += u64::from(a.to_bits() == b.to_bits());
+                    }
+                }
+            }
+        }
         if opt.skipped_steps() > skipped && overflow.is_none() {
             let r = replay_step(&mut *mp, &replay(policy, precision, scale))?;
             overflow = Some(describe(&r.report, Some(scale)));
@@ -600,6 +633,17 @@ pub fn diagnose(
                     f64::INFINITY
                 },
                 params: a.params,
+                update_lost: {
+                    let (u, n) = m
+                        .split('+')
+                        .filter_map(|x| lost.get(x))
+                        .fold((0, 0), |(u, n), &(a, b)| (u + a, n + b));
+                    if n > 0 {
+                        u as f64 / n as f64
+                    } else {
+                        0.0
+                    }
+                },
             }
         })
         .collect();
