@@ -203,7 +203,7 @@ fn search(
         let Some((g, trial, mods, _)) = best else {
             break;
         };
-        if !(g < current) {
+        if g.partial_cmp(&current) != Some(std::cmp::Ordering::Less) {
             println!("search: no candidate brings the loss closer; stopping");
             break;
         }

@@ -8,6 +8,7 @@ mod common;
 
 mod bad_input;
 mod bench;
+mod doctor;
 mod export;
 mod models;
 mod observe;

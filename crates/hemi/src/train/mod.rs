@@ -1338,21 +1338,6 @@ pub fn train_with_callbacks(
                     ));
                 }
             }
-            let ready = BackwardEnd {
-                epoch,
-                batch: b + 1,
-                global_step: t + 1,
-                loss: lv,
-                rank,
-                opt: &opt,
-            };
-            for c in callbacks.iter_mut() {
-                c.after_backward(&ready, on_event)?;
-            }
-            let lr = opt.optimizer().lr();
-            if callbacks.iter().any(|c| c.wants_unscaled(t + 1)) {
-                opt.unscale()?;
-            }
             // Unscaled presets: a non-finite loss is named before the step changes the
             // weights; loss-scaled ones: a skipped step after it (the weights did not change).
             let replay_now = |model: &mut dyn Module| -> Result<Option<Event>> {
@@ -1369,8 +1354,33 @@ pub fn train_with_callbacks(
             };
             let mut overflow = None;
             let replays = overflow_left > 0 || cfg.auto_promote.is_some();
+            let mut emitted = false;
             if replays && !precision.loss_scaling() && !lv.is_finite() {
                 overflow = replay_now(model)?;
+                // Named now: the divergence check below may end the run.
+                if let Some(ev) = overflow.as_mut().filter(|_| overflow_left > 0) {
+                    overflow_left -= 1;
+                    if let Event::Overflow { reports_left, .. } = ev {
+                        *reports_left = overflow_left;
+                    }
+                    on_event(ev);
+                    emitted = true;
+                }
+            }
+            let ready = BackwardEnd {
+                epoch,
+                batch: b + 1,
+                global_step: t + 1,
+                loss: lv,
+                rank,
+                opt: &opt,
+            };
+            for c in callbacks.iter_mut() {
+                c.after_backward(&ready, on_event)?;
+            }
+            let lr = opt.optimizer().lr();
+            if callbacks.iter().any(|c| c.wants_unscaled(t + 1)) {
+                opt.unscale()?;
             }
             opt.step()?;
             if replays && precision.loss_scaling() && opt.skipped_steps() > skipped_before_step {
@@ -1400,7 +1410,7 @@ pub fn train_with_callbacks(
                         });
                     }
                 }
-                if overflow_left > 0 {
+                if overflow_left > 0 && !emitted {
                     overflow_left -= 1;
                     if let Event::Overflow { reports_left, .. } = &mut ev {
                         *reports_left = overflow_left;
