@@ -23,6 +23,8 @@ ap.add_argument("--last-layer", default=None, help="module to pin (default: the 
 ap.add_argument("--synthetic-size", type=int, default=2560)
 ap.add_argument("--batch-size", type=int, default=128)
 ap.add_argument("--rounds", type=int, default=5)
+ap.add_argument("--baseline", default=None,
+                help="a hemi binary built before the doctor (its plain run joins the rounds)")
 args = ap.parse_args()
 
 last = args.last_layer or {"cifar-net": "fc2", "mlp": "fc2", "resnet20": "fc"}.get(args.model, "fc")
@@ -39,10 +41,13 @@ configs = {
     "policy": ["--policy", policy.name],
     "auto-promote": ["--auto-promote"],
 }
+if args.baseline:
+    configs = {"before": [], **configs}
 rates = {k: [] for k in configs}
 for r in range(args.rounds):
     for name, extra in configs.items():
-        out = subprocess.run(base + extra, capture_output=True, text=True)
+        cmd = ([args.baseline] + base[1:]) if name == "before" else base
+        out = subprocess.run(cmd + extra, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"{name}: {out.stderr}")
         m = re.search(r"summary: .* ([0-9.]+) images/s", out.stdout)

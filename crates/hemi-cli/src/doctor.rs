@@ -133,7 +133,22 @@ fn search(
 ) -> Result<serde_json::Value> {
     let probe = make()?;
     let paths = hemi::amp::policy::module_paths(&*probe);
+    let leaves: Vec<String> = probe
+        .named_parameters()
+        .iter()
+        .map(|(n, _)| hemi::ops::check::module_of(n).to_string())
+        .collect();
     drop(probe);
+    // A candidate is a layer or a small block (an attention's softmax scope holds its
+    // query, key and value): a site such as `bert` or `layer3` would pin a whole stage.
+    let small = |p: &str| {
+        let mut inside: Vec<&String> = leaves
+            .iter()
+            .filter(|l| hemi::ops::scope::within(l, p))
+            .collect();
+        inside.dedup();
+        inside.len() <= 4
+    };
     let reference = &d.loss_reference;
     let k = (reference.len() / 4).max(1);
     let tail = |v: &[f64]| v[v.len() - k..].iter().sum::<f64>() / k as f64;
@@ -157,7 +172,7 @@ fn search(
         .map(|m| {
             m.module
                 .split('+')
-                .filter(|p| paths.iter().any(|q| q == p))
+                .filter(|p| paths.iter().any(|q| q == p) && small(p))
                 .map(str::to_string)
                 .collect::<Vec<_>>()
         })
