@@ -149,10 +149,8 @@ fn search(
         inside.dedup();
         inside.len() <= 4
     };
-    let reference = &d.loss_reference;
-    let k = (reference.len() / 4).max(1);
-    let tail = |v: &[f64]| v[v.len() - k..].iter().sum::<f64>() / k as f64;
-    let target = tail(reference);
+    let tail = hemi::train::doctor::tail_mean;
+    let target = tail(&d.loss_reference);
     let mut base = cfg.policy.clone().unwrap_or_default();
     let mut tried = Vec::new();
     let gap = |losses: &[f64]| (tail(losses) - target).abs();

@@ -111,10 +111,7 @@ fn replay_inner(model: &dyn Module, r: &Replay<'_>, record: Option<f64>) -> Resu
     let _names = check::bind_names(&named);
     let checks = check::begin(record.is_some(), record.unwrap_or(1.0));
     let loss = {
-        let _scope = match r.policy {
-            Some(p) => Ok(p.scope(r.precision, model)),
-            None => Err(r.precision.autocast()),
-        };
+        let _scope = crate::train::forward_scope(r.precision, r.policy, model);
         r.task
             .forward(model, r.batch, r.precision, r.label_smoothing, false)?
             .loss
@@ -254,13 +251,7 @@ pub struct Diagnosis {
 impl Diagnosis {
     /// Mean loss over the last quarter of the steps (at least one), preset minus reference.
     pub fn loss_difference(&self) -> f64 {
-        let n = self.loss_preset.len();
-        let k = (n / 4).max(1).min(n);
-        let tail = |v: &[f64]| v[v.len() - k..].iter().sum::<f64>() / k as f64;
-        if n == 0 {
-            return f64::NAN;
-        }
-        tail(&self.loss_preset) - tail(&self.loss_reference)
+        tail_mean(&self.loss_preset) - tail_mean(&self.loss_reference)
     }
 
     /// Modules ordered by how much precision each loses *itself*: the rise of the
@@ -365,8 +356,8 @@ impl Diagnosis {
         s += &format!(
             "loss: preset {:.5}, reference {:.5} (last quarter of the steps; difference {:+.5}); \
              at the same weights |difference| {:.3e}; {} skipped step{}\n",
-            self.loss_preset.last().copied().unwrap_or(f64::NAN),
-            self.loss_reference.last().copied().unwrap_or(f64::NAN),
+            tail_mean(&self.loss_preset),
+            tail_mean(&self.loss_reference),
             self.loss_difference(),
             self.loss_same_weights,
             self.skipped,
@@ -413,6 +404,15 @@ impl Diagnosis {
     }
 }
 
+/// Mean of the last quarter of `v` (at least one value; NaN when empty).
+pub fn tail_mean(v: &[f64]) -> f64 {
+    let k = (v.len() / 4).max(1);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() - k..].iter().sum::<f64>() / k as f64
+}
+
 /// Sums for one module over the steps.
 #[derive(Default, Clone)]
 struct Acc {
@@ -455,10 +455,7 @@ fn train_step(
 ) -> Result<f64> {
     opt.zero_grad();
     let loss = {
-        let _scope = match policy {
-            Some(p) => Ok(p.scope(precision, model)),
-            None => Err(precision.autocast()),
-        };
+        let _scope = crate::train::forward_scope(precision, policy, model);
         cfg.task
             .forward(model, batch, precision, cfg.label_smoothing, false)?
             .loss

@@ -673,7 +673,7 @@ pub fn evaluate_task_dist_with_policy(
 }
 
 /// The forward pass's scope: the preset's autocast, with the policy's pins when one is set.
-fn forward_scope(
+pub(crate) fn forward_scope(
     precision: Precision,
     policy: Option<&PrecisionPolicy>,
     model: &dyn Module,
