@@ -25,7 +25,7 @@ pub struct DoctorOpts {
     /// Write the report as JSON to this file.
     #[arg(help_heading = "Doctor", long)]
     pub json: Option<PathBuf>,
-    /// Draw the per-module errors into this PNG or SVG file.
+    /// Draw the per-module errors into this PNG file.
     #[arg(help_heading = "Doctor", long)]
     pub plot: Option<PathBuf>,
     /// Search a small set of modules to keep in F32 (greedy over the report's ranking) so
