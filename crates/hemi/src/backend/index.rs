@@ -1,10 +1,9 @@
 //! Indexing primitives: gathers of whole rows along a dim (embedding lookups,
 //! `index_select`), their scatter-add backward, and concatenation.
 
-use super::BackendStorage;
+use super::declare::primitives;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::storage::{dispatch2, wrap};
 use crate::tensor::{Layout, Storage};
 
 /// A tensor seen as `[outer, size, inner]` around the indexed dim.
@@ -18,61 +17,36 @@ pub struct AlongDim {
     pub inner: usize,
 }
 
-/// The indexing primitives a backend implements: row gathers along a dim (`index_select`,
-/// embedding lookups), their scatter-add backward and concatenation. `Storage` has a
-/// dispatching method of the same name for each.
-pub trait IndexOps: BackendStorage {
-    /// `out[o, j, :] = self[o, ids[j], :]` (self read through `l` as `[outer, size, inner]`,
-    /// `ids` an I64 buffer read through `lids`, every id in `0..size` — the caller checked),
-    /// copied exactly in the storage dtype; `outer * ids.len() * inner` elements.
-    fn index_select(&self, l: &Layout, ids: &Self, lids: &Layout, d: AlongDim) -> Result<Self>;
+primitives! {
+    /// The indexing primitives a backend implements: row gathers along a dim (`index_select`,
+    /// embedding lookups), their scatter-add backward and concatenation. `Storage` has a
+    /// dispatching method of the same name for each.
+    pub trait IndexOps {
+        /// `out[o, j, :] = self[o, ids[j], :]` (self read through `l` as `[outer, size, inner]`,
+        /// `ids` an I64 buffer read through `lids`, every id in `0..size` — the caller checked),
+        /// copied exactly in the storage dtype; `outer * ids.len() * inner` elements.
+        fn index_select(&self, l: &Layout, ids: &Self, lids: &Layout, d: AlongDim) -> Result<Self>;
 
-    /// The backward of `index_select`: zeros of `[outer, size, inner]` with each
-    /// `self[o, j, :]` (the output gradient, read through `l`) added into row `ids[j]`, in
-    /// the compute type of `out` (F32 for half dtypes, so repeated ids accumulate in F32),
-    /// rounded once into `out`.
-    fn index_add_zeros(
-        &self,
-        l: &Layout,
-        ids: &Self,
-        lids: &Layout,
-        d: AlongDim,
-        out: DType,
-    ) -> Result<Self>;
+        /// The backward of `index_select`: zeros of `[outer, size, inner]` with each
+        /// `self[o, j, :]` (the output gradient, read through `l`) added into row `ids[j]`, in
+        /// the compute type of `out` (F32 for half dtypes, so repeated ids accumulate in F32),
+        /// rounded once into `out`.
+        fn index_add_zeros(
+            &self,
+            l: &Layout,
+            ids: &Self,
+            lids: &Layout,
+            d: AlongDim,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Concatenation of `parts` (each of this buffer's dtype, read through its layout as
-    /// `[outer, lens[i], inner]`) along the middle dim.
-    fn cat(parts: &[(&Self, &Layout)], outer: usize, lens: &[usize], inner: usize) -> Result<Self>;
+        /// Concatenation of `parts` (each of this buffer's dtype, read through its layout as
+        /// `[outer, lens[i], inner]`) along the middle dim.
+        fn cat(parts: &[(&Self, &Layout)], outer: usize, lens: &[usize], inner: usize) -> Result<Self>;
+    }
 }
 
 impl Storage {
-    /// `IndexOps::index_select` on this storage's backend (`ids` on the same device).
-    pub fn index_select(
-        &self,
-        l: &Layout,
-        ids: &Storage,
-        lids: &Layout,
-        d: AlongDim,
-    ) -> Result<Storage> {
-        Ok(
-            dispatch2!("index_select", self, ids, s, i => wrap!(self, s.index_select(l, i, lids, d)?)),
-        )
-    }
-
-    /// `IndexOps::index_add_zeros` on this storage's backend.
-    pub fn index_add_zeros(
-        &self,
-        l: &Layout,
-        ids: &Storage,
-        lids: &Layout,
-        d: AlongDim,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(
-            dispatch2!("index_add", self, ids, g, i => wrap!(self, g.index_add_zeros(l, i, lids, d, out)?)),
-        )
-    }
-
     /// `IndexOps::cat` over storages of one dtype on one device.
     pub fn cat(
         parts: &[(&Storage, &Layout)],

@@ -2,12 +2,10 @@
 //! and MSE, forward and fused backward. Every exp, log and sum runs in the compute type
 //! (F32, F64 for F64) and the outputs are of that type.
 
+use super::declare::{primitives, Lift};
 use super::reduce::Rows;
-use super::BackendStorage;
 use crate::dtype::DType;
-use crate::error::Result;
-use crate::tensor::storage::{dispatch2, wrap};
-use crate::tensor::{Layout, Storage};
+use crate::tensor::Layout;
 
 /// How a loss combines its per-element values (PyTorch's `reduction=`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,134 +48,77 @@ pub struct ClassLossForward<S> {
     pub counted: usize,
 }
 
-/// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
-/// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
-/// whatever the input dtype. `Storage` has a dispatching method of the same name for each.
-pub trait LossOps: BackendStorage {
-    /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
-    /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):
-    /// per row `(1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c])` (the smoothing sum skipped for ε = 0),
-    /// 0 for ignored targets, then reduced. In the compute type of `out` (F32 or F64),
-    /// outputs in `out`. The caller checked shapes, dtypes, `rows.len > 0` and ε; a target
-    /// that is neither a class in `0..rows.len` nor the ignore index is `Error::Index`.
-    #[allow(clippy::too_many_arguments)]
-    fn class_loss(
-        &self,
-        layout: &Layout,
-        target: &Self,
-        lt: &Layout,
-        rows: Rows,
-        loss: ClassLoss,
-        out: DType,
-    ) -> Result<ClassLossForward<Self>>;
+primitives! {
+    /// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
+    /// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
+    /// whatever the input dtype. `Storage` has a dispatching method of the same name for each.
+    pub trait LossOps {
+        /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
+        /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):
+        /// per row `(1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c])` (the smoothing sum skipped for ε = 0),
+        /// 0 for ignored targets, then reduced. In the compute type of `out` (F32 or F64),
+        /// outputs in `out`. The caller checked shapes, dtypes, `rows.len > 0` and ε; a target
+        /// that is neither a class in `0..rows.len` nor the ignore index is `Error::Index`.
+        #[allow(clippy::too_many_arguments)]
+        fn class_loss(
+            &self,
+            layout: &Layout,
+            target: &Self,
+            lt: &Layout,
+            rows: Rows,
+            loss: ClassLoss,
+            out: DType,
+        ) -> Result<ClassLossForward<Self>>;
 
-    /// The gradient of `class_loss` w.r.t. its input with `self = g` (the loss's
-    /// gradient): per row `scale · (p - q)` for cross-entropy (`p = exp(log_probs)`, which
-    /// the forward returned) and `-scale · q` for NLL (`log_probs` is `None`), with
-    /// `q = (1-ε)·onehot(t) + ε/C` and `scale` the row's gradient (`/ counted` for the
-    /// mean); 0 for ignored rows. Contiguous in the input's shape, in `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn class_loss_backward(
-        &self,
-        lg: &Layout,
-        log_probs: Option<&Self>,
-        target: &Self,
-        lt: &Layout,
-        rows: Rows,
-        loss: ClassLoss,
-        counted: usize,
-        out: DType,
-    ) -> Result<Self>;
+        /// The gradient of `class_loss` w.r.t. its input with `self = g` (the loss's
+        /// gradient): per row `scale · (p - q)` for cross-entropy (`p = exp(log_probs)`, which
+        /// the forward returned) and `-scale · q` for NLL (`log_probs` is `None`), with
+        /// `q = (1-ε)·onehot(t) + ε/C` and `scale` the row's gradient (`/ counted` for the
+        /// mean); 0 for ignored rows. Contiguous in the input's shape, in `out`.
+        #[allow(clippy::too_many_arguments)]
+        fn class_loss_backward(
+            &self,
+            lg: &Layout,
+            log_probs: Option<&Self>,
+            target: &Self,
+            lt: &Layout,
+            rows: Rows,
+            loss: ClassLoss,
+            counted: usize,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Mean squared error of `self` (input) and `target` (layouts of the same shape):
-    /// returns the loss (`(a - b)²` per element for `Reduction::None`, else its sum or mean
-    /// in one element) and the difference `a - b` for the backward, both contiguous in `out`
-    /// (F32 or F64, the compute type).
-    fn mse(
-        &self,
-        la: &Layout,
-        target: &Self,
-        lb: &Layout,
-        reduction: Reduction,
-        out: DType,
-    ) -> Result<(Self, Self)>;
+        /// Mean squared error of `self` (input) and `target` (layouts of the same shape):
+        /// returns the loss (`(a - b)²` per element for `Reduction::None`, else its sum or mean
+        /// in one element) and the difference `a - b` for the backward, both contiguous in `out`
+        /// (F32 or F64, the compute type).
+        fn mse(
+            &self,
+            la: &Layout,
+            target: &Self,
+            lb: &Layout,
+            reduction: Reduction,
+            out: DType,
+        ) -> Result<(Self, Self)>;
 
-    /// The gradients of `mse` with `self` the difference it returned (contiguous) and `g`
-    /// the loss's gradient: `(2·diff·scale, -2·diff·scale)`, contiguous in `out`.
-    fn mse_backward(
-        &self,
-        g: &Self,
-        lg: &Layout,
-        reduction: Reduction,
-        out: DType,
-    ) -> Result<(Self, Self)>;
+        /// The gradients of `mse` with `self` the difference it returned (contiguous) and `g`
+        /// the loss's gradient: `(2·diff·scale, -2·diff·scale)`, contiguous in `out`.
+        fn mse_backward(
+            &self,
+            g: &Self,
+            lg: &Layout,
+            reduction: Reduction,
+            out: DType,
+        ) -> Result<(Self, Self)>;
+    }
 }
 
-impl Storage {
-    /// `LossOps::class_loss` with `self` the input; `target` on the same device.
-    pub fn class_loss(
-        &self,
-        layout: &Layout,
-        target: &Storage,
-        lt: &Layout,
-        rows: Rows,
-        loss: ClassLoss,
-        out: DType,
-    ) -> Result<ClassLossForward<Storage>> {
-        let f = dispatch2!(loss.op, self, target, x, t => x.class_loss(layout, t, lt, rows, loss, out)?);
-        Ok(ClassLossForward {
-            loss: wrap!(self, f.loss),
-            log_probs: f.log_probs.map(|s| wrap!(self, s)),
-            counted: f.counted,
-        })
-    }
-
-    /// `LossOps::class_loss_backward` with `self = g`; all on the same device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn class_loss_backward(
-        &self,
-        lg: &Layout,
-        log_probs: Option<&Storage>,
-        target: &Storage,
-        lt: &Layout,
-        rows: Rows,
-        loss: ClassLoss,
-        counted: usize,
-        out: DType,
-    ) -> Result<Storage> {
-        let lp = log_probs.unwrap_or(self);
-        Ok(
-            dispatch2!(loss.op, self, lp, g, lp => dispatch2!(loss.op, self, target, _g, t => {
-                let lp = log_probs.is_some().then_some(lp);
-                wrap!(self, g.class_loss_backward(lg, lp, t, lt, rows, loss, counted, out)?)
-            })),
-        )
-    }
-
-    /// `LossOps::mse`: (loss, difference); `target` on the same device.
-    pub fn mse(
-        &self,
-        la: &Layout,
-        target: &Storage,
-        lb: &Layout,
-        reduction: Reduction,
-        out: DType,
-    ) -> Result<(Storage, Storage)> {
-        let (l, d) =
-            dispatch2!("mse_loss", self, target, a, b => a.mse(la, b, lb, reduction, out)?);
-        Ok((wrap!(self, l), wrap!(self, d)))
-    }
-
-    /// `LossOps::mse_backward` with `self` the difference; `g` on the same device.
-    pub fn mse_backward(
-        &self,
-        g: &Storage,
-        lg: &Layout,
-        reduction: Reduction,
-        out: DType,
-    ) -> Result<(Storage, Storage)> {
-        let (a, b) =
-            dispatch2!("mse_loss", self, g, d, gs => d.mse_backward(gs, lg, reduction, out)?);
-        Ok((wrap!(self, a), wrap!(self, b)))
+impl<B: Lift<S>, S> Lift<ClassLossForward<S>> for ClassLossForward<B> {
+    fn lift(self) -> ClassLossForward<S> {
+        ClassLossForward {
+            loss: self.loss.lift(),
+            log_probs: self.log_probs.lift(),
+            counted: self.counted,
+        }
     }
 }

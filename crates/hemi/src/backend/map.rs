@@ -1,11 +1,11 @@
 //! Elementwise primitives: unary and binary maps (with broadcasting through the layouts),
 //! maps with a scalar, `where`, and random fills.
 
-use super::BackendStorage;
+use super::declare::primitives;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::rng::Generator;
-use crate::tensor::storage::{dispatch, dispatch2, wrap};
+use crate::tensor::storage::{dispatch, wrap};
 use crate::tensor::{Layout, Storage};
 
 /// The binary maps. `Maximum`/`Minimum` propagate NaN, as `torch.maximum`/`minimum`.
@@ -106,189 +106,100 @@ impl UnaryOp {
     }
 }
 
-/// The elementwise primitives a backend implements: binary maps with broadcasting through
-/// the layouts, unary maps and activations with their backward, `where`, and the random
-/// fills. `Storage` has a dispatching method of the same name for each.
-pub trait MapOps: BackendStorage {
-    /// `out[i] = op(a[i], b[i])` for the elements the two layouts address (both of the
-    /// output's shape; broadcasting is a layout with zero strides), computed in the compute
-    /// type of `out` (F32, F64 for F64) and rounded once into `out`.
-    fn binary(
-        &self,
-        la: &Layout,
-        rhs: &Self,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<Self>;
+primitives! {
+    /// The elementwise primitives a backend implements: binary maps with broadcasting through
+    /// the layouts, unary maps and activations with their backward, `where`, and the random
+    /// fills. `Storage` has a dispatching method of the same name for each.
+    pub trait MapOps {
+        /// `out[i] = op(a[i], b[i])` for the elements the two layouts address (both of the
+        /// output's shape; broadcasting is a layout with zero strides), computed in the compute
+        /// type of `out` (F32, F64 for F64) and rounded once into `out`.
+        fn binary(
+            &self,
+            la: &Layout,
+            rhs: &Self,
+            lb: &Layout,
+            op: BinaryOp,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// `self = op(self, rhs)` in place, where `la` addresses all of `self` contiguously
-    /// and `lb` the rhs elements of the same shape: the values and dtype `binary(la, rhs,
-    /// lb, op, self.dtype())` gives, written over `self` (a gradient accumulated without a
-    /// third buffer). The default computes `binary` and replaces the buffer.
-    fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
-        *self = self.binary(la, rhs, lb, op, self.dtype())?;
-        Ok(())
+        /// `self = op(self, rhs)` in place, where `la` addresses all of `self` contiguously
+        /// and `lb` the rhs elements of the same shape: the values and dtype `binary(la, rhs,
+        /// lb, op, self.dtype())` gives, written over `self` (a gradient accumulated without a
+        /// third buffer). The default computes `binary` and replaces the buffer.
+        fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
+            *self = self.binary(la, rhs, lb, op, self.dtype())?;
+            Ok(())
+        }
+
+        /// The gradients of `maximum`/`minimum` (`op`) for `self = g`, the output's gradient:
+        /// `(g·w, g·(1-w))` with `w` 1 where `a` wins, 0 where `b` wins and 1/2 on ties, all
+        /// three layouts of the output's shape (the inputs broadcast by their layouts). Computed
+        /// in the compute type of `out`, both results contiguous in `out`. The caller checked
+        /// that `op` is `Maximum` or `Minimum`.
+        #[allow(clippy::too_many_arguments)]
+        fn minmax_backward(
+            &self,
+            lg: &Layout,
+            a: &Self,
+            la: &Layout,
+            b: &Self,
+            lb: &Layout,
+            op: BinaryOp,
+            out: DType,
+        ) -> Result<(Self, Self)>;
+
+        /// `out[i] = op(x[i])` for the elements `layout` addresses, in the compute type of
+        /// `out`, rounded once. The caller checked that the input is a float tensor.
+        fn unary(&self, layout: &Layout, op: UnaryOp, out: DType) -> Result<Self>;
+
+        /// The input gradient of `op` with `self = g` (the output's gradient): `g · op'(x)`,
+        /// where `saved` holds the output `y` when `op.backward_uses_output()` and the input `x`
+        /// otherwise (same shape as `g`). Computed in the compute type of `out`, rounded once.
+        fn unary_backward(
+            &self,
+            lg: &Layout,
+            saved: &Self,
+            ls: &Layout,
+            op: UnaryOp,
+            out: DType,
+        ) -> Result<Self>;
+
+        /// `cond ? a : b` with `self = cond` (any dtype; true where nonzero, NaN included); the
+        /// three layouts have the output's shape (broadcasting by zero strides). `a` and `b`
+        /// are read in the compute type of `out` and the chosen value rounded into `out`.
+        #[allow(clippy::too_many_arguments)]
+        fn where_cond(
+            &self,
+            lc: &Layout,
+            a: &Self,
+            la: &Layout,
+            b: &Self,
+            lb: &Layout,
+            out: DType,
+        ) -> Result<Self>;
+
+        /// The gradients of `where_cond` with `self = cond`: `(cond ? g : 0, cond ? 0 : g)`,
+        /// both of `g`'s shape (the layouts have it), contiguous in `out`.
+        fn where_backward(
+            &self,
+            lc: &Layout,
+            g: &Self,
+            lg: &Layout,
+            out: DType,
+        ) -> Result<(Self, Self)>;
+
+        /// The scale factors of inverted dropout, on this backend: `n` values of `dtype` (a
+        /// compute type, F32 or F64), element `i` `1 / (1 - p)` where
+        /// `keep53(seed, i, threshold53(p))` (a counter-based hash, as attention's dropout uses)
+        /// else 0, with `seed = rng.next_u64()`, one draw for the whole mask (all 0 without
+        /// drawing when `p == 1`). The caller checked `0 < p <= 1`; the output is `x * mask` by
+        /// `binary`.
+        fn dropout_mask(n: usize, p: f64, rng: &mut Generator, dtype: DType) -> Result<Self>;
     }
-
-    /// The gradients of `maximum`/`minimum` (`op`) for `self = g`, the output's gradient:
-    /// `(g·w, g·(1-w))` with `w` 1 where `a` wins, 0 where `b` wins and 1/2 on ties, all
-    /// three layouts of the output's shape (the inputs broadcast by their layouts). Computed
-    /// in the compute type of `out`, both results contiguous in `out`. The caller checked
-    /// that `op` is `Maximum` or `Minimum`.
-    #[allow(clippy::too_many_arguments)]
-    fn minmax_backward(
-        &self,
-        lg: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<(Self, Self)>;
-
-    /// `out[i] = op(x[i])` for the elements `layout` addresses, in the compute type of
-    /// `out`, rounded once. The caller checked that the input is a float tensor.
-    fn unary(&self, layout: &Layout, op: UnaryOp, out: DType) -> Result<Self>;
-
-    /// The input gradient of `op` with `self = g` (the output's gradient): `g · op'(x)`,
-    /// where `saved` holds the output `y` when `op.backward_uses_output()` and the input `x`
-    /// otherwise (same shape as `g`). Computed in the compute type of `out`, rounded once.
-    fn unary_backward(
-        &self,
-        lg: &Layout,
-        saved: &Self,
-        ls: &Layout,
-        op: UnaryOp,
-        out: DType,
-    ) -> Result<Self>;
-
-    /// `cond ? a : b` with `self = cond` (any dtype; true where nonzero, NaN included); the
-    /// three layouts have the output's shape (broadcasting by zero strides). `a` and `b`
-    /// are read in the compute type of `out` and the chosen value rounded into `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn where_cond(
-        &self,
-        lc: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
-        out: DType,
-    ) -> Result<Self>;
-
-    /// The gradients of `where_cond` with `self = cond`: `(cond ? g : 0, cond ? 0 : g)`,
-    /// both of `g`'s shape (the layouts have it), contiguous in `out`.
-    fn where_backward(
-        &self,
-        lc: &Layout,
-        g: &Self,
-        lg: &Layout,
-        out: DType,
-    ) -> Result<(Self, Self)>;
-
-    /// The scale factors of inverted dropout, on this backend: `n` values of `dtype` (a
-    /// compute type, F32 or F64), element `i` `1 / (1 - p)` where
-    /// `keep53(seed, i, threshold53(p))` (a counter-based hash, as attention's dropout uses)
-    /// else 0, with `seed = rng.next_u64()`, one draw for the whole mask (all 0 without
-    /// drawing when `p == 1`). The caller checked `0 < p <= 1`; the output is `x * mask` by
-    /// `binary`.
-    fn dropout_mask(n: usize, p: f64, rng: &mut Generator, dtype: DType) -> Result<Self>;
 }
 
 impl Storage {
-    /// `MapOps::binary` on this storage's backend; `rhs` must be on the same device.
-    pub fn binary(
-        &self,
-        la: &Layout,
-        rhs: &Storage,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch2!(op.name(), self, rhs, a, b => wrap!(self, a.binary(la, b, lb, op, out)?)))
-    }
-
-    /// `MapOps::binary_assign` on this storage's backend; `rhs` must be on the same device.
-    pub fn binary_assign(
-        &mut self,
-        la: &Layout,
-        rhs: &Storage,
-        lb: &Layout,
-        op: BinaryOp,
-    ) -> Result<()> {
-        dispatch2!(op.name(), self, rhs, a, b => a.binary_assign(la, b, lb, op))
-    }
-
-    /// `MapOps::minmax_backward` with `self = g`; all three on the same device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn minmax_backward(
-        &self,
-        lg: &Layout,
-        a: &Storage,
-        la: &Layout,
-        b: &Storage,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<(Storage, Storage)> {
-        let name = op.name();
-        let (x, y) = dispatch2!(name, self, a, gs, as_ => dispatch2!(name, self, b, _g, bs => {
-            gs.minmax_backward(lg, as_, la, bs, lb, op, out)?
-        }));
-        Ok((wrap!(self, x), wrap!(self, y)))
-    }
-
-    /// `MapOps::unary` on this storage's backend.
-    pub fn unary(&self, layout: &Layout, op: UnaryOp, out: DType) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.unary(layout, op, out)?)))
-    }
-
-    /// `MapOps::unary_backward` with `self = g`; `saved` on the same device.
-    pub fn unary_backward(
-        &self,
-        lg: &Layout,
-        saved: &Storage,
-        ls: &Layout,
-        op: UnaryOp,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch2!(op.name(), self, saved, g, s => {
-            wrap!(self, g.unary_backward(lg, s, ls, op, out)?)
-        }))
-    }
-
-    /// `MapOps::where_cond` with `self = cond`; all three on the same device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn where_cond(
-        &self,
-        lc: &Layout,
-        a: &Storage,
-        la: &Layout,
-        b: &Storage,
-        lb: &Layout,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(
-            dispatch2!("where", self, a, c, x => dispatch2!("where", self, b, _c, y => {
-                wrap!(self, c.where_cond(lc, x, la, y, lb, out)?)
-            })),
-        )
-    }
-
-    /// `MapOps::where_backward` with `self = cond`; `g` on the same device.
-    pub fn where_backward(
-        &self,
-        lc: &Layout,
-        g: &Storage,
-        lg: &Layout,
-        out: DType,
-    ) -> Result<(Storage, Storage)> {
-        let (a, b) = dispatch2!("where", self, g, c, gs => c.where_backward(lc, gs, lg, out)?);
-        Ok((wrap!(self, a), wrap!(self, b)))
-    }
-
     /// `MapOps::dropout_mask` on the backend of `self` (whose values are not read).
     pub fn dropout_mask(
         &self,

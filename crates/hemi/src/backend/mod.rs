@@ -12,15 +12,21 @@
 //! `reduce` (sums, means, extrema, variances, softmax rows), `nn` (matmul, convolutions,
 //! pools, norms), `loss` (classification losses, MSE), `index` (row gathers, their
 //! scatter-add, concatenation), `train` (the fused unscale-and-check, the optimizer
-//! updates). A backend implements them all (`Backend`). `tensor::Storage` has one
-//! method per primitive that dispatches to the buffer's backend (`dispatch!`/`dispatch2!`
-//! there), and ops call those methods.
+//! updates). A backend implements them all (`Backend`).
+//!
+//! Each primitive is declared once, in its area's `primitives!` block (`declare`): the
+//! declaration is the trait method a backend implements and the `Storage` method ops call,
+//! which binds the receiver's buffer, checks that every other buffer is on the same device
+//! (else an error naming the primitive and both devices) and wraps the results back into
+//! `Storage`s. Only the constructors (`dropout_mask`, `cat`) have hand-written `Storage`
+//! methods, since no receiver says which backend they are for.
 
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Layout;
 
+pub mod declare;
 pub mod index;
 pub mod loss;
 pub mod map;

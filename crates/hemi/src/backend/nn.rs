@@ -11,11 +11,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::BackendStorage;
+use super::declare::{primitives, Lift};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::tensor::storage::{dispatch, wrap};
-use crate::tensor::{Layout, Storage};
+use crate::tensor::Layout;
 
 /// Output size of one spatial dim of a convolution (PyTorch's formula), or `None` when the
 /// dilated kernel does not fit in the padded input.
@@ -307,16 +305,6 @@ pub struct Grads<S> {
     pub dbias: Option<S>,
 }
 
-impl<S> Grads<S> {
-    fn map<T>(self, f: impl Fn(S) -> T) -> Grads<T> {
-        Grads {
-            dx: self.dx.map(&f),
-            dweight: self.dweight.map(&f),
-            dbias: self.dbias.map(&f),
-        }
-    }
-}
-
 /// An optional input of a primitive: its buffer and layout.
 pub type Opt<'a, S> = Option<(&'a S, &'a Layout)>;
 
@@ -326,708 +314,333 @@ pub type Running<'a, S> = Option<((&'a S, &'a Layout), (&'a S, &'a Layout))>;
 /// The dtypes of a norm's gradients (input, weight, bias); `None`: not wanted.
 pub type GradDTypes = (Option<DType>, Option<DType>, Option<DType>);
 
-/// The network primitives a backend implements: matmul, convolutions (and the fused conv +
-/// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
-/// backward. `Storage` has a method of the same name for each that dispatches to the right
-/// backend; `ops/` calls those, never this trait directly.
-pub trait NnOps: BackendStorage {
-    /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
-    /// batch dims that broadcast (checked by the caller), `bias` `[n]` added to every row
-    /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
-    /// float inputs; sums in F32 (F64 for F64). Transposed, broadcast and sliced views cost
-    /// no copy; F16/BF16 operands are multiplied as stored.
-    fn matmul(
-        &self,
-        la: &Layout,
-        rhs: &Self,
-        lb: &Layout,
-        bias: Opt<'_, Self>,
-        out: DType,
-    ) -> Result<Self>;
+primitives! {
+    /// The network primitives a backend implements: matmul, convolutions (and the fused conv +
+    /// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
+    /// backward. `Storage` has a method of the same name for each that dispatches to the right
+    /// backend; `ops/` calls those, never this trait directly.
+    pub trait NnOps {
+        /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
+        /// batch dims that broadcast (checked by the caller), `bias` `[n]` added to every row
+        /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
+        /// float inputs; sums in F32 (F64 for F64). Transposed, broadcast and sliced views cost
+        /// no copy; F16/BF16 operands are multiplied as stored.
+        fn matmul(
+            &self,
+            la: &Layout,
+            rhs: &Self,
+            lb: &Layout,
+            bias: Opt<'_, Self>,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// 2-D convolution (cross-correlation): input `[n, c_in, h, w]` (this buffer), weight
-    /// `[c_out, c_in/groups, kh, kw]`, optional bias `[c_out]` -> `[n, c_out, h_out, w_out]`
-    /// in `out`, the promoted dtype of the float inputs (checked by the caller).
-    fn conv2d(
-        &self,
-        lx: &Layout,
-        w: &Self,
-        lw: &Layout,
-        bias: Opt<'_, Self>,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Self>;
+        /// 2-D convolution (cross-correlation): input `[n, c_in, h, w]` (this buffer), weight
+        /// `[c_out, c_in/groups, kh, kw]`, optional bias `[c_out]` -> `[n, c_out, h_out, w_out]`
+        /// in `out`, the promoted dtype of the float inputs (checked by the caller).
+        fn conv2d(
+            &self,
+            lx: &Layout,
+            w: &Self,
+            lw: &Layout,
+            bias: Opt<'_, Self>,
+            g: &Conv2dGeom,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Gradient of `conv2d` with respect to its input, from the output gradient `dy` (this
-    /// buffer, `[n, c_out, h_out, w_out]`) and the weight: `[n, c_in, h, w]` in `out`.
-    fn conv2d_backward_input(
-        &self,
-        ldy: &Layout,
-        w: &Self,
-        lw: &Layout,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Self>;
+        /// Gradient of `conv2d` with respect to its input, from the output gradient `dy` (this
+        /// buffer, `[n, c_out, h_out, w_out]`) and the weight: `[n, c_in, h, w]` in `out`.
+        fn conv2d_backward_input(
+            &self,
+            ldy: &Layout,
+            w: &Self,
+            lw: &Layout,
+            g: &Conv2dGeom,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Gradient of `conv2d` with respect to its weight, from the input `x` (this buffer) and
-    /// the output gradient `dy`: `[c_out, c_in/groups, kh, kw]` in `out`. The batch's sum
-    /// is cut into runs fixed by the batch size, so the thread count changes no bit.
-    fn conv2d_backward_weight(
-        &self,
-        lx: &Layout,
-        dy: &Self,
-        ldy: &Layout,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Self>;
+        /// Gradient of `conv2d` with respect to its weight, from the input `x` (this buffer) and
+        /// the output gradient `dy`: `[c_out, c_in/groups, kh, kw]` in `out`. The batch's sum
+        /// is cut into runs fixed by the batch size, so the thread count changes no bit.
+        fn conv2d_backward_weight(
+            &self,
+            lx: &Layout,
+            dy: &Self,
+            ldy: &Layout,
+            g: &Conv2dGeom,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Gradient of `conv2d` with respect to its bias: `dy` (this buffer) summed over the
-    /// images and the output pixels, per channel, into `[c_out]` in `out`.
-    fn conv2d_backward_bias(&self, ldy: &Layout, g: &Conv2dGeom, out: DType) -> Result<Self>;
+        /// Gradient of `conv2d` with respect to its bias: `dy` (this buffer) summed over the
+        /// images and the output pixels, per channel, into `[c_out]` in `out`.
+        fn conv2d_backward_bias(&self, ldy: &Layout, g: &Conv2dGeom, out: DType) -> Result<Self>;
 
-    /// `max_pool2d(relu(conv2d(x, w, bias)), 2, 2)` in one pass (the block of small CNNs):
-    /// `x` (this buffer), `w` and `bias` all of one dtype, F32, F16 or BF16 (checked by the
-    /// caller, as `h_out, w_out >= 2`); returns the pooled output `g.pooled_shape()` in that
-    /// dtype and the window of each output for the backward.
-    fn conv2d_relu_max_pool2(
-        &self,
-        lx: &Layout,
-        w: &Self,
-        lw: &Layout,
-        bias: Opt<'_, Self>,
-        g: &Conv2dGeom,
-    ) -> Result<(Self, Indices)>;
+        /// `max_pool2d(relu(conv2d(x, w, bias)), 2, 2)` in one pass (the block of small CNNs):
+        /// `x` (this buffer), `w` and `bias` all of one dtype, F32, F16 or BF16 (checked by the
+        /// caller, as `h_out, w_out >= 2`); returns the pooled output `g.pooled_shape()` in that
+        /// dtype and the window of each output for the backward.
+        fn conv2d_relu_max_pool2(
+            &self,
+            lx: &Layout,
+            w: &Self,
+            lw: &Layout,
+            bias: Opt<'_, Self>,
+            g: &Conv2dGeom,
+        ) -> Result<(Self, Indices)>;
 
-    /// Gradients of `conv2d_relu_max_pool2` from the pooled output gradient `dy` (this
-    /// buffer, of the block's dtype), the forward's indices, input and weight: the input's
-    /// when `want_dx`, the weight's, and the bias's when `has_bias`, all in the block's
-    /// dtype.
-    #[allow(clippy::too_many_arguments)]
-    fn conv2d_relu_max_pool2_backward(
-        &self,
-        ldy: &Layout,
-        indices: &Indices,
-        x: &Self,
-        lx: &Layout,
-        w: &Self,
-        lw: &Layout,
-        g: &Conv2dGeom,
-        want_dx: bool,
-        has_bias: bool,
-    ) -> Result<Grads<Self>>;
+        /// Gradients of `conv2d_relu_max_pool2` from the pooled output gradient `dy` (this
+        /// buffer, of the block's dtype), the forward's indices, input and weight: the input's
+        /// when `want_dx`, the weight's, and the bias's when `has_bias`, all in the block's
+        /// dtype.
+        #[allow(clippy::too_many_arguments)]
+        fn conv2d_relu_max_pool2_backward(
+            &self,
+            ldy: &Layout,
+            indices: &Indices,
+            x: &Self,
+            lx: &Layout,
+            w: &Self,
+            lw: &Layout,
+            g: &Conv2dGeom,
+            want_dx: bool,
+            has_bias: bool,
+        ) -> Result<Grads<Self>>;
 
-    /// Max pooling of the planes of this buffer (padding -inf), in its dtype: the maxima,
-    /// their argmax (first maximum wins ties, a NaN wins), and the I64 flat indices when
-    /// `with_indices`. The caller checked that a plane holds fewer than 2^32 values.
-    fn max_pool2d(&self, l: &Layout, g: &Pool2dGeom, with_indices: bool)
-        -> Result<MaxPool2d<Self>>;
+        /// Max pooling of the planes of this buffer (padding -inf), in its dtype: the maxima,
+        /// their argmax (first maximum wins ties, a NaN wins), and the I64 flat indices when
+        /// `with_indices`. The caller checked that a plane holds fewer than 2^32 values.
+        fn max_pool2d(&self, l: &Layout, g: &Pool2dGeom, with_indices: bool)
+            -> Result<MaxPool2d<Self>>;
 
-    /// Gradient of `max_pool2d` from the output gradient (this buffer) and the forward's
-    /// argmax: each gradient added to its maximum's input, in the compute type of `out`.
-    fn max_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        argmax: &Indices,
-        g: &Pool2dGeom,
-        out: DType,
-    ) -> Result<Self>;
+        /// Gradient of `max_pool2d` from the output gradient (this buffer) and the forward's
+        /// argmax: each gradient added to its maximum's input, in the compute type of `out`.
+        fn max_pool2d_backward(
+            &self,
+            ldy: &Layout,
+            argmax: &Indices,
+            g: &Pool2dGeom,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Average pooling of the planes of this buffer (padding counts as zeros, and in the
-    /// divisor when `count_include_pad`), in its dtype.
-    fn avg_pool2d(&self, l: &Layout, g: &Pool2dGeom, count_include_pad: bool) -> Result<Self>;
+        /// Average pooling of the planes of this buffer (padding counts as zeros, and in the
+        /// divisor when `count_include_pad`), in its dtype.
+        fn avg_pool2d(&self, l: &Layout, g: &Pool2dGeom, count_include_pad: bool) -> Result<Self>;
 
-    /// Gradient of `avg_pool2d`: each output gradient spread evenly over its window, in the
-    /// compute type of `out`.
-    fn avg_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        g: &Pool2dGeom,
-        count_include_pad: bool,
-        out: DType,
-    ) -> Result<Self>;
+        /// Gradient of `avg_pool2d`: each output gradient spread evenly over its window, in the
+        /// compute type of `out`.
+        fn avg_pool2d_backward(
+            &self,
+            ldy: &Layout,
+            g: &Pool2dGeom,
+            count_include_pad: bool,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Adaptive average pooling of the planes of this buffer (PyTorch's windows
-    /// `[floor(i*H/out), ceil((i+1)*H/out))`), in its dtype.
-    fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Self>;
+        /// Adaptive average pooling of the planes of this buffer (PyTorch's windows
+        /// `[floor(i*H/out), ceil((i+1)*H/out))`), in its dtype.
+        fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Self>;
 
-    /// Gradient of `adaptive_avg_pool2d`, in the compute type of `out`.
-    fn adaptive_avg_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        g: &AdaptivePool2dGeom,
-        out: DType,
-    ) -> Result<Self>;
+        /// Gradient of `adaptive_avg_pool2d`, in the compute type of `out`.
+        fn adaptive_avg_pool2d_backward(
+            &self,
+            ldy: &Layout,
+            g: &AdaptivePool2dGeom,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Batch normalisation of this buffer `[n, c, s]` per channel, in its dtype, statistics
-    /// in its compute type: with the batch's mean and biased variance (two passes) when
-    /// `training`, else with `running` (mean, var); then `* weight + bias`. In training
-    /// with `running`, also returns `(1 - momentum) * running + momentum * batch` (the
-    /// unbiased variance; computed in F64, rounded into each running buffer's dtype).
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
-        running: Running<'_, Self>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
-    ) -> Result<BatchNorm<Self>>;
+        /// Batch normalisation of this buffer `[n, c, s]` per channel, in its dtype, statistics
+        /// in its compute type: with the batch's mean and biased variance (two passes) when
+        /// `training`, else with `running` (mean, var); then `* weight + bias`. In training
+        /// with `running`, also returns `(1 - momentum) * running + momentum * batch` (the
+        /// unbiased variance; computed in F64, rounded into each running buffer's dtype).
+        #[allow(clippy::too_many_arguments)]
+        fn batch_norm(
+            &self,
+            l: &Layout,
+            g: BatchNormGeom,
+            weight: Opt<'_, Self>,
+            bias: Opt<'_, Self>,
+            running: Running<'_, Self>,
+            training: bool,
+            momentum: f64,
+            eps: f64,
+        ) -> Result<BatchNorm<Self>>;
 
-    /// Gradients of `batch_norm` (closed form) from the output gradient (this buffer), the
-    /// input `x`, the forward's `mean` and `invstd` and the weight: `dx` in `dx_dtype` when
-    /// given, dweight = Σ g·xhat and dbias = Σ g per channel in the dtypes given. All read in
-    /// the compute type of `x`. `training`: the statistics depend on x.
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_backward(
-        &self,
-        ldy: &Layout,
-        x: &Self,
-        lx: &Layout,
-        g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        training: bool,
-        dtypes: GradDTypes,
-    ) -> Result<Grads<Self>>;
+        /// Gradients of `batch_norm` (closed form) from the output gradient (this buffer), the
+        /// input `x`, the forward's `mean` and `invstd` and the weight: `dx` in `dx_dtype` when
+        /// given, dweight = Σ g·xhat and dbias = Σ g per channel in the dtypes given. All read in
+        /// the compute type of `x`. `training`: the statistics depend on x.
+        #[allow(clippy::too_many_arguments)]
+        fn batch_norm_backward(
+            &self,
+            ldy: &Layout,
+            x: &Self,
+            lx: &Layout,
+            g: BatchNormGeom,
+            mean: &Self,
+            invstd: &Self,
+            weight: Opt<'_, Self>,
+            training: bool,
+            dtypes: GradDTypes,
+        ) -> Result<Grads<Self>>;
 
-    /// `relu(batch_norm(x) + residual)` in one pass (ResNet's BN + ReLU and BN + add + ReLU),
-    /// `x` this buffer, `residual` (optional, `x`'s shape and dtype) and the ReLU (when
-    /// `relu`) applied to the F32 result before its one rounding into `x`'s dtype, F32, F16
-    /// or BF16 (checked by the caller). Statistics, running statistics and the returned
-    /// `mean`/`invstd` as `batch_norm`.
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_act(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        residual: Opt<'_, Self>,
-        relu: bool,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
-        running: Running<'_, Self>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
-    ) -> Result<BatchNorm<Self>>;
+        /// `relu(batch_norm(x) + residual)` in one pass (ResNet's BN + ReLU and BN + add + ReLU),
+        /// `x` this buffer, `residual` (optional, `x`'s shape and dtype) and the ReLU (when
+        /// `relu`) applied to the F32 result before its one rounding into `x`'s dtype, F32, F16
+        /// or BF16 (checked by the caller). Statistics, running statistics and the returned
+        /// `mean`/`invstd` as `batch_norm`.
+        #[allow(clippy::too_many_arguments)]
+        fn batch_norm_act(
+            &self,
+            l: &Layout,
+            g: BatchNormGeom,
+            residual: Opt<'_, Self>,
+            relu: bool,
+            weight: Opt<'_, Self>,
+            bias: Opt<'_, Self>,
+            running: Running<'_, Self>,
+            training: bool,
+            momentum: f64,
+            eps: f64,
+        ) -> Result<BatchNorm<Self>>;
 
-    /// Gradients of `batch_norm_act` from the output gradient (this buffer), the output `y`
-    /// (given when the ReLU was applied: its mask), the input `x` and the forward's `mean`
-    /// and `invstd`: the norm's gradients as `batch_norm_backward` (`dx` in `x`'s dtype), and
-    /// when `want_residual` the residual's gradient (the output gradient through the ReLU,
-    /// in `x`'s dtype).
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_act_backward(
-        &self,
-        ldy: &Layout,
-        y: Opt<'_, Self>,
-        x: &Self,
-        lx: &Layout,
-        g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        training: bool,
-        dtypes: GradDTypes,
-        want_residual: bool,
-    ) -> Result<(Grads<Self>, Option<Self>)>;
+        /// Gradients of `batch_norm_act` from the output gradient (this buffer), the output `y`
+        /// (given when the ReLU was applied: its mask), the input `x` and the forward's `mean`
+        /// and `invstd`: the norm's gradients as `batch_norm_backward` (`dx` in `x`'s dtype), and
+        /// when `want_residual` the residual's gradient (the output gradient through the ReLU,
+        /// in `x`'s dtype).
+        #[allow(clippy::too_many_arguments)]
+        fn batch_norm_act_backward(
+            &self,
+            ldy: &Layout,
+            y: Opt<'_, Self>,
+            x: &Self,
+            lx: &Layout,
+            g: BatchNormGeom,
+            mean: &Self,
+            invstd: &Self,
+            weight: Opt<'_, Self>,
+            training: bool,
+            dtypes: GradDTypes,
+            want_residual: bool,
+        ) -> Result<(Grads<Self>, Option<Self>)>;
 
-    /// `batch_norm_act`'s output again (without residual), from the same input `x` (this
-    /// buffer) and the `mean` and `invstd` that call returned: the same bits, for a backward
-    /// that recomputes an activation instead of keeping it (`Tensor::batch_norm_relu_conv2d`).
-    #[allow(clippy::too_many_arguments)]
-    fn batch_norm_act_apply(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
-        relu: bool,
-    ) -> Result<Self>;
+        /// `batch_norm_act`'s output again (without residual), from the same input `x` (this
+        /// buffer) and the `mean` and `invstd` that call returned: the same bits, for a backward
+        /// that recomputes an activation instead of keeping it (`Tensor::batch_norm_relu_conv2d`).
+        #[allow(clippy::too_many_arguments)]
+        fn batch_norm_act_apply(
+            &self,
+            l: &Layout,
+            g: BatchNormGeom,
+            mean: &Self,
+            invstd: &Self,
+            weight: Opt<'_, Self>,
+            bias: Opt<'_, Self>,
+            relu: bool,
+        ) -> Result<Self>;
 
-    /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
-    /// statistics in its compute type, then `* weight + bias` (each `[d]`).
-    fn layer_norm(
-        &self,
-        l: &Layout,
-        d: usize,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
-        eps: f64,
-    ) -> Result<LayerNorm<Self>>;
+        /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
+        /// statistics in its compute type, then `* weight + bias` (each `[d]`).
+        fn layer_norm(
+            &self,
+            l: &Layout,
+            d: usize,
+            weight: Opt<'_, Self>,
+            bias: Opt<'_, Self>,
+            eps: f64,
+        ) -> Result<LayerNorm<Self>>;
 
-    /// Gradients of `layer_norm` (closed form, as llm.c's) from the output gradient (this
-    /// buffer), the input, the forward's per-row `mean` and `rstd` and the weight; dtypes
-    /// (dx, dweight, dbias) as for `batch_norm_backward`. The sums over rows run in runs
-    /// fixed by the shape, so the thread count changes no bit.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm_backward(
-        &self,
-        ldy: &Layout,
-        x: &Self,
-        lx: &Layout,
-        d: usize,
-        mean: &Self,
-        rstd: &Self,
-        weight: Opt<'_, Self>,
-        dtypes: GradDTypes,
-    ) -> Result<Grads<Self>>;
+        /// Gradients of `layer_norm` (closed form, as llm.c's) from the output gradient (this
+        /// buffer), the input, the forward's per-row `mean` and `rstd` and the weight; dtypes
+        /// (dx, dweight, dbias) as for `batch_norm_backward`. The sums over rows run in runs
+        /// fixed by the shape, so the thread count changes no bit.
+        #[allow(clippy::too_many_arguments)]
+        fn layer_norm_backward(
+            &self,
+            ldy: &Layout,
+            x: &Self,
+            lx: &Layout,
+            d: usize,
+            mean: &Self,
+            rstd: &Self,
+            weight: Opt<'_, Self>,
+            dtypes: GradDTypes,
+        ) -> Result<Grads<Self>>;
 
-    /// Fused scaled-dot-product attention: `softmax(scale · q·kᵀ + mask) · v` per head, with
-    /// dropout on the probabilities when `g.dropout` is set. `q` (this buffer), `k`, `v` are
-    /// views of rank >= 2 whose leading dims (all equal) enumerate the `g.batch` heads, of one
-    /// dtype; `mask` (in the compute type: F32, or F64 for F64) is a view of the same rank
-    /// broadcast to `[.., lq, lk]`. Scores, softmax and products in the compute type, never
-    /// the whole score tensor at once; returns the output `[.., lq, dv]` rounded once into
-    /// `q`'s dtype and the per-row log-sum-exp of the scores (compute type, `[batch, lq]`),
-    /// all the backward needs besides the inputs.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        lq: &Layout,
-        k: &Self,
-        lk: &Layout,
-        v: &Self,
-        lv: &Layout,
-        mask: Opt<'_, Self>,
-        g: &AttentionGeom,
-    ) -> Result<(Self, Self)>;
+        /// Fused scaled-dot-product attention: `softmax(scale · q·kᵀ + mask) · v` per head, with
+        /// dropout on the probabilities when `g.dropout` is set. `q` (this buffer), `k`, `v` are
+        /// views of rank >= 2 whose leading dims (all equal) enumerate the `g.batch` heads, of one
+        /// dtype; `mask` (in the compute type: F32, or F64 for F64) is a view of the same rank
+        /// broadcast to `[.., lq, lk]`. Scores, softmax and products in the compute type, never
+        /// the whole score tensor at once; returns the output `[.., lq, dv]` rounded once into
+        /// `q`'s dtype and the per-row log-sum-exp of the scores (compute type, `[batch, lq]`),
+        /// all the backward needs besides the inputs.
+        #[allow(clippy::too_many_arguments)]
+        fn attention(
+            &self,
+            lq: &Layout,
+            k: &Self,
+            lk: &Layout,
+            v: &Self,
+            lv: &Layout,
+            mask: Opt<'_, Self>,
+            g: &AttentionGeom,
+        ) -> Result<(Self, Self)>;
 
-    /// Gradients of `attention` from the output gradient `dout` (this buffer, `[.., lq, dv]`),
-    /// the inputs and the forward's log-sum-exp: the scores and probabilities are recomputed
-    /// row by row. Returns (dq, dk, dv), contiguous, in `q`'s dtype.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        ldout: &Layout,
-        q: (&Self, &Layout),
-        k: (&Self, &Layout),
-        v: (&Self, &Layout),
-        mask: Opt<'_, Self>,
-        lse: &Self,
-        g: &AttentionGeom,
-    ) -> Result<(Self, Self, Self)>;
+        /// Gradients of `attention` from the output gradient `dout` (this buffer, `[.., lq, dv]`),
+        /// the inputs and the forward's log-sum-exp: the scores and probabilities are recomputed
+        /// row by row. Returns (dq, dk, dv), contiguous, in `q`'s dtype.
+        #[allow(clippy::too_many_arguments)]
+        fn attention_backward(
+            &self,
+            ldout: &Layout,
+            q: (&Self, &Layout),
+            k: (&Self, &Layout),
+            v: (&Self, &Layout),
+            mask: Opt<'_, Self>,
+            lse: &Self,
+            g: &AttentionGeom,
+        ) -> Result<(Self, Self, Self)>;
+    }
 }
 
-/// The buffer of `other` on the backend of `like`, or a device error naming both.
-pub(crate) fn peer<'a, B: BackendStorage>(
-    op: &'static str,
-    like: &B,
-    other: &'a Storage,
-) -> Result<&'a B> {
-    dispatch!(other, s => (s as &dyn Any).downcast_ref::<B>()).ok_or_else(|| {
-        Error::device(
-            op,
-            format!("inputs on {} and {}", like.device(), other.device()),
-        )
-    })
+impl<B: Lift<S>, S> Lift<MaxPool2d<S>> for MaxPool2d<B> {
+    fn lift(self) -> MaxPool2d<S> {
+        MaxPool2d {
+            out: self.out.lift(),
+            argmax: self.argmax,
+            indices: self.indices.lift(),
+        }
+    }
 }
 
-/// `peer` of an optional input with its layout.
-fn peer_opt<'a, B: BackendStorage>(
-    op: &'static str,
-    like: &B,
-    o: Option<(&'a Storage, &'a Layout)>,
-) -> Result<Opt<'a, B>> {
-    o.map(|(s, l)| Ok((peer(op, like, s)?, l))).transpose()
+impl<B: Lift<S>, S> Lift<BatchNorm<S>> for BatchNorm<B> {
+    fn lift(self) -> BatchNorm<S> {
+        BatchNorm {
+            out: self.out.lift(),
+            mean: self.mean.lift(),
+            invstd: self.invstd.lift(),
+            running: self.running.lift(),
+        }
+    }
 }
 
-impl Storage {
-    /// `NnOps::matmul` on this storage's backend.
-    pub fn matmul(
-        &self,
-        la: &Layout,
-        rhs: &Storage,
-        lb: &Layout,
-        bias: Option<(&Storage, &Layout)>,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => {
-            let (b, bias) = (peer("matmul", s, rhs)?, peer_opt("matmul", s, bias)?);
-            wrap!(self, s.matmul(la, b, lb, bias, out)?)
-        }))
+impl<B: Lift<S>, S> Lift<LayerNorm<S>> for LayerNorm<B> {
+    fn lift(self) -> LayerNorm<S> {
+        LayerNorm {
+            out: self.out.lift(),
+            mean: self.mean.lift(),
+            rstd: self.rstd.lift(),
+        }
     }
+}
 
-    /// `NnOps::conv2d` on this storage's backend.
-    pub fn conv2d(
-        &self,
-        lx: &Layout,
-        w: &Storage,
-        lw: &Layout,
-        bias: Option<(&Storage, &Layout)>,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => {
-            let (w, bias) = (peer("conv2d", s, w)?, peer_opt("conv2d", s, bias)?);
-            wrap!(self, s.conv2d(lx, w, lw, bias, g, out)?)
-        }))
-    }
-
-    /// `NnOps::conv2d_backward_input` on this storage's backend.
-    pub fn conv2d_backward_input(
-        &self,
-        ldy: &Layout,
-        w: &Storage,
-        lw: &Layout,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => {
-            let w = peer("conv2d_backward_input", s, w)?;
-            wrap!(self, s.conv2d_backward_input(ldy, w, lw, g, out)?)
-        }))
-    }
-
-    /// `NnOps::conv2d_backward_weight` on this storage's backend.
-    pub fn conv2d_backward_weight(
-        &self,
-        lx: &Layout,
-        dy: &Storage,
-        ldy: &Layout,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => {
-            let dy = peer("conv2d_backward_weight", s, dy)?;
-            wrap!(self, s.conv2d_backward_weight(lx, dy, ldy, g, out)?)
-        }))
-    }
-
-    /// `NnOps::conv2d_backward_bias` on this storage's backend.
-    pub fn conv2d_backward_bias(
-        &self,
-        ldy: &Layout,
-        g: &Conv2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.conv2d_backward_bias(ldy, g, out)?)))
-    }
-
-    /// `NnOps::conv2d_relu_max_pool2` on this storage's backend.
-    pub fn conv2d_relu_max_pool2(
-        &self,
-        lx: &Layout,
-        w: &Storage,
-        lw: &Layout,
-        bias: Option<(&Storage, &Layout)>,
-        g: &Conv2dGeom,
-    ) -> Result<(Storage, Indices)> {
-        const OP: &str = "conv2d_relu_max_pool2";
-        Ok(dispatch!(self, s => {
-            let (w, bias) = (peer(OP, s, w)?, peer_opt(OP, s, bias)?);
-            let (out, idx) = s.conv2d_relu_max_pool2(lx, w, lw, bias, g)?;
-            (wrap!(self, out), idx)
-        }))
-    }
-
-    /// `NnOps::conv2d_relu_max_pool2_backward` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn conv2d_relu_max_pool2_backward(
-        &self,
-        ldy: &Layout,
-        indices: &Indices,
-        x: &Storage,
-        lx: &Layout,
-        w: &Storage,
-        lw: &Layout,
-        g: &Conv2dGeom,
-        want_dx: bool,
-        has_bias: bool,
-    ) -> Result<Grads<Storage>> {
-        const OP: &str = "conv2d_relu_max_pool2_backward";
-        Ok(dispatch!(self, s => {
-            let (x, w) = (peer(OP, s, x)?, peer(OP, s, w)?);
-            s.conv2d_relu_max_pool2_backward(ldy, indices, x, lx, w, lw, g, want_dx, has_bias)?
-                .map(|b| wrap!(self, b))
-        }))
-    }
-
-    /// `NnOps::max_pool2d` on this storage's backend.
-    pub fn max_pool2d(
-        &self,
-        l: &Layout,
-        g: &Pool2dGeom,
-        with_indices: bool,
-    ) -> Result<MaxPool2d<Storage>> {
-        Ok(dispatch!(self, s => {
-            let r = s.max_pool2d(l, g, with_indices)?;
-            MaxPool2d {
-                out: wrap!(self, r.out),
-                argmax: r.argmax,
-                indices: r.indices.map(|i| wrap!(self, i)),
-            }
-        }))
-    }
-
-    /// `NnOps::max_pool2d_backward` on this storage's backend.
-    pub fn max_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        argmax: &Indices,
-        g: &Pool2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.max_pool2d_backward(ldy, argmax, g, out)?)))
-    }
-
-    /// `NnOps::avg_pool2d` on this storage's backend.
-    pub fn avg_pool2d(
-        &self,
-        l: &Layout,
-        g: &Pool2dGeom,
-        count_include_pad: bool,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.avg_pool2d(l, g, count_include_pad)?)))
-    }
-
-    /// `NnOps::avg_pool2d_backward` on this storage's backend.
-    pub fn avg_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        g: &Pool2dGeom,
-        count_include_pad: bool,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(
-            dispatch!(self, s => wrap!(self, s.avg_pool2d_backward(ldy, g, count_include_pad, out)?)),
-        )
-    }
-
-    /// `NnOps::adaptive_avg_pool2d` on this storage's backend.
-    pub fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.adaptive_avg_pool2d(l, g)?)))
-    }
-
-    /// `NnOps::adaptive_avg_pool2d_backward` on this storage's backend.
-    pub fn adaptive_avg_pool2d_backward(
-        &self,
-        ldy: &Layout,
-        g: &AdaptivePool2dGeom,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.adaptive_avg_pool2d_backward(ldy, g, out)?)))
-    }
-
-    /// `NnOps::batch_norm` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        weight: Option<(&Storage, &Layout)>,
-        bias: Option<(&Storage, &Layout)>,
-        running: Running<'_, Storage>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
-    ) -> Result<BatchNorm<Storage>> {
-        const OP: &str = "batch_norm";
-        Ok(dispatch!(self, s => {
-            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
-            let running = match running {
-                Some(((m, lm), (v, lv))) => Some(((peer(OP, s, m)?, lm), (peer(OP, s, v)?, lv))),
-                None => None,
-            };
-            let r = s.batch_norm(l, g, w, b, running, training, momentum, eps)?;
-            BatchNorm {
-                out: wrap!(self, r.out),
-                mean: wrap!(self, r.mean),
-                invstd: wrap!(self, r.invstd),
-                running: r.running.map(|(m, v)| (wrap!(self, m), wrap!(self, v))),
-            }
-        }))
-    }
-
-    /// `NnOps::batch_norm_backward` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_backward(
-        &self,
-        ldy: &Layout,
-        x: &Storage,
-        lx: &Layout,
-        g: BatchNormGeom,
-        mean: &Storage,
-        invstd: &Storage,
-        weight: Option<(&Storage, &Layout)>,
-        training: bool,
-        dtypes: GradDTypes,
-    ) -> Result<Grads<Storage>> {
-        const OP: &str = "batch_norm_backward";
-        Ok(dispatch!(self, s => {
-            let (x, mean, invstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, invstd)?);
-            let w = peer_opt(OP, s, weight)?;
-            s.batch_norm_backward(ldy, x, lx, g, mean, invstd, w, training, dtypes)?
-                .map(|b| wrap!(self, b))
-        }))
-    }
-
-    /// `NnOps::batch_norm_act` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_act(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        residual: Option<(&Storage, &Layout)>,
-        relu: bool,
-        weight: Option<(&Storage, &Layout)>,
-        bias: Option<(&Storage, &Layout)>,
-        running: Running<'_, Storage>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
-    ) -> Result<BatchNorm<Storage>> {
-        const OP: &str = "batch_norm_act";
-        Ok(dispatch!(self, s => {
-            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
-            let res = peer_opt(OP, s, residual)?;
-            let running = match running {
-                Some(((m, lm), (v, lv))) => Some(((peer(OP, s, m)?, lm), (peer(OP, s, v)?, lv))),
-                None => None,
-            };
-            let r = s.batch_norm_act(l, g, res, relu, w, b, running, training, momentum, eps)?;
-            BatchNorm {
-                out: wrap!(self, r.out),
-                mean: wrap!(self, r.mean),
-                invstd: wrap!(self, r.invstd),
-                running: r.running.map(|(m, v)| (wrap!(self, m), wrap!(self, v))),
-            }
-        }))
-    }
-
-    /// `NnOps::batch_norm_act_backward` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_act_backward(
-        &self,
-        ldy: &Layout,
-        y: Option<(&Storage, &Layout)>,
-        x: &Storage,
-        lx: &Layout,
-        g: BatchNormGeom,
-        mean: &Storage,
-        invstd: &Storage,
-        weight: Option<(&Storage, &Layout)>,
-        training: bool,
-        dtypes: GradDTypes,
-        want_residual: bool,
-    ) -> Result<(Grads<Storage>, Option<Storage>)> {
-        const OP: &str = "batch_norm_act_backward";
-        Ok(dispatch!(self, s => {
-            let (x, mean, invstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, invstd)?);
-            let (w, y) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, y)?);
-            let (grads, dres) = s.batch_norm_act_backward(
-                ldy, y, x, lx, g, mean, invstd, w, training, dtypes, want_residual,
-            )?;
-            (grads.map(|b| wrap!(self, b)), dres.map(|b| wrap!(self, b)))
-        }))
-    }
-
-    /// `NnOps::batch_norm_act_apply` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn batch_norm_act_apply(
-        &self,
-        l: &Layout,
-        g: BatchNormGeom,
-        mean: &Storage,
-        invstd: &Storage,
-        weight: Option<(&Storage, &Layout)>,
-        bias: Option<(&Storage, &Layout)>,
-        relu: bool,
-    ) -> Result<Storage> {
-        const OP: &str = "batch_norm_act_apply";
-        Ok(dispatch!(self, s => {
-            let (mean, invstd) = (peer(OP, s, mean)?, peer(OP, s, invstd)?);
-            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
-            wrap!(self, s.batch_norm_act_apply(l, g, mean, invstd, w, b, relu)?)
-        }))
-    }
-
-    /// `NnOps::layer_norm` on this storage's backend.
-    pub fn layer_norm(
-        &self,
-        l: &Layout,
-        d: usize,
-        weight: Option<(&Storage, &Layout)>,
-        bias: Option<(&Storage, &Layout)>,
-        eps: f64,
-    ) -> Result<LayerNorm<Storage>> {
-        const OP: &str = "layer_norm";
-        Ok(dispatch!(self, s => {
-            let (w, b) = (peer_opt(OP, s, weight)?, peer_opt(OP, s, bias)?);
-            let r = s.layer_norm(l, d, w, b, eps)?;
-            LayerNorm {
-                out: wrap!(self, r.out),
-                mean: wrap!(self, r.mean),
-                rstd: wrap!(self, r.rstd),
-            }
-        }))
-    }
-
-    /// `NnOps::layer_norm_backward` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn layer_norm_backward(
-        &self,
-        ldy: &Layout,
-        x: &Storage,
-        lx: &Layout,
-        d: usize,
-        mean: &Storage,
-        rstd: &Storage,
-        weight: Option<(&Storage, &Layout)>,
-        dtypes: GradDTypes,
-    ) -> Result<Grads<Storage>> {
-        const OP: &str = "layer_norm_backward";
-        Ok(dispatch!(self, s => {
-            let (x, mean, rstd) = (peer(OP, s, x)?, peer(OP, s, mean)?, peer(OP, s, rstd)?);
-            let w = peer_opt(OP, s, weight)?;
-            s.layer_norm_backward(ldy, x, lx, d, mean, rstd, w, dtypes)?
-                .map(|b| wrap!(self, b))
-        }))
-    }
-    /// `NnOps::attention` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
-        &self,
-        lq: &Layout,
-        k: &Storage,
-        lk: &Layout,
-        v: &Storage,
-        lv: &Layout,
-        mask: Option<(&Storage, &Layout)>,
-        g: &AttentionGeom,
-    ) -> Result<(Storage, Storage)> {
-        const OP: &str = "scaled_dot_product_attention";
-        Ok(dispatch!(self, s => {
-            let (k, v, m) = (peer(OP, s, k)?, peer(OP, s, v)?, peer_opt(OP, s, mask)?);
-            let (out, lse) = s.attention(lq, k, lk, v, lv, m, g)?;
-            (wrap!(self, out), wrap!(self, lse))
-        }))
-    }
-
-    /// `NnOps::attention_backward` on this storage's backend.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward(
-        &self,
-        ldout: &Layout,
-        q: (&Storage, &Layout),
-        k: (&Storage, &Layout),
-        v: (&Storage, &Layout),
-        mask: Option<(&Storage, &Layout)>,
-        lse: &Storage,
-        g: &AttentionGeom,
-    ) -> Result<(Storage, Storage, Storage)> {
-        const OP: &str = "scaled_dot_product_attention_backward";
-        Ok(dispatch!(self, s => {
-            let (qs, ks, vs) = (peer(OP, s, q.0)?, peer(OP, s, k.0)?, peer(OP, s, v.0)?);
-            let (m, lse) = (peer_opt(OP, s, mask)?, peer(OP, s, lse)?);
-            let (dq, dk, dv) =
-                s.attention_backward(ldout, (qs, q.1), (ks, k.1), (vs, v.1), m, lse, g)?;
-            (wrap!(self, dq), wrap!(self, dk), wrap!(self, dv))
-        }))
+impl<B: Lift<S>, S> Lift<Grads<S>> for Grads<B> {
+    fn lift(self) -> Grads<S> {
+        Grads {
+            dx: self.dx.lift(),
+            dweight: self.dweight.lift(),
+            dbias: self.dbias.lift(),
+        }
     }
 }

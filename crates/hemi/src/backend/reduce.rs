@@ -7,12 +7,11 @@
 //! of its row-major order. An op along one dim (softmax, max_dim, the class dim of the
 //! losses) takes `Rows`, the row-major tensor seen as `[outer, len, inner]`.
 
-use super::BackendStorage;
+use super::declare::primitives;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::layout::resolve_dim;
-use crate::tensor::storage::{dispatch, dispatch2, wrap};
-use crate::tensor::{Layout, Storage};
+use crate::tensor::Layout;
 
 /// A row-major tensor seen as `[outer, len, inner]` around one dim: element `(o, k, i)` is
 /// at `(o * len + k) * inner + i`, and row `r = o * inner + i` is the `len` elements along
@@ -97,191 +96,96 @@ impl ReduceOp {
     }
 }
 
-/// The reduction primitives a backend implements: sums, means, extrema and their indices,
-/// variances and softmax rows, each accumulated in at least F32. `Storage` has a
-/// dispatching method of the same name for each.
-pub trait ReduceOps: BackendStorage {
-    /// `out[o] = op(x[o*inner .. (o+1)*inner])` for `o < outer`, where `x` is the row-major
-    /// order of the elements `layout` addresses (the reduced dims last). Computed in the
-    /// compute type of `out` (F32, F64 for F64), rounded once into `out`. The caller checked
-    /// that the input is a float tensor, and for `Max`/`Min` that `inner > 0` (or
-    /// `outer == 0`).
-    fn reduce(
-        &self,
-        layout: &Layout,
-        outer: usize,
-        inner: usize,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<Self>;
+primitives! {
+    /// The reduction primitives a backend implements: sums, means, extrema and their indices,
+    /// variances and softmax rows, each accumulated in at least F32. `Storage` has a
+    /// dispatching method of the same name for each.
+    pub trait ReduceOps {
+        /// `out[o] = op(x[o*inner .. (o+1)*inner])` for `o < outer`, where `x` is the row-major
+        /// order of the elements `layout` addresses (the reduced dims last). Computed in the
+        /// compute type of `out` (F32, F64 for F64), rounded once into `out`. The caller checked
+        /// that the input is a float tensor, and for `Max`/`Min` that `inner > 0` (or
+        /// `outer == 0`).
+        fn reduce(
+            &self,
+            layout: &Layout,
+            outer: usize,
+            inner: usize,
+            op: ReduceOp,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// The gradient of `reduce` with `Max`/`Min` (`amax`/`amin`), `self = x` in the layout
-    /// `reduce` read: the output gradient `g[o]` split evenly among the elements of run `o`
-    /// equal to its extreme `m[o]` (NaN matching NaN), 0 elsewhere. `m` and `g` hold `outer`
-    /// elements each. Contiguous in the order of `layout` (reduced dims last), in `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn extreme_backward(
-        &self,
-        layout: &Layout,
-        m: &Self,
-        lm: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        out: DType,
-    ) -> Result<Self>;
+        /// The gradient of `reduce` with `Max`/`Min` (`amax`/`amin`), `self = x` in the layout
+        /// `reduce` read: the output gradient `g[o]` split evenly among the elements of run `o`
+        /// equal to its extreme `m[o]` (NaN matching NaN), 0 elsewhere. `m` and `g` hold `outer`
+        /// elements each. Contiguous in the order of `layout` (reduced dims last), in `out`.
+        #[allow(clippy::too_many_arguments)]
+        fn extreme_backward(
+            &self,
+            layout: &Layout,
+            m: &Self,
+            lm: &Layout,
+            g: &Self,
+            lg: &Layout,
+            outer: usize,
+            inner: usize,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// The gradient of `reduce` with `Var { correction }`, `self = x` in the layout `reduce`
-    /// read: `g[o] · 2 (x - mean_o) / max(0, inner - correction)`. `g` holds `outer`
-    /// elements. Contiguous in the order of `layout` (reduced dims last), in `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn var_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        correction: usize,
-        out: DType,
-    ) -> Result<Self>;
+        /// The gradient of `reduce` with `Var { correction }`, `self = x` in the layout `reduce`
+        /// read: `g[o] · 2 (x - mean_o) / max(0, inner - correction)`. `g` holds `outer`
+        /// elements. Contiguous in the order of `layout` (reduced dims last), in `out`.
+        #[allow(clippy::too_many_arguments)]
+        fn var_backward(
+            &self,
+            layout: &Layout,
+            g: &Self,
+            lg: &Layout,
+            outer: usize,
+            inner: usize,
+            correction: usize,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// The extreme (`op` is `Max` or `Min`, checked by the caller) of each row of `rows` and
-    /// its index along the row, the first on ties and the first NaN if any: values in `out`
-    /// (computed in its compute type), indices I64, both `rows.count()` long. The caller
-    /// checked `rows.len > 0` (or no rows).
-    fn extreme_dim(
-        &self,
-        layout: &Layout,
-        rows: Rows,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<(Self, Self)>;
+        /// The extreme (`op` is `Max` or `Min`, checked by the caller) of each row of `rows` and
+        /// its index along the row, the first on ties and the first NaN if any: values in `out`
+        /// (computed in its compute type), indices I64, both `rows.count()` long. The caller
+        /// checked `rows.len > 0` (or no rows).
+        fn extreme_dim(
+            &self,
+            layout: &Layout,
+            rows: Rows,
+            op: ReduceOp,
+            out: DType,
+        ) -> Result<(Self, Self)>;
 
-    /// The gradient of `extreme_dim` with `self = g` (`rows.count()` elements): zeros of
-    /// the input's shape (`rows`) with `g[r]` at element `index[r]` of row `r`. `index`
-    /// (I64) is what `extreme_dim` returned. Contiguous, in `out`.
-    fn extreme_dim_backward(
-        &self,
-        lg: &Layout,
-        index: &Self,
-        li: &Layout,
-        rows: Rows,
-        out: DType,
-    ) -> Result<Self>;
+        /// The gradient of `extreme_dim` with `self = g` (`rows.count()` elements): zeros of
+        /// the input's shape (`rows`) with `g[r]` at element `index[r]` of row `r`. `index`
+        /// (I64) is what `extreme_dim` returned. Contiguous, in `out`.
+        fn extreme_dim_backward(
+            &self,
+            lg: &Layout,
+            index: &Self,
+            li: &Layout,
+            rows: Rows,
+            out: DType,
+        ) -> Result<Self>;
 
-    /// Softmax (`log`: log-softmax) of each row of `rows`, with the row max subtracted,
-    /// computed in the compute type of `out` and contiguous in `out`.
-    fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self>;
+        /// Softmax (`log`: log-softmax) of each row of `rows`, with the row max subtracted,
+        /// computed in the compute type of `out` and contiguous in `out`.
+        fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self>;
 
-    /// The gradient of `softmax` with `self = g` and `y` its output:
-    /// `y ⊙ (g - Σ g⊙y)`, or `g - exp(y) · Σ g` for log-softmax, row by row; contiguous in
-    /// `out`.
-    fn softmax_backward(
-        &self,
-        lg: &Layout,
-        y: &Self,
-        ly: &Layout,
-        rows: Rows,
-        log: bool,
-        out: DType,
-    ) -> Result<Self>;
-}
-
-impl Storage {
-    /// `ReduceOps::reduce` on this storage's backend.
-    pub fn reduce(
-        &self,
-        layout: &Layout,
-        outer: usize,
-        inner: usize,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.reduce(layout, outer, inner, op, out)?)))
-    }
-
-    /// `ReduceOps::extreme_backward` with `self = x`; all three on the same device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn extreme_backward(
-        &self,
-        layout: &Layout,
-        m: &Storage,
-        lm: &Layout,
-        g: &Storage,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(
-            dispatch2!("max", self, m, x, ms => dispatch2!("max", self, g, _x, gs => {
-                wrap!(self, x.extreme_backward(layout, ms, lm, gs, lg, outer, inner, out)?)
-            })),
-        )
-    }
-
-    /// `ReduceOps::var_backward` with `self = x`; `g` on the same device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn var_backward(
-        &self,
-        layout: &Layout,
-        g: &Storage,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        correction: usize,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch2!("var", self, g, x, gs => {
-            wrap!(self, x.var_backward(layout, gs, lg, outer, inner, correction, out)?)
-        }))
-    }
-
-    /// `ReduceOps::extreme_dim`: (values, I64 indices).
-    pub fn extreme_dim(
-        &self,
-        layout: &Layout,
-        rows: Rows,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<(Storage, Storage)> {
-        let (v, i) = dispatch!(self, s => s.extreme_dim(layout, rows, op, out)?);
-        Ok((wrap!(self, v), wrap!(self, i)))
-    }
-
-    /// `ReduceOps::extreme_dim_backward` with `self = g`; `index` on the same device.
-    pub fn extreme_dim_backward(
-        &self,
-        lg: &Layout,
-        index: &Storage,
-        li: &Layout,
-        rows: Rows,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch2!("max_dim", self, index, g, i => {
-            wrap!(self, g.extreme_dim_backward(lg, i, li, rows, out)?)
-        }))
-    }
-
-    /// `ReduceOps::softmax` on this storage's backend.
-    pub fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, s.softmax(layout, rows, log, out)?)))
-    }
-
-    /// `ReduceOps::softmax_backward` with `self = g`; `y` on the same device.
-    pub fn softmax_backward(
-        &self,
-        lg: &Layout,
-        y: &Storage,
-        ly: &Layout,
-        rows: Rows,
-        log: bool,
-        out: DType,
-    ) -> Result<Storage> {
-        Ok(dispatch2!("softmax", self, y, g, ys => {
-            wrap!(self, g.softmax_backward(lg, ys, ly, rows, log, out)?)
-        }))
+        /// The gradient of `softmax` with `self = g` and `y` its output:
+        /// `y ⊙ (g - Σ g⊙y)`, or `g - exp(y) · Σ g` for log-softmax, row by row; contiguous in
+        /// `out`.
+        fn softmax_backward(
+            &self,
+            lg: &Layout,
+            y: &Self,
+            ly: &Layout,
+            rows: Rows,
+            log: bool,
+            out: DType,
+        ) -> Result<Self>;
     }
 }

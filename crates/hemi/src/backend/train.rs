@@ -1,12 +1,11 @@
 //! Training primitives: the fused unscale-and-check-finite of the loss scaler (`AmpOps`)
 //! and the optimizer updates (`OptimOps`).
 
-use super::BackendStorage;
+use super::declare::primitives;
 use crate::dtype::convert::Rounding;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
 use crate::rng::Generator;
-use crate::tensor::{Layout, Storage};
+use crate::tensor::Layout;
 
 /// One SGD step's hyper-parameters as PyTorch's F32 kernel sees them (Python floats reach
 /// ATen as double Scalars, which the F32 kernel casts to float).
@@ -72,39 +71,41 @@ pub struct AdamScalars {
     pub neg_step_size: f32,
 }
 
-/// The optimizer-update primitives a backend implements: SGD (momentum, Nesterov, weight
-/// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
-/// buffers updated in place.
-pub trait OptimOps: BackendStorage {
-    /// One SGD step of the parameter `self` (the whole buffer, contiguous through `lp`;
-    /// F32/F16/BF16) with gradient `grad` (any float dtype, read through `lg`, same element
-    /// count) and, with momentum, the F32 momentum buffer. Everything is updated in place; a
-    /// half parameter is rounded once. The update is PyTorch's, bit for bit in F32.
-    #[allow(clippy::too_many_arguments)]
-    fn sgd_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
-        buf: Option<&mut Self>,
-        s: &SgdScalars,
-        f: SgdFlags,
-    ) -> Result<()>;
+primitives! {
+    /// The optimizer-update primitives a backend implements: SGD (momentum, Nesterov, weight
+    /// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
+    /// buffers updated in place.
+    pub trait OptimOps {
+        /// One SGD step of the parameter `self` (the whole buffer, contiguous through `lp`;
+        /// F32/F16/BF16) with gradient `grad` (any float dtype, read through `lg`, same element
+        /// count) and, with momentum, the F32 momentum buffer. Everything is updated in place; a
+        /// half parameter is rounded once. The update is PyTorch's, bit for bit in F32.
+        #[allow(clippy::too_many_arguments)]
+        fn sgd_step(
+            &mut self,
+            lp: &Layout,
+            grad: &Self,
+            lg: &Layout,
+            buf: Option<&mut Self>,
+            s: &SgdScalars,
+            f: SgdFlags,
+        ) -> Result<()>;
 
-    /// One Adam(W) step: the parameter (as for `sgd_step`), `exp_avg`, `exp_avg_sq` and
-    /// (AMSGrad) `max_exp_avg_sq` (F32) updated in place.
-    #[allow(clippy::too_many_arguments)]
-    fn adam_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
-        exp_avg: &mut Self,
-        exp_avg_sq: &mut Self,
-        max_exp_avg_sq: Option<&mut Self>,
-        k: &AdamScalars,
-        decay: AdamDecay,
-    ) -> Result<()>;
+        /// One Adam(W) step: the parameter (as for `sgd_step`), `exp_avg`, `exp_avg_sq` and
+        /// (AMSGrad) `max_exp_avg_sq` (F32) updated in place.
+        #[allow(clippy::too_many_arguments)]
+        fn adam_step(
+            &mut self,
+            lp: &Layout,
+            grad: &Self,
+            lg: &Layout,
+            exp_avg: &mut Self,
+            exp_avg_sq: &mut Self,
+            max_exp_avg_sq: Option<&mut Self>,
+            k: &AdamScalars,
+            decay: AdamDecay,
+        ) -> Result<()>;
+    }
 }
 
 /// `floor(log2 |x|)` of F32 values, counted: F32's whole range, from the smallest
@@ -207,150 +208,43 @@ impl Log2Histogram {
     }
 }
 
-/// The loss scaler's primitive a backend implements: the fused unscale-and-check-finite of
-/// PyTorch's `_amp_foreach_non_finite_check_and_unscale_`.
-pub trait AmpOps: BackendStorage {
-    /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
-    /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32
-    /// `inv_scale` widened — as a new buffer, and 1.0 stored into the one-element F32 buffer
-    /// `found_inf` when any element of `self` is inf or NaN (it is never cleared here, so one
-    /// flag serves a whole list of gradients and is read back once). As PyTorch's
-    /// `_amp_foreach_non_finite_check_and_unscale_`, the check is on the scaled gradient
-    /// read, not on the product.
-    fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
+primitives! {
+    /// The loss scaler's primitive a backend implements: the fused unscale-and-check-finite of
+    /// PyTorch's `_amp_foreach_non_finite_check_and_unscale_`.
+    pub trait AmpOps {
+        /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
+        /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32
+        /// `inv_scale` widened — as a new buffer, and 1.0 stored into the one-element F32 buffer
+        /// `found_inf` when any element of `self` is inf or NaN (it is never cleared here, so one
+        /// flag serves a whole list of gradients and is read back once). As PyTorch's
+        /// `_amp_foreach_non_finite_check_and_unscale_`, the check is on the scaled gradient
+        /// read, not on the product.
+        fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
 
-    /// One gradient's part of a `p`-norm, in f64 over its F32 (F64 for F64) values in
-    /// element order: `max |x|` for p = ∞ (NaN if any element is NaN), else `Σ |x|^p`
-    /// (`Σ x·x` for p = 2, `Σ |x|` for p = 1). The caller combines the parts and takes the
-    /// root (gradient clipping).
-    fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64>;
+        /// One gradient's part of a `p`-norm, in f64 over its F32 (F64 for F64) values in
+        /// element order: `max |x|` for p = ∞ (NaN if any element is NaN), else `Σ |x|^p`
+        /// (`Σ x·x` for p = 2, `Σ |x|` for p = 1). The caller combines the parts and takes the
+        /// root (gradient clipping).
+        fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64>;
 
-    /// How many elements (read as F32) are nonzero with `|x| < tiny`, and how many have
-    /// `|x| > max` or are NaN: a gradient's F16 underflow and overflow counts.
-    fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)>;
+        /// How many elements (read as F32) are nonzero with `|x| < tiny`, and how many have
+        /// `|x| > max` or are NaN: a gradient's F16 underflow and overflow counts.
+        fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)>;
 
-    /// The `floor(log2 |x|)` histogram of the elements `layout` addresses, read as F32
-    /// (`--grad-stats`: where a gradient's values sit against F16's and BF16's ranges).
-    fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram>;
+        /// The `floor(log2 |x|)` histogram of the elements `layout` addresses, read as F32
+        /// (`--grad-stats`: where a gradient's values sit against F16's and BF16's ranges).
+        fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram>;
 
-    /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
-    /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits
-    /// drawn from `rng` in element order (one `next_u64` per F16 element, one per four BF16
-    /// elements), so a seeded run is reproducible (`amp::rounding::round_f32_into`'s rules).
-    fn round_into(
-        &self,
-        layout: &Layout,
-        dtype: DType,
-        rounding: Rounding,
-        rng: &mut Generator,
-    ) -> Result<Self>;
-}
-
-fn mixed(op: &'static str, a: &Storage, b: &Storage) -> Error {
-    Error::device(op, format!("inputs on {} and {}", a.device(), b.device()))
-}
-
-impl Storage {
-    /// `AmpOps::unscale_check` on this storage's backend (`found_inf` on the same device).
-    pub fn unscale_check(
-        &self,
-        layout: &Layout,
-        inv: f32,
-        found_inf: &mut Storage,
-    ) -> Result<Storage> {
-        #[allow(unreachable_patterns)]
-        match (self, found_inf) {
-            (Storage::Cpu(g), Storage::Cpu(f)) => {
-                Ok(Storage::Cpu(g.unscale_check(layout, inv, f)?))
-            }
-            (g, f) => Err(mixed("unscale_check", g, f)),
-        }
-    }
-
-    /// `AmpOps::norm_partial` on this storage's backend (one f64 read back).
-    pub fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64> {
-        crate::tensor::storage::dispatch!(self, s => s.norm_partial(layout, p))
-    }
-
-    /// `AmpOps::range_counts` on this storage's backend (two counts read back).
-    pub fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)> {
-        crate::tensor::storage::dispatch!(self, s => s.range_counts(layout, tiny, max))
-    }
-
-    /// `AmpOps::log2_histogram` on this storage's backend (the counts read back).
-    pub fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram> {
-        crate::tensor::storage::dispatch!(self, s => s.log2_histogram(layout))
-    }
-
-    /// `AmpOps::round_into` on this storage's backend.
-    pub fn round_into(
-        &self,
-        layout: &Layout,
-        dtype: DType,
-        rounding: Rounding,
-        rng: &mut Generator,
-    ) -> Result<Storage> {
-        Ok(
-            crate::tensor::storage::dispatch!(self, s => crate::tensor::storage::wrap!(
-                self,
-                s.round_into(layout, dtype, rounding, rng)?
-            )),
-        )
-    }
-
-    /// `OptimOps::sgd_step` on this storage's backend, in place; every buffer on the same
-    /// device.
-    pub fn sgd_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Storage,
-        lg: &Layout,
-        buf: Option<&mut Storage>,
-        s: &SgdScalars,
-        f: SgdFlags,
-    ) -> Result<()> {
-        const OP: &str = "sgd_step";
-        #[allow(unreachable_patterns)]
-        match (self, grad, buf) {
-            (Storage::Cpu(p), Storage::Cpu(g), None) => p.sgd_step(lp, g, lg, None, s, f),
-            (Storage::Cpu(p), Storage::Cpu(g), Some(Storage::Cpu(b))) => {
-                p.sgd_step(lp, g, lg, Some(b), s, f)
-            }
-            (p, g, _) if p.device() != g.device() => Err(mixed(OP, p, g)),
-            (p, _, Some(b)) => Err(mixed(OP, p, b)),
-            (p, g, None) => Err(mixed(OP, p, g)),
-        }
-    }
-
-    /// `OptimOps::adam_step` on this storage's backend, in place; every buffer on the same
-    /// device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adam_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Storage,
-        lg: &Layout,
-        exp_avg: &mut Storage,
-        exp_avg_sq: &mut Storage,
-        max_exp_avg_sq: Option<&mut Storage>,
-        k: &AdamScalars,
-        decay: AdamDecay,
-    ) -> Result<()> {
-        const OP: &str = "adam_step";
-        #[allow(unreachable_patterns)]
-        match (self, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) {
-            (Storage::Cpu(p), Storage::Cpu(g), Storage::Cpu(m), Storage::Cpu(v), None) => {
-                p.adam_step(lp, g, lg, m, v, None, k, decay)
-            }
-            (
-                Storage::Cpu(p),
-                Storage::Cpu(g),
-                Storage::Cpu(m),
-                Storage::Cpu(v),
-                Some(Storage::Cpu(x)),
-            ) => p.adam_step(lp, g, lg, m, v, Some(x), k, decay),
-            (p, g, ..) if p.device() != g.device() => Err(mixed(OP, p, g)),
-            (p, _, m, ..) => Err(mixed(OP, p, m)),
-        }
+        /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
+        /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits
+        /// drawn from `rng` in element order (one `next_u64` per F16 element, one per four BF16
+        /// elements), so a seeded run is reproducible (`amp::rounding::round_f32_into`'s rules).
+        fn round_into(
+            &self,
+            layout: &Layout,
+            dtype: DType,
+            rounding: Rounding,
+            rng: &mut Generator,
+        ) -> Result<Self>;
     }
 }

@@ -36,26 +36,7 @@ macro_rules! dispatch {
         }
     };
 }
-#[allow(unused_imports)] // used by the areas as they migrate
 pub(crate) use dispatch;
-
-/// Runs `$body` with `$a` and `$b` bound to the buffers of two storages on the same backend;
-/// storages on different devices are an `Error::Device` naming both and `$op`.
-macro_rules! dispatch2 {
-    ($op:expr, $x:expr, $y:expr, $a:ident, $b:ident => $body:expr) => {
-        match ($x, $y) {
-            ($crate::tensor::Storage::Cpu($a), $crate::tensor::Storage::Cpu($b)) => $body,
-            #[allow(unreachable_patterns)]
-            (x, y) => {
-                return Err($crate::error::Error::device(
-                    $op,
-                    format!("inputs on {} and {}", x.device(), y.device()),
-                ))
-            }
-        }
-    };
-}
-pub(crate) use dispatch2;
 
 /// A backend buffer wrapped back into the `Storage` variant of `$like` (the storage the
 /// primitive was called on).
