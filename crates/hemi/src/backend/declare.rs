@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! primitives! {
-//!     /// The area's doc.
+//!     /// The area's doc (supertraits: the areas the default bodies use).
 //!     pub trait MapOps {
 //!         /// What `unary` computes (the doc of the trait method and of `Storage::unary`).
 //!         fn unary(&self, layout: &Layout, op: UnaryOp, out: DType) -> Result<Self>;
@@ -194,40 +194,42 @@ plain_result!(
 /// Declares an area's primitives once: the backend trait (`$Trait: BackendStorage`) and
 /// the dispatching `Storage` methods (module doc above).
 macro_rules! primitives {
-    ($(#[$tm:meta])* pub trait $Trait:ident { $($items:tt)* }) => {
-        $crate::backend::declare::primitives!(@munch [$(#[$tm])*] $Trait [] $($items)*);
+    ($(#[$tm:meta])* pub trait $Trait:ident $(: $sup:ident $(+ $more:ident)*)? { $($items:tt)* }) => {
+        $crate::backend::declare::primitives!(
+            @munch [$(#[$tm])*] [$(+ $sup $(+ $more)*)?] $Trait [] $($items)*
+        );
     };
 
     // One primitive with a shared receiver.
-    (@munch $tm:tt $Trait:ident [$($acc:tt)*]
+    (@munch $tm:tt $sup:tt $Trait:ident [$($acc:tt)*]
         $(#[$m:meta])* fn $name:ident(&$slf:ident $(, $a:ident: $t:ty)* $(,)?) -> Result<$r:ty> $body:tt
         $($rest:tt)*
     ) => {
-        $crate::backend::declare::primitives!(@munch $tm $Trait [$($acc)*
+        $crate::backend::declare::primitives!(@munch $tm $sup $Trait [$($acc)*
             {shared $slf [$(#[$m])*] $name [$($a: $t),*] [$r] $body}] $($rest)*);
     };
 
     // One primitive that updates its receiver in place.
-    (@munch $tm:tt $Trait:ident [$($acc:tt)*]
+    (@munch $tm:tt $sup:tt $Trait:ident [$($acc:tt)*]
         $(#[$m:meta])* fn $name:ident(&mut $slf:ident $(, $a:ident: $t:ty)* $(,)?) -> Result<$r:ty> $body:tt
         $($rest:tt)*
     ) => {
-        $crate::backend::declare::primitives!(@munch $tm $Trait [$($acc)*
+        $crate::backend::declare::primitives!(@munch $tm $sup $Trait [$($acc)*
             {unique $slf [$(#[$m])*] $name [$($a: $t),*] [$r] $body}] $($rest)*);
     };
 
     // A constructor: no receiver, so no generated `Storage` method.
-    (@munch $tm:tt $Trait:ident [$($acc:tt)*]
+    (@munch $tm:tt $sup:tt $Trait:ident [$($acc:tt)*]
         $(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) -> Result<$r:ty> $body:tt
         $($rest:tt)*
     ) => {
-        $crate::backend::declare::primitives!(@munch $tm $Trait [$($acc)*
+        $crate::backend::declare::primitives!(@munch $tm $sup $Trait [$($acc)*
             {constructor [$(#[$m])*] $name [$($a: $t),*] [$r] $body}] $($rest)*);
     };
 
-    (@munch [$(#[$tm:meta])*] $Trait:ident [$($item:tt)*]) => {
+    (@munch [$(#[$tm:meta])*] [$($sup:tt)*] $Trait:ident [$($item:tt)*]) => {
         $(#[$tm])*
-        pub trait $Trait: $crate::backend::BackendStorage {
+        pub trait $Trait: $crate::backend::BackendStorage $($sup)* {
             $($crate::backend::declare::primitives!(@trait $item);)*
         }
 

@@ -9,7 +9,11 @@ use crate::tensor::storage::{dispatch, wrap};
 use crate::tensor::{Layout, Storage};
 
 /// The binary maps. `Maximum`/`Minimum` propagate NaN, as `torch.maximum`/`minimum`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// This is hemi's one list of binary maps: the name, the f64 definition tests compare with
+/// (`reference`) and every backend's expression (`cuda`; the CPU's loops in `cpu/map.rs`)
+/// hang off it, so a backend cannot drift to another list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
     /// `a + b`.
     Add,
@@ -38,10 +42,51 @@ impl BinaryOp {
             BinaryOp::Minimum => "minimum",
         }
     }
+
+    /// Every binary map (for generating a backend's kernels, and for tests).
+    pub const ALL: [BinaryOp; 6] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+    ];
+
+    /// The definition in f64: what every backend's F32 evaluation is tested against.
+    pub fn reference(self, a: f64, b: f64) -> f64 {
+        match self {
+            BinaryOp::Add => a + b,
+            BinaryOp::Sub => a - b,
+            BinaryOp::Mul => a * b,
+            BinaryOp::Div => a / b,
+            BinaryOp::Maximum if a.is_nan() || a > b => a,
+            BinaryOp::Minimum if a.is_nan() || a < b => a,
+            BinaryOp::Maximum | BinaryOp::Minimum => b,
+        }
+    }
+
+    /// The CUDA C expression of `a` and `b` (F32), for the CUDA backend's generated kernels
+    /// (`hemi_max`/`hemi_min` are its NaN-propagating helpers).
+    pub fn cuda(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "a + b",
+            BinaryOp::Sub => "a - b",
+            BinaryOp::Mul => "a * b",
+            BinaryOp::Div => "a / b",
+            BinaryOp::Maximum => "hemi_max(a, b)",
+            BinaryOp::Minimum => "hemi_min(a, b)",
+        }
+    }
 }
 
 /// The unary maths and activations, and the maps with a scalar. Each backend evaluates
 /// the function and its derivative in the compute type (F32, F64 for F64).
+///
+/// This is hemi's one list of unary maps: the name, the f64 definition and derivative
+/// (`reference`, `derivative`) and every backend's expression (`cuda`, with the op's scalars
+/// as the kernel arguments `c0`, `c1`; the CPU's vectorised loops in `cpu/map.rs`) hang off
+/// it. A new op is a variant here; the compiler then names every backend that lacks it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryOp {
     /// `-x`.
@@ -93,6 +138,112 @@ impl UnaryOp {
             UnaryOp::MulScalar(_) => "mul_scalar",
             UnaryOp::PowScalar(_) => "pow_scalar",
             UnaryOp::Clamp(..) => "clamp",
+        }
+    }
+
+    /// Every unary map, the ones with scalars at sample values (for generating a backend's
+    /// kernels, which take the scalars as arguments, and for tests).
+    pub const ALL: [UnaryOp; 14] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Abs,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Tanh,
+        UnaryOp::AddScalar(0.75),
+        UnaryOp::MulScalar(-1.5),
+        UnaryOp::PowScalar(2.0),
+        UnaryOp::Clamp(-0.5, 1.25),
+    ];
+
+    /// The op's scalars `(c0, c1)` (0 where it has fewer).
+    pub fn scalars(self) -> (f64, f64) {
+        match self {
+            UnaryOp::AddScalar(c) | UnaryOp::MulScalar(c) | UnaryOp::PowScalar(c) => (c, 0.0),
+            UnaryOp::Clamp(lo, hi) => (lo, hi),
+            _ => (0.0, 0.0),
+        }
+    }
+
+    /// The definition in f64: what every backend's evaluation is tested against.
+    pub fn reference(self, x: f64) -> f64 {
+        let k = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+        match self {
+            UnaryOp::Neg => -x,
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Log => x.ln(),
+            UnaryOp::Sqrt => x.sqrt(),
+            UnaryOp::Abs => x.abs(),
+            UnaryOp::Relu if x < 0.0 => 0.0,
+            UnaryOp::Relu => x,
+            UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
+            UnaryOp::GeluTanh => 0.5 * x * (1.0 + (k * (x + 0.044_715 * x * x * x)).tanh()),
+            UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            UnaryOp::Tanh => x.tanh(),
+            UnaryOp::AddScalar(c) => x + c,
+            UnaryOp::MulScalar(c) => x * c,
+            UnaryOp::PowScalar(p) => x.powf(p),
+            UnaryOp::Clamp(_, _) if x.is_nan() => x,
+            UnaryOp::Clamp(lo, hi) => x.max(lo).min(hi),
+        }
+    }
+
+    /// The derivative in f64 at `x` (PyTorch's conventions at the kinks: ReLU' (0) = 0,
+    /// |x|' (0) = 0, clamp's slope 1 on the closed interval).
+    pub fn derivative(self, x: f64) -> f64 {
+        let k = 0.797_884_560_802_865_4;
+        match self {
+            UnaryOp::Neg => -1.0,
+            UnaryOp::Exp => x.exp(),
+            UnaryOp::Log => 1.0 / x,
+            UnaryOp::Sqrt => 0.5 / x.sqrt(),
+            UnaryOp::Abs => x.signum() * f64::from(u8::from(x != 0.0)),
+            UnaryOp::Relu => f64::from(u8::from(x > 0.0)),
+            UnaryOp::Gelu => {
+                let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)) + x * pdf
+            }
+            UnaryOp::GeluTanh => {
+                let t = (k * (x + 0.044_715 * x * x * x)).tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044_715 * x * x)
+            }
+            UnaryOp::Sigmoid => {
+                let y = 1.0 / (1.0 + (-x).exp());
+                y * (1.0 - y)
+            }
+            UnaryOp::Tanh => 1.0 - x.tanh().powi(2),
+            UnaryOp::AddScalar(_) => 1.0,
+            UnaryOp::MulScalar(c) => c,
+            UnaryOp::PowScalar(p) => p * x.powf(p - 1.0),
+            UnaryOp::Clamp(lo, hi) => f64::from(u8::from(x >= lo && x <= hi)),
+        }
+    }
+
+    /// The CUDA C expression of `x` (F32), the op's scalars as the kernel's `float c0, c1`
+    /// (`hemi_erf`-free: CUDA's `erff`, `tanhf`, `powf`). NaN passes through ReLU and clamp,
+    /// as in PyTorch.
+    pub fn cuda(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "-x",
+            UnaryOp::Exp => "expf(x)",
+            UnaryOp::Log => "logf(x)",
+            UnaryOp::Sqrt => "sqrtf(x)",
+            UnaryOp::Abs => "fabsf(x)",
+            UnaryOp::Relu => "(x < 0.0f ? 0.0f : x)",
+            UnaryOp::Gelu => "0.5f * x * (1.0f + erff(x * 0.70710678118654752f))",
+            UnaryOp::GeluTanh => {
+                "0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)))"
+            }
+            UnaryOp::Sigmoid => "1.0f / (1.0f + expf(-x))",
+            UnaryOp::Tanh => "tanhf(x)",
+            UnaryOp::AddScalar(_) => "x + c0",
+            UnaryOp::MulScalar(_) => "x * c0",
+            UnaryOp::PowScalar(_) => "(c0 == 2.0f ? x * x : powf(x, c0))",
+            UnaryOp::Clamp(..) => "(x != x ? x : fminf(fmaxf(x, c0), c1))",
         }
     }
 

@@ -26,6 +26,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Layout;
 
+pub mod compose;
 pub mod declare;
 pub mod index;
 pub mod loss;

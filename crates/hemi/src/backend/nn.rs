@@ -12,6 +12,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use super::declare::{primitives, Lift};
+use super::map::MapOps;
 use crate::dtype::DType;
 use crate::tensor::Layout;
 
@@ -319,7 +320,7 @@ primitives! {
     /// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
     /// backward. `Storage` has a method of the same name for each that dispatches to the right
     /// backend; `ops/` calls those, never this trait directly.
-    pub trait NnOps {
+    pub trait NnOps: MapOps {
         /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
         /// batch dims that broadcast (checked by the caller), `bias` `[n]` added to every row
         /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
@@ -385,7 +386,9 @@ primitives! {
             lw: &Layout,
             bias: Opt<'_, Self>,
             g: &Conv2dGeom,
-        ) -> Result<(Self, Indices)>;
+        ) -> Result<(Self, Indices)> {
+            super::compose::conv2d_relu_max_pool2(self, lx, w, lw, bias, g)
+        }
 
         /// Gradients of `conv2d_relu_max_pool2` from the pooled output gradient `dy` (this
         /// buffer, of the block's dtype), the forward's indices, input and weight: the input's
@@ -403,7 +406,9 @@ primitives! {
             g: &Conv2dGeom,
             want_dx: bool,
             has_bias: bool,
-        ) -> Result<Grads<Self>>;
+        ) -> Result<Grads<Self>> {
+            super::compose::conv2d_relu_max_pool2_backward(self, ldy, indices, x, lx, w, lw, g, want_dx, has_bias)
+        }
 
         /// Max pooling of the planes of this buffer (padding -inf), in its dtype: the maxima,
         /// their argmax (first maximum wins ties, a NaN wins), and the I64 flat indices when
@@ -501,7 +506,9 @@ primitives! {
             training: bool,
             momentum: f64,
             eps: f64,
-        ) -> Result<BatchNorm<Self>>;
+        ) -> Result<BatchNorm<Self>> {
+            super::compose::batch_norm_act(self, l, g, residual, relu, weight, bias, running, training, momentum, eps)
+        }
 
         /// Gradients of `batch_norm_act` from the output gradient (this buffer), the output `y`
         /// (given when the ReLU was applied: its mask), the input `x` and the forward's `mean`
@@ -522,7 +529,9 @@ primitives! {
             training: bool,
             dtypes: GradDTypes,
             want_residual: bool,
-        ) -> Result<(Grads<Self>, Option<Self>)>;
+        ) -> Result<(Grads<Self>, Option<Self>)> {
+            super::compose::batch_norm_act_backward(self, ldy, y, x, lx, g, mean, invstd, weight, training, dtypes, want_residual)
+        }
 
         /// `batch_norm_act`'s output again (without residual), from the same input `x` (this
         /// buffer) and the `mean` and `invstd` that call returned: the same bits, for a backward
@@ -537,7 +546,9 @@ primitives! {
             weight: Opt<'_, Self>,
             bias: Opt<'_, Self>,
             relu: bool,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::batch_norm_act_apply(self, l, g, mean, invstd, weight, bias, relu)
+        }
 
         /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
         /// statistics in its compute type, then `* weight + bias` (each `[d]`).

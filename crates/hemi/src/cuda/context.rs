@@ -505,12 +505,14 @@ impl CudaDevice {
         check_bounds("cuda unary", "x", p.max_offsets().0, p.numel, x)?;
         let y = self.alloc(x.dtype, p.numel as usize)?;
         if let Some(d) = launch::elementwise(p.numel as u64) {
-            let f = self.function(Kernel::Unary(op), x.dtype)?;
+            let f = self.function(Kernel::Unary(op.name()), x.dtype)?;
             let (xp, yp) = (x.device_ptr(), y.device_ptr());
+            let (c0, c1) = op.scalars();
+            let (c0, c1) = (c0 as f32, c1 as f32);
             let mut b = self.stream.launch_builder(&f);
-            b.arg(&xp).arg(&yp).arg(&p);
-            // SAFETY: the kernel's signature is (const T*, T*, HemiIndex); offsets stay within
-            // the view the caller described.
+            b.arg(&xp).arg(&yp).arg(&p).arg(&c0).arg(&c1);
+            // SAFETY: the kernel's signature is (const T*, T*, HemiIndex, float, float);
+            // offsets stay within the view the caller described.
             unsafe { b.launch(to_cfg(d)) }.map_err(drv_err("cuda unary"))?;
         }
         Ok(y)

@@ -11,6 +11,7 @@
 use std::fmt::Write as _;
 
 use super::launch::RowStrategy;
+pub use crate::backend::map::{BinaryOp, UnaryOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -31,196 +32,6 @@ pub fn cuda_type(dtype: DType) -> Result<(&'static str, &'static str)> {
             d,
             "CUDA kernels are generated for F16, BF16 and F32 storage",
         )),
-    }
-}
-
-/// Elementwise functions of one tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    /// `-x`.
-    Neg,
-    /// `|x|`.
-    Abs,
-    /// `e^x`.
-    Exp,
-    /// Natural logarithm.
-    Log,
-    /// Square root.
-    Sqrt,
-    /// `1 / sqrt(x)`.
-    Rsqrt,
-    /// `1 / x`.
-    Recip,
-    /// `x * x`.
-    Square,
-    /// `max(x, 0)`.
-    Relu,
-    /// Logistic sigmoid `1 / (1 + e^-x)`.
-    Sigmoid,
-    /// Hyperbolic tangent.
-    Tanh,
-    /// `x * sigmoid(x)` (SiLU, swish).
-    Silu,
-    /// GELU, exact form `x * Φ(x)`.
-    Gelu,
-}
-
-impl UnaryOp {
-    /// Every unary op, for generating the module and for tests.
-    pub const ALL: [UnaryOp; 13] = [
-        UnaryOp::Neg,
-        UnaryOp::Abs,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Recip,
-        UnaryOp::Square,
-        UnaryOp::Relu,
-        UnaryOp::Sigmoid,
-        UnaryOp::Tanh,
-        UnaryOp::Silu,
-        UnaryOp::Gelu,
-    ];
-
-    /// The op's name, the infix of its kernel's entry point (`unary_exp_f16`).
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Rsqrt => "rsqrt",
-            UnaryOp::Recip => "recip",
-            UnaryOp::Square => "square",
-            UnaryOp::Relu => "relu",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Gelu => "gelu",
-        }
-    }
-
-    /// The F32 expression of `x`.
-    fn cuda(self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "-x",
-            UnaryOp::Abs => "fabsf(x)",
-            UnaryOp::Exp => "expf(x)",
-            UnaryOp::Log => "logf(x)",
-            UnaryOp::Sqrt => "sqrtf(x)",
-            UnaryOp::Rsqrt => "rsqrtf(x)",
-            UnaryOp::Recip => "1.0f / x",
-            UnaryOp::Square => "x * x",
-            // NaN passes through, as in PyTorch.
-            UnaryOp::Relu => "(x < 0.0f ? 0.0f : x)",
-            UnaryOp::Sigmoid => "1.0f / (1.0f + expf(-x))",
-            UnaryOp::Tanh => "tanhf(x)",
-            UnaryOp::Silu => "x / (1.0f + expf(-x))",
-            UnaryOp::Gelu => "0.5f * x * (1.0f + erff(x * 0.70710678118654752f))",
-        }
-    }
-
-    /// The f64 reference the GPU tests compare with.
-    pub fn reference(self, x: f64) -> f64 {
-        match self {
-            UnaryOp::Neg => -x,
-            UnaryOp::Abs => x.abs(),
-            UnaryOp::Exp => x.exp(),
-            UnaryOp::Log => x.ln(),
-            UnaryOp::Sqrt => x.sqrt(),
-            UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-            UnaryOp::Recip => 1.0 / x,
-            UnaryOp::Square => x * x,
-            UnaryOp::Relu => {
-                if x < 0.0 {
-                    0.0
-                } else {
-                    x
-                }
-            }
-            UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
-            UnaryOp::Tanh => x.tanh(),
-            UnaryOp::Silu => x / (1.0 + (-x).exp()),
-            UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
-        }
-    }
-}
-
-/// Elementwise functions of two broadcast tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    /// `a + b`.
-    Add,
-    /// `a - b`.
-    Sub,
-    /// `a * b`.
-    Mul,
-    /// `a / b`.
-    Div,
-    /// Elementwise maximum; NaN wins (`torch.maximum`).
-    Maximum,
-    /// Elementwise minimum; NaN wins (`torch.minimum`).
-    Minimum,
-}
-
-impl BinaryOp {
-    /// Every binary op, for generating the module and for tests.
-    pub const ALL: [BinaryOp; 6] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-    ];
-
-    /// The op's name, the infix of its kernel's entry point (`binary_add_f16`).
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-        }
-    }
-
-    fn cuda(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "a + b",
-            BinaryOp::Sub => "a - b",
-            BinaryOp::Mul => "a * b",
-            BinaryOp::Div => "a / b",
-            BinaryOp::Maximum => "hemi_max(a, b)",
-            BinaryOp::Minimum => "hemi_min(a, b)",
-        }
-    }
-
-    /// The f64 reference the GPU tests compare with.
-    pub fn reference(self, a: f64, b: f64) -> f64 {
-        match self {
-            BinaryOp::Add => a + b,
-            BinaryOp::Sub => a - b,
-            BinaryOp::Mul => a * b,
-            BinaryOp::Div => a / b,
-            BinaryOp::Maximum => {
-                if a.is_nan() || a > b {
-                    a
-                } else {
-                    b
-                }
-            }
-            BinaryOp::Minimum => {
-                if a.is_nan() || a < b {
-                    a
-                } else {
-                    b
-                }
-            }
-        }
     }
 }
 
@@ -246,8 +57,9 @@ impl ReduceOp {
 /// One entry point of a dtype's module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
-    /// `(const T* x, T* y, IndexParams p)`
-    Unary(UnaryOp),
+    /// `(const T* x, T* y, IndexParams p, float c0, float c1)`: the unary map of this name
+    /// (`UnaryOp::name`; one kernel per variant, its scalars `c0`, `c1` passed at launch).
+    Unary(&'static str),
     /// `(const T* a, const T* b, T* y, IndexParams p)`
     Binary(BinaryOp),
     /// `(const T* x, U* y, unsigned long long n)`, contiguous; in the module of T.
@@ -266,7 +78,7 @@ impl Kernel {
     pub fn name(self, dtype: DType) -> Result<String> {
         let (dt, _) = cuda_type(dtype)?;
         Ok(match self {
-            Kernel::Unary(op) => format!("unary_{}_{dt}", op.name()),
+            Kernel::Unary(name) => format!("unary_{name}_{dt}"),
             Kernel::Binary(op) => format!("binary_{}_{dt}", op.name()),
             Kernel::Cast(to) => {
                 if to == dtype {
@@ -287,7 +99,10 @@ impl Kernel {
     /// Every entry point of a dtype's module.
     pub fn all(dtype: DType) -> Vec<Kernel> {
         let strategies = [RowStrategy::WarpPerRow, RowStrategy::BlockPerRow];
-        let mut k: Vec<Kernel> = UnaryOp::ALL.iter().map(|&o| Kernel::Unary(o)).collect();
+        let mut k: Vec<Kernel> = UnaryOp::ALL
+            .iter()
+            .map(|o| Kernel::Unary(o.name()))
+            .collect();
         k.extend(BinaryOp::ALL.iter().map(|&o| Kernel::Binary(o)));
         k.extend(
             DTYPES
@@ -605,11 +420,11 @@ pub fn module_source(dtype: DType) -> Result<String> {
     for op in UnaryOp::ALL {
         let _ = write!(
             w,
-            "\nextern \"C\" __global__ void {n}(const {ty}* __restrict__ xs, {ty}* __restrict__ ys, HemiIndex p) {{\n    \
+            "\nextern \"C\" __global__ void {n}(const {ty}* __restrict__ xs, {ty}* __restrict__ ys, HemiIndex p, float c0, float c1) {{\n    \
              HEMI_GRID_STRIDE(i, (unsigned long long)p.numel) {{\n        \
              long long oa, ob;\n        hemi_offsets(p, i, &oa, &ob);\n        \
              const float x = to_f32(xs[oa]);\n        ys[i] = from_f32<{ty}>({e});\n    }}\n}}\n",
-            n = name(Kernel::Unary(op))?,
+            n = name(Kernel::Unary(op.name()))?,
             e = op.cuda(),
         );
     }

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod compose;
 mod conv_amx;
 mod conv_block;
 mod conv_direct;

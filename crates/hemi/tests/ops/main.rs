@@ -20,6 +20,7 @@ mod loss;
 mod matmul;
 mod nn;
 mod norm;
+mod op_table;
 mod pool;
 mod stats;
 mod tensor;

@@ -1,0 +1,241 @@
+//! The CPU's fused kernels held to their default compositions (`backend::compose`, the
+//! default bodies a backend with only the basic primitives runs): the same inputs through
+//! the CPU override and through the composition of the CPU's basic primitives, on F32, F16
+//! and BF16, odd sizes and strided views. The composition rounds between its parts where
+//! the fused kernel rounds once, so the two agree to a rounding or two of the dtype (the
+//! `permissive` tolerance of a chain of half ops); a wrong mask, index, channel or missing
+//! term errs by O(1).
+
+use crate::common::{assert_close, permissive, rand_values, tensor};
+use hemi::backend::compose;
+use hemi::backend::nn::{BatchNormGeom, Conv2dGeom, Grads, NnOps};
+use hemi::cpu::storage::CpuStorage;
+use hemi::rng::Generator;
+use hemi::tensor::{Layout, Tensor};
+use hemi::DType;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// A tensor's buffer on the host and its layout.
+fn parts(t: &Tensor) -> (CpuStorage, Layout) {
+    (
+        t.storage().to_cpu().unwrap().into_owned(),
+        t.layout().clone(),
+    )
+}
+
+/// The values of a contiguous result of `shape`.
+fn values(s: &CpuStorage, shape: &[usize]) -> Vec<f64> {
+    Tensor::from_storage_layout(s.clone(), Layout::contiguous(shape))
+        .unwrap()
+        .to_vec_f64()
+}
+
+fn close(what: &str, got: &CpuStorage, want: &CpuStorage, shape: &[usize], dtype: DType) {
+    assert_close(
+        what,
+        &values(got, shape),
+        &values(want, shape),
+        permissive(dtype),
+    );
+}
+
+fn close_grads(
+    what: &str,
+    got: &Grads<CpuStorage>,
+    want: &Grads<CpuStorage>,
+    shapes: [&[usize]; 3],
+    dtype: DType,
+) {
+    let pairs = [
+        ("dx", &got.dx, &want.dx, shapes[0]),
+        ("dweight", &got.dweight, &want.dweight, shapes[1]),
+        ("dbias", &got.dbias, &want.dbias, shapes[2]),
+    ];
+    for (name, g, w, shape) in pairs {
+        match (g, w) {
+            (Some(g), Some(w)) => close(&format!("{what} {name}"), g, w, shape, dtype),
+            (None, None) => {}
+            _ => panic!("{what} {name}: one side has it, the other not"),
+        }
+    }
+}
+
+fn rand(shape: &[usize], dtype: DType, strided: bool, rng: &mut Generator) -> Tensor {
+    let n = shape.iter().product();
+    tensor(
+        &rand_values(n, -2.0, 2.0, dtype, rng),
+        shape,
+        dtype,
+        strided,
+    )
+}
+
+#[test]
+fn batch_norm_act_matches_its_composition_forward_backward_and_apply() {
+    let mut rng = Generator::new(7);
+    let shape = [3, 5, 7, 3];
+    let g = BatchNormGeom { n: 3, c: 5, s: 21 };
+    for dtype in DTYPES {
+        for (residual, relu, strided) in [
+            (true, true, false),
+            (false, true, true),
+            (true, false, true),
+        ] {
+            let what = format!("{dtype:?} residual {residual} relu {relu} strided {strided}");
+            let (x, lx) = parts(&rand(&shape, dtype, strided, &mut rng));
+            let (r, lr) = parts(&rand(&shape, dtype, !strided, &mut rng));
+            let (w, lw) = parts(&rand(&[5], DType::F32, false, &mut rng));
+            let (b, lb) = parts(&rand(&[5], DType::F32, false, &mut rng));
+            let (rm, lrm) = parts(&rand(&[5], DType::F32, false, &mut rng));
+            let (rv, lrv) = parts(&tensor(
+                &[0.5, 1.0, 1.5, 2.0, 0.25],
+                &[5],
+                DType::F32,
+                false,
+            ));
+            let res = residual.then_some((&r, &lr));
+            let running = Some(((&rm, &lrm), (&rv, &lrv)));
+            let (wo, bo) = (Some((&w, &lw)), Some((&b, &lb)));
+            let fused =
+                NnOps::batch_norm_act(&x, &lx, g, res, relu, wo, bo, running, true, 0.1, 1e-5)
+                    .unwrap();
+            let composed =
+                compose::batch_norm_act(&x, &lx, g, res, relu, wo, bo, running, true, 0.1, 1e-5)
+                    .unwrap();
+            close(
+                &format!("{what}: out"),
+                &fused.out,
+                &composed.out,
+                &shape,
+                dtype,
+            );
+            close(
+                &format!("{what}: mean"),
+                &fused.mean,
+                &composed.mean,
+                &[5],
+                DType::F32,
+            );
+            close(
+                &format!("{what}: invstd"),
+                &fused.invstd,
+                &composed.invstd,
+                &[5],
+                DType::F32,
+            );
+            let ((fm, fv), (cm, cv)) = (fused.running.unwrap(), composed.running.unwrap());
+            close(&format!("{what}: running mean"), &fm, &cm, &[5], DType::F32);
+            close(&format!("{what}: running var"), &fv, &cv, &[5], DType::F32);
+
+            // The backward from the same upstream gradient and the fused forward's output.
+            let (dy, ldy) = parts(&rand(&shape, dtype, strided, &mut rng));
+            let ly = Layout::contiguous(&shape);
+            let y = relu.then_some((&fused.out, &ly));
+            let dtypes = (Some(dtype), Some(DType::F32), Some(DType::F32));
+            let (mean, invstd) = (&fused.mean, &fused.invstd);
+            let (fg, fr) = NnOps::batch_norm_act_backward(
+                &dy, &ldy, y, &x, &lx, g, mean, invstd, wo, true, dtypes, residual,
+            )
+            .unwrap();
+            let (cg, cr) = compose::batch_norm_act_backward(
+                &dy, &ldy, y, &x, &lx, g, mean, invstd, wo, true, dtypes, residual,
+            )
+            .unwrap();
+            close_grads(&what, &fg, &cg, [&shape, &[5], &[5]], dtype);
+            assert_eq!(fr.is_some(), residual, "{what}: residual gradient");
+            if let (Some(f), Some(c)) = (fr, cr) {
+                close(&format!("{what}: residual gradient"), &f, &c, &shape, dtype);
+            }
+
+            // Applying the forward's statistics again.
+            let fa = NnOps::batch_norm_act_apply(&x, &lx, g, mean, invstd, wo, bo, relu).unwrap();
+            let ca = compose::batch_norm_act_apply(&x, &lx, g, mean, invstd, wo, bo, relu).unwrap();
+            close(&format!("{what}: apply"), &fa, &ca, &shape, dtype);
+        }
+    }
+}
+
+#[test]
+fn conv2d_relu_max_pool2_matches_its_composition_forward_and_backward() {
+    let mut rng = Generator::new(11);
+    for dtype in DTYPES {
+        for (h, w, pad, bias, strided) in [(9, 7, 1, true, false), (6, 11, 0, false, true)] {
+            let what = format!("{dtype:?} {h}x{w} pad {pad} bias {bias} strided {strided}");
+            let (n, c_in, c_out, k) = (2, 3, 4, 3);
+            let h_out = h + 2 * pad - k + 1;
+            let w_out = w + 2 * pad - k + 1;
+            let g = Conv2dGeom {
+                n,
+                c_in,
+                h,
+                w,
+                c_out,
+                kh: k,
+                kw: k,
+                stride: (1, 1),
+                padding: (pad, pad),
+                dilation: (1, 1),
+                groups: 1,
+                h_out,
+                w_out,
+            };
+            let (x, lx) = parts(&rand(&g.in_shape(), dtype, strided, &mut rng));
+            let (wt, lw) = parts(&rand(&g.weight_shape(), dtype, false, &mut rng));
+            let (b, lb) = parts(&rand(&[c_out], dtype, false, &mut rng));
+            let bo = bias.then_some((&b, &lb));
+            let (fo, fi) = NnOps::conv2d_relu_max_pool2(&x, &lx, &wt, &lw, bo, &g).unwrap();
+            let (co, ci) = compose::conv2d_relu_max_pool2(&x, &lx, &wt, &lw, bo, &g).unwrap();
+            let pooled = g.pooled_shape();
+            close(&format!("{what}: out"), &fo, &co, &pooled, dtype);
+
+            let (dy, ldy) = parts(&rand(&pooled, dtype, false, &mut rng));
+            let fg = NnOps::conv2d_relu_max_pool2_backward(
+                &dy, &ldy, &fi, &x, &lx, &wt, &lw, &g, true, bias,
+            )
+            .unwrap();
+            let cg = compose::conv2d_relu_max_pool2_backward(
+                &dy, &ldy, &ci, &x, &lx, &wt, &lw, &g, true, bias,
+            )
+            .unwrap();
+            close_grads(
+                &what,
+                &fg,
+                &cg,
+                [&g.in_shape(), &g.weight_shape(), &[c_out]],
+                dtype,
+            );
+        }
+    }
+}
+
+#[test]
+fn a_composed_backward_refuses_another_backends_indices() {
+    let mut rng = Generator::new(3);
+    let g = Conv2dGeom {
+        n: 1,
+        c_in: 1,
+        h: 4,
+        w: 4,
+        c_out: 1,
+        kh: 1,
+        kw: 1,
+        stride: (1, 1),
+        padding: (0, 0),
+        dilation: (1, 1),
+        groups: 1,
+        h_out: 4,
+        w_out: 4,
+    };
+    let (x, lx) = parts(&rand(&g.in_shape(), DType::F32, false, &mut rng));
+    let (wt, lw) = parts(&rand(&g.weight_shape(), DType::F32, false, &mut rng));
+    // The CPU's fused forward keeps its own indices; the composition cannot read them.
+    let (_, fused) = NnOps::conv2d_relu_max_pool2(&x, &lx, &wt, &lw, None, &g).unwrap();
+    let (dy, ldy) = parts(&rand(&g.pooled_shape(), DType::F32, false, &mut rng));
+    let err = compose::conv2d_relu_max_pool2_backward(
+        &dy, &ldy, &fused, &x, &lx, &wt, &lw, &g, true, false,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not from this backend's forward"), "{err}");
+}
