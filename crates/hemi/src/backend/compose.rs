@@ -11,9 +11,12 @@
 
 use super::map::{BinaryOp, MapOps, UnaryOp};
 use super::nn::{
-    BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices, NnOps, Opt, Pool2dGeom,
-    Running,
+    BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices, LayerNorm, NnOps, Opt,
+    Pool2dGeom, Running,
 };
+use super::reduce::{ReduceOp, ReduceOps, Rows};
+use super::BackendStorage;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
 
@@ -211,4 +214,252 @@ pub fn conv2d_relu_max_pool2_backward<B: NnOps + MapOps>(
             None
         },
     })
+}
+
+/// The compute type of `dtype`: F64 for F64, F32 for the others.
+fn compute(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// `x`'s elements in a buffer that `l`'s row-major order addresses contiguously from
+/// `offset`: `x` itself when `l` is contiguous, else a copy.
+fn row_major<'a, B: BackendStorage>(
+    x: &'a B,
+    l: &Layout,
+    copy: &'a mut Option<B>,
+) -> Result<(&'a B, usize)> {
+    if l.is_contiguous() {
+        return Ok((x, l.offset()));
+    }
+    Ok((copy.insert(x.copy_strided(l)?), 0))
+}
+
+/// The rows of `r` seen with the reduced dim last (`[outer, inner, len]`), over a
+/// row-major buffer starting at `offset`.
+fn len_last(r: Rows, offset: usize) -> Layout {
+    Layout::new(
+        vec![r.outer, r.inner, r.len],
+        vec![r.len * r.inner, 1, r.inner],
+        offset,
+    )
+}
+
+/// The rows of `r` in their own order (`[outer, len, inner]`), row-major from `offset`.
+fn rows_layout(r: Rows, offset: usize) -> Layout {
+    Layout::new(
+        vec![r.outer, r.len, r.inner],
+        vec![r.len * r.inner, r.inner, 1],
+        offset,
+    )
+}
+
+/// A per-row statistic (`[outer * inner]`, contiguous) broadcast over the rows' `len`.
+fn per_row(r: Rows) -> Layout {
+    Layout::new(vec![r.outer, r.len, r.inner], vec![r.inner, 0, 1], 0)
+}
+
+/// Softmax of each row: the row max (`reduce` Max) subtracted, `exp`, the row sum, and a
+/// division (log-softmax: the log of the sum subtracted), in the compute type, the last
+/// step rounded into `out`.
+pub fn softmax<B: ReduceOps + MapOps>(
+    x: &B,
+    l: &Layout,
+    rows: Rows,
+    log: bool,
+    out: DType,
+) -> Result<B> {
+    let c = compute(out);
+    let mut copy = None;
+    let (x, off) = row_major(x, l, &mut copy)?;
+    let n = rows.count();
+    let max = x.reduce(&len_last(rows, off), n, rows.len, ReduceOp::Max, c)?;
+    let shifted = x.binary(
+        &rows_layout(rows, off),
+        &max,
+        &per_row(rows),
+        BinaryOp::Sub,
+        c,
+    )?;
+    let own = rows_layout(rows, 0);
+    let e = shifted.unary(&own, UnaryOp::Exp, c)?;
+    let sum = e.reduce(&len_last(rows, 0), n, rows.len, ReduceOp::Sum, c)?;
+    if log {
+        let log_sum = sum.unary(&Layout::contiguous(&[n]), UnaryOp::Log, c)?;
+        shifted.binary(&own, &log_sum, &per_row(rows), BinaryOp::Sub, out)
+    } else {
+        e.binary(&own, &sum, &per_row(rows), BinaryOp::Div, out)
+    }
+}
+
+/// The gradient of `softmax` (`g` the output gradient, `y` the output): `y · (g - Σ g·y)`,
+/// or `g - exp(y) · Σ g` for log-softmax, from maps and row sums.
+pub fn softmax_backward<B: ReduceOps + MapOps>(
+    g: &B,
+    lg: &Layout,
+    y: &B,
+    ly: &Layout,
+    rows: Rows,
+    log: bool,
+    out: DType,
+) -> Result<B> {
+    let c = compute(out);
+    let (mut gc, mut yc) = (None, None);
+    let (g, go) = row_major(g, lg, &mut gc)?;
+    let (y, yo) = row_major(y, ly, &mut yc)?;
+    let (gl, yl, own) = (
+        rows_layout(rows, go),
+        rows_layout(rows, yo),
+        rows_layout(rows, 0),
+    );
+    let n = rows.count();
+    if log {
+        let sum = g.reduce(&len_last(rows, go), n, rows.len, ReduceOp::Sum, c)?;
+        let p = y.unary(&yl, UnaryOp::Exp, c)?;
+        let t = p.binary(&own, &sum, &per_row(rows), BinaryOp::Mul, c)?;
+        g.binary(&gl, &t, &own, BinaryOp::Sub, out)
+    } else {
+        let gy = g.binary(&gl, y, &yl, BinaryOp::Mul, c)?;
+        let dot = gy.reduce(&len_last(rows, 0), n, rows.len, ReduceOp::Sum, c)?;
+        let t = g.binary(&gl, &dot, &per_row(rows), BinaryOp::Sub, c)?;
+        y.binary(&yl, &t, &own, BinaryOp::Mul, out)
+    }
+}
+
+/// `[d]` (layout `l`) broadcast over `rows` rows of `d`.
+fn per_column(l: &Layout, rows: usize, d: usize) -> Layout {
+    Layout::new(vec![rows, d], vec![0, l.strides()[0]], l.offset())
+}
+
+/// Layer normalisation of rows of `d`: the row mean (`reduce` Mean), the centred values, the
+/// biased variance as the mean of their squares, `rstd = (var + eps)^(-1/2)`, then
+/// `xhat · weight + bias`, in the compute type, the last step rounded into `x`'s dtype.
+pub fn layer_norm<B: ReduceOps + MapOps>(
+    x: &B,
+    l: &Layout,
+    d: usize,
+    weight: Opt<'_, B>,
+    bias: Opt<'_, B>,
+    eps: f64,
+) -> Result<LayerNorm<B>> {
+    let (dtype, c) = (x.dtype(), compute(x.dtype()));
+    let rows = if d == 0 { 0 } else { l.numel() / d };
+    let mut copy = None;
+    let (x, off) = row_major(x, l, &mut copy)?;
+    let lx = Layout::new(vec![rows, d], vec![d, 1], off);
+    let own = Layout::contiguous(&[rows, d]);
+    let stat = Layout::new(vec![rows, d], vec![1, 0], 0);
+    let flat = Layout::contiguous(&[rows]);
+    let mean = x.reduce(&lx, rows, d, ReduceOp::Mean, c)?;
+    let centred = x.binary(&lx, &mean, &stat, BinaryOp::Sub, c)?;
+    let sq = centred.unary(&own, UnaryOp::PowScalar(2.0), c)?;
+    let var = sq.reduce(&own, rows, d, ReduceOp::Mean, c)?;
+    let rstd =
+        var.unary(&flat, UnaryOp::AddScalar(eps), c)?
+            .unary(&flat, UnaryOp::PowScalar(-0.5), c)?;
+    let steps = [
+        Some((&rstd, stat.clone(), BinaryOp::Mul)),
+        weight.map(|(w, lw)| (w, per_column(lw, rows, d), BinaryOp::Mul)),
+        bias.map(|(b, lb)| (b, per_column(lb, rows, d), BinaryOp::Add)),
+    ];
+    let steps: Vec<_> = steps.into_iter().flatten().collect();
+    let mut t = centred;
+    for (i, (v, lv, op)) in steps.iter().enumerate() {
+        let to = if i + 1 == steps.len() { dtype } else { c };
+        t = t.binary(&own, *v, lv, *op, to)?;
+    }
+    Ok(LayerNorm { out: t, mean, rstd })
+}
+
+/// The gradients of `layer_norm` from the closed form: with `xhat = (x - mean) · rstd` and
+/// `h = dy · weight`, `dx = rstd · (h - mean(h) - xhat · mean(h · xhat))` per row,
+/// `dweight = Σ_rows dy · xhat`, `dbias = Σ_rows dy`.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward<B: ReduceOps + MapOps>(
+    dy: &B,
+    ldy: &Layout,
+    x: &B,
+    lx: &Layout,
+    d: usize,
+    mean: &B,
+    rstd: &B,
+    weight: Opt<'_, B>,
+    dtypes: GradDTypes,
+) -> Result<Grads<B>> {
+    let c = compute(x.dtype());
+    let rows = if d == 0 { 0 } else { lx.numel() / d };
+    let (mut dc, mut xc) = (None, None);
+    let (dy, doff) = row_major(dy, ldy, &mut dc)?;
+    let (x, xoff) = row_major(x, lx, &mut xc)?;
+    let (ld, lxr) = (
+        Layout::new(vec![rows, d], vec![d, 1], doff),
+        Layout::new(vec![rows, d], vec![d, 1], xoff),
+    );
+    let own = Layout::contiguous(&[rows, d]);
+    let stat = Layout::new(vec![rows, d], vec![1, 0], 0);
+    // Column sums: the rows reduced, each column's run last.
+    let cols = |l: &Layout| {
+        Layout::new(
+            vec![d, rows],
+            vec![l.strides()[1], l.strides()[0]],
+            l.offset(),
+        )
+    };
+    let xhat = x.binary(&lxr, mean, &stat, BinaryOp::Sub, c)?.binary(
+        &own,
+        rstd,
+        &stat,
+        BinaryOp::Mul,
+        c,
+    )?;
+    let dweight = match dtypes.1 {
+        Some(t) => {
+            let p = dy.binary(&ld, &xhat, &own, BinaryOp::Mul, c)?;
+            Some(p.reduce(&cols(&own), d, rows, ReduceOp::Sum, t)?)
+        }
+        None => None,
+    };
+    let dbias = match dtypes.2 {
+        Some(t) => Some(dy.reduce(&cols(&ld), d, rows, ReduceOp::Sum, t)?),
+        None => None,
+    };
+    let dx = match dtypes.0 {
+        Some(t) => {
+            let h = match weight {
+                Some((w, lw)) => dy.binary(&ld, w, &per_column(lw, rows, d), BinaryOp::Mul, c)?,
+                None => dy.cast(&ld, c)?,
+            };
+            let mh = h.reduce(&own, rows, d, ReduceOp::Mean, c)?;
+            let hx = h.binary(&own, &xhat, &own, BinaryOp::Mul, c)?;
+            let mhx = hx.reduce(&own, rows, d, ReduceOp::Mean, c)?;
+            let inner = h.binary(&own, &mh, &stat, BinaryOp::Sub, c)?.binary(
+                &own,
+                &xhat.binary(&own, &mhx, &stat, BinaryOp::Mul, c)?,
+                &own,
+                BinaryOp::Sub,
+                c,
+            )?;
+            Some(inner.binary(&own, rstd, &stat, BinaryOp::Mul, t)?)
+        }
+        None => None,
+    };
+    Ok(Grads { dx, dweight, dbias })
+}
+
+/// The bias gradient of `conv2d`: the output gradient summed over images and pixels per
+/// channel (`reduce` Sum over the view `[c_out, n, pixels]`).
+pub fn conv2d_backward_bias<B: ReduceOps>(
+    dy: &B,
+    ldy: &Layout,
+    g: &Conv2dGeom,
+    out: DType,
+) -> Result<B> {
+    let mut copy = None;
+    let (dy, off) = row_major(dy, ldy, &mut copy)?;
+    let (n, c, p) = (g.n, g.c_out, g.h_out * g.w_out);
+    let l = Layout::new(vec![c, n, p], vec![p, c * p, 1], off);
+    dy.reduce(&l, c, n * p, ReduceOp::Sum, out)
 }

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use super::declare::{primitives, Lift};
 use super::map::MapOps;
+use super::reduce::ReduceOps;
 use crate::dtype::DType;
 use crate::tensor::Layout;
 
@@ -320,7 +321,7 @@ primitives! {
     /// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
     /// backward. `Storage` has a method of the same name for each that dispatches to the right
     /// backend; `ops/` calls those, never this trait directly.
-    pub trait NnOps: MapOps {
+    pub trait NnOps: MapOps + ReduceOps {
         /// `a · b (+ bias)`: `a` [.., m, k] (this buffer), `b` [.., k, n], both rank >= 2 with
         /// batch dims that broadcast (checked by the caller), `bias` `[n]` added to every row
         /// before the one rounding. Returns batch + [m, n] in `out`, the promoted dtype of the
@@ -373,7 +374,9 @@ primitives! {
 
         /// Gradient of `conv2d` with respect to its bias: `dy` (this buffer) summed over the
         /// images and the output pixels, per channel, into `[c_out]` in `out`.
-        fn conv2d_backward_bias(&self, ldy: &Layout, g: &Conv2dGeom, out: DType) -> Result<Self>;
+        fn conv2d_backward_bias(&self, ldy: &Layout, g: &Conv2dGeom, out: DType) -> Result<Self> {
+            super::compose::conv2d_backward_bias(self, ldy, g, out)
+        }
 
         /// `max_pool2d(relu(conv2d(x, w, bias)), 2, 2)` in one pass (the block of small CNNs):
         /// `x` (this buffer), `w` and `bias` all of one dtype, F32, F16 or BF16 (checked by the
@@ -559,7 +562,9 @@ primitives! {
             weight: Opt<'_, Self>,
             bias: Opt<'_, Self>,
             eps: f64,
-        ) -> Result<LayerNorm<Self>>;
+        ) -> Result<LayerNorm<Self>> {
+            super::compose::layer_norm(self, l, d, weight, bias, eps)
+        }
 
         /// Gradients of `layer_norm` (closed form, as llm.c's) from the output gradient (this
         /// buffer), the input, the forward's per-row `mean` and `rstd` and the weight; dtypes
@@ -576,7 +581,9 @@ primitives! {
             rstd: &Self,
             weight: Opt<'_, Self>,
             dtypes: GradDTypes,
-        ) -> Result<Grads<Self>>;
+        ) -> Result<Grads<Self>> {
+            super::compose::layer_norm_backward(self, ldy, x, lx, d, mean, rstd, weight, dtypes)
+        }
 
         /// Fused scaled-dot-product attention: `softmax(scale · q·kᵀ + mask) · v` per head, with
         /// dropout on the probabilities when `g.dropout` is set. `q` (this buffer), `k`, `v` are

@@ -8,6 +8,7 @@
 //! losses) takes `Rows`, the row-major tensor seen as `[outer, len, inner]`.
 
 use super::declare::primitives;
+use super::map::MapOps;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::layout::resolve_dim;
@@ -100,7 +101,7 @@ primitives! {
     /// The reduction primitives a backend implements: sums, means, extrema and their indices,
     /// variances and softmax rows, each accumulated in at least F32. `Storage` has a
     /// dispatching method of the same name for each.
-    pub trait ReduceOps {
+    pub trait ReduceOps: MapOps {
         /// `out[o] = op(x[o*inner .. (o+1)*inner])` for `o < outer`, where `x` is the row-major
         /// order of the elements `layout` addresses (the reduced dims last). Computed in the
         /// compute type of `out` (F32, F64 for F64), rounded once into `out`. The caller checked
@@ -173,7 +174,9 @@ primitives! {
 
         /// Softmax (`log`: log-softmax) of each row of `rows`, with the row max subtracted,
         /// computed in the compute type of `out` and contiguous in `out`.
-        fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self>;
+        fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self> {
+            super::compose::softmax(self, layout, rows, log, out)
+        }
 
         /// The gradient of `softmax` with `self = g` and `y` its output:
         /// `y ⊙ (g - Σ g⊙y)`, or `g - exp(y) · Σ g` for log-softmax, row by row; contiguous in
@@ -186,6 +189,8 @@ primitives! {
             rows: Rows,
             log: bool,
             out: DType,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::softmax_backward(self, lg, y, ly, rows, log, out)
+        }
     }
 }

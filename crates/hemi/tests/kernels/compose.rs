@@ -239,3 +239,100 @@ fn a_composed_backward_refuses_another_backends_indices() {
     .to_string();
     assert!(err.contains("not from this backend's forward"), "{err}");
 }
+
+#[test]
+fn softmax_matches_its_composition_forward_and_backward() {
+    use hemi::backend::reduce::{ReduceOps, Rows};
+    let mut rng = Generator::new(13);
+    let shape = [3, 7, 5];
+    for dtype in DTYPES {
+        // Along the middle dim (inner 5) and along the last (inner 1), strided or not.
+        for (dim, strided) in [(1, true), (2, false), (0, true)] {
+            let (_, rows) = Rows::along("softmax", &shape, dim).unwrap();
+            for log in [false, true] {
+                let what = format!("{dtype:?} dim {dim} log {log} strided {strided}");
+                let (x, lx) = parts(&rand(&shape, dtype, strided, &mut rng));
+                let f = ReduceOps::softmax(&x, &lx, rows, log, dtype).unwrap();
+                let c = compose::softmax(&x, &lx, rows, log, dtype).unwrap();
+                close(&format!("{what}: out"), &f, &c, &shape, dtype);
+                let (g, lg) = parts(&rand(&shape, dtype, !strided, &mut rng));
+                let ly = Layout::contiguous(&shape);
+                let fb = ReduceOps::softmax_backward(&g, &lg, &f, &ly, rows, log, dtype).unwrap();
+                let cb = compose::softmax_backward(&g, &lg, &f, &ly, rows, log, dtype).unwrap();
+                close(&format!("{what}: grad"), &fb, &cb, &shape, dtype);
+            }
+        }
+    }
+}
+
+#[test]
+fn layer_norm_matches_its_composition_forward_and_backward() {
+    let mut rng = Generator::new(17);
+    let (shape, d) = ([4, 3, 19], 19);
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        let c = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        for (affine, strided) in [(true, false), (false, true), (true, true)] {
+            let what = format!("{dtype:?} affine {affine} strided {strided}");
+            let (x, lx) = parts(&rand(&shape, dtype, strided, &mut rng));
+            let (w, lw) = parts(&rand(&[d], dtype, false, &mut rng));
+            let (b, lb) = parts(&rand(&[d], dtype, false, &mut rng));
+            let (wo, bo) = (affine.then_some((&w, &lw)), affine.then_some((&b, &lb)));
+            let f = NnOps::layer_norm(&x, &lx, d, wo, bo, 1e-5).unwrap();
+            let k = compose::layer_norm(&x, &lx, d, wo, bo, 1e-5).unwrap();
+            close(&format!("{what}: out"), &f.out, &k.out, &shape, dtype);
+            close(&format!("{what}: mean"), &f.mean, &k.mean, &[12], c);
+            close(&format!("{what}: rstd"), &f.rstd, &k.rstd, &[12], c);
+
+            let (dy, ldy) = parts(&rand(&shape, dtype, !strided, &mut rng));
+            let dtypes = (
+                Some(dtype),
+                affine.then_some(dtype),
+                affine.then_some(dtype),
+            );
+            let (mean, rstd) = (&f.mean, &f.rstd);
+            let fg =
+                NnOps::layer_norm_backward(&dy, &ldy, &x, &lx, d, mean, rstd, wo, dtypes).unwrap();
+            let kg = compose::layer_norm_backward(&dy, &ldy, &x, &lx, d, mean, rstd, wo, dtypes)
+                .unwrap();
+            close_grads(&what, &fg, &kg, [&shape, &[d], &[d]], dtype);
+        }
+    }
+}
+
+#[test]
+fn conv2d_bias_gradient_matches_its_composition() {
+    let mut rng = Generator::new(19);
+    for dtype in DTYPES {
+        let g = Conv2dGeom {
+            n: 3,
+            c_in: 2,
+            h: 7,
+            w: 5,
+            c_out: 5,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            padding: (0, 0),
+            dilation: (1, 1),
+            groups: 1,
+            h_out: 5,
+            w_out: 3,
+        };
+        for strided in [false, true] {
+            let (dy, ldy) = parts(&rand(&g.out_shape(), dtype, strided, &mut rng));
+            let f = NnOps::conv2d_backward_bias(&dy, &ldy, &g, DType::F32).unwrap();
+            let c = compose::conv2d_backward_bias(&dy, &ldy, &g, DType::F32).unwrap();
+            close(
+                &format!("{dtype:?} strided {strided}"),
+                &f,
+                &c,
+                &[5],
+                DType::F32,
+            );
+        }
+    }
+}

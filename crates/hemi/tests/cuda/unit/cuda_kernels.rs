@@ -63,7 +63,7 @@ fn every_module_is_well_formed_with_exactly_the_expected_entry_points() {
             .into_iter()
             .map(|k| k.name(dtype).unwrap())
             .collect();
-        assert_eq!(want.len(), 13 + 6 + 2 + 6 + 1);
+        assert_eq!(want.len(), 14 + 6 + 2 + 6 + 1);
         found.sort();
         want.sort();
         assert_eq!(found, want, "{dtype:?}");
