@@ -346,7 +346,7 @@ pub fn layer_norm<B: ReduceOps + MapOps>(
     eps: f64,
 ) -> Result<LayerNorm<B>> {
     let (dtype, c) = (x.dtype(), compute(x.dtype()));
-    let rows = if d == 0 { 0 } else { l.numel() / d };
+    let rows = l.numel().checked_div(d).unwrap_or(0);
     let mut copy = None;
     let (x, off) = row_major(x, l, &mut copy)?;
     let lx = Layout::new(vec![rows, d], vec![d, 1], off);
@@ -390,7 +390,7 @@ pub fn layer_norm_backward<B: ReduceOps + MapOps>(
     dtypes: GradDTypes,
 ) -> Result<Grads<B>> {
     let c = compute(x.dtype());
-    let rows = if d == 0 { 0 } else { lx.numel() / d };
+    let rows = lx.numel().checked_div(d).unwrap_or(0);
     let (mut dc, mut xc) = (None, None);
     let (dy, doff) = row_major(dy, ldy, &mut dc)?;
     let (x, xoff) = row_major(x, lx, &mut xc)?;
