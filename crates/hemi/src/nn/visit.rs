@@ -26,8 +26,22 @@ use crate::tensor::Tensor;
 /// a `Visit`; parts of a model that are not modules themselves (BERT's layers) can be too,
 /// and are then children like any other.
 ///
-/// ```ignore
-/// impl Visit for TinyNet {
+/// ```
+/// use hemi::nn::{BatchNorm2d, Module, Visit, Visitor, VisitorMut};
+/// use hemi::{DType, Tensor};
+///
+/// struct Head {
+///     fc_w: Tensor,
+///     bn: BatchNorm2d,
+/// }
+///
+/// impl Module for Head {
+///     fn forward(&self, x: &Tensor) -> hemi::Result<Tensor> {
+///         self.bn.forward(x)?.flatten(1, -1)?.linear(&self.fc_w, None)
+///     }
+/// }
+///
+/// impl Visit for Head {
 ///     fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
 ///         v.param("fc.weight", &self.fc_w);
 ///         v.child("bn", &self.bn);
@@ -37,6 +51,16 @@ use crate::tensor::Tensor;
 ///         v.child("bn", &mut self.bn);
 ///     }
 /// }
+///
+/// let mut head = Head {
+///     fc_w: Tensor::zeros(&[2, 3], DType::F32)?.requires_grad_(),
+///     bn: BatchNorm2d::new(3)?,
+/// };
+/// let names: Vec<String> = head.state_dict().into_iter().map(|(n, _)| n).collect();
+/// assert_eq!(names[..3], ["fc.weight", "bn.weight", "bn.bias"]);
+/// assert_eq!(head.batch_norms_mut().len(), 1);
+/// head.set_training(false); // reaches the BatchNorm's flag
+/// # Ok::<(), hemi::Error>(())
 /// ```
 pub trait Visit {
     /// Shows `v` the module's tensors, children, dropout generators and training flags, in
