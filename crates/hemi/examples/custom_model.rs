@@ -1,6 +1,7 @@
 //! A model of your own and a training loop of your own: `TinyNet` implements hemi's `Module`
 //! over weight tensors it owns (plus a `BatchNorm2d` child, to show how children's tensors
-//! are named), and `main` trains it with AdamW (no weight decay on biases and norms), a
+//! are named; its `Visit` describes them once, and `state_dict`, `to_dtype`,
+//! `set_training`... follow from it), and `main` trains it with AdamW (no weight decay on biases and norms), a
 //! linear warm-up then cosine schedule stepped per batch, autocast F16 with a `GradScaler`,
 //! and gradient clipping on the unscaled gradients — the pieces `hemi::train` puts
 //! together, used directly.
@@ -15,7 +16,7 @@ use std::time::Instant;
 use hemi::amp::{autocast, GradScaler, GradScalerConfig};
 use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
 use hemi::nn::init::{bias_uniform, kaiming_uniform_default};
-use hemi::nn::{prefixed, prefixed_mut, BatchNorm2d, Kind, Module, Slot};
+use hemi::nn::{BatchNorm2d, Module, Visit, Visitor, VisitorMut};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::ops::loss::cross_entropy;
 use hemi::optim::{clip_grad_norm, no_decay_mask, Optimizer};
@@ -68,44 +69,29 @@ impl Module for TinyNet {
         // -> [B, 1152] -> [B, 10]
         h.flatten(1, -1)?.linear(&self.fc_w, Some(&self.fc_b))
     }
+}
 
-    /// The state_dict: PyTorch-style names, parameters first, the child's under `bn.`.
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let p = |name: &str, t| (name.to_string(), t, Kind::Parameter, false);
-        let mut v = vec![
-            p("conv1.weight", &self.conv1_w),
-            p("conv1.bias", &self.conv1_b),
-            p("conv2.weight", &self.conv2_w),
-            p("conv2.bias", &self.conv2_b),
-        ];
-        v.extend(prefixed("bn", self.bn.tensors()));
-        v.push(p("fc.weight", &self.fc_w));
-        v.push(p("fc.bias", &self.fc_b));
-        v
+/// The state_dict: PyTorch-style names, the child's under `bn.`. `visit_mut` shows the same
+/// tensors mutable (for casts and `load_state_dict`); the child's `visit` shows its training
+/// flag too, so `set_training` reaches the BatchNorm.
+impl Visit for TinyNet {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.param("conv1.weight", &self.conv1_w);
+        v.param("conv1.bias", &self.conv1_b);
+        v.param("conv2.weight", &self.conv2_w);
+        v.param("conv2.bias", &self.conv2_b);
+        v.child("bn", &self.bn);
+        v.param("fc.weight", &self.fc_w);
+        v.param("fc.bias", &self.fc_b);
     }
-
-    /// The same tensors, mutable (casts with `to_dtype`, `load_state_dict`).
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let p = |name: &str, tensor| Slot {
-            name: name.to_string(),
-            tensor,
-            kind: Kind::Parameter,
-            is_norm: false,
-        };
-        let mut v = vec![
-            p("conv1.weight", &mut self.conv1_w),
-            p("conv1.bias", &mut self.conv1_b),
-            p("conv2.weight", &mut self.conv2_w),
-            p("conv2.bias", &mut self.conv2_b),
-        ];
-        v.extend(prefixed_mut("bn", self.bn.tensors_mut()));
-        v.push(p("fc.weight", &mut self.fc_w));
-        v.push(p("fc.bias", &mut self.fc_b));
-        v
-    }
-
-    fn set_training(&mut self, training: bool) {
-        self.bn.set_training(training);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.param("conv1.weight", &mut self.conv1_w);
+        v.param("conv1.bias", &mut self.conv1_b);
+        v.param("conv2.weight", &mut self.conv2_w);
+        v.param("conv2.bias", &mut self.conv2_b);
+        v.child("bn", &mut self.bn);
+        v.param("fc.weight", &mut self.fc_w);
+        v.param("fc.bias", &mut self.fc_b);
     }
 }
 

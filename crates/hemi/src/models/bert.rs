@@ -23,6 +23,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use serde_json::{json, Map, Value};
@@ -31,8 +32,8 @@ use crate::data::Inputs;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{
-    param, prefixed, prefixed_layers, prefixed_mut, Dropout, Embedding, Kind, LayerMut, LayerNorm,
-    Linear, Module, Slot, StateDictMismatch,
+    param, Dropout, Embedding, LayerNorm, Linear, Module, StateDictMismatch, Visit, Visitor,
+    VisitorMut,
 };
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -449,24 +450,6 @@ fn dropout(p: f64, rng: &mut Generator) -> Result<Dropout> {
     Dropout::new(p, rng.next_u64())
 }
 
-/// A module's named tensors, as `Module::tensors` lists them.
-type Named<'a> = Vec<(String, &'a Tensor, Kind, bool)>;
-
-/// Named tensors of several children, each under its prefix.
-fn children<'a>(parts: Vec<(&str, Named<'a>)>) -> Named<'a> {
-    parts
-        .into_iter()
-        .flat_map(|(p, v)| prefixed(p, v))
-        .collect()
-}
-
-fn children_mut<'a>(parts: Vec<(&str, Vec<Slot<'a>>)>) -> Vec<Slot<'a>> {
-    parts
-        .into_iter()
-        .flat_map(|(p, v)| prefixed_mut(p, v))
-        .collect()
-}
-
 /// The additive attention mask `[B, 1, 1, L]` of `attention_mask` `[B, L]` (1 keep, 0 pad)
 /// in `dtype`: 0 where kept, a large negative number where padded.
 ///
@@ -553,36 +536,22 @@ impl BertEmbeddings {
             .add(&self.position_embeddings.forward(&positions)?)?;
         self.dropout.forward(&self.layer_norm.forward(&x)?)
     }
+}
 
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        children(vec![
-            ("word_embeddings", self.word_embeddings.tensors()),
-            ("position_embeddings", self.position_embeddings.tensors()),
-            (
-                "token_type_embeddings",
-                self.token_type_embeddings.tensors(),
-            ),
-            ("LayerNorm", self.layer_norm.tensors()),
-        ])
+impl Visit for BertEmbeddings {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("word_embeddings", &self.word_embeddings);
+        v.child("position_embeddings", &self.position_embeddings);
+        v.child("token_type_embeddings", &self.token_type_embeddings);
+        v.child("LayerNorm", &self.layer_norm);
+        v.child("dropout", &self.dropout);
     }
-
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        children_mut(vec![
-            ("word_embeddings", self.word_embeddings.tensors_mut()),
-            (
-                "position_embeddings",
-                self.position_embeddings.tensors_mut(),
-            ),
-            (
-                "token_type_embeddings",
-                self.token_type_embeddings.tensors_mut(),
-            ),
-            ("LayerNorm", self.layer_norm.tensors_mut()),
-        ])
-    }
-
-    fn set_training(&mut self, training: bool) {
-        self.dropout.set_training(training);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("word_embeddings", &mut self.word_embeddings);
+        v.child("position_embeddings", &mut self.position_embeddings);
+        v.child("token_type_embeddings", &mut self.token_type_embeddings);
+        v.child("LayerNorm", &mut self.layer_norm);
+        v.child("dropout", &mut self.dropout);
     }
 }
 
@@ -611,7 +580,7 @@ pub struct BertLayer {
     attention_rng: Mutex<Generator>,
     attention_output_dropout: Dropout,
     output_dropout: Dropout,
-    training: bool,
+    training: AtomicBool,
 }
 
 impl BertLayer {
@@ -632,7 +601,7 @@ impl BertLayer {
             attention_rng: Mutex::new(Generator::new(rng.next_u64())),
             attention_output_dropout: dropout(cfg.hidden_dropout_prob, rng)?,
             output_dropout: dropout(cfg.hidden_dropout_prob, rng)?,
-            training: true,
+            training: AtomicBool::new(true),
         })
     }
 
@@ -657,7 +626,7 @@ impl BertLayer {
                 &v,
                 mask,
                 self.attention_dropout_p,
-                self.training,
+                self.training.load(Ordering::Relaxed),
                 &mut rng,
             )?
         };
@@ -670,62 +639,39 @@ impl BertLayer {
         let f = self.output_dropout.forward(&self.output.forward(&f)?)?;
         self.output_norm.forward(&f.add(&a)?)
     }
+}
 
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        children(vec![
-            ("attention.self.query", self.query.tensors()),
-            ("attention.self.key", self.key.tensors()),
-            ("attention.self.value", self.value.tensors()),
-            ("attention.output.dense", self.attention_output.tensors()),
-            ("attention.output.LayerNorm", self.attention_norm.tensors()),
-            ("intermediate.dense", self.intermediate.tensors()),
-            ("output.dense", self.output.tensors()),
-            ("output.LayerNorm", self.output_norm.tensors()),
-        ])
+/// transformers' names (`attention.self.query`...); the attention's own dropout (its
+/// generator and training flag) and the two dropout layers have no tensors.
+impl Visit for BertLayer {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("attention.self.query", &self.query);
+        v.child("attention.self.key", &self.key);
+        v.child("attention.self.value", &self.value);
+        v.child("attention.output.dense", &self.attention_output);
+        v.child("attention.output.LayerNorm", &self.attention_norm);
+        v.child("intermediate.dense", &self.intermediate);
+        v.child("output.dense", &self.output);
+        v.child("output.LayerNorm", &self.output_norm);
+        v.generator(&self.attention_rng);
+        v.training(&self.training);
+        v.child("attention.output.dropout", &self.attention_output_dropout);
+        v.child("output.dropout", &self.output_dropout);
     }
-
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        children_mut(vec![
-            ("attention.self.query", self.query.tensors_mut()),
-            ("attention.self.key", self.key.tensors_mut()),
-            ("attention.self.value", self.value.tensors_mut()),
-            (
-                "attention.output.dense",
-                self.attention_output.tensors_mut(),
-            ),
-            (
-                "attention.output.LayerNorm",
-                self.attention_norm.tensors_mut(),
-            ),
-            ("intermediate.dense", self.intermediate.tensors_mut()),
-            ("output.dense", self.output.tensors_mut()),
-            ("output.LayerNorm", self.output_norm.tensors_mut()),
-        ])
-    }
-
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = prefixed_layers("attention.self.query", self.query.layers_mut());
-        v.extend(prefixed_layers("attention.self.key", self.key.layers_mut()));
-        v.extend(prefixed_layers(
-            "attention.self.value",
-            self.value.layers_mut(),
-        ));
-        v.extend(prefixed_layers(
-            "attention.output.dense",
-            self.attention_output.layers_mut(),
-        ));
-        v.extend(prefixed_layers(
-            "intermediate.dense",
-            self.intermediate.layers_mut(),
-        ));
-        v.extend(prefixed_layers("output.dense", self.output.layers_mut()));
-        v
-    }
-
-    fn set_training(&mut self, training: bool) {
-        self.training = training;
-        self.attention_output_dropout.set_training(training);
-        self.output_dropout.set_training(training);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("attention.self.query", &mut self.query);
+        v.child("attention.self.key", &mut self.key);
+        v.child("attention.self.value", &mut self.value);
+        v.child("attention.output.dense", &mut self.attention_output);
+        v.child("attention.output.LayerNorm", &mut self.attention_norm);
+        v.child("intermediate.dense", &mut self.intermediate);
+        v.child("output.dense", &mut self.output);
+        v.child("output.LayerNorm", &mut self.output_norm);
+        v.child(
+            "attention.output.dropout",
+            &mut self.attention_output_dropout,
+        );
+        v.child("output.dropout", &mut self.output_dropout);
     }
 }
 
@@ -871,15 +817,6 @@ impl BertModel {
 }
 
 impl Module for BertModel {
-    fn generators(&self) -> Vec<&Mutex<Generator>> {
-        let mut v = self.embeddings.dropout.generators();
-        for l in &self.layers {
-            v.push(&l.attention_rng);
-            v.extend(l.attention_output_dropout.generators());
-            v.extend(l.output_dropout.generators());
-        }
-        v
-    }
     /// input_ids `[B, L]` I64 -> last_hidden_state.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(self.forward_ids(x)?.0)
@@ -887,43 +824,26 @@ impl Module for BertModel {
     fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {
         Ok(self.forward_batch(inputs)?.0)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = prefixed("embeddings", self.embeddings.tensors());
+}
+
+/// `embeddings`, `encoder.layer.{i}`, `pooler.dense`.
+impl Visit for BertModel {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("embeddings", &self.embeddings);
         for (i, l) in self.layers.iter().enumerate() {
-            v.extend(prefixed(&format!("encoder.layer.{i}"), l.tensors()));
+            v.child(&format!("encoder.layer.{i}"), l);
         }
         if let Some(p) = &self.pooler {
-            v.extend(prefixed("pooler.dense", p.tensors()));
+            v.child("pooler.dense", p);
         }
-        v
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = prefixed_mut("embeddings", self.embeddings.tensors_mut());
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("embeddings", &mut self.embeddings);
         for (i, l) in self.layers.iter_mut().enumerate() {
-            v.extend(prefixed_mut(&format!("encoder.layer.{i}"), l.tensors_mut()));
+            v.child(&format!("encoder.layer.{i}"), l);
         }
         if let Some(p) = &mut self.pooler {
-            v.extend(prefixed_mut("pooler.dense", p.tensors_mut()));
-        }
-        v
-    }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = Vec::new();
-        for (i, l) in self.layers.iter_mut().enumerate() {
-            v.extend(prefixed_layers(
-                &format!("encoder.layer.{i}"),
-                l.layers_mut(),
-            ));
-        }
-        if let Some(p) = &mut self.pooler {
-            v.extend(prefixed_layers("pooler.dense", p.layers_mut()));
-        }
-        v
-    }
-    fn set_training(&mut self, training: bool) {
-        self.embeddings.set_training(training);
-        for l in &mut self.layers {
-            l.set_training(training);
+            v.child("pooler.dense", p);
         }
     }
 }
@@ -1007,11 +927,6 @@ impl BertForSequenceClassification {
 }
 
 impl Module for BertForSequenceClassification {
-    fn generators(&self) -> Vec<&Mutex<Generator>> {
-        let mut v = self.bert.generators();
-        v.extend(self.dropout.generators());
-        v
-    }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let ones = Tensor::ones(x.shape(), DType::I64)?;
         let zeros = Tensor::zeros(x.shape(), DType::I64)?;
@@ -1021,26 +936,18 @@ impl Module for BertForSequenceClassification {
         let t = inputs.text()?;
         self.forward_text(&t.input_ids, &t.attention_mask, &t.token_type_ids)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        children(vec![
-            ("bert", self.bert.tensors()),
-            ("classifier", self.classifier.tensors()),
-        ])
+}
+
+impl Visit for BertForSequenceClassification {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("bert", &self.bert);
+        v.child("classifier", &self.classifier);
+        v.child("dropout", &self.dropout);
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        children_mut(vec![
-            ("bert", self.bert.tensors_mut()),
-            ("classifier", self.classifier.tensors_mut()),
-        ])
-    }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = prefixed_layers("bert", self.bert.layers_mut());
-        v.extend(prefixed_layers("classifier", self.classifier.layers_mut()));
-        v
-    }
-    fn set_training(&mut self, training: bool) {
-        self.bert.set_training(training);
-        self.dropout.set_training(training);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("bert", &mut self.bert);
+        v.child("classifier", &mut self.classifier);
+        v.child("dropout", &mut self.dropout);
     }
 }
 
@@ -1115,9 +1022,6 @@ impl BertForMaskedLM {
 }
 
 impl Module for BertForMaskedLM {
-    fn generators(&self) -> Vec<&Mutex<Generator>> {
-        self.bert.generators()
-    }
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let ones = Tensor::ones(x.shape(), DType::I64)?;
         let zeros = Tensor::zeros(x.shape(), DType::I64)?;
@@ -1127,57 +1031,26 @@ impl Module for BertForMaskedLM {
         let t = inputs.text()?;
         self.forward_text(&t.input_ids, &t.attention_mask, &t.token_type_ids)
     }
-    /// transformers' order: `bert.*`, then `cls.predictions.bias` (the head's own
-    /// parameter), then its transform. The tied decoder is not listed (see the module doc).
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = prefixed("bert", self.bert.tensors());
-        v.push((
-            "cls.predictions.bias".into(),
-            &self.bias,
-            Kind::Parameter,
-            false,
-        ));
-        v.extend(children(vec![
-            ("cls.predictions.transform.dense", self.transform.tensors()),
-            (
-                "cls.predictions.transform.LayerNorm",
-                self.transform_norm.tensors(),
-            ),
-        ]));
-        v
+}
+
+/// transformers' order: `bert.*`, then `cls.predictions.bias` (the head's own parameter),
+/// then its transform. The tied decoder is not listed (see the module doc); it is the
+/// word-embedding table, so `layers_mut` lists the encoder's layers and the transform only.
+impl Visit for BertForMaskedLM {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("bert", &self.bert);
+        v.param("cls.predictions.bias", &self.bias);
+        v.child("cls.predictions.transform.dense", &self.transform);
+        v.child("cls.predictions.transform.LayerNorm", &self.transform_norm);
     }
-    /// The encoder's layers and the head's transform; the tied decoder stays F32 (it is
-    /// the word-embedding table).
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = prefixed_layers("bert", self.bert.layers_mut());
-        v.extend(prefixed_layers(
-            "cls.predictions.transform.dense",
-            self.transform.layers_mut(),
-        ));
-        v
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = prefixed_mut("bert", self.bert.tensors_mut());
-        v.push(Slot {
-            name: "cls.predictions.bias".into(),
-            tensor: &mut self.bias,
-            kind: Kind::Parameter,
-            is_norm: false,
-        });
-        v.extend(children_mut(vec![
-            (
-                "cls.predictions.transform.dense",
-                self.transform.tensors_mut(),
-            ),
-            (
-                "cls.predictions.transform.LayerNorm",
-                self.transform_norm.tensors_mut(),
-            ),
-        ]));
-        v
-    }
-    fn set_training(&mut self, training: bool) {
-        self.bert.set_training(training);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("bert", &mut self.bert);
+        v.param("cls.predictions.bias", &mut self.bias);
+        v.child("cls.predictions.transform.dense", &mut self.transform);
+        v.child(
+            "cls.predictions.transform.LayerNorm",
+            &mut self.transform_norm,
+        );
     }
 }
 

@@ -1,9 +1,7 @@
 //! The CNN of the user's documents, for 32×32 RGB images in 10 classes.
 
 use crate::error::{Error, Result};
-use crate::nn::{
-    prefixed, prefixed_layers, prefixed_mut, Conv2d, Kind, LayerMut, Linear, Module, Slot,
-};
+use crate::nn::{Conv2d, Linear, Module, Visit, Visitor, VisitorMut};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -75,25 +73,19 @@ impl Module for CifarNet {
         let x = self.fc1.forward_relu(&x)?;
         self.fc2.forward(&x)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = prefixed("conv1", self.conv1.tensors());
-        v.extend(prefixed("conv2", self.conv2.tensors()));
-        v.extend(prefixed("fc1", self.fc1.tensors()));
-        v.extend(prefixed("fc2", self.fc2.tensors()));
-        v
+}
+
+impl Visit for CifarNet {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("conv1", &self.conv1);
+        v.child("conv2", &self.conv2);
+        v.child("fc1", &self.fc1);
+        v.child("fc2", &self.fc2);
     }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = prefixed_layers("conv1", self.conv1.layers_mut());
-        v.extend(prefixed_layers("conv2", self.conv2.layers_mut()));
-        v.extend(prefixed_layers("fc1", self.fc1.layers_mut()));
-        v.extend(prefixed_layers("fc2", self.fc2.layers_mut()));
-        v
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = prefixed_mut("conv1", self.conv1.tensors_mut());
-        v.extend(prefixed_mut("conv2", self.conv2.tensors_mut()));
-        v.extend(prefixed_mut("fc1", self.fc1.tensors_mut()));
-        v.extend(prefixed_mut("fc2", self.fc2.tensors_mut()));
-        v
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("conv1", &mut self.conv1);
+        v.child("conv2", &mut self.conv2);
+        v.child("fc1", &mut self.fc1);
+        v.child("fc2", &mut self.fc2);
     }
 }

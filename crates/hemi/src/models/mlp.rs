@@ -1,7 +1,7 @@
 //! A small multi-layer perceptron on flattened images.
 
 use crate::error::Result;
-use crate::nn::{prefixed, prefixed_layers, prefixed_mut, Kind, LayerMut, Linear, Module, Slot};
+use crate::nn::{Linear, Module, Visit, Visitor, VisitorMut};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
 
@@ -38,19 +38,15 @@ impl Module for Mlp {
         };
         self.fc2.forward(&self.fc1.forward_relu(&x)?)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = prefixed("fc1", self.fc1.tensors());
-        v.extend(prefixed("fc2", self.fc2.tensors()));
-        v
+}
+
+impl Visit for Mlp {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("fc1", &self.fc1);
+        v.child("fc2", &self.fc2);
     }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        let mut v = prefixed_layers("fc1", self.fc1.layers_mut());
-        v.extend(prefixed_layers("fc2", self.fc2.layers_mut()));
-        v
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = prefixed_mut("fc1", self.fc1.tensors_mut());
-        v.extend(prefixed_mut("fc2", self.fc2.tensors_mut()));
-        v
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.child("fc1", &mut self.fc1);
+        v.child("fc2", &mut self.fc2);
     }
 }

@@ -20,7 +20,7 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{
-    init, param, prefixed, prefixed_mut, BatchNorm2d, Conv2d, Kind, Linear, MaxPool2d, Module, Slot,
+    init, param, BatchNorm2d, Conv2d, Linear, MaxPool2d, Module, Visit, Visitor, VisitorMut,
 };
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
@@ -219,14 +219,6 @@ impl Block {
             }
         }
     }
-
-    fn block_norms_mut(&mut self) -> impl Iterator<Item = &mut BatchNorm2d> {
-        let shortcut = match &mut self.shortcut {
-            Shortcut::Projection { bn, .. } => Some(bn),
-            _ => None,
-        };
-        self.layers.iter_mut().map(|(_, bn)| bn).chain(shortcut)
-    }
 }
 
 /// A block's last convolution costing at most this many multiply-adds per output value, and
@@ -266,37 +258,32 @@ impl Module for Block {
         }
         bn.forward_act(&y, Some(&self.shortcut_forward(x)?), true)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = Vec::new();
+}
+
+/// torchvision's names: `conv1`, `bn1`, `conv2`, `bn2`... then `downsample.0` (conv) and
+/// `downsample.1` (BN) for a projection shortcut.
+impl Visit for Block {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
         for (i, (conv, bn)) in self.layers.iter().enumerate() {
-            v.extend(prefixed(&format!("conv{}", i + 1), conv.tensors()));
-            v.extend(prefixed(&format!("bn{}", i + 1), bn.tensors()));
+            v.child(&format!("conv{}", i + 1), conv);
+            v.child(&format!("bn{}", i + 1), bn);
         }
         if let Shortcut::Projection { conv, bn } = &self.shortcut {
-            v.extend(prefixed("downsample.0", conv.tensors()));
-            v.extend(prefixed("downsample.1", bn.tensors()));
+            v.child("downsample.0", conv);
+            v.child("downsample.1", bn);
         }
-        v
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = Vec::new();
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        // The fused BN + conv ops read the convolutions' weights directly, past their hooks.
+        v.hide_layers();
         for (i, (conv, bn)) in self.layers.iter_mut().enumerate() {
-            v.extend(prefixed_mut(&format!("conv{}", i + 1), conv.tensors_mut()));
-            v.extend(prefixed_mut(&format!("bn{}", i + 1), bn.tensors_mut()));
+            v.child(&format!("conv{}", i + 1), conv);
+            v.child(&format!("bn{}", i + 1), bn);
         }
         if let Shortcut::Projection { conv, bn } = &mut self.shortcut {
-            v.extend(prefixed_mut("downsample.0", conv.tensors_mut()));
-            v.extend(prefixed_mut("downsample.1", bn.tensors_mut()));
+            v.child("downsample.0", conv);
+            v.child("downsample.1", bn);
         }
-        v
-    }
-    fn set_training(&mut self, training: bool) {
-        for bn in self.block_norms_mut() {
-            bn.set_training(training);
-        }
-    }
-    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
-        self.block_norms_mut().collect()
     }
 }
 
@@ -518,42 +505,31 @@ impl Module for ResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.fc.forward(&self.features(x)?)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = prefixed("conv1", self.conv1.tensors());
-        v.extend(prefixed("bn1", self.bn1.tensors()));
+}
+
+/// torchvision's names: `conv1`, `bn1`, `layer{i}.{j}` (the blocks), `fc`.
+impl Visit for ResNet {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.child("conv1", &self.conv1);
+        v.child("bn1", &self.bn1);
         for (i, layer) in self.layers.iter().enumerate() {
             for (j, block) in layer.iter().enumerate() {
-                v.extend(prefixed(&format!("layer{}.{j}", i + 1), block.tensors()));
+                v.child(&format!("layer{}.{j}", i + 1), block);
             }
         }
-        v.extend(prefixed("fc", self.fc.tensors()));
-        v
+        v.child("fc", &self.fc);
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = prefixed_mut("conv1", self.conv1.tensors_mut());
-        v.extend(prefixed_mut("bn1", self.bn1.tensors_mut()));
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        // Not quantisable: the stem's and the blocks' fused ops read the convolutions'
+        // weights directly, past their hooks (and hooking only `fc` would leave it float).
+        v.hide_layers();
+        v.child("conv1", &mut self.conv1);
+        v.child("bn1", &mut self.bn1);
         for (i, layer) in self.layers.iter_mut().enumerate() {
             for (j, block) in layer.iter_mut().enumerate() {
-                v.extend(prefixed_mut(
-                    &format!("layer{}.{j}", i + 1),
-                    block.tensors_mut(),
-                ));
+                v.child(&format!("layer{}.{j}", i + 1), block);
             }
         }
-        v.extend(prefixed_mut("fc", self.fc.tensors_mut()));
-        v
-    }
-    fn set_training(&mut self, training: bool) {
-        self.bn1.set_training(training);
-        for block in self.layers.iter_mut().flatten() {
-            block.set_training(training);
-        }
-    }
-    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
-        let mut v = vec![&mut self.bn1];
-        for block in self.layers.iter_mut().flatten() {
-            v.extend(block.block_norms_mut());
-        }
-        v
+        v.child("fc", &mut self.fc);
     }
 }

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use super::pool::stateless;
-use super::{Kind, Module, Slot};
+use super::{Module, Visit, Visitor, VisitorMut};
 use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -69,16 +69,13 @@ impl Module for Dropout {
             .map_err(|_| Error::Msg("Dropout: generator lock poisoned".into()))?;
         x.dropout(self.p, self.training.load(Ordering::Relaxed), &mut rng)
     }
-    fn set_training(&mut self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
+}
+
+/// No tensors: its generator and its training flag.
+impl Visit for Dropout {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.generator(&self.rng);
+        v.training(&self.training);
     }
-    fn generators(&self) -> Vec<&Mutex<Generator>> {
-        vec![&self.rng]
-    }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        Vec::new()
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        Vec::new()
-    }
+    fn visit_mut<'a>(&'a mut self, _: &mut dyn VisitorMut<'a>) {}
 }

@@ -1,8 +1,6 @@
 //! The Conv2d layer.
 
-use super::{
-    init, param, weight_bias, weight_bias_mut, ForwardHook, Kind, LayerMut, LayerRef, Module, Slot,
-};
+use super::{init, param, ForwardHook, LayerMut, LayerRef, Module, Visit, Visitor, VisitorMut};
 use crate::error::{Error, Result};
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
@@ -92,13 +90,22 @@ impl Module for Conv2d {
             None => x.conv2d(&self.weight, self.bias.as_ref(), self.opts),
         }
     }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        vec![(String::new(), LayerMut::Conv2d(self))]
+}
+
+impl Visit for Conv2d {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.param("weight", &self.weight);
+        if let Some(b) = &self.bias {
+            v.param("bias", b);
+        }
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        weight_bias(&self.weight, self.bias.as_ref(), false)
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.param("weight", &mut self.weight);
+        if let Some(b) = &mut self.bias {
+            v.param("bias", b);
+        }
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        weight_bias_mut(&mut self.weight, self.bias.as_mut(), false)
+    fn as_layer_mut(&mut self) -> Option<LayerMut<'_>> {
+        Some(LayerMut::Conv2d(self))
     }
 }

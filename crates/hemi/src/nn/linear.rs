@@ -1,8 +1,6 @@
 //! Linear (fully connected) and Embedding layers.
 
-use super::{
-    init, param, weight_bias, weight_bias_mut, ForwardHook, Kind, LayerMut, LayerRef, Module, Slot,
-};
+use super::{init, param, ForwardHook, LayerMut, LayerRef, Module, Visit, Visitor, VisitorMut};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
@@ -76,14 +74,23 @@ impl Module for Linear {
             None => x.linear(&self.weight, self.bias.as_ref()),
         }
     }
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        vec![(String::new(), LayerMut::Linear(self))]
+}
+
+impl Visit for Linear {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.param("weight", &self.weight);
+        if let Some(b) = &self.bias {
+            v.param("bias", b);
+        }
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        weight_bias(&self.weight, self.bias.as_ref(), false)
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.param("weight", &mut self.weight);
+        if let Some(b) = &mut self.bias {
+            v.param("bias", b);
+        }
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        weight_bias_mut(&mut self.weight, self.bias.as_mut(), false)
+    fn as_layer_mut(&mut self) -> Option<LayerMut<'_>> {
+        Some(LayerMut::Linear(self))
     }
 }
 
@@ -118,15 +125,13 @@ impl Module for Embedding {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Tensor::embedding(&self.weight, x)
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        vec![("weight".to_string(), &self.weight, Kind::Parameter, false)]
+}
+
+impl Visit for Embedding {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.param("weight", &self.weight);
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        vec![Slot {
-            name: "weight".into(),
-            tensor: &mut self.weight,
-            kind: Kind::Parameter,
-            is_norm: false,
-        }]
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.param("weight", &mut self.weight);
     }
 }

@@ -1,5 +1,6 @@
-//! Layers. A `Module` computes `forward` and lists its tensors (parameters and buffers) in
-//! PyTorch's `state_dict` order and naming, so checkpoints load into the same PyTorch model.
+//! Layers. A `Module` computes `forward` and describes its tensors (parameters and buffers)
+//! and children once (`Visit`), in PyTorch's `state_dict` order and naming, so checkpoints
+//! load into the same PyTorch model.
 //!
 //! Parameters are autograd leaves owned by their layer; an optimizer holds clones of the
 //! same handles and updates them in place. Casting a model (`to_dtype`) makes new leaves,
@@ -14,6 +15,7 @@ mod norm;
 mod pool;
 mod sequential;
 mod state_dict;
+mod visit;
 
 pub use activation::{Dropout, Flatten, Gelu, Relu};
 pub use conv::Conv2d;
@@ -23,6 +25,7 @@ pub use norm::{BatchNorm2d, LayerNorm};
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 pub use sequential::Sequential;
 pub use state_dict::{state_dict_mismatch, StateDictMismatch};
+pub use visit::{Visit, Visitor, VisitorMut};
 
 use crate::data::Inputs;
 use crate::dtype::DType;
@@ -132,26 +135,11 @@ pub trait ForwardHook: Send + Sync + std::any::Any {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
-/// Prefixes the names of child layers with `prefix.` (for `layers_mut` of composite models).
-pub fn prefixed_layers<'a>(
-    prefix: &str,
-    v: Vec<(String, LayerMut<'a>)>,
-) -> Vec<(String, LayerMut<'a>)> {
-    v.into_iter()
-        .map(|(n, l)| {
-            let name = if n.is_empty() {
-                prefix.to_string()
-            } else {
-                format!("{prefix}.{n}")
-            };
-            (name, l)
-        })
-        .collect()
-}
-
-/// A layer or a network of layers. `Any` lets code that knows the concrete types (the ONNX
-/// exporters of `models::onnx`) recognise a `dyn Module`.
-pub trait Module: Send + std::any::Any {
+/// A layer or a network of layers: its `forward`, and through `Visit` its tensors and
+/// children, from which every list below (`tensors`, `layers_mut`, `set_training`...) is
+/// derived. `Any` lets code that knows the concrete types (the ONNX exporters of
+/// `models::onnx`) recognise a `dyn Module`.
+pub trait Module: Visit + Send + std::any::Any {
     /// Applies the module.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 
@@ -162,33 +150,44 @@ pub trait Module: Send + std::any::Any {
         self.forward(inputs.images()?)
     }
 
+    // The lists below are walks over the module's one description of itself (`Visit`,
+    // see `nn/visit.rs`); a module implements `Visit` and does not override them.
+
     /// The module's tensors in `state_dict` order: (name, tensor, kind, is_norm).
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)>;
-
-    /// The same tensors, mutable.
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>>;
-
-    /// The model's `Linear` and `Conv2d` layers under their `state_dict` prefixes
-    /// (`"fc1"`, `"encoder.layer.0.attention.self.query"`), for quantisation. Default: none
-    /// (the model cannot be quantised).
-    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
-        Vec::new()
+    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
+        visit::tensors(self)
     }
 
-    /// Switches train/eval behaviour (dropout, batch-norm statistics). Default: no-op.
-    fn set_training(&mut self, _training: bool) {}
+    /// The same tensors, mutable.
+    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
+        visit::tensors_mut(self)
+    }
+
+    /// The model's `Linear` and `Conv2d` layers under their `state_dict` prefixes
+    /// (`"fc1"`, `"encoder.layer.0.attention.self.query"`; `""` for a lone layer), for
+    /// quantisation. None under a module that hides them (`VisitorMut::hide_layers`):
+    /// such a model cannot be quantised.
+    fn layers_mut(&mut self) -> Vec<(String, LayerMut<'_>)> {
+        visit::layers_mut(self)
+    }
+
+    /// Switches train/eval behaviour (dropout, batch-norm statistics): sets every training
+    /// flag the module and its children show (`Visitor::training`).
+    fn set_training(&mut self, training: bool) {
+        visit::set_training(self, training);
+    }
 
     /// The generators the model's dropout draws from, in a fixed order: a replay of a step
     /// (`train::doctor`) saves and restores them so that it draws the step's masks again and
-    /// the run continues as if it had not happened. Default: none (no dropout).
+    /// the run continues as if it had not happened.
     fn generators(&self) -> Vec<&std::sync::Mutex<crate::rng::Generator>> {
-        Vec::new()
+        visit::generators(self)
     }
 
     /// The model's `BatchNorm2d` layers, in `state_dict` order (for SyncBatchNorm,
-    /// `dist::convert_sync_batch_norm`). Default: none.
+    /// `dist::convert_sync_batch_norm`).
     fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
-        Vec::new()
+        visit::batch_norms_mut(self)
     }
 
     /// Trainable parameters with their names, in `state_dict` order.
@@ -301,55 +300,6 @@ pub trait Module: Send + std::any::Any {
     fn num_parameters(&self) -> usize {
         self.parameters().iter().map(|p| p.numel()).sum()
     }
-}
-
-/// Prefixes child tensor names with `prefix.` (for containers and composite models).
-pub fn prefixed<'a>(
-    prefix: &str,
-    v: Vec<(String, &'a Tensor, Kind, bool)>,
-) -> Vec<(String, &'a Tensor, Kind, bool)> {
-    v.into_iter()
-        .map(|(n, t, k, norm)| (format!("{prefix}.{n}"), t, k, norm))
-        .collect()
-}
-
-/// Prefixes child slot names with `prefix.`.
-pub fn prefixed_mut<'a>(prefix: &str, v: Vec<Slot<'a>>) -> Vec<Slot<'a>> {
-    v.into_iter()
-        .map(|s| Slot {
-            name: format!("{prefix}.{}", s.name),
-            ..s
-        })
-        .collect()
-}
-
-/// The named tensors of a layer with a `weight` and an optional `bias` (Linear, Conv2d,
-/// the norms), in PyTorch's order.
-pub(crate) fn weight_bias<'a>(
-    weight: &'a Tensor,
-    bias: Option<&'a Tensor>,
-    is_norm: bool,
-) -> Vec<(String, &'a Tensor, Kind, bool)> {
-    let mut v = vec![("weight".to_string(), weight, Kind::Parameter, is_norm)];
-    v.extend(bias.map(|b| ("bias".to_string(), b, Kind::Parameter, is_norm)));
-    v
-}
-
-/// `weight_bias`, mutable.
-pub(crate) fn weight_bias_mut<'a>(
-    weight: &'a mut Tensor,
-    bias: Option<&'a mut Tensor>,
-    is_norm: bool,
-) -> Vec<Slot<'a>> {
-    let slot = |name: &str, tensor| Slot {
-        name: name.into(),
-        tensor,
-        kind: Kind::Parameter,
-        is_norm,
-    };
-    let mut v = vec![slot("weight", weight)];
-    v.extend(bias.map(|b| slot("bias", b)));
-    v
 }
 
 /// A parameter leaf.

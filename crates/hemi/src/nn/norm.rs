@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::{param, weight_bias, weight_bias_mut, Conv2d, Kind, MaxPool2d, Module, Slot};
+use super::{param, Conv2d, Kind, MaxPool2d, Module, Visit, Visitor, VisitorMut};
 use crate::dist::ProcessGroup;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -239,43 +239,37 @@ impl Module for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_act(x, None, false)
     }
-    fn batch_norms_mut(&mut self) -> Vec<&mut BatchNorm2d> {
-        vec![self]
+}
+
+/// state_dict: weight, bias, running_mean, running_var, num_batches_tracked, all `is_norm`.
+impl Visit for BatchNorm2d {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.tensor("weight", &self.weight, Kind::Parameter, true);
+        v.tensor("bias", &self.bias, Kind::Parameter, true);
+        v.tensor("running_mean", &self.running_mean, Kind::Buffer, true);
+        v.tensor("running_var", &self.running_var, Kind::Buffer, true);
+        v.tensor(
+            "num_batches_tracked",
+            &self.num_batches_tracked,
+            Kind::Buffer,
+            true,
+        );
+        v.training(&self.training);
     }
-    fn set_training(&mut self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.tensor("weight", &mut self.weight, Kind::Parameter, true);
+        v.tensor("bias", &mut self.bias, Kind::Parameter, true);
+        v.tensor("running_mean", &mut self.running_mean, Kind::Buffer, true);
+        v.tensor("running_var", &mut self.running_var, Kind::Buffer, true);
+        v.tensor(
+            "num_batches_tracked",
+            &mut self.num_batches_tracked,
+            Kind::Buffer,
+            true,
+        );
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        let mut v = weight_bias(&self.weight, Some(&self.bias), true);
-        v.extend([
-            (
-                "running_mean".into(),
-                &self.running_mean,
-                Kind::Buffer,
-                true,
-            ),
-            ("running_var".into(), &self.running_var, Kind::Buffer, true),
-            (
-                "num_batches_tracked".into(),
-                &self.num_batches_tracked,
-                Kind::Buffer,
-                true,
-            ),
-        ]);
-        v
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        let mut v = weight_bias_mut(&mut self.weight, Some(&mut self.bias), true);
-        let buffer = |name: &str, tensor| Slot {
-            name: name.into(),
-            tensor,
-            kind: Kind::Buffer,
-            is_norm: true,
-        };
-        v.push(buffer("running_mean", &mut self.running_mean));
-        v.push(buffer("running_var", &mut self.running_var));
-        v.push(buffer("num_batches_tracked", &mut self.num_batches_tracked));
-        v
+    fn as_batch_norm_mut(&mut self) -> Option<&mut BatchNorm2d> {
+        Some(self)
     }
 }
 
@@ -312,10 +306,15 @@ impl Module for LayerNorm {
             self.eps,
         )
     }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        weight_bias(&self.weight, Some(&self.bias), true)
+}
+
+impl Visit for LayerNorm {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        v.tensor("weight", &self.weight, Kind::Parameter, true);
+        v.tensor("bias", &self.bias, Kind::Parameter, true);
     }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        weight_bias_mut(&mut self.weight, Some(&mut self.bias), true)
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        v.tensor("weight", &mut self.weight, Kind::Parameter, true);
+        v.tensor("bias", &mut self.bias, Kind::Parameter, true);
     }
 }

@@ -1,6 +1,6 @@
 //! Pooling layers (no tensors of their own).
 
-use super::{Kind, Module, Slot};
+use super::Module;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -65,12 +65,10 @@ macro_rules! stateless {
                 let $s = self;
                 $body
             }
-            fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-                Vec::new()
-            }
-            fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-                Vec::new()
-            }
+        }
+        impl $crate::nn::Visit for $t {
+            fn visit<'a>(&'a self, _: &mut dyn $crate::nn::Visitor<'a>) {}
+            fn visit_mut<'a>(&'a mut self, _: &mut dyn $crate::nn::VisitorMut<'a>) {}
         }
     };
 }

@@ -1,6 +1,6 @@
 //! Sequential: layers applied in order, named "0", "1", ... as PyTorch's `nn.Sequential`.
 
-use super::{prefixed, prefixed_mut, Kind, Module, Slot};
+use super::{Module, Visit, Visitor, VisitorMut};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -41,32 +41,22 @@ impl Module for Sequential {
         }
         Ok(h)
     }
-    fn set_training(&mut self, training: bool) {
-        self.layers
-            .iter_mut()
-            .for_each(|l| l.set_training(training));
+}
+
+/// Children `"0"`, `"1"`... by position.
+impl Visit for Sequential {
+    fn visit<'a>(&'a self, v: &mut dyn Visitor<'a>) {
+        for (i, l) in self.layers.iter().enumerate() {
+            v.child(&i.to_string(), &**l);
+        }
     }
-    fn generators(&self) -> Vec<&std::sync::Mutex<crate::rng::Generator>> {
-        self.layers.iter().flat_map(|l| l.generators()).collect()
-    }
-    fn batch_norms_mut(&mut self) -> Vec<&mut crate::nn::BatchNorm2d> {
-        self.layers
-            .iter_mut()
-            .flat_map(|l| l.batch_norms_mut())
-            .collect()
-    }
-    fn tensors(&self) -> Vec<(String, &Tensor, Kind, bool)> {
-        self.layers
-            .iter()
-            .enumerate()
-            .flat_map(|(i, l)| prefixed(&i.to_string(), l.tensors()))
-            .collect()
-    }
-    fn tensors_mut(&mut self) -> Vec<Slot<'_>> {
-        self.layers
-            .iter_mut()
-            .enumerate()
-            .flat_map(|(i, l)| prefixed_mut(&i.to_string(), l.tensors_mut()))
-            .collect()
+    fn visit_mut<'a>(&'a mut self, v: &mut dyn VisitorMut<'a>) {
+        // Quantisation has never listed a Sequential's layers (`layers_mut` came after it and
+        // did not cover it), and the traversal keeps it so. Its forward does run each
+        // layer's hook: dropping this line would let `quant` take them.
+        v.hide_layers();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            v.child(&i.to_string(), &mut **l);
+        }
     }
 }

@@ -24,3 +24,4 @@ mod torch_parity;
 mod train;
 mod training;
 mod unit;
+mod visit;

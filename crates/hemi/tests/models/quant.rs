@@ -779,12 +779,10 @@ fn corrupt_or_mismatched_files_are_errors() {
         fn forward(&self, x: &Tensor) -> hemi::Result<Tensor> {
             Ok(x.clone())
         }
-        fn tensors(&self) -> Vec<(String, &Tensor, hemi::nn::Kind, bool)> {
-            Vec::new()
-        }
-        fn tensors_mut(&mut self) -> Vec<hemi::nn::Slot<'_>> {
-            Vec::new()
-        }
+    }
+    impl hemi::nn::Visit for Empty {
+        fn visit<'a>(&'a self, _: &mut dyn hemi::nn::Visitor<'a>) {}
+        fn visit_mut<'a>(&'a mut self, _: &mut dyn hemi::nn::VisitorMut<'a>) {}
     }
     assert!(quant::quantize_dynamic(&mut Empty).is_err());
 }
