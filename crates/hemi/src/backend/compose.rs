@@ -89,7 +89,8 @@ pub fn batch_norm_act_backward<B: NnOps + MapOps>(
 }
 
 /// `batch_norm_act`'s output from given statistics: `((x - mean) · invstd) · weight + bias`,
-/// per channel by broadcasting, in F32, rounded once into `x`'s dtype, then the ReLU.
+/// per channel by broadcasting, in the compute type, rounded once into `x`'s dtype, then
+/// the ReLU.
 #[allow(clippy::too_many_arguments)]
 pub fn batch_norm_act_apply<B: NnOps + MapOps>(
     x: &B,
@@ -113,8 +114,8 @@ pub fn batch_norm_act_apply<B: NnOps + MapOps>(
     };
     let out = Layout::contiguous(&[g.n, g.c, g.s]);
     let stat = per_channel(&Layout::contiguous(&[g.c]), g);
-    let f32 = crate::dtype::DType::F32;
-    let mut t = x.binary(&lx, mean, &stat, BinaryOp::Sub, f32)?;
+    let c = compute(dtype);
+    let mut t = x.binary(&lx, mean, &stat, BinaryOp::Sub, c)?;
     // The last step rounds into the storage dtype; the ones before stay in F32.
     let steps = [
         Some((invstd, stat.clone(), BinaryOp::Mul)),
@@ -123,7 +124,7 @@ pub fn batch_norm_act_apply<B: NnOps + MapOps>(
     ];
     let steps: Vec<_> = steps.into_iter().flatten().collect();
     for (i, (v, lv, op)) in steps.iter().enumerate() {
-        let to = if i + 1 == steps.len() { dtype } else { f32 };
+        let to = if i + 1 == steps.len() { dtype } else { c };
         t = t.binary(&out, *v, lv, *op, to)?;
     }
     if relu {
@@ -462,4 +463,145 @@ pub fn conv2d_backward_bias<B: ReduceOps>(
     let (n, c, p) = (g.n, g.c_out, g.h_out * g.w_out);
     let l = Layout::new(vec![c, n, p], vec![p, c * p, 1], off);
     dy.reduce(&l, c, n * p, ReduceOp::Sum, out)
+}
+
+/// A batch-norm input (`[n, c, s]` row-major from `offset`) seen channel-major, each
+/// channel's `n · s` values last: the view `reduce` sums per channel.
+fn channel_runs(g: BatchNormGeom, offset: usize) -> Layout {
+    Layout::new(vec![g.c, g.n, g.s], vec![g.s, g.c * g.s, 1], offset)
+}
+
+/// `(1 - momentum) · running + momentum · batch`, in F64, rounded into the running
+/// buffer's dtype.
+fn update_running<B: MapOps>(running: (&B, &Layout), batch: &B, momentum: f64) -> Result<B> {
+    let (r, lr) = running;
+    let f64 = DType::F64;
+    let kept = r.unary(lr, UnaryOp::MulScalar(1.0 - momentum), f64)?;
+    let new = batch.unary(
+        &Layout::contiguous(lr.shape()),
+        UnaryOp::MulScalar(momentum),
+        f64,
+    )?;
+    let flat = Layout::contiguous(lr.shape());
+    kept.binary(&flat, &new, &flat, BinaryOp::Add, r.dtype())
+}
+
+/// Batch normalisation: per channel the batch mean and biased variance (`reduce` Mean and
+/// Var over the channel's values) in training, the running statistics otherwise;
+/// `invstd = (var + eps)^(-1/2)`; the output as `batch_norm_act_apply` without the ReLU;
+/// in training with running buffers, their update with the unbiased variance.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm<B: NnOps + MapOps + ReduceOps>(
+    x: &B,
+    l: &Layout,
+    g: BatchNormGeom,
+    weight: Opt<'_, B>,
+    bias: Opt<'_, B>,
+    running: Running<'_, B>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<BatchNorm<B>> {
+    let c = compute(x.dtype());
+    let flat = Layout::contiguous(&[g.c]);
+    let (mean, var, new_running) = if training {
+        let mut copy = None;
+        let (xs, off) = row_major(x, l, &mut copy)?;
+        let runs = channel_runs(g, off);
+        let mean = xs.reduce(&runs, g.c, g.m(), ReduceOp::Mean, c)?;
+        let var = xs.reduce(&runs, g.c, g.m(), ReduceOp::Var { correction: 0 }, c)?;
+        let new_running = match running {
+            Some((rm, rv)) => {
+                let unbiased = xs.reduce(&runs, g.c, g.m(), ReduceOp::Var { correction: 1 }, c)?;
+                Some((
+                    update_running(rm, &mean, momentum)?,
+                    update_running(rv, &unbiased, momentum)?,
+                ))
+            }
+            None => None,
+        };
+        (mean, var, new_running)
+    } else {
+        let ((rm, lm), (rv, lv)) = running.ok_or_else(|| {
+            Error::arg("batch_norm", "eval mode needs running_mean and running_var")
+        })?;
+        (rm.cast(lm, c)?, rv.cast(lv, c)?, None)
+    };
+    let invstd =
+        var.unary(&flat, UnaryOp::AddScalar(eps), c)?
+            .unary(&flat, UnaryOp::PowScalar(-0.5), c)?;
+    let out = batch_norm_act_apply(x, l, g, &mean, &invstd, weight, bias, false)?;
+    Ok(BatchNorm {
+        out,
+        mean,
+        invstd,
+        running: new_running,
+    })
+}
+
+/// The gradients of `batch_norm` (closed form): with `xhat = (x - mean) · invstd`,
+/// `dbias = Σ g`, `dweight = Σ g · xhat` per channel, and `dx = weight · invstd ·
+/// (g - mean(g) - xhat · mean(g · xhat))` in training (`weight · invstd · g` otherwise).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward<B: NnOps + MapOps + ReduceOps>(
+    dy: &B,
+    ldy: &Layout,
+    x: &B,
+    lx: &Layout,
+    g: BatchNormGeom,
+    mean: &B,
+    invstd: &B,
+    weight: Opt<'_, B>,
+    training: bool,
+    dtypes: GradDTypes,
+) -> Result<Grads<B>> {
+    let c = compute(x.dtype());
+    let (mut dc, mut xc) = (None, None);
+    let (dy, doff) = row_major(dy, ldy, &mut dc)?;
+    let (x, xoff) = row_major(x, lx, &mut xc)?;
+    let ncs = |off| Layout::new(vec![g.n, g.c, g.s], vec![g.c * g.s, g.s, 1], off);
+    let own = ncs(0);
+    let stat = per_channel(&Layout::contiguous(&[g.c]), g);
+    let runs = channel_runs(g, 0);
+    let xhat = x
+        .binary(&ncs(xoff), mean, &stat, BinaryOp::Sub, c)?
+        .binary(&own, invstd, &stat, BinaryOp::Mul, c)?;
+    let gc = dy.cast(&ncs(doff), c)?;
+    let gx = gc.binary(&own, &xhat, &own, BinaryOp::Mul, c)?;
+    let dweight = match dtypes.1 {
+        Some(t) => Some(gx.reduce(&runs, g.c, g.m(), ReduceOp::Sum, t)?),
+        None => None,
+    };
+    let dbias = match dtypes.2 {
+        Some(t) => Some(gc.reduce(&runs, g.c, g.m(), ReduceOp::Sum, t)?),
+        None => None,
+    };
+    let dx = match dtypes.0 {
+        Some(t) => {
+            let centred = if training {
+                let mg = gc.reduce(&runs, g.c, g.m(), ReduceOp::Mean, c)?;
+                let mgx = gx.reduce(&runs, g.c, g.m(), ReduceOp::Mean, c)?;
+                let t2 = xhat.binary(&own, &mgx, &stat, BinaryOp::Mul, c)?;
+                gc.binary(&own, &mg, &stat, BinaryOp::Sub, c)?.binary(
+                    &own,
+                    &t2,
+                    &own,
+                    BinaryOp::Sub,
+                    c,
+                )?
+            } else {
+                gc
+            };
+            let scaled = match weight {
+                Some((w, lw)) => {
+                    let s = centred.binary(&own, invstd, &stat, BinaryOp::Mul, c)?;
+                    s.binary(&own, w, &per_channel(lw, g), BinaryOp::Mul, t)?
+                }
+                None => centred.binary(&own, invstd, &stat, BinaryOp::Mul, t)?,
+            };
+            Some(scaled)
+        }
+        None => None,
+    };
+    Ok(Grads { dx, dweight, dbias })
 }

@@ -471,7 +471,9 @@ primitives! {
             training: bool,
             momentum: f64,
             eps: f64,
-        ) -> Result<BatchNorm<Self>>;
+        ) -> Result<BatchNorm<Self>> {
+            super::compose::batch_norm(self, l, g, weight, bias, running, training, momentum, eps)
+        }
 
         /// Gradients of `batch_norm` (closed form) from the output gradient (this buffer), the
         /// input `x`, the forward's `mean` and `invstd` and the weight: `dx` in `dx_dtype` when
@@ -489,7 +491,9 @@ primitives! {
             weight: Opt<'_, Self>,
             training: bool,
             dtypes: GradDTypes,
-        ) -> Result<Grads<Self>>;
+        ) -> Result<Grads<Self>> {
+            super::compose::batch_norm_backward(self, ldy, x, lx, g, mean, invstd, weight, training, dtypes)
+        }
 
         /// `relu(batch_norm(x) + residual)` in one pass (ResNet's BN + ReLU and BN + add + ReLU),
         /// `x` this buffer, `residual` (optional, `x`'s shape and dtype) and the ReLU (when

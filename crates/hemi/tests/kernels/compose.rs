@@ -336,3 +336,54 @@ fn conv2d_bias_gradient_matches_its_composition() {
         }
     }
 }
+
+#[test]
+fn batch_norm_matches_its_composition_in_training_and_eval() {
+    let mut rng = Generator::new(23);
+    let shape = [3, 4, 5, 3];
+    let g = BatchNormGeom { n: 3, c: 4, s: 15 };
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        let c = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        for (training, affine, strided) in [
+            (true, true, true),
+            (true, false, false),
+            (false, true, false),
+        ] {
+            let what = format!("{dtype:?} training {training} affine {affine} strided {strided}");
+            let (x, lx) = parts(&rand(&shape, dtype, strided, &mut rng));
+            let (w, lw) = parts(&rand(&[4], c, false, &mut rng));
+            let (b, lb) = parts(&rand(&[4], c, false, &mut rng));
+            let (rm, lrm) = parts(&rand(&[4], c, false, &mut rng));
+            let (rv, lrv) = parts(&tensor(&[0.5, 1.0, 1.5, 2.0], &[4], c, false));
+            let (wo, bo) = (affine.then_some((&w, &lw)), affine.then_some((&b, &lb)));
+            let running = Some(((&rm, &lrm), (&rv, &lrv)));
+            let f = NnOps::batch_norm(&x, &lx, g, wo, bo, running, training, 0.1, 1e-5).unwrap();
+            let k = compose::batch_norm(&x, &lx, g, wo, bo, running, training, 0.1, 1e-5).unwrap();
+            close(&format!("{what}: out"), &f.out, &k.out, &shape, dtype);
+            close(&format!("{what}: mean"), &f.mean, &k.mean, &[4], c);
+            close(&format!("{what}: invstd"), &f.invstd, &k.invstd, &[4], c);
+            assert_eq!(f.running.is_some(), training, "{what}: running update");
+            if let (Some((fm, fv)), Some((km, kv))) = (f.running, k.running) {
+                close(&format!("{what}: running mean"), &fm, &km, &[4], c);
+                close(&format!("{what}: running var"), &fv, &kv, &[4], c);
+            }
+
+            let (dy, ldy) = parts(&rand(&shape, dtype, !strided, &mut rng));
+            let dtypes = (Some(dtype), affine.then_some(c), affine.then_some(c));
+            let (mean, invstd) = (&f.mean, &f.invstd);
+            let fg = NnOps::batch_norm_backward(
+                &dy, &ldy, &x, &lx, g, mean, invstd, wo, training, dtypes,
+            )
+            .unwrap();
+            let kg = compose::batch_norm_backward(
+                &dy, &ldy, &x, &lx, g, mean, invstd, wo, training, dtypes,
+            )
+            .unwrap();
+            close_grads(&what, &fg, &kg, [&shape, &[4], &[4]], dtype);
+        }
+    }
+}
