@@ -1,4 +1,4 @@
-//! The ops that multiply half-precision tensors through `cpu::gemm_half` (conv2d, the fused
+//! The ops that multiply half-precision tensors through `cpu::gemm::blocked` (conv2d, the fused
 //! conv block, matmul) on every GEMM kernel this CPU can run, forced one at a time: on a CPU
 //! without AVX-512 BF16 the BF16-pair packing that `avx512bf16` reads is still exercised with
 //! the views these ops pass (transposed weights, column matrices side by side), through
@@ -16,10 +16,10 @@
 mod common;
 use common::block::block_matches_reference;
 use common::*;
-use hemi::cpu::gemm::{matmul_into, product, MatRef};
-use hemi::cpu::gemm_half::{
+use hemi::cpu::gemm::blocked::{
     f32_kernel, force_kernel, gemm, gemm_with, kernel_for, kernel_name, Kernel,
 };
+use hemi::cpu::gemm::{matmul_into, product, MatRef};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
 use std::sync::Mutex;

@@ -29,8 +29,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::AttentionGeom;
+use crate::cpu::elementwise::map::PAR_THRESHOLD;
 use crate::cpu::gemm::{product, MatRef};
-use crate::cpu::map::PAR_THRESHOLD;
 use crate::dtype::{convert, same_slice, same_slice_mut, DType, FloatDType, WithDType};
 use crate::tensor::Layout;
 
@@ -362,7 +362,7 @@ mod wide {
 pub fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>) -> C {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{f32_opt, vector_level, VectorLevel};
         let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
@@ -386,7 +386,7 @@ pub fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>)
 pub fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, lse: C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{f32_opt, vector_level, VectorLevel};
         let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
@@ -410,7 +410,7 @@ pub fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, l
 pub fn ds_row<C: FloatDType>(p: &[C], dp: &mut [C], scale: C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{vector_level, VectorLevel};
         let level = vector_level();
         if let (Some(p), Some(dp), true) = (
             C::as_f32(p),

@@ -4,8 +4,8 @@ use std::borrow::Cow;
 
 use num_traits::Zero;
 
-use super::storage::CpuStorage;
 use crate::backend::index::{AlongDim, IndexOps};
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::{DType, WithDType};
 use crate::error::{Error, Result};
 use crate::tensor::Layout;

@@ -23,33 +23,19 @@ macro_rules! with_f32_or_half {
     };
 }
 
-pub(crate) mod aligned;
-pub mod amp;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
 pub mod attention;
 pub mod chunked;
 pub mod conv;
-pub mod conv_amx;
-pub mod conv_block;
-pub mod conv_direct;
-pub mod conv_implicit;
-pub mod conv_wgrad;
+pub mod elementwise;
 pub mod features;
 pub mod gemm;
-pub mod gemm_half;
 pub mod index;
-pub mod loss;
-pub mod map;
-pub mod matmul;
-pub mod nn;
 pub mod norm;
-#[doc(hidden)]
-pub mod norm_wide;
-pub mod optim;
+pub mod ops;
 pub mod pool;
 pub mod qgemm;
-pub mod quant;
 pub mod reduce;
 pub mod runs;
 pub mod storage;

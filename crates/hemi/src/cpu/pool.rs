@@ -1,7 +1,7 @@
 //! 2-D pooling kernels over plain buffers of planes `[planes, h, w]` (planes = N*C), each
 //! plane pooled independently and in parallel: max (with the argmax kept for backward),
 //! average, and adaptive average, forward and backward. No autograd and no validation here:
-//! `ops/pool.rs` checks the shapes and `cpu::nn` hands over contiguous buffers in the compute
+//! `ops/pool.rs` checks the shapes and `cpu::ops::nn` hands over contiguous buffers in the compute
 //! type.
 
 use rayon::prelude::*;
@@ -179,7 +179,7 @@ fn max_pool_2x2_plane<C: FloatDType>(plane: &[C], o: &mut [C], ix: &mut [u32], g
         // F32 rows go through the fused conv block's vector kernel (window indices, turned
         // into flat ones below); the loop after it is the plain reference and the rest.
         let done = match (C::as_f32(plane), C::as_f32_mut(orow)) {
-            (Some(p), Some(out)) => crate::cpu::conv_block::max_pool_row_pair(
+            (Some(p), Some(out)) => crate::cpu::conv::block::max_pool_row_pair(
                 &p[r0..r0 + w],
                 &p[r1..r1 + w],
                 out,

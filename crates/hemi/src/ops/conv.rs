@@ -256,7 +256,7 @@ impl Tensor {
 
 impl Tensor {
     /// `conv2d(weight, bias, opts)`, then ReLU, then a 2×2 max-pool with stride 2 — the block
-    /// of small CNNs — as one fused op (`cpu::conv_block`): the same values and gradients as
+    /// of small CNNs — as one fused op (`cpu::conv::block`): the same values and gradients as
     /// `self.conv2d(..)?.relu()?.max_pool2d((2, 2), (2, 2), (0, 0))`, without the
     /// full-resolution activation ever being stored (less memory, one pass instead of five).
     /// F32, F16 and BF16 tensors of one dtype take the fused kernel; other dtype mixes and

@@ -1,4 +1,4 @@
-//! The unit tests of `hemi::cpu::conv` (`src/cpu/conv.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::conv` (`src/cpu/conv/mod.rs`), run against the built library.
 
 use hemi::cpu::conv::*;
 

@@ -1,9 +1,9 @@
-//! The unit tests of `hemi::cpu::norm` (`src/cpu/norm.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::norm` (`src/cpu/norm/mod.rs`), run against the built library.
 
 use hemi::cpu::chunked;
+use hemi::cpu::norm::in_place as norm_wide;
+use hemi::cpu::norm::in_place::Apply as BnApply;
 use hemi::cpu::norm::*;
-use hemi::cpu::norm_wide;
-use hemi::cpu::norm_wide::Apply as BnApply;
 use hemi::cpu::reduce::sum_slice;
 use hemi::dtype::WithDType;
 

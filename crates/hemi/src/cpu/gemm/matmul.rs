@@ -10,8 +10,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::merged_row_stride;
+use crate::cpu::gemm::blocked;
 use crate::cpu::gemm::{product, MatRef};
-use crate::cpu::gemm_half;
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::tensor::layout::contiguous_strides;
 use crate::tensor::{CpuStorage, Layout};
@@ -207,8 +207,8 @@ pub(crate) fn matmul_round<O: WithDType>(
         return None;
     }
     let rows = count * m;
-    let kernel = gemm_half::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
-    if !gemm_half::rounds_in_tiles(kernel, k) {
+    let kernel = blocked::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
+    if !blocked::rounds_in_tiles(kernel, k) {
         return None;
     }
     let rs = merged_row_stride(la.shape(), la.strides())?;
@@ -217,7 +217,7 @@ pub(crate) fn matmul_round<O: WithDType>(
     let tall = oa.mat(oa.offset, rows, k).with_row_stride(rs as isize);
     let mut out: Vec<O> = Vec::with_capacity(rows * n);
     let dst = &mut out.spare_capacity_mut()[..rows * n];
-    if !gemm_half::gemm_round(kernel, dst, tall, ob.mat(ob.offset, k, n), bias, true) {
+    if !blocked::gemm_round(kernel, dst, tall, ob.mat(ob.offset, k, n), bias, true) {
         return None;
     }
     // SAFETY: `gemm_round` returned true: it wrote all rows * n elements.

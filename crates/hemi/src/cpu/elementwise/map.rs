@@ -6,9 +6,9 @@
 use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
-use super::storage::CpuStorage;
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
 use crate::cpu::chunked::{map1, map2, update2, Src};
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::{DType, FloatDType, WithDType as _};
 use crate::error::Result;
 use crate::rng::Generator;

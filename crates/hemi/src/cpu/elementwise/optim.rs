@@ -4,8 +4,8 @@
 
 use rayon::prelude::*;
 
-use super::storage::CpuStorage;
 use crate::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
+use crate::cpu::storage::CpuStorage;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
 

@@ -23,7 +23,7 @@
 use half::{bf16, f16};
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::conv_wgrad::ShiftMasks;
+use crate::cpu::conv::wgrad::ShiftMasks;
 
 /// Output channels per block.
 const RO: usize = 8;

@@ -4,13 +4,15 @@
 //! `PAR_THRESHOLD` elements; each row is reduced by one thread in a fixed order, so results
 //! do not depend on the thread count.
 
+pub mod loss;
+
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
-use super::map::PAR_THRESHOLD;
-use super::storage::CpuStorage;
 use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
+use crate::cpu::elementwise::map::PAR_THRESHOLD;
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::{convert, same_slice_mut, DType, FloatDType, WithDType as _};
 use crate::error::Result;
 use crate::tensor::Layout;

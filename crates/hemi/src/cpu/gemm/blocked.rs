@@ -67,8 +67,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-mod unfold;
-pub use unfold::Unfold;
+use super::unfold::{self, Unfold};
 
 /// Products with fewer multiply-adds than this stay on the calling thread.
 const PAR_MIN_MACS: usize = 64 * 64 * 64;
@@ -1245,7 +1244,7 @@ fn packed_steps<M: Micro>(kc: usize) -> usize {
 /// walks PACK_STEPS k indices of every panel in turn, so that it reads each k index's row of
 /// the block from start to end (PACK_STEPS sequential streams) rather than a W-wide piece of
 /// it per panel (a new cache line per piece, half of it used, for BF16 with W = 16).
-const PACK_STEPS: usize = 16;
+pub(super) const PACK_STEPS: usize = 16;
 
 /// F32 panels: panel t holds rows `i0 + t*W ..` of `x`; `panel[p * W + r] = x(i0 + t*W + r,
 /// p0 + p)` as F32 for p < kc, rows past `h` zero. `simd`: the caller runs with AVX2 and
@@ -1390,7 +1389,13 @@ impl<const N: usize> Scratch<N> {
 /// Converts `out.len()` elements of `src`, starting at `start`, `stride` apart, to F32.
 /// The view's `check_bounds` keeps them in bounds; indexing checks again.
 #[inline(always)]
-fn load_run<T: WithDType>(src: &[T], start: isize, stride: isize, out: &mut [f32], simd: bool) {
+pub(super) fn load_run<T: WithDType>(
+    src: &[T],
+    start: isize,
+    stride: isize,
+    out: &mut [f32],
+    simd: bool,
+) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = simd; // always false there
     let n = out.len();
@@ -1644,7 +1649,7 @@ pub(crate) fn as_halves(x: &mut [u32]) -> &mut [u16] {
 ///
 /// # Safety
 /// Only for types of size 4, alignment <= 64, with no invalid bit patterns.
-unsafe trait Packed: Copy + 'static {}
+pub(super) unsafe trait Packed: Copy + 'static {}
 // SAFETY: 4-byte plain numbers.
 unsafe impl Packed for f32 {}
 // SAFETY: as above.

@@ -59,7 +59,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::aligned::Aligned;
+use crate::cpu::conv::aligned::Aligned;
 
 /// Rows of every tile: output channels of an A/C tile, channel pairs of a B tile.
 const T16: usize = 16;
@@ -775,7 +775,7 @@ fn bf16ne_available() -> bool {
 pub fn wide_store() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::cpu::norm_wide::available()
+        crate::cpu::norm::in_place::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -1018,7 +1018,7 @@ pub mod x86 {
     /// The CPU has AVX-512 F/BW/VL and F16C; `dst` is valid for writes of `src.len()`
     /// elements (which it may not yet hold: it is only stored to).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-    pub(super) unsafe fn add_run<L: crate::cpu::norm_wide::x86::Lanes>(
+    pub(super) unsafe fn add_run<L: crate::cpu::norm::in_place::x86::Lanes>(
         dst: *mut L,
         src: &[f32],
         b: f32,
@@ -1048,7 +1048,7 @@ pub mod x86 {
     /// run's pixels lie in `p0..p0 + px`; `y + o·ch + to` is writable for every run.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn store_runs<L: crate::cpu::norm_wide::x86::Lanes>(
+    pub(super) unsafe fn store_runs<L: crate::cpu::norm::in_place::x86::Lanes>(
         buf: &[f32],
         px: usize,
         p0: usize,
@@ -1101,7 +1101,7 @@ pub mod x86 {
         ch: usize,
         runs: &[super::Run],
     ) {
-        use crate::cpu::norm_wide::x86::Lanes;
+        use crate::cpu::norm::in_place::x86::Lanes;
         use std::arch::x86_64::*;
         let (abs_mask, one, below) = (
             _mm512_set1_epi32(0x7FFF_FFFF),
@@ -1159,7 +1159,7 @@ pub mod x86 {
             // elements 2j, 2j + 2, … the caller guarantees.
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
-                let h = crate::cpu::norm_wide::x86::bf16_bits(v);
+                let h = crate::cpu::norm::in_place::x86::bf16_bits(v);
                 _mm512_mask_storeu_epi16(dst.add(2 * j).cast(), even, h);
             }
             j += 16;
@@ -1829,7 +1829,7 @@ impl AmxWgradPlan {
         // As 16-bit halves: pixel P of channel o at `(o / 16)·tile_pairs·32 + (DY_PAD + P / 2)
         // ·32 + (o % 16)·2 + P % 2`, so consecutive pixels alternate between two halves of one
         // `u32` and the next `u32` pair lies 32 halves on.
-        let halves: &mut [u16] = crate::cpu::gemm_half::as_halves(dyq);
+        let halves: &mut [u16] = crate::cpu::gemm::blocked::as_halves(dyq);
         for i in 0..n {
             let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             for (o, src) in img.chunks_exact(l).enumerate() {

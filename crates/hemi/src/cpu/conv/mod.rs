@@ -1,7 +1,7 @@
 //! 2-D convolution kernels over plain buffers: im2col / col2im and the im2col + GEMM
 //! forward and backward (input, weight) of a grouped, strided, padded, dilated convolution,
 //! parallel over the batch. No autograd and no validation here: `ops/conv.rs` checks the
-//! shapes and `cpu::nn` hands over contiguous buffers: elements `T` (any float dtype) unfolded
+//! shapes and `cpu::ops::nn` hands over contiguous buffers: elements `T` (any float dtype) unfolded
 //! as stored, products and sums in the compute type `C` (`cpu::gemm::product` picks the GEMM:
 //! the `gemm` crate when `T` is `C`, `gemm_half` for F16/BF16 with F32 accumulation).
 //!
@@ -15,17 +15,25 @@
 //! with the flipped kernels (`transposed_input_conv`); other strides as `w^T x dy` and
 //! col2im.
 
+pub(crate) mod aligned;
+pub mod amx;
+pub mod block;
+pub mod direct;
+pub mod implicit;
+pub mod wgrad;
+
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
 use crate::cpu::chunked::{blocks_uninit, blocks_zeroed, per_block_with};
-use crate::cpu::conv_amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
-use crate::cpu::conv_direct::DirectPlan;
-use crate::cpu::conv_implicit::ImplicitPlan;
-use crate::cpu::conv_wgrad::WgradPlan;
-use crate::cpu::gemm::{product, unfold_kernel, MatRef};
-use crate::cpu::gemm_half::{
+use crate::cpu::conv::amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
+use crate::cpu::conv::direct::DirectPlan;
+use crate::cpu::conv::implicit::ImplicitPlan;
+use crate::cpu::conv::wgrad::WgradPlan;
+use crate::cpu::gemm::blocked::{
     f32_kernel, gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed, kernel_for,
-    Kernel, PackedA, Unfold,
+    Kernel, PackedA,
 };
+use crate::cpu::gemm::unfold::Unfold;
+use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
@@ -226,7 +234,7 @@ fn transposed_packed<T: WithDType>(w: &[T], g: &Conv2dGeom) -> Option<Vec<Packed
     Some(groups.collect())
 }
 
-/// The plan of a forward convolution read straight from the image (`cpu::conv_direct`), for
+/// The plan of a forward convolution read straight from the image (`cpu::conv::direct`), for
 /// F32 or BF16 tensors with F32 results, where that route applies (few output channels,
 /// stride 1, 'same' width, AVX-512).
 fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<DirectPlan> {
@@ -248,7 +256,7 @@ fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<D
 }
 
 /// The plan of a forward convolution as an implicit GEMM from a padded copy of the image
-/// (`cpu::conv_implicit`), for F32, F16 or BF16 tensors with F32 results, where that route
+/// (`cpu::conv::implicit`), for F32, F16 or BF16 tensors with F32 results, where that route
 /// applies (output channels a multiple of 32, not pointwise, ungrouped, AVX-512) and the
 /// half products would be widened to F32 anyway (not BF16 on a pair kernel).
 fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<ImplicitPlan> {
@@ -267,7 +275,7 @@ fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option
     }
 }
 
-/// The weight-gradient plan of an implicit GEMM (`cpu::conv_implicit`) for F32, F16 or BF16
+/// The weight-gradient plan of an implicit GEMM (`cpu::conv::implicit`) for F32, F16 or BF16
 /// tensors, where `implicit_plan` would take the forward.
 fn implicit_wgrad_plan<T: WithDType>(g: &Conv2dGeom) -> Option<ImplicitPlan> {
     let widened = || kernel_for(T::DTYPE, T::DTYPE, g.c_out_g(), g.l(), g.k()).packs_f32();
@@ -325,7 +333,7 @@ impl Prepared {
     }
 }
 
-/// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+/// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv::amx`), where hemi's GEMM
 /// would run its product on `amx-bf16`.
 fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
     amx_gemm(g.c_out_g(), g.l(), g.k())
@@ -334,7 +342,7 @@ fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
 }
 
 /// The plan of a BF16 forward convolution on AMX tiles read from the image
-/// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
+/// (`cpu::conv::amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
 /// keeps its say) and the convolution suits it.
 fn amx_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<AmxConvPlan> {
     if C::DTYPE != DType::F32 || !amx_gemm(g.c_out_g(), g.k(), g.l()) {
@@ -554,7 +562,7 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
 /// in run order, so the result is the same on any number of threads. F32 and BF16
-/// convolutions that `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, at
+/// convolutions that `cpu::conv::wgrad` reads (stride 1, output rows as long as input rows, at
 /// most 16 output channels, on an AVX-512 kernel) skip im2col and the GEMM: dot products
 /// straight from the image.
 /// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
@@ -568,9 +576,9 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
         return vec![C::zero(); len];
     }
     if C::DTYPE == DType::F32 {
-        // BF16 on AMX tiles read from copies of the images (`cpu::conv_amx`), where hemi's
+        // BF16 on AMX tiles read from copies of the images (`cpu::conv::amx`), where hemi's
         // GEMM would run the product on `amx-bf16`; else BF16 pairs or F32 planes read from
-        // the image as stored (`cpu::conv_wgrad`).
+        // the image as stored (`cpu::conv::wgrad`).
         let amx = (T::DTYPE == DType::BF16)
             .then(|| amx_wgrad_plan(g))
             .flatten();
@@ -612,7 +620,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
                 plan.add_images_f32(&xf, &dyf, n, dw, par)
             }))
         } else {
-            // Output channels a multiple of 32: an implicit GEMM (`cpu::conv_implicit`).
+            // Output channels a multiple of 32: an implicit GEMM (`cpu::conv::implicit`).
             implicit_wgrad_plan::<T>(g).map(|plan| {
                 wgrad_runs(x, dy, g, |x, dy, n, dw, _| {
                     implicit_wgrad(&plan, x, dy, n, dw)
@@ -644,7 +652,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     })
 }
 
-/// A weight gradient from the image (`cpu::conv_wgrad`) over runs of images of at least 2048
+/// A weight gradient from the image (`cpu::conv::wgrad`) over runs of images of at least 2048
 /// pixels (so that small planes do not pay a run's sums every few chunks), fixed by the batch,
 /// each summed by `add(x, dy, images, dw, parallel)` into its own buffer, the buffers added in
 /// run order.
@@ -884,7 +892,7 @@ pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dG
     if let Some((wt, tg)) = transposed_input_conv(w, g) {
         return conv2d_forward_blocks(dy, &wt, None, &tg);
     }
-    // Strided BF16: phase by phase of dx on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+    // Strided BF16: phase by phase of dx on AMX tiles (`cpu::conv::amx`), where hemi's GEMM
     // would run `wᵀ · dy` on `amx-bf16`.
     if let (Some(dyb), Some(wb)) = (same_slice::<T, bf16>(dy), same_slice::<T, bf16>(w)) {
         let plan = amx_gemm(g.k(), g.c_out_g(), g.l())

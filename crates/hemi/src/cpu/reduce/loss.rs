@@ -6,11 +6,11 @@
 use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
-use super::map::{map, zip_map, PAR_THRESHOLD};
-use super::reduce::{log_softmax_row, sum_slice};
-use super::storage::CpuStorage;
 use crate::backend::loss::{ClassLoss, ClassLossForward, LossOps, Reduction};
 use crate::backend::reduce::Rows;
+use crate::cpu::elementwise::map::{map, zip_map, PAR_THRESHOLD};
+use crate::cpu::reduce::{log_softmax_row, sum_slice};
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::{DType, WithDType as _};
 use crate::error::{Error, Result};
 use crate::tensor::Layout;

@@ -6,13 +6,14 @@ use std::borrow::Cow;
 
 use num_traits::One;
 
-use super::storage::CpuStorage;
 use crate::backend::nn::{
     AdaptivePool2dGeom, AttentionGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads,
     Indices, LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
 };
+use crate::cpu::gemm::matmul;
 use crate::cpu::reduce::sum_slice;
-use crate::cpu::{chunked, conv, conv_block, matmul, norm, pool};
+use crate::cpu::storage::CpuStorage;
+use crate::cpu::{chunked, conv, norm, pool};
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
@@ -407,7 +408,7 @@ impl NnOps for CpuStorage {
         with_f32_or_half!(dtype, T => {
             let (x, wv) = (elems::<T>(self, lx), elems::<T>(w, lw));
             let b = bias.map(|(b, l)| b.to_f32(l));
-            let (out, idx) = conv_block::forward(&x, &wv, b.as_deref(), g);
+            let (out, idx) = conv::block::forward(&x, &wv, b.as_deref(), g);
             Ok((out, Indices::new(idx)))
         }, _ => Err(wrong_dtype(OP, dtype)))
     }
@@ -434,7 +435,7 @@ impl NnOps for CpuStorage {
             .ok_or_else(|| Error::arg(OP, "indices of another backend"))?;
         with_f32_or_half!(dtype, T => {
             let (dy, xv, wv) = (elems::<T>(self, ldy), elems::<T>(x, lx), elems::<T>(w, lw));
-            let r = conv_block::backward(&dy, idx, &xv, &wv, g, want_dx);
+            let r = conv::block::backward(&dy, idx, &xv, &wv, g, want_dx);
             Ok(Grads {
                 dx: r.dx,
                 dweight: Some(CpuStorage::from_f32(r.dw, dtype)),
@@ -770,7 +771,7 @@ impl NnOps for CpuStorage {
         mask: Opt<'_, Self>,
         g: &AttentionGeom,
     ) -> Result<(Self, Self)> {
-        super::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
+        crate::cpu::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
     }
 
     fn attention_backward(
@@ -783,6 +784,6 @@ impl NnOps for CpuStorage {
         lse: &Self,
         g: &AttentionGeom,
     ) -> Result<(Self, Self, Self)> {
-        super::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
+        crate::cpu::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
     }
 }

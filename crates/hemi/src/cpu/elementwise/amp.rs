@@ -1,7 +1,7 @@
 //! The CPU's loss-scaler kernel: unscale a gradient and note inf/NaN in one pass.
 
-use super::storage::CpuStorage;
 use crate::backend::train::{AmpOps, Log2Histogram};
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::convert::{self, stochastic_round_bf16, stochastic_round_f16, Rounding};
 use crate::dtype::DType;
 use crate::error::{Error, Result};

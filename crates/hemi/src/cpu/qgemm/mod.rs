@@ -44,6 +44,8 @@
 //! Integer sums are exact: `|a·w| ≤ 255 · 128`, so k up to 65 793 (2³¹ / 32 640) cannot
 //! overflow; `PackedB::new` rejects larger k.
 
+pub mod quant;
+
 use crate::backend::map::UnaryOp;
 use crate::error::{Error, Result};
 use rayon::prelude::*;

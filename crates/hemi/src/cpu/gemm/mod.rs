@@ -1,9 +1,12 @@
 //! Matrix products on strided row-major views: the `gemm` crate in the compute type (F32 or
-//! F64), and `product`, which picks it or hemi's own GEMM (`cpu::gemm_half`, F32
+//! F64), and `product`, which picks it or hemi's own GEMM (`cpu::gemm::blocked`, F32
 //! accumulation, half-precision operands converted inside its packing) by the element types
 //! of the operands. Used by matmul, linear and convolution.
 
-use crate::cpu::gemm_half;
+pub mod blocked;
+pub mod matmul;
+pub mod unfold;
+
 use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 
 /// A strided read-only matrix view of elements `T` (any storage dtype): element (i, j) is at
@@ -119,15 +122,15 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
             if let (Some(d), Some(a32), Some(b32)) =
                 (C::as_f32_mut(dst), a.cast::<f32>(), b.cast::<f32>())
             {
-                if let Some(kernel) = gemm_half::f32_kernel(a.rows, a.cols, b.cols) {
-                    return gemm_half::gemm_with(kernel, d, a32, b32, acc, par);
+                if let Some(kernel) = blocked::f32_kernel(a.rows, a.cols, b.cols) {
+                    return blocked::gemm_with(kernel, d, a32, b32, acc, par);
                 }
             }
             matmul_into_par(dst, a, b, acc, par)
         }
         _ => {
             let dst = C::as_f32_mut(dst).expect("half-precision operands: F32 compute");
-            gemm_half::gemm(dst, a, b, acc, par)
+            blocked::gemm(dst, a, b, acc, par)
         }
     }
 }
@@ -142,11 +145,11 @@ pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
     m: usize,
     k: usize,
     n: usize,
-) -> Option<gemm_half::Kernel> {
+) -> Option<blocked::Kernel> {
     if C::DTYPE != DType::F32 || T::DTYPE != DType::F32 {
         return None;
     }
-    gemm_half::f32_kernel(m, k, n).filter(|k| k.packs_f32())
+    blocked::f32_kernel(m, k, n).filter(|k| k.packs_f32())
 }
 
 /// Threads `gemm` may use for a product of this size (small products stay on one thread).

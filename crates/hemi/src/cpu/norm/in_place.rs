@@ -82,7 +82,7 @@ macro_rules! on_x86 {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            unreachable!("norm_wide::available() is false off x86-64")
+            unreachable!("in_place::available() is false off x86-64")
         }
     }};
 }
