@@ -36,7 +36,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::autograd::backward_with_retain_graph;
-use hemi::cpu::gemm::blocked;
+use hemi::cpu::gemm::select;
 use hemi::data::{Batch, Inputs, TextInputs};
 use hemi::dtype::convert;
 use hemi::ops::conv::Conv2dOptions;
@@ -924,9 +924,9 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
         // The kernel each hemi product ran on: F32 goes to the gemm crate unless hemi's GEMM
         // has the better kernel for it (`f32_kernel`).
         let kernels = [
-            blocked::f32_kernel(n, n, n).map_or("gemm", |k| k.name()),
-            blocked::kernel_name(DType::F16, DType::F16),
-            blocked::kernel_name(DType::BF16, DType::BF16),
+            select::f32_kernel(n, n, n).map_or("gemm", |k| k.name()),
+            select::kernel_name(DType::F16, DType::F16),
+            select::kernel_name(DType::BF16, DType::BF16),
             "gemm",
         ];
         if args.json {

@@ -10,7 +10,7 @@
 //! Each loop runs 12 independent accumulator chains (more than latency × issue width on the
 //! CPUs seen), so it measures issue rate, not latency. Prints the route this process takes.
 
-use hemi::cpu::gemm::blocked::Bf16Route;
+use hemi::cpu::gemm::select::Bf16Route;
 use std::time::Instant;
 
 fn main() {

@@ -16,9 +16,8 @@
 mod common;
 use common::block::block_matches_reference;
 use common::*;
-use hemi::cpu::gemm::blocked::{
-    f32_kernel, force_kernel, gemm, gemm_with, kernel_for, kernel_name, Kernel,
-};
+use hemi::cpu::gemm::blocked::{gemm, gemm_with};
+use hemi::cpu::gemm::select::{f32_kernel, force_kernel, kernel_for, kernel_name, Kernel};
 use hemi::cpu::gemm::{matmul_into, product, MatRef};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};

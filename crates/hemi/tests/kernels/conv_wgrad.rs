@@ -11,7 +11,7 @@
 use half::bf16;
 use hemi::cpu::conv::wgrad::WgradPlan;
 use hemi::cpu::conv::{conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::gemm::blocked::Kernel;
+use hemi::cpu::gemm::select::Kernel;
 use hemi::Generator;
 
 #[allow(clippy::too_many_arguments)]

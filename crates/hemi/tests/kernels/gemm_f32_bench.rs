@@ -10,7 +10,8 @@
 //! `GEMM_F32_BENCH_REPS` sets the rounds (default 7), `GEMM_F32_BENCH_ONLY` a substring of
 //! the case names. Prints nothing useful without AVX-512 F.
 
-use hemi::cpu::gemm::blocked::{f32_kernel, gemm_with, Kernel};
+use hemi::cpu::gemm::blocked::gemm_with;
+use hemi::cpu::gemm::select::{f32_kernel, Kernel};
 use hemi::cpu::gemm::{matmul_into_par, MatRef};
 use hemi::Generator;
 use std::time::Instant;

@@ -7,9 +7,10 @@ use half::{bf16, f16};
 use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
 use hemi::cpu::gemm::blocked::{
     gemm, gemm_packed, gemm_round, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs,
-    gemm_unfold_pairs_packed, gemm_with, kernel_name, rounds_in_tiles, select_kernel, Bf16Route,
-    Kernel, PackedA,
+    gemm_unfold_pairs_packed, gemm_with, rounds_in_tiles,
 };
+use hemi::cpu::gemm::pack::PackedA;
+use hemi::cpu::gemm::select::{kernel_name, select_kernel, Bf16Route, Kernel};
 use hemi::cpu::gemm::unfold::Unfold;
 use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::dtype::WithDType;

@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use common::rand_tensor;
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
-use hemi::cpu::gemm::blocked::{self, Kernel};
+use hemi::cpu::gemm::blocked;
+use hemi::cpu::gemm::select::Kernel;
 use hemi::cpu::gemm::{matmul_into, MatRef};
 use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
 use hemi::dtype::WithDType;

@@ -1829,7 +1829,7 @@ impl AmxWgradPlan {
         // As 16-bit halves: pixel P of channel o at `(o / 16)·tile_pairs·32 + (DY_PAD + P / 2)
         // ·32 + (o % 16)·2 + P % 2`, so consecutive pixels alternate between two halves of one
         // `u32` and the next `u32` pair lies 32 halves on.
-        let halves: &mut [u16] = crate::cpu::gemm::blocked::as_halves(dyq);
+        let halves: &mut [u16] = crate::cpu::gemm::pack::as_halves(dyq);
         for i in 0..n {
             let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             for (o, src) in img.chunks_exact(l).enumerate() {

@@ -29,9 +29,10 @@ use crate::cpu::conv::direct::DirectPlan;
 use crate::cpu::conv::implicit::ImplicitPlan;
 use crate::cpu::conv::wgrad::WgradPlan;
 use crate::cpu::gemm::blocked::{
-    f32_kernel, gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed, kernel_for,
-    Kernel, PackedA,
+    gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed,
 };
+use crate::cpu::gemm::pack::PackedA;
+use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
 use crate::cpu::gemm::unfold::Unfold;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
 use crate::cpu::runs::Runs;

@@ -36,7 +36,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::gemm::blocked::{f32_kernel, kernel_for, Kernel};
+use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
 use crate::DType;
 
 /// Output channels per block.

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::merged_row_stride;
-use crate::cpu::gemm::blocked;
+use crate::cpu::gemm::{blocked, select};
 use crate::cpu::gemm::{product, MatRef};
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::tensor::layout::contiguous_strides;
@@ -207,7 +207,7 @@ pub(crate) fn matmul_round<O: WithDType>(
         return None;
     }
     let rows = count * m;
-    let kernel = blocked::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
+    let kernel = select::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
     if !blocked::rounds_in_tiles(kernel, k) {
         return None;
     }

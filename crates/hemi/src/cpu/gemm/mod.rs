@@ -1,11 +1,23 @@
-//! Matrix products on strided row-major views: the `gemm` crate in the compute type (F32 or
-//! F64), and `product`, which picks it or hemi's own GEMM (`cpu::gemm::blocked`, F32
-//! accumulation, half-precision operands converted inside its packing) by the element types
-//! of the operands. Used by matmul, linear and convolution.
+//! Matrix products: every CPU GEMM and what it needs.
+//!
+//! This file: products on strided row-major views (`MatRef`), the `gemm` crate in the
+//! compute type (F32 or F64), and `product`, which picks it or hemi's own GEMM (`blocked`,
+//! F32 accumulation, half-precision operands converted inside its packing) by the element
+//! types of the operands. Used by matmul, linear and convolution. The rest of the family:
+//! - `blocked`: hemi's blocked GEMM (entry points, threads, the driver); `select` (which
+//!   kernel), `pack` (panels, `PackedA`), `unfold` (B packed from a convolution's image),
+//!   `portable` and `x86` (the microkernels);
+//! - `matmul`: batched matmul over tensor layouts (broadcast batch dims, bias rows, the
+//!   F16/BF16 output rounded tile by tile).
 
 pub mod blocked;
 pub mod matmul;
+pub mod pack;
+mod portable;
+pub mod select;
 pub mod unfold;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 
@@ -122,7 +134,7 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
             if let (Some(d), Some(a32), Some(b32)) =
                 (C::as_f32_mut(dst), a.cast::<f32>(), b.cast::<f32>())
             {
-                if let Some(kernel) = blocked::f32_kernel(a.rows, a.cols, b.cols) {
+                if let Some(kernel) = select::f32_kernel(a.rows, a.cols, b.cols) {
                     return blocked::gemm_with(kernel, d, a32, b32, acc, par);
                 }
             }
@@ -145,11 +157,11 @@ pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
     m: usize,
     k: usize,
     n: usize,
-) -> Option<blocked::Kernel> {
+) -> Option<select::Kernel> {
     if C::DTYPE != DType::F32 || T::DTYPE != DType::F32 {
         return None;
     }
-    blocked::f32_kernel(m, k, n).filter(|k| k.packs_f32())
+    select::f32_kernel(m, k, n).filter(|k| k.packs_f32())
 }
 
 /// Threads `gemm` may use for a product of this size (small products stay on one thread).
