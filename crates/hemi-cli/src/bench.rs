@@ -963,7 +963,10 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
 /// hemi's F32 and BF16 matmul timed in the same rounds, so that the ratios compare runs under
 /// the same load. GOP/s counts a multiply-add as two operations, as GFLOP/s does.
 fn bench_int8(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> Result<()> {
-    use hemi::cpu::qgemm::{dequant_one, qgemm, Act, Epilogue, PackedB, QKernel};
+    use hemi::cpu::qgemm::epilogue::{dequant_one, Act, Epilogue};
+    use hemi::cpu::qgemm::pack::PackedB;
+    use hemi::cpu::qgemm::qgemm;
+    use hemi::cpu::qgemm::select::QKernel;
     let kernels: Vec<QKernel> = QKernel::ALL
         .into_iter()
         .filter(|k| k.is_available() && !k.is_portable())
