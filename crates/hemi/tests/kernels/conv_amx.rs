@@ -9,7 +9,8 @@
 
 use half::bf16;
 use hemi::cpu::conv::amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
-use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv::reference::{conv2d_reference, conv2d_weight_grad_reference};
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out).

@@ -8,7 +8,8 @@
 
 use half::{bf16, f16};
 use hemi::cpu::conv::direct::{DirectElem, DirectPlan, MAX_C_OUT};
-use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv::reference::conv2d_reference;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::Generator;
 
 fn geom(

@@ -9,8 +9,9 @@
 //! than 16 output channels.
 
 use half::bf16;
+use hemi::cpu::conv::reference::conv2d_weight_grad_reference;
 use hemi::cpu::conv::wgrad::WgradPlan;
-use hemi::cpu::conv::{conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::cpu::gemm::select::Kernel;
 use hemi::Generator;
 

@@ -4,7 +4,8 @@
 //! parameters, transposed and strided views, and accumulate on and off.
 
 use half::{bf16, f16};
-use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
+use hemi::cpu::conv::im2col::im2col;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::cpu::gemm::blocked::{
     gemm, gemm_packed, gemm_round, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs,
     gemm_unfold_pairs_packed, gemm_with, rounds_in_tiles,

@@ -23,7 +23,8 @@
 use rayon::prelude::*;
 
 use crate::cpu::chunked::{sum, write};
-use crate::cpu::conv::{col2im_ld, im2col_ld, Conv2dGeom};
+use crate::cpu::conv::im2col::{col2im_ld, im2col_ld};
+use crate::cpu::conv::Conv2dGeom;
 use crate::cpu::gemm::{product, MatRef};
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{same_slice_mut, WithDType};
