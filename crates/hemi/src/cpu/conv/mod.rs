@@ -33,7 +33,7 @@ pub mod reference;
 pub mod wgrad;
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
-use crate::cpu::chunked::{blocks_uninit, blocks_zeroed, per_block_with};
+use crate::cpu::chunked::{self, blocks_uninit, blocks_zeroed, per_block_with};
 use crate::cpu::conv::amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
 use crate::cpu::conv::direct::DirectPlan;
 use crate::cpu::conv::implicit::ImplicitPlan;
@@ -45,6 +45,7 @@ use crate::cpu::gemm::pack::PackedA;
 use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
 use crate::cpu::gemm::unfold::Unfold;
 use crate::cpu::gemm::{product, unfold_kernel, MatRef};
+use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
@@ -557,6 +558,34 @@ fn wgrad_runs<E: Sync>(
             dw
         },
     )
+}
+
+/// Gradient of the bias in the compute type: `dy` summed over the batch and the output
+/// pixels, per channel.
+pub(crate) fn conv_bias_grad<C: FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
+    let l = g.l();
+    (0..g.c_out)
+        .map(|co| {
+            (0..g.n)
+                .map(|n| sum_slice(&dy[(n * g.c_out + co) * l..(n * g.c_out + co + 1) * l]))
+                .fold(C::zero(), |a, b| a + b)
+        })
+        .collect()
+}
+
+/// The bias gradient (per channel, `dy` summed over images and pixels) from an F32/F16/BF16
+/// gradient, an image at a time in F32; the same order as the compute-type path.
+pub(crate) fn conv_bias_grad_blocks<T: WithDType>(dy: &[T], g: &Conv2dGeom) -> Vec<f32> {
+    let l = g.l();
+    let mut acc = vec![0f32; g.c_out];
+    let mut db = vec![0f32; g.out_image()];
+    for n in 0..g.n {
+        let img = chunked::read(dy, n * g.out_image(), &mut db);
+        for (co, a) in acc.iter_mut().enumerate() {
+            *a += sum_slice(&img[co * l..(co + 1) * l]);
+        }
+    }
+    acc
 }
 
 // F16/BF16 tensors are unfolded and multiplied as stored, without an F32 copy of the batch:

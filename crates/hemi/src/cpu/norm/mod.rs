@@ -254,6 +254,27 @@ pub fn ln_row_impl<C: FloatDType>(
     (mean, rstd)
 }
 
+/// `(1 - momentum) * running + momentum * batch` in F64: a running mean or variance after
+/// a training batch.
+pub(crate) fn blend_running<B: WithDType>(running: &[f64], batch: &[B], momentum: f64) -> Vec<f64> {
+    running
+        .iter()
+        .zip(batch)
+        .map(|(&r, &b)| (1.0 - momentum) * r + momentum * b.to_f64())
+        .collect()
+}
+
+/// The unbiased variances (Bessel's correction over `m` values each) of biased ones, in F64.
+pub(crate) fn unbiased_var<C: WithDType>(var: &[C], m: f64) -> Vec<f64> {
+    var.iter().map(|&v| v.to_f64() * m / (m - 1.0)).collect()
+}
+
+/// `1 / sqrt(var + eps)` per channel, in the compute type.
+pub(crate) fn inv_std<C: FloatDType>(var: &[C], eps: f64) -> Vec<C> {
+    let eps_c = C::from_f64(eps);
+    var.iter().map(|&v| C::one() / (v + eps_c).sqrt()).collect()
+}
+
 /// `ln_row_impl` compiled for AVX2 and AVX-512 F (F32).
 #[cfg(target_arch = "x86_64")]
 #[doc(hidden)]
