@@ -17,40 +17,6 @@ use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::Layout;
 
-/// Keeps freed activation buffers in the process instead of handing them back to the OS.
-///
-/// A training step allocates and frees the same few megabyte-sized buffers (activations,
-/// column matrices, gradients) layer after layer. glibc serves blocks above its mmap
-/// threshold with fresh `mmap`s and trims the heap top on `free`, so every step faulted its
-/// activations in again, page by page: a fifth of a ResNet-20 step on 2 cores went to page
-/// faults, zeroing and `munmap`. Raising the mmap threshold to glibc's maximum (32 MiB)
-/// and the trim threshold to 1 GiB keeps those pages mapped for the next layer and the
-/// next step. Done once, on the first network primitive; a no-op on other C libraries.
-/// Peak memory is unchanged (the pages were in use at the peak anyway); set
-/// `HEMI_NO_MALLOPT` to keep the C library's defaults.
-pub(crate) fn keep_freed_memory() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        {
-            if std::env::var_os("HEMI_NO_MALLOPT").is_some() {
-                return;
-            }
-            extern "C" {
-                fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-            }
-            const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
-            const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
-            // SAFETY: mallopt only sets allocator tunables; any value is accepted or
-            // refused with 0, nothing is freed or moved.
-            unsafe {
-                mallopt(M_MMAP_THRESHOLD, 32 << 20);
-                mallopt(M_TRIM_THRESHOLD, 1 << 30);
-            }
-        }
-    });
-}
-
 /// The elements `layout` addresses as `[T]` (the caller matched `T` to the dtype).
 fn elems<'a, T: WithDType>(s: &'a CpuStorage, layout: &Layout) -> std::borrow::Cow<'a, [T]> {
     s.elems::<T>(layout).expect("dtype matched by the caller")
@@ -281,7 +247,6 @@ impl NnOps for CpuStorage {
         bias: Opt<'_, Self>,
         out: DType,
     ) -> Result<Self> {
-        keep_freed_memory();
         let (ra, rb) = (la.shape().len(), lb.shape().len());
         let batch = broadcast_shapes("matmul", &la.shape()[..ra - 2], &lb.shape()[..rb - 2])?;
         if out.is_half() && self.dtype() == out && rhs.dtype() == out {
@@ -311,7 +276,6 @@ impl NnOps for CpuStorage {
         g: &Conv2dGeom,
         out: DType,
     ) -> Result<Self> {
-        keep_freed_memory();
         // All F16 or all BF16 (autocast's case): unfolded and multiplied as stored, each
         // image's F32 result rounded into the output, so the batch never exists in F32.
         if out.is_half() && self.dtype() == out && w.dtype() == out {
@@ -565,7 +529,6 @@ impl NnOps for CpuStorage {
         momentum: f64,
         eps: f64,
     ) -> Result<BatchNorm<Self>> {
-        keep_freed_memory();
         let dtype = self.dtype();
         if matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             return self.batch_norm_act(
@@ -652,7 +615,6 @@ impl NnOps for CpuStorage {
         momentum: f64,
         eps: f64,
     ) -> Result<BatchNorm<Self>> {
-        keep_freed_memory();
         with_f32_or_half!(self.dtype(), T => bn_act::<T>(
             self, l, g, residual, relu, weight, bias, running, training, momentum, eps,
         ), _ => Err(wrong_dtype("batch_norm_act", self.dtype())))
