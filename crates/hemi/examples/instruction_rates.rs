@@ -1,7 +1,7 @@
 //! How many `vdpbf16ps` and F32 FMAs (zmm) one core issues per second: the figures behind
-//! `gemm_half::Bf16Route`, which multiplies BF16 as pairs where `vdpbf16ps` does twice the
-//! work of an FMA per instruction at about the FMA's rate (AMD Zen 4/5), and widens BF16 to
-//! F32 where it issues far less often (Intel's AVX-512 BF16 cores).
+//! `cpu::gemm::select::Bf16Route`, which multiplies BF16 as pairs where `vdpbf16ps` does
+//! twice the work of an FMA per instruction at about the FMA's rate (AMD Zen 4/5), and
+//! widens BF16 to F32 where it issues far less often (Intel's AVX-512 BF16 cores).
 //!
 //! ```sh
 //! cargo run --release -p hemi --example instruction_rates

@@ -5,7 +5,7 @@
 //! `portable-bf16-pairs`, which reads the same panels. Each result is checked against F64
 //! with the F32 summation bound (`assert_sums_close`).
 //!
-//! F32 products take the same route where `gemm_half::f32_kernel` names a kernel (a forced
+//! F32 products take the same route where `select::f32_kernel` names a kernel (a forced
 //! F32-panel kernel, or `avx512f` on CPUs with AVX-512 F), so the F32 ops run on every
 //! F32-panel kernel too. Below them, the F32-panel kernels straight through `gemm_with`
 //! against F64 on odd sizes and strided views, `avx512f` against its plain-Rust twin

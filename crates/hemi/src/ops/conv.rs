@@ -3,9 +3,9 @@
 //! fused conv + ReLU + max-pool block.
 //!
 //! Dtypes: the output has the promoted dtype of input, weight and bias (PyTorch's rule; F16
-//! with BF16 gives F32). Inputs of one half dtype are multiplied as stored (`gemm_half`), mixes
-//! are converted to the promoted dtype first; products are summed in F32 (F64 for F64) and the
-//! output is rounded once (the precision contract).
+//! with BF16 gives F32). Inputs of one half dtype are multiplied as stored
+//! (`cpu::gemm::blocked`), mixes are converted to the promoted dtype first; products are
+//! summed in F32 (F64 for F64) and the output is rounded once (the precision contract).
 
 use std::sync::Arc;
 

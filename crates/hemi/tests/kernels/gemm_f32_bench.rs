@@ -1,4 +1,4 @@
-//! The measurement behind `gemm_half::f32_kernel` (which F32 products leave the `gemm` crate
+//! The measurement behind `gemm::select::f32_kernel` (which F32 products leave the `gemm` crate
 //! for hemi's `avx512f` kernel): both on the products that matter to hemi, one thread, CPU
 //! time of that thread (so that time the shared machine spends on other work is not counted),
 //! median of several rounds in which the two take turns. Run it with

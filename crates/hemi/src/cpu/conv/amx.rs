@@ -2,7 +2,7 @@
 //! packing of it, whole `tdpbf16ps` tiles read from a copy of the image.
 //!
 //! `conv::image_forward` otherwise runs a BF16 convolution on AMX as a GEMM
-//! (`gemm_half`'s `amx-bf16`): im2col, then the column matrix packed into BF16 pairs, then
+//! (the blocked GEMM's `amx-bf16`): im2col, then the column matrix packed into BF16 pairs, then
 //! 32×32 tiles of small per-image products. On ResNet-20 at batch 128 (a 2-core Xeon with
 //! AMX) that im2col and packing took more time than the tile products themselves.
 //!
@@ -48,7 +48,7 @@
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
 //! F32 over (tap, chunk) steps in order, the bias added at the end. Within one `tdpbf16ps`
-//! the hardware's order is its own (see `gemm_half::Kernel::PortableAmx`), so the portable
+//! the hardware's order is its own (see `gemm::select::Kernel::PortableAmx`), so the portable
 //! twin (the Intel SDM's sequential order) agrees with the AMX tiles to the bit only where
 //! the sums are exact; both are checked against F64 with the F32 summation bound
 //! (`tests/kernels/conv_amx.rs`).
@@ -947,7 +947,7 @@ pub fn amx_available() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[doc(hidden)]
 pub mod x86 {
-    /// `conv_amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
+    /// `conv::amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
     /// pairs per step under a mask, at strides 1 and 2.
     ///
     /// # Safety
@@ -968,7 +968,7 @@ pub mod x86 {
         }
     }
 
-    /// `conv_amx::pair_run_portable` at strides 1 and 2, sixteen pairs per step under a
+    /// `conv::amx::pair_run_portable` at strides 1 and 2, sixteen pairs per step under a
     /// mask.
     ///
     /// # Safety
@@ -1012,7 +1012,7 @@ pub mod x86 {
     }
 
     /// `ConvOut::put` on AVX-512: sixteen lanes per step under a mask, each rounded to `L`
-    /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm_wide`'s store).
+    /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm::in_place`'s store).
     ///
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL and F16C; `dst` is valid for writes of `src.len()`

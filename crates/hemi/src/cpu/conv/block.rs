@@ -16,7 +16,7 @@
 //! the pool runs on the convolution's F32 output and the ReLU on the pooled value; a pooled
 //! value that is not positive passes no gradient (ReLU's derivative there is 0), which the
 //! window index records as `MASKED`. F16/BF16 tensors are unfolded and multiplied as stored
-//! (`gemm_half`: converted inside its packing, or BF16 pairs on `vdpbf16ps`), the
+//! (`cpu::gemm::blocked`: converted inside its packing, or BF16 pairs on `vdpbf16ps`), the
 //! convolution output is F32, and the pooled output is rounded once, as the unfused ops
 //! round it.
 

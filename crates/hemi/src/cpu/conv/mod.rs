@@ -74,7 +74,7 @@ fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
 }
 
 /// The weights of a convolution, one matrix `[c_out/groups, K]` per group, packed once for
-/// the kernel of hemi's GEMM that every image's product runs on (`gemm_half::PackedA`)
+/// the kernel of hemi's GEMM that every image's product runs on (`gemm::pack::PackedA`)
 /// instead of once per image: for ResNet-20's 64-channel layers (64×576 weights, 8×8
 /// images) packing them was a tenth of the convolution. `None` where the products run on
 /// the `gemm` crate (F64, and F32 shapes `f32_kernel` leaves to it). The kernel is the one
@@ -281,7 +281,7 @@ fn image_forward<T: WithDType, C: FloatDType>(
     let packed = prep.packed.as_deref();
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     // Stride-1 'same'-width convolutions on hemi's GEMM read the column matrix straight from
-    // the image (`gemm_half::Unfold`); the rest unfold it first.
+    // the image (`gemm::unfold::Unfold`); the rest unfold it first.
     let unfold = Unfold::conv(x, g, 0).and(unfold_kernel::<C, T>(m, k, l));
     let col = if unfold.is_some() {
         x
@@ -590,12 +590,12 @@ pub(crate) fn conv_bias_grad_blocks<T: WithDType>(dy: &[T], g: &Conv2dGeom) -> V
 
 // F16/BF16 tensors are unfolded and multiplied as stored, without an F32 copy of the batch:
 // the column matrix is unfolded in the tensor's own dtype (a gather, exact) and multiplied by
-// `gemm_half`, which converts inside its packing (or, for BF16 on CPUs with AVX-512 BF16,
-// multiplies BF16 pairs with `vdpbf16ps`), with F32 results. Products of two F16 or two BF16
+// hemi's blocked GEMM, which converts inside its packing (or, for BF16 on CPUs with AVX-512
+// BF16, multiplies BF16 pairs with `vdpbf16ps`), with F32 results. Products of two F16 or two BF16
 // values are exact in F32, so the half paths compute what the F32 kernels compute on the
 // converted values, up to summation order (and, on the `avx512bf16` kernel, with subnormal
 // inputs and partial sums flushed to zero, as `vdpbf16ps` does). On CPUs without AVX2
-// `gemm_half` runs its portable kernel, slower than the `gemm` crate's SIMD code there.
+// it runs its portable kernel, slower than the `gemm` crate's SIMD code there.
 
 // ----- F32/F16/BF16 tensors, results rounded image by image -----------------------------------
 //

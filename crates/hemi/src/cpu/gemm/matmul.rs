@@ -1,8 +1,8 @@
 //! The CPU's matrix product with PyTorch's batching: operands reach GEMM as strided views (a
 //! transposed, broadcast or sliced operand costs no copy: GEMM takes a row and a column
 //! stride per matrix, batch dims are a loop over matrix offsets). F16/BF16 operands of an F32
-//! product are not converted: `cpu::gemm::product` hands them to `gemm_half` as stored, which
-//! converts inside its packing, block by block.
+//! product are not converted: `cpu::gemm::product` hands them to hemi's blocked GEMM as
+//! stored, which converts inside its packing, block by block.
 
 use std::borrow::Cow;
 
@@ -186,7 +186,7 @@ pub(crate) fn matmul<C: FloatDType>(
 }
 
 /// `a · b (+ bias)` rounded into the half dtype `O` as each tile is summed
-/// (`gemm_half::gemm_round`), when both operands are stored in `O`, the product is one tall
+/// (`blocked::gemm_round`), when both operands are stored in `O`, the product is one tall
 /// matrix product (b has no batch dims and a's rows merge: a linear layer under autocast)
 /// and its inner dim fits one k block; `None` otherwise. The bits of `matmul::<f32>`
 /// followed by `CpuStorage::from_f32`.

@@ -22,7 +22,7 @@ mod x86;
 use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 
 /// A strided read-only matrix view of elements `T` (any storage dtype): element (i, j) is at
-/// `data[i * rs + j * cs]`. The one view type of every CPU GEMM (`gemm`, `gemm_half`) and of
+/// `data[i * rs + j * cs]`. The one view type of every CPU GEMM (`gemm`, `blocked`) and of
 /// the convolutions.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a, T> {
@@ -118,7 +118,7 @@ impl<'a, T: WithDType> MatRef<'a, T> {
 
 /// `dst = [dst +] a · b` in the compute type `C`, `dst` row-major contiguous
 /// `a.rows x b.cols`: the `gemm` crate when both operands are of type `C`, else hemi's GEMM
-/// (`gemm_half`: F32, F16 and BF16 operands in any mix, F32 accumulation, so `C` is f32
+/// (`blocked`: F32, F16 and BF16 operands in any mix, F32 accumulation, so `C` is f32
 /// there). `par` lets the product use the thread pool (pass false inside a parallel task);
 /// the thread count changes no bit of the result.
 pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
@@ -149,8 +149,8 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
 
 /// The kernel `product` would run an `m × k · k × n` F32 product on, where that is one of
 /// hemi's F32-panel kernels, which can read a convolution's column matrix straight from its
-/// image (`gemm_half::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
-/// `gemm_half::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
+/// image (`blocked::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
+/// `select::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
 /// step in the unfold made ResNet-20's amp-fp16 step 5 % slower than im2col + pack, and
 /// BF16 on a pair kernel is unfolded in channel pairs instead (`cpu::conv`'s `PairConv`).
 pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(

@@ -184,7 +184,7 @@ fn wide_norm_backward_loops_equal_the_portable_loop() {
     }
 }
 
-/// The AVX-512 per-run kernels of `norm_wide`, which read and write F32/F16/BF16
+/// The AVX-512 per-run kernels of `norm::in_place`, which read and write F32/F16/BF16
 /// directly, give the bits of the portable path (widen into an F32 buffer, the F32 loop,
 /// round out of a buffer) for every element type, run length (tails included), with and
 /// without the ReLU's output and the residual, in training and eval; on finite data with
