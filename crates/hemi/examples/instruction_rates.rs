@@ -17,9 +17,10 @@ fn main() {
     println!("BF16 route on this CPU: {:?}", Bf16Route::current());
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
+        use hemi::cpu::features::Feature;
+        let has = |f: Feature| f.detected();
         let iters = 20_000_000u64;
-        if has!("avx512f") {
+        if has(Feature::Avx512f) {
             // SAFETY: AVX-512 F checked above.
             let (rate, check) = best_of(3, || unsafe { x86::fma_rate(iters) });
             println!(
@@ -29,7 +30,7 @@ fn main() {
         } else {
             println!("no AVX-512 F");
         }
-        if has!("avx512f") && has!("avx512bf16") {
+        if has(Feature::Avx512f) && has(Feature::Avx512bf16) {
             // SAFETY: AVX-512 F and BF16 checked above.
             let (rate, check) = best_of(3, || unsafe { x86::dpbf16_rate(iters) });
             println!(
