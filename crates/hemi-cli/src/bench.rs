@@ -36,7 +36,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use half::{bf16, f16};
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
 use hemi::autograd::backward_with_retain_graph;
-use hemi::cpu::gemm_half;
+use hemi::cpu::gemm::select;
 use hemi::data::{Batch, Inputs, TextInputs};
 use hemi::dtype::convert;
 use hemi::ops::conv::Conv2dOptions;
@@ -924,9 +924,9 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
         // The kernel each hemi product ran on: F32 goes to the gemm crate unless hemi's GEMM
         // has the better kernel for it (`f32_kernel`).
         let kernels = [
-            gemm_half::f32_kernel(n, n, n).map_or("gemm", |k| k.name()),
-            gemm_half::kernel_name(DType::F16, DType::F16),
-            gemm_half::kernel_name(DType::BF16, DType::BF16),
+            select::f32_kernel(n, n, n).map_or("gemm", |k| k.name()),
+            select::kernel_name(DType::F16, DType::F16),
+            select::kernel_name(DType::BF16, DType::BF16),
             "gemm",
         ];
         if args.json {
@@ -963,7 +963,10 @@ fn bench_matmul(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> 
 /// hemi's F32 and BF16 matmul timed in the same rounds, so that the ratios compare runs under
 /// the same load. GOP/s counts a multiply-add as two operations, as GFLOP/s does.
 fn bench_int8(args: &BenchArgs, pool: &rayon::ThreadPool, sizes: &[usize]) -> Result<()> {
-    use hemi::cpu::qgemm::{dequant_one, qgemm, Act, Epilogue, PackedB, QKernel};
+    use hemi::cpu::qgemm::epilogue::{dequant_one, Act, Epilogue};
+    use hemi::cpu::qgemm::pack::PackedB;
+    use hemi::cpu::qgemm::qgemm;
+    use hemi::cpu::qgemm::select::QKernel;
     let kernels: Vec<QKernel> = QKernel::ALL
         .into_iter()
         .filter(|k| k.is_available() && !k.is_portable())

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Args, ValueEnum};
-use hemi::cpu::qgemm::QKernel;
+use hemi::cpu::qgemm::select::QKernel;
 use hemi::data::{Inputs, TextInputs};
 use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::{ForwardHook, LayerRef, Module};

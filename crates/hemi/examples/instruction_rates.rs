@@ -1,7 +1,7 @@
 //! How many `vdpbf16ps` and F32 FMAs (zmm) one core issues per second: the figures behind
-//! `gemm_half::Bf16Route`, which multiplies BF16 as pairs where `vdpbf16ps` does twice the
-//! work of an FMA per instruction at about the FMA's rate (AMD Zen 4/5), and widens BF16 to
-//! F32 where it issues far less often (Intel's AVX-512 BF16 cores).
+//! `cpu::gemm::select::Bf16Route`, which multiplies BF16 as pairs where `vdpbf16ps` does
+//! twice the work of an FMA per instruction at about the FMA's rate (AMD Zen 4/5), and
+//! widens BF16 to F32 where it issues far less often (Intel's AVX-512 BF16 cores).
 //!
 //! ```sh
 //! cargo run --release -p hemi --example instruction_rates
@@ -10,16 +10,17 @@
 //! Each loop runs 12 independent accumulator chains (more than latency × issue width on the
 //! CPUs seen), so it measures issue rate, not latency. Prints the route this process takes.
 
-use hemi::cpu::gemm_half::Bf16Route;
+use hemi::cpu::gemm::select::Bf16Route;
 use std::time::Instant;
 
 fn main() {
     println!("BF16 route on this CPU: {:?}", Bf16Route::current());
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
+        use hemi::cpu::features::Feature;
+        let has = |f: Feature| f.detected();
         let iters = 20_000_000u64;
-        if has!("avx512f") {
+        if has(Feature::Avx512f) {
             // SAFETY: AVX-512 F checked above.
             let (rate, check) = best_of(3, || unsafe { x86::fma_rate(iters) });
             println!(
@@ -29,7 +30,7 @@ fn main() {
         } else {
             println!("no AVX-512 F");
         }
-        if has!("avx512f") && has!("avx512bf16") {
+        if has(Feature::Avx512f) && has(Feature::Avx512bf16) {
             // SAFETY: AVX-512 F and BF16 checked above.
             let (rate, check) = best_of(3, || unsafe { x86::dpbf16_rate(iters) });
             println!(

@@ -1,11 +1,11 @@
-//! The ops that multiply half-precision tensors through `cpu::gemm_half` (conv2d, the fused
+//! The ops that multiply half-precision tensors through `cpu::gemm::blocked` (conv2d, the fused
 //! conv block, matmul) on every GEMM kernel this CPU can run, forced one at a time: on a CPU
 //! without AVX-512 BF16 the BF16-pair packing that `avx512bf16` reads is still exercised with
 //! the views these ops pass (transposed weights, column matrices side by side), through
 //! `portable-bf16-pairs`, which reads the same panels. Each result is checked against F64
 //! with the F32 summation bound (`assert_sums_close`).
 //!
-//! F32 products take the same route where `gemm_half::f32_kernel` names a kernel (a forced
+//! F32 products take the same route where `select::f32_kernel` names a kernel (a forced
 //! F32-panel kernel, or `avx512f` on CPUs with AVX-512 F), so the F32 ops run on every
 //! F32-panel kernel too. Below them, the F32-panel kernels straight through `gemm_with`
 //! against F64 on odd sizes and strided views, `avx512f` against its plain-Rust twin
@@ -16,10 +16,9 @@
 mod common;
 use common::block::block_matches_reference;
 use common::*;
+use hemi::cpu::gemm::blocked::{gemm, gemm_with};
+use hemi::cpu::gemm::select::{f32_kernel, force_kernel, kernel_for, kernel_name, Kernel};
 use hemi::cpu::gemm::{matmul_into, product, MatRef};
-use hemi::cpu::gemm_half::{
-    f32_kernel, force_kernel, gemm, gemm_with, kernel_for, kernel_name, Kernel,
-};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
 use std::sync::Mutex;

@@ -29,8 +29,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::AttentionGeom;
+use crate::cpu::elementwise::map::PAR_THRESHOLD;
 use crate::cpu::gemm::{product, MatRef};
-use crate::cpu::map::PAR_THRESHOLD;
 use crate::dtype::{convert, same_slice, same_slice_mut, DType, FloatDType, WithDType};
 use crate::tensor::Layout;
 
@@ -362,7 +362,7 @@ mod wide {
 pub fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>) -> C {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{f32_opt, vector_level, VectorLevel};
         let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
@@ -386,7 +386,7 @@ pub fn softmax_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>)
 pub fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, lse: C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{f32_opt, vector_level, VectorLevel};
         let m = f32_opt(mask_row);
         let level = vector_level();
         if let (Some(s), Some(m), true) = (C::as_f32_mut(s), m, level != VectorLevel::Baseline) {
@@ -410,7 +410,7 @@ pub fn probs_row<C: FloatDType>(s: &mut [C], scale: C, mask_row: Option<&[C]>, l
 pub fn ds_row<C: FloatDType>(p: &[C], dp: &mut [C], scale: C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{vector_level, VectorLevel};
         let level = vector_level();
         if let (Some(p), Some(dp), true) = (
             C::as_f32(p),
@@ -625,85 +625,4 @@ fn block_grads<C: FloatDType, U: WithDType, T: WithDType>(
     product(dv, p.t(), dout, acc, false);
     product(dq, ds, k, false, false);
     product(dk, ds.t(), q, acc, false);
-}
-
-// ----- the `NnOps` primitives over `CpuStorage` (dtype dispatch) ----------------------------
-
-use crate::backend::nn::Opt;
-use crate::cpu::storage::CpuStorage;
-use crate::error::{Error, Result};
-
-/// The elements of a float buffer as `[T]` (the caller matched `T` to the dtype of `q`).
-fn slice<'a, T: WithDType>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
-    s.as_slice::<T>().ok_or_else(|| {
-        Error::dtype(
-            op,
-            s.dtype(),
-            format!("expected {} like the queries", T::DTYPE),
-        )
-    })
-}
-
-/// `NnOps::attention` on the CPU.
-pub(crate) fn attention(
-    q: (&CpuStorage, &Layout),
-    k: (&CpuStorage, &Layout),
-    v: (&CpuStorage, &Layout),
-    mask: Opt<'_, CpuStorage>,
-    g: &AttentionGeom,
-) -> Result<(CpuStorage, CpuStorage)> {
-    const OP: &str = "scaled_dot_product_attention";
-    let dtype = q.0.dtype();
-    if !dtype.is_float() {
-        return Err(Error::dtype(OP, dtype, "expected float queries"));
-    }
-    crate::with_dtype!(dtype, T => {
-        crate::with_compute!(dtype, C => {
-            let m = mask.map(|(m, l)| slice::<C>(OP, m).map(|m| (m, l))).transpose()?;
-            let (out, lse) = forward::<T, C>(
-                (slice(OP, q.0)?, q.1),
-                (slice(OP, k.0)?, k.1),
-                (slice(OP, v.0)?, v.1),
-                m,
-                g,
-            );
-            Ok((CpuStorage::from_vec(out), CpuStorage::from_vec(lse)))
-        })
-    })
-}
-
-/// `NnOps::attention_backward` on the CPU.
-pub(crate) fn attention_backward(
-    dout: (&CpuStorage, &Layout),
-    q: (&CpuStorage, &Layout),
-    k: (&CpuStorage, &Layout),
-    v: (&CpuStorage, &Layout),
-    mask: Opt<'_, CpuStorage>,
-    lse: &CpuStorage,
-    g: &AttentionGeom,
-) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
-    const OP: &str = "scaled_dot_product_attention_backward";
-    let dtype = q.0.dtype();
-    if !dtype.is_float() {
-        return Err(Error::dtype(OP, dtype, "expected float queries"));
-    }
-    crate::with_dtype!(dtype, T => {
-        crate::with_compute!(dtype, C => {
-            let m = mask.map(|(m, l)| slice::<C>(OP, m).map(|m| (m, l))).transpose()?;
-            let (dq, dk, dv) = backward::<T, C>(
-                (slice(OP, dout.0)?, dout.1),
-                (slice(OP, q.0)?, q.1),
-                (slice(OP, k.0)?, k.1),
-                (slice(OP, v.0)?, v.1),
-                m,
-                slice::<C>(OP, lse)?,
-                g,
-            );
-            Ok((
-                CpuStorage::from_vec(dq),
-                CpuStorage::from_vec(dk),
-                CpuStorage::from_vec(dv),
-            ))
-        })
-    })
 }

@@ -134,7 +134,7 @@ impl CpuLevel {
 
 /// How BF16 × BF16 products run on a CPU with AVX-512 BF16 and no usable AMX (see
 /// `gemm_half::Bf16Route`): `None` takes the CPU vendor's faster route.
-pub use super::gemm_half::Bf16Route;
+pub use super::gemm::select::Bf16Route;
 
 /// The CPU configuration: which of the CPU's instruction sets hemi's kernels may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

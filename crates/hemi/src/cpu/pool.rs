@@ -1,12 +1,15 @@
 //! 2-D pooling kernels over plain buffers of planes `[planes, h, w]` (planes = N*C), each
 //! plane pooled independently and in parallel: max (with the argmax kept for backward),
 //! average, and adaptive average, forward and backward. No autograd and no validation here:
-//! `ops/pool.rs` checks the shapes and `cpu::nn` hands over contiguous buffers in the compute
+//! `ops/pool.rs` checks the shapes and `cpu::ops::nn` hands over contiguous buffers in the compute
 //! type.
 
 use rayon::prelude::*;
 
 pub use crate::backend::nn::Pool2dGeom;
+use crate::cpu::chunked;
+use crate::cpu::storage::CpuStorage;
+use crate::dtype::{DType, WithDType};
 use crate::tensor::FloatDType;
 
 /// Below this many output elements a pooling loop runs on one thread.
@@ -179,7 +182,7 @@ fn max_pool_2x2_plane<C: FloatDType>(plane: &[C], o: &mut [C], ix: &mut [u32], g
         // F32 rows go through the fused conv block's vector kernel (window indices, turned
         // into flat ones below); the loop after it is the plain reference and the rest.
         let done = match (C::as_f32(plane), C::as_f32_mut(orow)) {
-            (Some(p), Some(out)) => crate::cpu::conv_block::max_pool_row_pair(
+            (Some(p), Some(out)) => crate::cpu::conv::block::max_pool_row_pair(
                 &p[r0..r0 + w],
                 &p[r1..r1 + w],
                 out,
@@ -367,4 +370,50 @@ pub fn adaptive_avg_pool2d_backward<C: FloatDType>(
         }
     });
     dx
+}
+
+/// Max-pool backward from a contiguous F32/F16/BF16 gradient into a half `out`: plane by
+/// plane in F32, rounded into the half gradient.
+pub(crate) fn max_pool2d_backward_blocks<T: WithDType>(
+    dy: &[T],
+    idx: &[u32],
+    g: &Pool2dGeom,
+    out: DType,
+) -> CpuStorage {
+    let n_out = g.out_plane();
+    if g.kernel.0 <= g.stride.0 && g.kernel.1 <= g.stride.1 && T::DTYPE == out {
+        // Windows that do not overlap: each input takes at most one output's gradient, so
+        // the F32 plane holds `0 + dy` rounded back to `T` exactly (−0 made +0, NaNs
+        // quietened, as the sum does), scattered in `T` into a zeroed plane: the output
+        // plane is never converted (ResNet's 1×1 subsampling shortcut, 1.9 % of a
+        // ResNet-20 amp-bf16 step before).
+        let init = || {
+            (
+                vec![0f32; n_out],
+                vec![0f32; n_out],
+                vec![T::from_f64(0.0); n_out],
+            )
+        };
+        let min_len = (1usize << 14).div_ceil(g.in_plane().max(1));
+        let dx = chunked::blocks_zeroed(g.planes, g.in_plane(), min_len, init, |s, p, dx| {
+            let (fa, fb, h) = s;
+            let d = chunked::read(dy, p * n_out, fa);
+            for (b, &v) in fb.iter_mut().zip(d) {
+                *b = v + 0.0;
+            }
+            chunked::write(fb, h);
+            for (&v, &i) in h.iter().zip(&idx[p * n_out..(p + 1) * n_out]) {
+                dx[i as usize] = v;
+            }
+        });
+        return CpuStorage::from_vec(dx);
+    }
+    let buf = || vec![0f32; n_out];
+    chunked::per_block_with(g.planes, g.in_plane(), out, buf, |buf, p, dx| {
+        let d = chunked::read(dy, p * n_out, buf);
+        for (&d, &i) in d.iter().zip(&idx[p * n_out..(p + 1) * n_out]) {
+            dx[i as usize] += d;
+        }
+    })
+    .expect("half dtype")
 }

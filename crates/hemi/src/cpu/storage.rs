@@ -5,10 +5,7 @@ use std::borrow::Cow;
 
 use half::{bf16, f16};
 
-use crate::backend::BackendStorage;
-use crate::device::Device;
 use crate::dtype::{convert, same_slice, DType, FloatDType, WithDType};
-use crate::error::Result;
 use crate::tensor::Layout;
 
 /// A flat buffer of elements on the CPU.
@@ -249,30 +246,6 @@ impl CpuStorage {
                 v => CpuStorage::from_f32(v.into_owned(), dtype),
             },
         }
-    }
-}
-
-/// The CPU backend implements every primitive (a compile-time check).
-const _: fn() = || {
-    fn is_backend<B: crate::backend::Backend>() {}
-    is_backend::<CpuStorage>();
-};
-
-impl BackendStorage for CpuStorage {
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn dtype(&self) -> DType {
-        CpuStorage::dtype(self)
-    }
-    fn len(&self) -> usize {
-        CpuStorage::len(self)
-    }
-    fn copy_strided(&self, layout: &Layout) -> Result<Self> {
-        Ok(self.gather(layout))
-    }
-    fn cast(&self, layout: &Layout, dtype: DType) -> Result<Self> {
-        Ok(CpuStorage::cast(self, layout, dtype))
     }
 }
 

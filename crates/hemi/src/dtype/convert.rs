@@ -333,7 +333,7 @@ pub mod x86 {
         cpu_has!(Avx) && cpu_has!(F16c)
     }
 
-    /// F16 -> F32 with `vcvtph2ps`, 16 per step, inlined (also into `gemm_half`'s packing).
+    /// F16 -> F32 with `vcvtph2ps`, 16 per step, inlined (also into `cpu::gemm::pack`).
     /// `half`'s slice conversion uses the same instruction but calls a function per 8
     /// elements (with its 16-byte copies in and out): a sixth of a ResNet-20 amp-fp16 step
     /// went to it and its F32 -> F16 twin. The same bits: the conversion is exact, and a
@@ -366,7 +366,7 @@ pub mod x86 {
         }
         if i < n {
             // A tail of under 8 through a zero-padded buffer (short runs are common in
-            // `gemm_half`'s packing: an A panel row of a column-major A is 6).
+            // `cpu::gemm::pack`: an A panel row of a column-major A is 6).
             let mut h = [0u16; 8];
             let mut f = [0f32; 8];
             for (d, s) in h.iter_mut().zip(&src[i..n]) {

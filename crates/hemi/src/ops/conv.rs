@@ -3,9 +3,9 @@
 //! fused conv + ReLU + max-pool block.
 //!
 //! Dtypes: the output has the promoted dtype of input, weight and bias (PyTorch's rule; F16
-//! with BF16 gives F32). Inputs of one half dtype are multiplied as stored (`gemm_half`), mixes
-//! are converted to the promoted dtype first; products are summed in F32 (F64 for F64) and the
-//! output is rounded once (the precision contract).
+//! with BF16 gives F32). Inputs of one half dtype are multiplied as stored
+//! (`cpu::gemm::blocked`), mixes are converted to the promoted dtype first; products are
+//! summed in F32 (F64 for F64) and the output is rounded once (the precision contract).
 
 use std::sync::Arc;
 
@@ -256,7 +256,7 @@ impl Tensor {
 
 impl Tensor {
     /// `conv2d(weight, bias, opts)`, then ReLU, then a 2×2 max-pool with stride 2 — the block
-    /// of small CNNs — as one fused op (`cpu::conv_block`): the same values and gradients as
+    /// of small CNNs — as one fused op (`cpu::conv::block`): the same values and gradients as
     /// `self.conv2d(..)?.relu()?.max_pool2d((2, 2), (2, 2), (0, 0))`, without the
     /// full-resolution activation ever being stored (less memory, one pass instead of five).
     /// F32, F16 and BF16 tensors of one dtype take the fused kernel; other dtype mixes and

@@ -4,7 +4,7 @@
 //!
 //! hemi's layers keep their types: quantising a model sets a [`ForwardHook`] on each of
 //! its `Linear`/`Conv2d` layers (listed by `Module::layers_mut`) where PyTorch swaps the
-//! modules. The integer arithmetic runs on host buffers in `cpu::quant` (quantise,
+//! modules. The integer arithmetic runs on host buffers in `cpu::qgemm::quant` (quantise,
 //! dequantise, im2col) and `cpu::qgemm` (u8 × s8 → i32 GEMM on VNNI/AVX2).
 //!
 //! - [`quantize_dynamic`]: `Linear` weights to s8 per output channel, activations

@@ -1,7 +1,7 @@
 //! Observers: the range of the values a layer sees during calibration or quantisation-aware
 //! training, turned into a scale and zero point (PyTorch's `torch.ao.quantization.observer`).
 
-use crate::cpu::quant as k;
+use crate::cpu::qgemm::quant as k;
 use crate::error::{Error, Result};
 
 /// How an observer turns what it saw into a range.

@@ -1,6 +1,6 @@
 //! Quantised tensors: 8-bit integers with their scale and zero point.
 
-use crate::cpu::quant as k;
+use crate::cpu::qgemm::quant as k;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

@@ -1,4 +1,4 @@
-//! BF16 forward convolutions on AMX tiles read from the image (`cpu::conv_amx`): the
+//! BF16 forward convolutions on AMX tiles read from the image (`cpu::conv::amx`): the
 //! portable twin against F64 within the F32 summation bound on every CPU, and the AMX tiles,
 //! where the process may use them, against F64 the same way and against the twin (equal to
 //! the bit on sums that are exact). Images one after another on one thread (the copy is
@@ -8,8 +8,9 @@
 //! Convolutions it does not take get no plan.
 
 use half::bf16;
-use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
+use hemi::cpu::conv::amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
+use hemi::cpu::conv::reference::{conv2d_reference, conv2d_weight_grad_reference};
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), dilation, c_out).

@@ -1,4 +1,4 @@
-//! Forward convolutions read straight from the image (`cpu::conv_direct`): the portable
+//! Forward convolutions read straight from the image (`cpu::conv::direct`): the portable
 //! block against F64 within the F32 summation bound, and the AVX-512 block, where the CPU
 //! has it, equal to the twin to the bit; F32, F16 and BF16 planes, with and without bias, on odd
 //! channel counts (partial blocks of 8), planes whose pixel count is no multiple of the
@@ -7,8 +7,9 @@
 //! no plan, nor, automatically, those with more than 16 output channels.
 
 use half::{bf16, f16};
-use hemi::cpu::conv::{conv2d_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_direct::{DirectElem, DirectPlan, MAX_C_OUT};
+use hemi::cpu::conv::direct::{DirectElem, DirectPlan, MAX_C_OUT};
+use hemi::cpu::conv::reference::conv2d_reference;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::Generator;
 
 fn geom(

@@ -1,5 +1,5 @@
 //! Forward convolutions as an implicit GEMM from a padded copy of the image
-//! (`cpu::conv_implicit`): the portable tile against F64 within the F32 summation bound, and
+//! (`cpu::conv::implicit`): the portable tile against F64 within the F32 summation bound, and
 //! the AVX-512 tile, where the CPU has it, equal to the twin to the bit; F32, F16 and BF16
 //! images, with and without bias, one after another on one thread (the padded copy is kept
 //! between them), on pixel counts that are no multiple of the 8-pixel tile,
@@ -9,9 +9,10 @@
 //! it does not take get no plan, nor, automatically, pointwise ones.
 
 use half::{bf16, f16};
-use hemi::cpu::conv::{conv2d_reference, conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_direct::DirectElem;
-use hemi::cpu::conv_implicit::{ImplicitPlan, MIN_WGRAD_K};
+use hemi::cpu::conv::direct::DirectElem;
+use hemi::cpu::conv::implicit::{ImplicitPlan, MIN_WGRAD_K};
+use hemi::cpu::conv::reference::{conv2d_reference, conv2d_weight_grad_reference};
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
 use hemi::Generator;
 
 /// (c_in, (h, w), (kh, kw), (pad_h, pad_w), (stride_h, stride_w), dilation, c_out).

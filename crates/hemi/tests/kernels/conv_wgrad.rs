@@ -1,5 +1,5 @@
 //! The weight gradient of BF16 convolutions read straight from the image in pixel pairs
-//! (`cpu::conv_wgrad`): `portable-bf16-pairs` against F64 within the F32 summation bound,
+//! (`cpu::conv::wgrad`): `portable-bf16-pairs` against F64 within the F32 summation bound,
 //! and `avx512bf16` and the widened `avx512f` route, where the CPU has them, equal to the twin
 //! to the bit (F32 planes likewise, on `portable-wide` and `avx512f`); on odd channel
 //! counts (partial blocks), planes whose pixel count is no multiple of the 32-pixel chunk,
@@ -9,9 +9,10 @@
 //! than 16 output channels.
 
 use half::bf16;
-use hemi::cpu::conv::{conv2d_weight_grad_reference, conv_out_size, Conv2dGeom};
-use hemi::cpu::conv_wgrad::WgradPlan;
-use hemi::cpu::gemm_half::Kernel;
+use hemi::cpu::conv::reference::conv2d_weight_grad_reference;
+use hemi::cpu::conv::wgrad::WgradPlan;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
+use hemi::cpu::gemm::select::Kernel;
 use hemi::Generator;
 
 #[allow(clippy::too_many_arguments)]

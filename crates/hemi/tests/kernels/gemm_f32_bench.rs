@@ -1,4 +1,4 @@
-//! The measurement behind `gemm_half::f32_kernel` (which F32 products leave the `gemm` crate
+//! The measurement behind `gemm::select::f32_kernel` (which F32 products leave the `gemm` crate
 //! for hemi's `avx512f` kernel): both on the products that matter to hemi, one thread, CPU
 //! time of that thread (so that time the shared machine spends on other work is not counted),
 //! median of several rounds in which the two take turns. Run it with
@@ -10,8 +10,9 @@
 //! `GEMM_F32_BENCH_REPS` sets the rounds (default 7), `GEMM_F32_BENCH_ONLY` a substring of
 //! the case names. Prints nothing useful without AVX-512 F.
 
+use hemi::cpu::gemm::blocked::gemm_with;
+use hemi::cpu::gemm::select::{f32_kernel, Kernel};
 use hemi::cpu::gemm::{matmul_into_par, MatRef};
-use hemi::cpu::gemm_half::{f32_kernel, gemm_with, Kernel};
 use hemi::Generator;
 use std::time::Instant;
 

@@ -1,16 +1,19 @@
-//! hemi's own GEMM (`cpu::gemm_half`) against a plain f64 product of the exactly represented
+//! hemi's own GEMM (`cpu::gemm::blocked`) against a plain f64 product of the exactly represented
 //! inputs, for every kernel this CPU can run (the portable kernels of both packed formats
 //! always run), every operand dtype pair a kernel takes, odd sizes around the blocking
 //! parameters, transposed and strided views, and accumulate on and off.
 
 use half::{bf16, f16};
-use hemi::cpu::conv::{conv_out_size, im2col, Conv2dGeom};
-use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
-use hemi::cpu::gemm_half::{
+use hemi::cpu::conv::im2col::im2col;
+use hemi::cpu::conv::{conv_out_size, Conv2dGeom};
+use hemi::cpu::gemm::blocked::{
     gemm, gemm_packed, gemm_round, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs,
-    gemm_unfold_pairs_packed, gemm_with, kernel_name, rounds_in_tiles, select_kernel, Bf16Route,
-    Kernel, PackedA, Unfold,
+    gemm_unfold_pairs_packed, gemm_with, rounds_in_tiles,
 };
+use hemi::cpu::gemm::pack::PackedA;
+use hemi::cpu::gemm::select::{kernel_name, select_kernel, Bf16Route, Kernel};
+use hemi::cpu::gemm::unfold::Unfold;
+use hemi::cpu::gemm::{matmul_into, matmul_reference, MatRef};
 use hemi::dtype::WithDType;
 use hemi::{DType, Generator};
 

@@ -4,7 +4,13 @@
 //! k at `MAX_K`; the F32 and U8 epilogues bit for bit against `portable-i8`; threads; and
 //! bad shapes as errors.
 
-use hemi::cpu::qgemm::{qgemm, Act, Epilogue, PackedB, QKernel, MAX_K};
+use hemi::cpu::qgemm::{qgemm, MAX_K};
+
+use hemi::cpu::qgemm::epilogue::{Act, Epilogue};
+
+use hemi::cpu::qgemm::pack::PackedB;
+
+use hemi::cpu::qgemm::select::QKernel;
 use hemi::Tensor;
 
 /// xorshift64*: deterministic inputs without depending on hemi's generators.

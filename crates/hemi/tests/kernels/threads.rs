@@ -12,8 +12,9 @@ use std::sync::Arc;
 
 use common::rand_tensor;
 use hemi::amp::{AmpOptimizer, GradScalerConfig, Precision};
+use hemi::cpu::gemm::blocked;
+use hemi::cpu::gemm::select::Kernel;
 use hemi::cpu::gemm::{matmul_into, MatRef};
-use hemi::cpu::gemm_half::{self, Kernel};
 use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
 use hemi::dtype::WithDType;
 use hemi::models::{CifarNet, Mlp};
@@ -272,7 +273,7 @@ fn gemm_kernels_are_bit_identical_across_thread_counts() {
         assert_same_bits(&format!("gemm_half {}", kernel.name()), &THREADS, || {
             let mut c = vec![0.5f32; m * n];
             let (am, bm) = (MatRef::row_major(a, m, k), MatRef::row_major(b, k, n));
-            gemm_half::gemm_with(kernel, &mut c, am, bm, true, true);
+            blocked::gemm_with(kernel, &mut c, am, bm, true, true);
             vec![(
                 "c".into(),
                 c.iter().map(|x| u64::from(x.to_bits())).collect(),
@@ -293,7 +294,7 @@ fn conv2d_forward_and_gradients_are_bit_identical_across_thread_counts() {
     let o = Conv2dOptions::default();
     for dtype in DTYPES {
         // 'Same' padding: BF16 weight gradients from the image in pixel pairs
-        // (`cpu::conv_wgrad`), in runs (n = 9) and in parallel blocks of one image (n = 1).
+        // (`cpu::conv::wgrad`), in runs (n = 9) and in parallel blocks of one image (n = 1).
         let same = o.padding(1);
         for (n, opts) in [
             (13, o),

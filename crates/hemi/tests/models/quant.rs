@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use hemi::cpu::quant as k;
+use hemi::cpu::qgemm::quant as k;
 use hemi::models::Mlp;
 use hemi::nn::{Conv2d, ForwardHook, LayerRef, Linear, Module};
 use hemi::ops::conv::Conv2dOptions;

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use hemi::cpu::quant as k;
+use hemi::cpu::qgemm::quant as k;
 use hemi::quant::{fake_quant_ste, Observer, ObserverKind, QDType, QData, QTensor};
 use hemi::Tensor;
 use serde_json::Value;

@@ -119,7 +119,7 @@ fn cases() -> Vec<Case> {
             },
             ..case(2, 3, (6, 5), 4, (1, 3))
         },
-        // Channels that BF16 on an AMX CPU runs on `cpu::conv_amx`: forward and weight
+        // Channels that BF16 on an AMX CPU runs on `cpu::conv::amx`: forward and weight
         // gradient from the image, the input gradient as the forward of the flipped kernels
         // (16 input channels: two taps per chunk), and a pointwise convolution whose input
         // gradient is the forward of the transposed weights.

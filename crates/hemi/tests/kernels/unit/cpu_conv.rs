@@ -1,5 +1,7 @@
-//! The unit tests of `hemi::cpu::conv` (`src/cpu/conv.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::conv` (`src/cpu/conv/mod.rs`), run against the built library.
 
+use hemi::cpu::conv::im2col::*;
+use hemi::cpu::conv::reference::*;
 use hemi::cpu::conv::*;
 
 fn geom(stride: usize, padding: usize, dilation: usize, groups: usize) -> Conv2dGeom {

@@ -1,7 +1,7 @@
-//! The unit tests of `hemi::cpu::conv_amx` (`src/cpu/conv_amx.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::conv::amx` (`src/cpu/conv/amx.rs`), run against the built library.
 
 use half::bf16;
-use hemi::cpu::conv_amx::*;
+use hemi::cpu::conv::amx::*;
 
 /// The AVX-512 pair runs equal the plain loop at strides 1 and 2, every tail length,
 /// from odd starts, without reading past their runs (the slices end where they end).

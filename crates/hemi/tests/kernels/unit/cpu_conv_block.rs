@@ -1,7 +1,7 @@
-//! The unit tests of `hemi::cpu::conv_block` (`src/cpu/conv_block.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::conv::block` (`src/cpu/conv/block.rs`), run against the built library.
 
+use hemi::cpu::conv::block::*;
 use hemi::cpu::conv::Conv2dGeom;
-use hemi::cpu::conv_block::*;
 use hemi::rng::Generator;
 
 /// The vector kernel equals the plain loop bit for bit (values and window indices) on

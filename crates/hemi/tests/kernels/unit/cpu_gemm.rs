@@ -1,4 +1,4 @@
-//! The unit tests of `hemi::cpu::gemm` (`src/cpu/gemm.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::gemm` (`src/cpu/gemm/mod.rs`), run against the built library.
 
 use hemi::cpu::gemm::*;
 

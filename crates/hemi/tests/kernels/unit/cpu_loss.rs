@@ -1,4 +1,4 @@
-//! The unit tests of `hemi::cpu::loss` (`src/cpu/loss.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::reduce::loss` (`src/cpu/reduce/loss.rs`), run against the built library.
 
 //! A strided target layout and half logits straight into the primitives, against an
 //! f64 reference.

@@ -1,10 +1,10 @@
-//! The unit tests of `hemi::cpu::map` (`src/cpu/map.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::elementwise::map` (`src/cpu/elementwise/map.rs`), run against the built library.
 
 //! Paths the op tests do not reach: strided and broadcast layouts straight into the
 //! primitives, against f64 references.
 use half::bf16;
 use hemi::backend::map::{BinaryOp, MapOps, UnaryOp};
-use hemi::cpu::map::*;
+use hemi::cpu::elementwise::map::*;
 use hemi::cpu::storage::CpuStorage;
 use hemi::dtype::DType;
 use hemi::tensor::Layout;

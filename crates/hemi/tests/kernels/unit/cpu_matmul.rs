@@ -1,6 +1,6 @@
-//! The unit tests of `hemi::cpu::matmul` (`src/cpu/matmul.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::gemm::matmul` (`src/cpu/gemm/matmul.rs`), run against the built library.
 
-use hemi::cpu::matmul::*;
+use hemi::cpu::gemm::matmul::*;
 
 /// Bias rows and zeros, below and above the parallel size, with row lengths that do not
 /// divide a part, in a pool of 3 and on one thread.

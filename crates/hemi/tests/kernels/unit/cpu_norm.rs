@@ -1,9 +1,9 @@
-//! The unit tests of `hemi::cpu::norm` (`src/cpu/norm.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::norm` (`src/cpu/norm/mod.rs`), run against the built library.
 
 use hemi::cpu::chunked;
+use hemi::cpu::norm::in_place as norm_wide;
+use hemi::cpu::norm::in_place::Apply as BnApply;
 use hemi::cpu::norm::*;
-use hemi::cpu::norm_wide;
-use hemi::cpu::norm_wide::Apply as BnApply;
 use hemi::cpu::reduce::sum_slice;
 use hemi::dtype::WithDType;
 
@@ -184,7 +184,7 @@ fn wide_norm_backward_loops_equal_the_portable_loop() {
     }
 }
 
-/// The AVX-512 per-run kernels of `norm_wide`, which read and write F32/F16/BF16
+/// The AVX-512 per-run kernels of `norm::in_place`, which read and write F32/F16/BF16
 /// directly, give the bits of the portable path (widen into an F32 buffer, the F32 loop,
 /// round out of a buffer) for every element type, run length (tails included), with and
 /// without the ReLU's output and the residual, in training and eval; on finite data with

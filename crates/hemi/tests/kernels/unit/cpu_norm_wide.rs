@@ -1,8 +1,8 @@
-//! The unit tests of `hemi::cpu::norm_wide` (`src/cpu/norm_wide.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::norm::in_place` (`src/cpu/norm/in_place.rs`), run against the built library.
 
 use half::{bf16, f16};
 use hemi::cpu::chunked;
-use hemi::cpu::norm_wide::*;
+use hemi::cpu::norm::in_place::*;
 use hemi::dtype::WithDType;
 
 /// The kernels' stores round as `convert` does (`chunked::write`), bit for bit, on random

@@ -1,7 +1,7 @@
-//! The unit tests of `hemi::cpu::optim` (`src/cpu/optim.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::elementwise::optim` (`src/cpu/elementwise/optim.rs`), run against the built library.
 
 use hemi::backend::train::{AdamScalars, SgdScalars};
-use hemi::cpu::optim::*;
+use hemi::cpu::elementwise::optim::*;
 
 /// Values in [-1, 1) with a spread of magnitudes, different for each `k` (the optimizer
 /// kernels' unit tests).

@@ -1,4 +1,4 @@
-//! The unit tests of `hemi::cpu::reduce` (`src/cpu/reduce.rs`), run against the built library.
+//! The unit tests of `hemi::cpu::reduce` (`src/cpu/reduce/mod.rs`), run against the built library.
 
 //! Paths the op tests do not reach: permuted (non-contiguous) layouts straight into the
 //! primitives, against f64 references.

@@ -1,56 +1,21 @@
-//! The CPU's network primitives (`NnOps`): inputs read through their layouts (borrowed when
-//! contiguous in the type a kernel takes), the kernels of `cpu::{matmul, conv, conv_block,
-//! pool, norm}`, and each result rounded once into the dtype asked for.
+//! `NnOps` on the CPU: inputs read through their layouts (borrowed when contiguous in the
+//! type a kernel takes), the kernels of `cpu::gemm::matmul`, `cpu::conv` (with its fused
+//! `block`), `cpu::pool`, `cpu::norm` and `cpu::attention`, and each result rounded once
+//! into the dtype asked for.
 
 use std::borrow::Cow;
 
-use num_traits::One;
-
-use super::storage::CpuStorage;
 use crate::backend::nn::{
     AdaptivePool2dGeom, AttentionGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads,
     Indices, LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
 };
-use crate::cpu::reduce::sum_slice;
-use crate::cpu::{chunked, conv, conv_block, matmul, norm, pool};
+use crate::cpu::gemm::matmul;
+use crate::cpu::storage::CpuStorage;
+use crate::cpu::{conv, norm, pool};
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::error::{Error, Result};
 use crate::tensor::layout::broadcast_shapes;
 use crate::tensor::Layout;
-
-/// Keeps freed activation buffers in the process instead of handing them back to the OS.
-///
-/// A training step allocates and frees the same few megabyte-sized buffers (activations,
-/// column matrices, gradients) layer after layer. glibc serves blocks above its mmap
-/// threshold with fresh `mmap`s and trims the heap top on `free`, so every step faulted its
-/// activations in again, page by page: a fifth of a ResNet-20 step on 2 cores went to page
-/// faults, zeroing and `munmap`. Raising the mmap threshold to glibc's maximum (32 MiB)
-/// and the trim threshold to 1 GiB keeps those pages mapped for the next layer and the
-/// next step. Done once, on the first network primitive; a no-op on other C libraries.
-/// Peak memory is unchanged (the pages were in use at the peak anyway); set
-/// `HEMI_NO_MALLOPT` to keep the C library's defaults.
-pub(crate) fn keep_freed_memory() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        {
-            if std::env::var_os("HEMI_NO_MALLOPT").is_some() {
-                return;
-            }
-            extern "C" {
-                fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
-            }
-            const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
-            const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
-            // SAFETY: mallopt only sets allocator tunables; any value is accepted or
-            // refused with 0, nothing is freed or moved.
-            unsafe {
-                mallopt(M_MMAP_THRESHOLD, 32 << 20);
-                mallopt(M_TRIM_THRESHOLD, 1 << 30);
-            }
-        }
-    });
-}
 
 /// The elements `layout` addresses as `[T]` (the caller matched `T` to the dtype).
 fn elems<'a, T: WithDType>(s: &'a CpuStorage, layout: &Layout) -> std::borrow::Cow<'a, [T]> {
@@ -66,7 +31,7 @@ fn wrong_dtype(op: &'static str, dtype: DType) -> Error {
     Error::dtype(op, dtype, "expected F32, F16 or BF16 tensors of one dtype")
 }
 
-/// `(1 - momentum) * running + momentum * batch`, computed in F64 and rounded once into
+/// A running statistic updated by a batch's (`norm::blend_running`), rounded once into
 /// `running`'s dtype.
 fn update_running<B: WithDType>(
     running: &CpuStorage,
@@ -74,12 +39,7 @@ fn update_running<B: WithDType>(
     batch: &[B],
     momentum: f64,
 ) -> CpuStorage {
-    let new: Vec<f64> = running
-        .to_f64(l)
-        .iter()
-        .zip(batch)
-        .map(|(&r, &b)| (1.0 - momentum) * r + momentum * b.to_f64())
-        .collect();
+    let new = norm::blend_running(&running.to_f64(l), batch, momentum);
     CpuStorage::from_f64(new, running.dtype())
 }
 
@@ -93,80 +53,6 @@ fn norm_grads<C: FloatDType>(
         dweight: dw_dt.map(|dt| CpuStorage::store::<C>(dw, dt)),
         dbias: db_dt.map(|dt| CpuStorage::store::<C>(db, dt)),
     }
-}
-
-/// The bias gradient (per channel, `dy` summed over images and pixels) from an F32/F16/BF16
-/// gradient, an image at a time in F32; the same order as the compute-type path.
-fn conv_bias_grad_blocks<T: WithDType>(dy: &[T], g: &Conv2dGeom) -> Vec<f32> {
-    let l = g.l();
-    let mut acc = vec![0f32; g.c_out];
-    let mut db = vec![0f32; g.out_image()];
-    for n in 0..g.n {
-        let img = chunked::read(dy, n * g.out_image(), &mut db);
-        for (co, a) in acc.iter_mut().enumerate() {
-            *a += sum_slice(&img[co * l..(co + 1) * l]);
-        }
-    }
-    acc
-}
-
-/// Max-pool backward from a contiguous F32/F16/BF16 gradient into a half `out`: plane by
-/// plane in F32, rounded into the half gradient.
-fn max_pool2d_backward_blocks<T: WithDType>(
-    dy: &[T],
-    idx: &[u32],
-    g: &Pool2dGeom,
-    out: DType,
-) -> CpuStorage {
-    let n_out = g.out_plane();
-    if g.kernel.0 <= g.stride.0 && g.kernel.1 <= g.stride.1 && T::DTYPE == out {
-        // Windows that do not overlap: each input takes at most one output's gradient, so
-        // the F32 plane holds `0 + dy` rounded back to `T` exactly (−0 made +0, NaNs
-        // quietened, as the sum does), scattered in `T` into a zeroed plane: the output
-        // plane is never converted (ResNet's 1×1 subsampling shortcut, 1.9 % of a
-        // ResNet-20 amp-bf16 step before).
-        let init = || {
-            (
-                vec![0f32; n_out],
-                vec![0f32; n_out],
-                vec![T::from_f64(0.0); n_out],
-            )
-        };
-        let min_len = (1usize << 14).div_ceil(g.in_plane().max(1));
-        let dx = chunked::blocks_zeroed(g.planes, g.in_plane(), min_len, init, |s, p, dx| {
-            let (fa, fb, h) = s;
-            let d = chunked::read(dy, p * n_out, fa);
-            for (b, &v) in fb.iter_mut().zip(d) {
-                *b = v + 0.0;
-            }
-            chunked::write(fb, h);
-            for (&v, &i) in h.iter().zip(&idx[p * n_out..(p + 1) * n_out]) {
-                dx[i as usize] = v;
-            }
-        });
-        return CpuStorage::from_vec(dx);
-    }
-    let buf = || vec![0f32; n_out];
-    chunked::per_block_with(g.planes, g.in_plane(), out, buf, |buf, p, dx| {
-        let d = chunked::read(dy, p * n_out, buf);
-        for (&d, &i) in d.iter().zip(&idx[p * n_out..(p + 1) * n_out]) {
-            dx[i as usize] += d;
-        }
-    })
-    .expect("half dtype")
-}
-
-/// Gradient of the bias in the compute type: `dy` summed over the batch and the output
-/// pixels, per channel.
-fn conv_bias_grad<C: FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
-    let l = g.l();
-    (0..g.c_out)
-        .map(|co| {
-            (0..g.n)
-                .map(|n| sum_slice(&dy[(n * g.c_out + co) * l..(n * g.c_out + co + 1) * l]))
-                .fold(C::zero(), |a, b| a + b)
-        })
-        .collect()
 }
 
 /// `NnOps::batch_norm_act` over F32/F16/BF16 elements `T` (the input's dtype).
@@ -193,7 +79,7 @@ fn bn_act<T: WithDType>(
         let (mean, var) = norm::bn_stats_t(&xv, g);
         let new_running = running.map(|((rm, lm), (rv, lv))| {
             let m = g.m() as f64;
-            let unbiased: Vec<f64> = var.iter().map(|&v| f64::from(v) * m / (m - 1.0)).collect();
+            let unbiased = norm::unbiased_var(&var, m);
             (
                 update_running(rm, lm, &mean, momentum),
                 update_running(rv, lv, &unbiased, momentum),
@@ -206,8 +92,7 @@ fn bn_act<T: WithDType>(
         })?;
         (rm.to_f32(lm).into_owned(), rv.to_f32(lv).into_owned(), None)
     };
-    let eps_c = eps as f32;
-    let rstd: Vec<f32> = var.iter().map(|&v| 1.0 / (v + eps_c).sqrt()).collect();
+    let rstd: Vec<f32> = norm::inv_std(&var, eps);
     let wv = weight.map(|(w, l)| w.to_f32(l));
     let bv = bias.map(|(b, l)| b.to_f32(l));
     let out = norm::bn_act_forward(
@@ -278,6 +163,81 @@ fn bn_act_backward<T: WithDType>(
     Ok((grads, r.dres.map(CpuStorage::from_vec)))
 }
 
+/// The elements of a float buffer as `[T]` (the caller matched `T` to the dtype of `q`).
+fn slice<'a, T: WithDType>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
+    s.as_slice::<T>().ok_or_else(|| {
+        Error::dtype(
+            op,
+            s.dtype(),
+            format!("expected {} like the queries", T::DTYPE),
+        )
+    })
+}
+
+/// `NnOps::attention` on the CPU.
+fn attention(
+    q: (&CpuStorage, &Layout),
+    k: (&CpuStorage, &Layout),
+    v: (&CpuStorage, &Layout),
+    mask: Opt<'_, CpuStorage>,
+    g: &AttentionGeom,
+) -> Result<(CpuStorage, CpuStorage)> {
+    const OP: &str = "scaled_dot_product_attention";
+    let dtype = q.0.dtype();
+    if !dtype.is_float() {
+        return Err(Error::dtype(OP, dtype, "expected float queries"));
+    }
+    crate::with_dtype!(dtype, T => {
+        crate::with_compute!(dtype, C => {
+            let m = mask.map(|(m, l)| slice::<C>(OP, m).map(|m| (m, l))).transpose()?;
+            let (out, lse) = crate::cpu::attention::forward::<T, C>(
+                (slice(OP, q.0)?, q.1),
+                (slice(OP, k.0)?, k.1),
+                (slice(OP, v.0)?, v.1),
+                m,
+                g,
+            );
+            Ok((CpuStorage::from_vec(out), CpuStorage::from_vec(lse)))
+        })
+    })
+}
+
+/// `NnOps::attention_backward` on the CPU.
+fn attention_backward(
+    dout: (&CpuStorage, &Layout),
+    q: (&CpuStorage, &Layout),
+    k: (&CpuStorage, &Layout),
+    v: (&CpuStorage, &Layout),
+    mask: Opt<'_, CpuStorage>,
+    lse: &CpuStorage,
+    g: &AttentionGeom,
+) -> Result<(CpuStorage, CpuStorage, CpuStorage)> {
+    const OP: &str = "scaled_dot_product_attention_backward";
+    let dtype = q.0.dtype();
+    if !dtype.is_float() {
+        return Err(Error::dtype(OP, dtype, "expected float queries"));
+    }
+    crate::with_dtype!(dtype, T => {
+        crate::with_compute!(dtype, C => {
+            let m = mask.map(|(m, l)| slice::<C>(OP, m).map(|m| (m, l))).transpose()?;
+            let (dq, dk, dv) = crate::cpu::attention::backward::<T, C>(
+                (slice(OP, dout.0)?, dout.1),
+                (slice(OP, q.0)?, q.1),
+                (slice(OP, k.0)?, k.1),
+                (slice(OP, v.0)?, v.1),
+                m,
+                slice::<C>(OP, lse)?,
+                g,
+            );
+            Ok((
+                CpuStorage::from_vec(dq),
+                CpuStorage::from_vec(dk),
+                CpuStorage::from_vec(dv),
+            ))
+        })
+    })
+}
+
 impl NnOps for CpuStorage {
     fn matmul(
         &self,
@@ -287,7 +247,6 @@ impl NnOps for CpuStorage {
         bias: Opt<'_, Self>,
         out: DType,
     ) -> Result<Self> {
-        keep_freed_memory();
         let (ra, rb) = (la.shape().len(), lb.shape().len());
         let batch = broadcast_shapes("matmul", &la.shape()[..ra - 2], &lb.shape()[..rb - 2])?;
         if out.is_half() && self.dtype() == out && rhs.dtype() == out {
@@ -317,7 +276,6 @@ impl NnOps for CpuStorage {
         g: &Conv2dGeom,
         out: DType,
     ) -> Result<Self> {
-        keep_freed_memory();
         // All F16 or all BF16 (autocast's case): unfolded and multiplied as stored, each
         // image's F32 result rounded into the output, so the batch never exists in F32.
         if out.is_half() && self.dtype() == out && w.dtype() == out {
@@ -382,12 +340,12 @@ impl NnOps for CpuStorage {
         if dtype.is_half() {
             return Ok(with_f32_or_half!(dtype, T => {
                 let dy = elems::<T>(self, ldy);
-                CpuStorage::from_f32(conv_bias_grad_blocks(&dy, g), out)
+                CpuStorage::from_f32(conv::conv_bias_grad_blocks(&dy, g), out)
             }, _ => unreachable!("half dtype")));
         }
         Ok(crate::with_compute!(dtype, C => {
             let dy = self.load::<C>(ldy);
-            CpuStorage::store::<C>(conv_bias_grad(&dy, g), out)
+            CpuStorage::store::<C>(conv::conv_bias_grad(&dy, g), out)
         }))
     }
 
@@ -407,7 +365,7 @@ impl NnOps for CpuStorage {
         with_f32_or_half!(dtype, T => {
             let (x, wv) = (elems::<T>(self, lx), elems::<T>(w, lw));
             let b = bias.map(|(b, l)| b.to_f32(l));
-            let (out, idx) = conv_block::forward(&x, &wv, b.as_deref(), g);
+            let (out, idx) = conv::block::forward(&x, &wv, b.as_deref(), g);
             Ok((out, Indices::new(idx)))
         }, _ => Err(wrong_dtype(OP, dtype)))
     }
@@ -434,7 +392,7 @@ impl NnOps for CpuStorage {
             .ok_or_else(|| Error::arg(OP, "indices of another backend"))?;
         with_f32_or_half!(dtype, T => {
             let (dy, xv, wv) = (elems::<T>(self, ldy), elems::<T>(x, lx), elems::<T>(w, lw));
-            let r = conv_block::backward(&dy, idx, &xv, &wv, g, want_dx);
+            let r = conv::block::backward(&dy, idx, &xv, &wv, g, want_dx);
             Ok(Grads {
                 dx: r.dx,
                 dweight: Some(CpuStorage::from_f32(r.dw, dtype)),
@@ -497,7 +455,7 @@ impl NnOps for CpuStorage {
                     Some(r) => Cow::Borrowed(&all[r]),
                     None => Cow::Owned(ldy.gather(all)),
                 };
-                Some(max_pool2d_backward_blocks(&dy, idx, g, out))
+                Some(pool::max_pool2d_backward_blocks(&dy, idx, g, out))
             }, _ => None);
             if let Some(st) = done {
                 return Ok(st);
@@ -571,7 +529,6 @@ impl NnOps for CpuStorage {
         momentum: f64,
         eps: f64,
     ) -> Result<BatchNorm<Self>> {
-        keep_freed_memory();
         let dtype = self.dtype();
         if matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             return self.batch_norm_act(
@@ -584,8 +541,7 @@ impl NnOps for CpuStorage {
                 let (mean, var) = norm::bn_stats(&x, g);
                 let new_running = running.map(|((rm, lm), (rv, lv))| {
                     let m = g.m() as f64;
-                    let unbiased: Vec<f64> =
-                        var.iter().map(|&v| v.to_f64() * m / (m - 1.0)).collect();
+                    let unbiased = norm::unbiased_var(&var, m);
                     (
                         update_running(rm, lm, &mean, momentum),
                         update_running(rv, lv, &unbiased, momentum),
@@ -598,8 +554,7 @@ impl NnOps for CpuStorage {
                 })?;
                 (rm.load::<C>(lm).into_owned(), rv.load::<C>(lv).into_owned(), None)
             };
-            let eps_c = C::from_f64(eps);
-            let rstd: Vec<C> = var.iter().map(|&v| C::one() / (v + eps_c).sqrt()).collect();
+            let rstd: Vec<C> = norm::inv_std(&var, eps);
             let wv = weight.map(|(w, l)| w.load::<C>(l));
             let bv = bias.map(|(b, l)| b.load::<C>(l));
             let out = norm::bn_forward(&x, g, &mean, &rstd, wv.as_deref(), bv.as_deref());
@@ -660,7 +615,6 @@ impl NnOps for CpuStorage {
         momentum: f64,
         eps: f64,
     ) -> Result<BatchNorm<Self>> {
-        keep_freed_memory();
         with_f32_or_half!(self.dtype(), T => bn_act::<T>(
             self, l, g, residual, relu, weight, bias, running, training, momentum, eps,
         ), _ => Err(wrong_dtype("batch_norm_act", self.dtype())))
@@ -770,7 +724,7 @@ impl NnOps for CpuStorage {
         mask: Opt<'_, Self>,
         g: &AttentionGeom,
     ) -> Result<(Self, Self)> {
-        super::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
+        attention((self, lq), (k, lk), (v, lv), mask, g)
     }
 
     fn attention_backward(
@@ -783,6 +737,6 @@ impl NnOps for CpuStorage {
         lse: &Self,
         g: &AttentionGeom,
     ) -> Result<(Self, Self, Self)> {
-        super::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
+        attention_backward((self, ldout), q, k, v, mask, lse, g)
     }
 }

@@ -1,16 +1,19 @@
 //! Batch-norm and layer-norm kernels over contiguous buffers in the compute type (F32, or
 //! F64 for F64 tensors), forward and the closed-form backward (as llm.c's
 //! `layernorm_backward`), parallel over channels or rows. No autograd and no validation:
-//! `ops/norm.rs` checks the shapes, `cpu::nn` converts and rounds.
+//! `ops/norm.rs` checks the shapes, `cpu::ops::nn` converts and rounds.
+
+#[doc(hidden)]
+pub mod in_place;
 
 use rayon::prelude::*;
 
 use crate::backend::nn::BatchNormGeom;
 use crate::cpu::chunked;
-use crate::cpu::map::PAR_THRESHOLD;
-use crate::cpu::norm_wide;
+use crate::cpu::elementwise::map::PAR_THRESHOLD;
+
 // The per-channel constants of the forward's elementwise pass (shared with the AVX-512 loops).
-use crate::cpu::norm_wide::Apply as BnApply;
+use crate::cpu::norm::in_place::Apply as BnApply;
 use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{same_slice_mut, WithDType};
@@ -251,6 +254,27 @@ pub fn ln_row_impl<C: FloatDType>(
     (mean, rstd)
 }
 
+/// `(1 - momentum) * running + momentum * batch` in F64: a running mean or variance after
+/// a training batch.
+pub(crate) fn blend_running<B: WithDType>(running: &[f64], batch: &[B], momentum: f64) -> Vec<f64> {
+    running
+        .iter()
+        .zip(batch)
+        .map(|(&r, &b)| (1.0 - momentum) * r + momentum * b.to_f64())
+        .collect()
+}
+
+/// The unbiased variances (Bessel's correction over `m` values each) of biased ones, in F64.
+pub(crate) fn unbiased_var<C: WithDType>(var: &[C], m: f64) -> Vec<f64> {
+    var.iter().map(|&v| v.to_f64() * m / (m - 1.0)).collect()
+}
+
+/// `1 / sqrt(var + eps)` per channel, in the compute type.
+pub(crate) fn inv_std<C: FloatDType>(var: &[C], eps: f64) -> Vec<C> {
+    let eps_c = C::from_f64(eps);
+    var.iter().map(|&v| C::one() / (v + eps_c).sqrt()).collect()
+}
+
 /// `ln_row_impl` compiled for AVX2 and AVX-512 F (F32).
 #[cfg(target_arch = "x86_64")]
 #[doc(hidden)]
@@ -309,7 +333,7 @@ pub mod wide {
 
     /// `relu_sums` with its eight accumulators in one AVX2 register each: the same products,
     /// sums and order per lane as `relu_sums_impl` (the compiler had left that loop mostly
-    /// scalar), so the same bits. It is `norm_wide`'s F32 loop (AVX-only instructions)
+    /// scalar), so the same bits. It is `in_place`'s F32 loop (AVX-only instructions)
     /// built for AVX2.
     ///
     /// # Safety
@@ -324,7 +348,7 @@ pub mod wide {
     ) -> (f32, f32) {
         assert!(x.len() >= g.len() && y.is_none_or(|y| y.len() >= g.len()));
         // SAFETY: AVX2 (this function's feature); lengths asserted above.
-        unsafe { crate::cpu::norm_wide::x86::relu_sums_imp::<f32>(g, y, x, mu, rs) }
+        unsafe { crate::cpu::norm::in_place::x86::relu_sums_imp::<f32>(g, y, x, mu, rs) }
     }
 }
 
@@ -339,7 +363,7 @@ pub fn ln_row<C: FloatDType>(
 ) -> (C, C) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{f32_opt, vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{f32_opt, vector_level, VectorLevel};
         let level = vector_level();
         if let (Some(r32), Some(o32), Some(w32), Some(b32), true) = (
             C::as_f32(row),
@@ -521,13 +545,13 @@ fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
 /// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let direct = norm_wide::available();
+    let direct = in_place::available();
     let sums = if direct {
         // SAFETY: `available()`.
         per_run(
             d,
             || (),
-            |_, i, ch| unsafe { norm_wide::sum(run_of(d, x, i, ch)) },
+            |_, i, ch| unsafe { in_place::sum(run_of(d, x, i, ch)) },
         )
     } else {
         per_run_f32(d, x, |_, r| sum_slice(r))
@@ -538,7 +562,7 @@ pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, 
             d,
             || (),
             // SAFETY: `available()`.
-            |_, i, ch| unsafe { norm_wide::sq_dev(run_of(d, x, i, ch), mean[ch]) },
+            |_, i, ch| unsafe { in_place::sq_dev(run_of(d, x, i, ch), mean[ch]) },
         )
     } else {
         per_run_f32(d, x, |ch, r| {
@@ -583,13 +607,13 @@ pub(crate) fn bn_act_forward<T: WithDType>(
         shift: b.map_or(0.0, |b| b[ch]),
         relu,
     };
-    if norm_wide::available() {
+    if in_place::available() {
         let image = |_: &mut (), i, ob: &mut [_]| {
             for ch in 0..d.c {
                 let rr = residual.map(|r| run_of(d, r, i, ch));
                 let o = &mut ob[ch * d.s..][..d.s];
                 // SAFETY: `available()`.
-                unsafe { norm_wide::apply(o, run_of(d, x, i, ch), rr, k(ch)) };
+                unsafe { in_place::apply(o, run_of(d, x, i, ch), rr, k(ch)) };
             }
         };
         // SAFETY: the runs of the channels tile each block, and `apply` writes every element
@@ -628,7 +652,7 @@ macro_rules! widest {
     ($avx512:path, $avx2:path, $portable:path, ($($arg:expr),*)) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            use crate::cpu::map::{vector_level, VectorLevel};
+            use crate::cpu::elementwise::map::{vector_level, VectorLevel};
             // SAFETY: the CPU has the features the build needs (`vector_level`).
             match vector_level() {
                 VectorLevel::Avx512 => unsafe { $avx512($($arg),*) },
@@ -744,7 +768,7 @@ pub fn dx_train_impl(o: &mut [f32], g: &[f32], x: &[f32], k: DxTrain) {
 fn relu_sums(g: &[f32], y: Option<&[f32]>, x: &[f32], mu: f32, rs: f32) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::cpu::map::{vector_level, VectorLevel};
+        use crate::cpu::elementwise::map::{vector_level, VectorLevel};
         // SAFETY: the CPU has the features (`vector_level`).
         if vector_level() != VectorLevel::Baseline {
             return unsafe { wide::relu_sums_avx2(g, y, x, mu, rs) };
@@ -832,7 +856,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
 ) -> BnActGrads<T> {
     // Each run's (Σ g·xhat, Σ g) through the ReLU, in memory order; a channel's runs added
     // in image order.
-    let direct = norm_wide::available();
+    let direct = in_place::available();
     let s_buf = if direct { 0 } else { d.s };
     let pairs = per_run(
         d,
@@ -842,7 +866,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                 let yr = y.map(|y| run_of(d, y, i, ch));
                 let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
                 // SAFETY: `available()`; the runs are `d.s` long.
-                return unsafe { norm_wide::relu_sums(gr, yr, xr, mean[ch], rstd[ch]) };
+                return unsafe { in_place::relu_sums(gr, yr, xr, mean[ch], rstd[ch]) };
             }
             let gr = run_f32(d, g, i, ch, bg);
             let yr = y.map(|y| run_f32(d, y, i, ch, by));
@@ -915,7 +939,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
     let (dx, dres) = if direct {
         let k = |ch: usize| {
             let wc = w.map_or(1.0, |w| w[ch]);
-            norm_wide::Dx {
+            in_place::Dx {
                 training,
                 mu: mean[ch],
                 rs: rstd[ch],
@@ -932,7 +956,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                 let o = o.as_deref_mut().map(|b| &mut b[run.clone()]);
                 let r = r.as_deref_mut().map(|b| &mut b[run]);
                 // SAFETY: `available()`.
-                unsafe { norm_wide::dx(gr, yr, xr, k(ch), o, r) };
+                unsafe { in_place::dx(gr, yr, xr, k(ch), o, r) };
             }
         };
         // SAFETY: the runs of the channels tile each block, and `dx` writes every element

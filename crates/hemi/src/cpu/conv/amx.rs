@@ -2,7 +2,7 @@
 //! packing of it, whole `tdpbf16ps` tiles read from a copy of the image.
 //!
 //! `conv::image_forward` otherwise runs a BF16 convolution on AMX as a GEMM
-//! (`gemm_half`'s `amx-bf16`): im2col, then the column matrix packed into BF16 pairs, then
+//! (the blocked GEMM's `amx-bf16`): im2col, then the column matrix packed into BF16 pairs, then
 //! 32×32 tiles of small per-image products. On ResNet-20 at batch 128 (a 2-core Xeon with
 //! AMX) that im2col and packing took more time than the tile products themselves.
 //!
@@ -48,7 +48,7 @@
 //!
 //! Numerics: every product of two BF16 values is exact in F32; each output sums them in
 //! F32 over (tap, chunk) steps in order, the bias added at the end. Within one `tdpbf16ps`
-//! the hardware's order is its own (see `gemm_half::Kernel::PortableAmx`), so the portable
+//! the hardware's order is its own (see `gemm::select::Kernel::PortableAmx`), so the portable
 //! twin (the Intel SDM's sequential order) agrees with the AMX tiles to the bit only where
 //! the sums are exact; both are checked against F64 with the F32 summation bound
 //! (`tests/kernels/conv_amx.rs`).
@@ -59,7 +59,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::aligned::Aligned;
+use crate::cpu::conv::aligned::Aligned;
 
 /// Rows of every tile: output channels of an A/C tile, channel pairs of a B tile.
 const T16: usize = 16;
@@ -775,7 +775,7 @@ fn bf16ne_available() -> bool {
 pub fn wide_store() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::cpu::norm_wide::available()
+        crate::cpu::norm::in_place::available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -947,7 +947,7 @@ pub fn amx_available() -> bool {
 #[cfg(target_arch = "x86_64")]
 #[doc(hidden)]
 pub mod x86 {
-    /// `conv_amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
+    /// `conv::amx::pair_run_portable` over every row run of one copy plane (`runs`), sixteen
     /// pairs per step under a mask, at strides 1 and 2.
     ///
     /// # Safety
@@ -968,7 +968,7 @@ pub mod x86 {
         }
     }
 
-    /// `conv_amx::pair_run_portable` at strides 1 and 2, sixteen pairs per step under a
+    /// `conv::amx::pair_run_portable` at strides 1 and 2, sixteen pairs per step under a
     /// mask.
     ///
     /// # Safety
@@ -1012,13 +1012,13 @@ pub mod x86 {
     }
 
     /// `ConvOut::put` on AVX-512: sixteen lanes per step under a mask, each rounded to `L`
-    /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm_wide`'s store).
+    /// as stored (BF16: `convert::f32_to_bf16_bits`' rule, `norm::in_place`'s store).
     ///
     /// # Safety
     /// The CPU has AVX-512 F/BW/VL and F16C; `dst` is valid for writes of `src.len()`
     /// elements (which it may not yet hold: it is only stored to).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-    pub(super) unsafe fn add_run<L: crate::cpu::norm_wide::x86::Lanes>(
+    pub(super) unsafe fn add_run<L: crate::cpu::norm::in_place::x86::Lanes>(
         dst: *mut L,
         src: &[f32],
         b: f32,
@@ -1048,7 +1048,7 @@ pub mod x86 {
     /// run's pixels lie in `p0..p0 + px`; `y + o·ch + to` is writable for every run.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn store_runs<L: crate::cpu::norm_wide::x86::Lanes>(
+    pub(super) unsafe fn store_runs<L: crate::cpu::norm::in_place::x86::Lanes>(
         buf: &[f32],
         px: usize,
         p0: usize,
@@ -1101,7 +1101,7 @@ pub mod x86 {
         ch: usize,
         runs: &[super::Run],
     ) {
-        use crate::cpu::norm_wide::x86::Lanes;
+        use crate::cpu::norm::in_place::x86::Lanes;
         use std::arch::x86_64::*;
         let (abs_mask, one, below) = (
             _mm512_set1_epi32(0x7FFF_FFFF),
@@ -1159,7 +1159,7 @@ pub mod x86 {
             // elements 2j, 2j + 2, … the caller guarantees.
             unsafe {
                 let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)), bv);
-                let h = crate::cpu::norm_wide::x86::bf16_bits(v);
+                let h = crate::cpu::norm::in_place::x86::bf16_bits(v);
                 _mm512_mask_storeu_epi16(dst.add(2 * j).cast(), even, h);
             }
             j += 16;
@@ -1829,7 +1829,7 @@ impl AmxWgradPlan {
         // As 16-bit halves: pixel P of channel o at `(o / 16)·tile_pairs·32 + (DY_PAD + P / 2)
         // ·32 + (o % 16)·2 + P % 2`, so consecutive pixels alternate between two halves of one
         // `u32` and the next `u32` pair lies 32 halves on.
-        let halves: &mut [u16] = crate::cpu::gemm_half::as_halves(dyq);
+        let halves: &mut [u16] = crate::cpu::gemm::pack::as_halves(dyq);
         for i in 0..n {
             let img = &dy[i * g.out_image()..(i + 1) * g.out_image()];
             for (o, src) in img.chunks_exact(l).enumerate() {

@@ -16,14 +16,15 @@
 //! the pool runs on the convolution's F32 output and the ReLU on the pooled value; a pooled
 //! value that is not positive passes no gradient (ReLU's derivative there is 0), which the
 //! window index records as `MASKED`. F16/BF16 tensors are unfolded and multiplied as stored
-//! (`gemm_half`: converted inside its packing, or BF16 pairs on `vdpbf16ps`), the
+//! (`cpu::gemm::blocked`: converted inside its packing, or BF16 pairs on `vdpbf16ps`), the
 //! convolution output is F32, and the pooled output is rounded once, as the unfused ops
 //! round it.
 
 use rayon::prelude::*;
 
 use crate::cpu::chunked::{sum, write};
-use crate::cpu::conv::{col2im_ld, im2col_ld, Conv2dGeom};
+use crate::cpu::conv::im2col::{col2im_ld, im2col_ld};
+use crate::cpu::conv::Conv2dGeom;
 use crate::cpu::gemm::{product, MatRef};
 use crate::cpu::runs::{add_in_order, Runs};
 use crate::dtype::{same_slice_mut, WithDType};

@@ -28,7 +28,7 @@
 use std::cell::RefCell;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::conv_direct::DirectElem;
+use crate::cpu::conv::direct::DirectElem;
 
 /// Output pixels per tile.
 const MR: usize = 8;

@@ -20,7 +20,7 @@
 //! shifted run, of u32: `cpu::conv`'s `PairConv` unfolds those planes as F32 bit patterns
 //! (`gemm_unfold_pairs`).
 
-use super::{load_run, Packed, PACK_STEPS};
+use super::pack::{load_run, Packed, PACK_STEPS};
 use crate::backend::nn::Conv2dGeom;
 use crate::dtype::{same_slice, WithDType};
 

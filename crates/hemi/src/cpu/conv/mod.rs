@@ -1,9 +1,10 @@
-//! 2-D convolution kernels over plain buffers: im2col / col2im and the im2col + GEMM
-//! forward and backward (input, weight) of a grouped, strided, padded, dilated convolution,
-//! parallel over the batch. No autograd and no validation here: `ops/conv.rs` checks the
-//! shapes and `cpu::nn` hands over contiguous buffers: elements `T` (any float dtype) unfolded
-//! as stored, products and sums in the compute type `C` (`cpu::gemm::product` picks the GEMM:
-//! the `gemm` crate when `T` is `C`, `gemm_half` for F16/BF16 with F32 accumulation).
+//! 2-D convolutions over plain buffers: which route each convolution takes (its plan), and
+//! the im2col + GEMM forward and backward (input, weight) of a grouped, strided, padded,
+//! dilated convolution, parallel over the batch. No autograd and no validation here:
+//! `ops/conv.rs` checks the shapes and `cpu::ops::nn` hands over contiguous buffers:
+//! elements `T` (any float dtype) unfolded as stored, products and sums in the compute type
+//! `C` (`cpu::gemm::product` picks the GEMM: the `gemm` crate when `T` is `C`, hemi's
+//! blocked GEMM for F16/BF16 with F32 accumulation).
 //!
 //! Layout: input `[n, c_in, h, w]`, weight `[c_out, c_in/groups, kh, kw]`, output
 //! `[n, c_out, h_out, w_out]`, all row-major contiguous. Per image, the column matrix is
@@ -14,156 +15,44 @@
 //! The input gradient of a stride-1 convolution runs as the forward convolution of `dy`
 //! with the flipped kernels (`transposed_input_conv`); other strides as `w^T x dy` and
 //! col2im.
+//!
+//! The routes other than im2col + GEMM, each chosen here where it applies: `direct` (few
+//! output channels, read straight from the image), `implicit` (an implicit GEMM from a
+//! padded copy), `wgrad` (weight gradients as dot products from the image), `amx` (BF16 on
+//! AMX tiles read from the image, with its cache-line-aligned buffers in `aligned`); and
+//! `block`, the fused convolution + ReLU + 2×2 max-pool of small CNNs. `im2col` builds the
+//! column matrix, `reference` holds the F64 definitions the tests compare against.
+
+pub(crate) mod aligned;
+pub mod amx;
+pub mod block;
+pub mod direct;
+pub mod im2col;
+pub mod implicit;
+pub mod reference;
+pub mod wgrad;
 
 pub use crate::backend::nn::{conv_out_size, Conv2dGeom};
-use crate::cpu::chunked::{blocks_uninit, blocks_zeroed, per_block_with};
-use crate::cpu::conv_amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
-use crate::cpu::conv_direct::DirectPlan;
-use crate::cpu::conv_implicit::ImplicitPlan;
-use crate::cpu::conv_wgrad::WgradPlan;
-use crate::cpu::gemm::{product, unfold_kernel, MatRef};
-use crate::cpu::gemm_half::{
-    f32_kernel, gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed, kernel_for,
-    Kernel, PackedA, Unfold,
+use crate::cpu::chunked::{self, blocks_uninit, blocks_zeroed, per_block_with};
+use crate::cpu::conv::amx::{AmxConvPlan, AmxInputGradPlan, AmxWgradPlan};
+use crate::cpu::conv::direct::DirectPlan;
+use crate::cpu::conv::implicit::ImplicitPlan;
+use crate::cpu::conv::wgrad::WgradPlan;
+use crate::cpu::gemm::blocked::{
+    gemm_packed, gemm_unfold, gemm_unfold_packed, gemm_unfold_pairs_packed,
 };
+use crate::cpu::gemm::pack::PackedA;
+use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
+use crate::cpu::gemm::unfold::Unfold;
+use crate::cpu::gemm::{product, unfold_kernel, MatRef};
+use crate::cpu::reduce::sum_slice;
 use crate::cpu::runs::Runs;
 use crate::dtype::{same_slice, FloatDType, WithDType};
 use crate::tensor::CpuStorage;
 use crate::DType;
 use half::{bf16, f16};
+use im2col::{col2im, im2col};
 use std::mem::MaybeUninit;
-
-/// The outputs `o` in `[0, out)` whose input coordinate `o*stride + off` lies in `[0, size)`,
-/// as a half-open range (so the copy loops need no bounds tests).
-#[doc(hidden)]
-pub fn valid_range(out: usize, size: usize, stride: usize, off: isize) -> (usize, usize) {
-    let s = stride as isize;
-    let lo = if off >= 0 { 0 } else { (-off + s - 1) / s };
-    let room = size as isize - off;
-    let hi = if room <= 0 { 0 } else { (room + s - 1) / s };
-    let hi = (hi as usize).min(out);
-    ((lo as usize).min(hi), hi)
-}
-
-/// Calls `f(row, c, off_h, off_w)` for each row (c, ki, kj) of the column matrix: output
-/// pixel (oh, ow) of that row reads input pixel (oh*sh + off_h, ow*sw + off_w) of plane c.
-#[inline]
-fn for_each_col_row(g: &Conv2dGeom, mut f: impl FnMut(usize, usize, isize, isize)) {
-    let (ph, pw) = (g.padding.0 as isize, g.padding.1 as isize);
-    for c in 0..g.c_in {
-        for ki in 0..g.kh {
-            for kj in 0..g.kw {
-                let row = (c * g.kh + ki) * g.kw + kj;
-                let off_h = (ki * g.dilation.0) as isize - ph;
-                let off_w = (kj * g.dilation.1) as isize - pw;
-                f(row, c, off_h, off_w);
-            }
-        }
-    }
-}
-
-/// Unfolds one image `x [c_in, h, w]` into `col [c_in*kh*kw, h_out*w_out]` (zeros where the
-/// window reads padding).
-pub fn im2col<C: Copy + Default>(x: &[C], col: &mut [C], g: &Conv2dGeom) {
-    im2col_ld(x, col, g.l(), g)
-}
-
-/// `im2col` into the first `h_out*w_out` columns of a matrix with row stride `ld` (several
-/// images side by side: image `i`'s columns start at `col[i * L..]`).
-pub fn im2col_ld<C: Copy + Default>(x: &[C], col: &mut [C], ld: usize, g: &Conv2dGeom) {
-    let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
-    // Stride 1 with output rows as long as input rows ("same" padding): row (c, ki, kj) of
-    // the column matrix is plane c shifted by off_h rows and off_w columns, so its valid
-    // part is one run of the flattened plane; only the few columns that wrap around from the
-    // neighbouring row (|off_w| per row) are zeroed afterwards. A copy per plane instead of
-    // one per output row: ResNet's 8×8 and 16×16 planes made im2col a call to memmove per
-    // 8 or 16 elements.
-    let flat = (sh, sw) == (1, 1) && wo == g.w;
-    for_each_col_row(g, |row, c, off_h, off_w| {
-        let dst = &mut col[row * ld..row * ld + l];
-        let plane = &x[c * g.h * g.w..(c + 1) * g.h * g.w];
-        let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
-        let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
-        if flat {
-            if oh_lo >= oh_hi || ow_lo >= ow_hi {
-                dst.fill(C::default());
-                return;
-            }
-            // Output pixels a..b (flattened) read input pixels a + shift..b + shift.
-            let (a, b) = (oh_lo * wo + ow_lo, (oh_hi - 1) * wo + ow_hi);
-            let from =
-                ((oh_lo as isize + off_h) * g.w as isize + (ow_lo as isize + off_w)) as usize;
-            dst[..a].fill(C::default());
-            dst[a..b].copy_from_slice(&plane[from..from + (b - a)]);
-            dst[b..].fill(C::default());
-            // Column by column down the rows (a fill per row would be a call to memset
-            // per element or two).
-            for ow in (0..ow_lo).chain(ow_hi..wo) {
-                for oh in oh_lo..oh_hi {
-                    dst[oh * wo + ow] = C::default();
-                }
-            }
-            return;
-        }
-        dst[..oh_lo * wo].fill(C::default());
-        dst[oh_hi * wo..].fill(C::default());
-        for oh in oh_lo..oh_hi {
-            let out = &mut dst[oh * wo..(oh + 1) * wo];
-            out[..ow_lo].fill(C::default());
-            out[ow_hi..].fill(C::default());
-            if ow_lo == ow_hi {
-                continue;
-            }
-            let ih = ((oh * sh) as isize + off_h) as usize;
-            let iw0 = ((ow_lo * sw) as isize + off_w) as usize;
-            let src = &plane[ih * g.w..(ih + 1) * g.w];
-            let out = &mut out[ow_lo..ow_hi];
-            if sw == 1 {
-                out.copy_from_slice(&src[iw0..iw0 + out.len()]);
-            } else {
-                // An iterator, not `src[iw0 + j * sw]`: no bounds check per element.
-                for (o, &v) in out.iter_mut().zip(src[iw0..].iter().step_by(sw)) {
-                    *o = v;
-                }
-            }
-        }
-    });
-}
-
-/// The adjoint of `im2col`: adds each column entry into the input pixel it was read from.
-/// `dx [c_in, h, w]` is accumulated into (callers pass zeros).
-pub fn col2im<C: FloatDType>(col: &[C], dx: &mut [C], g: &Conv2dGeom) {
-    col2im_ld(col, dx, g.l(), g)
-}
-
-/// `col2im` from the first `h_out*w_out` columns of a matrix with row stride `ld`.
-pub fn col2im_ld<C: FloatDType>(col: &[C], dx: &mut [C], ld: usize, g: &Conv2dGeom) {
-    let (l, wo, (sh, sw)) = (g.l(), g.w_out, g.stride);
-    for_each_col_row(g, |row, c, off_h, off_w| {
-        let src = &col[row * ld..row * ld + l];
-        let plane = &mut dx[c * g.h * g.w..(c + 1) * g.h * g.w];
-        let (oh_lo, oh_hi) = valid_range(g.h_out, g.h, sh, off_h);
-        let (ow_lo, ow_hi) = valid_range(wo, g.w, sw, off_w);
-        if ow_lo == ow_hi {
-            return;
-        }
-        for oh in oh_lo..oh_hi {
-            let ih = ((oh * sh) as isize + off_h) as usize;
-            let iw0 = ((ow_lo * sw) as isize + off_w) as usize;
-            let inp = &src[oh * wo + ow_lo..oh * wo + ow_hi];
-            let dst = &mut plane[ih * g.w..(ih + 1) * g.w];
-            if sw == 1 {
-                for (d, &s) in dst[iw0..iw0 + inp.len()].iter_mut().zip(inp) {
-                    *d += s;
-                }
-            } else {
-                for (j, &s) in inp.iter().enumerate() {
-                    dst[iw0 + j * sw] += s;
-                }
-            }
-        }
-    });
-}
 
 /// The column matrix of one image: the image itself for pointwise convolutions, else
 /// `im2col` into `scratch`.
@@ -185,7 +74,7 @@ fn fill_rows<C: Copy>(dst: &mut [C], l: usize, bias: &[C]) {
 }
 
 /// The weights of a convolution, one matrix `[c_out/groups, K]` per group, packed once for
-/// the kernel of hemi's GEMM that every image's product runs on (`gemm_half::PackedA`)
+/// the kernel of hemi's GEMM that every image's product runs on (`gemm::pack::PackedA`)
 /// instead of once per image: for ResNet-20's 64-channel layers (64×576 weights, 8×8
 /// images) packing them was a tenth of the convolution. `None` where the products run on
 /// the `gemm` crate (F64, and F32 shapes `f32_kernel` leaves to it). The kernel is the one
@@ -226,7 +115,7 @@ fn transposed_packed<T: WithDType>(w: &[T], g: &Conv2dGeom) -> Option<Vec<Packed
     Some(groups.collect())
 }
 
-/// The plan of a forward convolution read straight from the image (`cpu::conv_direct`), for
+/// The plan of a forward convolution read straight from the image (`cpu::conv::direct`), for
 /// F32 or BF16 tensors with F32 results, where that route applies (few output channels,
 /// stride 1, 'same' width, AVX-512).
 fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<DirectPlan> {
@@ -248,7 +137,7 @@ fn direct_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<D
 }
 
 /// The plan of a forward convolution as an implicit GEMM from a padded copy of the image
-/// (`cpu::conv_implicit`), for F32, F16 or BF16 tensors with F32 results, where that route
+/// (`cpu::conv::implicit`), for F32, F16 or BF16 tensors with F32 results, where that route
 /// applies (output channels a multiple of 32, not pointwise, ungrouped, AVX-512) and the
 /// half products would be widened to F32 anyway (not BF16 on a pair kernel).
 fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<ImplicitPlan> {
@@ -267,7 +156,7 @@ fn implicit_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option
     }
 }
 
-/// The weight-gradient plan of an implicit GEMM (`cpu::conv_implicit`) for F32, F16 or BF16
+/// The weight-gradient plan of an implicit GEMM (`cpu::conv::implicit`) for F32, F16 or BF16
 /// tensors, where `implicit_plan` would take the forward.
 fn implicit_wgrad_plan<T: WithDType>(g: &Conv2dGeom) -> Option<ImplicitPlan> {
     let widened = || kernel_for(T::DTYPE, T::DTYPE, g.c_out_g(), g.l(), g.k()).packs_f32();
@@ -325,7 +214,7 @@ impl Prepared {
     }
 }
 
-/// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+/// The plan of a BF16 weight gradient on AMX tiles (`cpu::conv::amx`), where hemi's GEMM
 /// would run its product on `amx-bf16`.
 fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
     amx_gemm(g.c_out_g(), g.l(), g.k())
@@ -334,7 +223,7 @@ fn amx_wgrad_plan(g: &Conv2dGeom) -> Option<AmxWgradPlan> {
 }
 
 /// The plan of a BF16 forward convolution on AMX tiles read from the image
-/// (`cpu::conv_amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
+/// (`cpu::conv::amx`), where hemi's GEMM would run it on `amx-bf16` (so `force_kernel`
 /// keeps its say) and the convolution suits it.
 fn amx_plan<T: WithDType, C: FloatDType>(w: &[T], g: &Conv2dGeom) -> Option<AmxConvPlan> {
     if C::DTYPE != DType::F32 || !amx_gemm(g.c_out_g(), g.k(), g.l()) {
@@ -392,7 +281,7 @@ fn image_forward<T: WithDType, C: FloatDType>(
     let packed = prep.packed.as_deref();
     let (l, k, m) = (g.l(), g.k(), g.c_out_g());
     // Stride-1 'same'-width convolutions on hemi's GEMM read the column matrix straight from
-    // the image (`gemm_half::Unfold`); the rest unfold it first.
+    // the image (`gemm::unfold::Unfold`); the rest unfold it first.
     let unfold = Unfold::conv(x, g, 0).and(unfold_kernel::<C, T>(m, k, l));
     let col = if unfold.is_some() {
         x
@@ -554,7 +443,7 @@ pub fn conv2d_backward_input<C: FloatDType>(dy: &[C], w: &[C], g: &Conv2dGeom) -
 /// The batch is cut into runs of images fixed by the batch size (`Runs`, not by the thread
 /// count); each run sums its images in order into its own buffer, and the buffers are added
 /// in run order, so the result is the same on any number of threads. F32 and BF16
-/// convolutions that `cpu::conv_wgrad` reads (stride 1, output rows as long as input rows, at
+/// convolutions that `cpu::conv::wgrad` reads (stride 1, output rows as long as input rows, at
 /// most 16 output channels, on an AVX-512 kernel) skip im2col and the GEMM: dot products
 /// straight from the image.
 /// Elements `T` as stored, the gradient in the compute type `C` (F32 for F16/BF16).
@@ -568,9 +457,9 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
         return vec![C::zero(); len];
     }
     if C::DTYPE == DType::F32 {
-        // BF16 on AMX tiles read from copies of the images (`cpu::conv_amx`), where hemi's
+        // BF16 on AMX tiles read from copies of the images (`cpu::conv::amx`), where hemi's
         // GEMM would run the product on `amx-bf16`; else BF16 pairs or F32 planes read from
-        // the image as stored (`cpu::conv_wgrad`).
+        // the image as stored (`cpu::conv::wgrad`).
         let amx = (T::DTYPE == DType::BF16)
             .then(|| amx_wgrad_plan(g))
             .flatten();
@@ -612,7 +501,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
                 plan.add_images_f32(&xf, &dyf, n, dw, par)
             }))
         } else {
-            // Output channels a multiple of 32: an implicit GEMM (`cpu::conv_implicit`).
+            // Output channels a multiple of 32: an implicit GEMM (`cpu::conv::implicit`).
             implicit_wgrad_plan::<T>(g).map(|plan| {
                 wgrad_runs(x, dy, g, |x, dy, n, dw, _| {
                     implicit_wgrad(&plan, x, dy, n, dw)
@@ -644,7 +533,7 @@ pub fn conv2d_backward_weight<T: WithDType, C: FloatDType>(
     })
 }
 
-/// A weight gradient from the image (`cpu::conv_wgrad`) over runs of images of at least 2048
+/// A weight gradient from the image (`cpu::conv::wgrad`) over runs of images of at least 2048
 /// pixels (so that small planes do not pay a run's sums every few chunks), fixed by the batch,
 /// each summed by `add(x, dy, images, dw, parallel)` into its own buffer, the buffers added in
 /// run order.
@@ -671,94 +560,42 @@ fn wgrad_runs<E: Sync>(
     )
 }
 
-/// Plain direct convolution (f64), the reference the fast path is tested against.
-pub fn conv2d_reference(x: &[f64], w: &[f64], bias: Option<&[f64]>, g: &Conv2dGeom) -> Vec<f64> {
-    let mut y = vec![0.0; g.n * g.out_image()];
-    let (cig, m) = (g.c_in / g.groups, g.c_out_g());
-    for n in 0..g.n {
-        for co in 0..g.c_out {
-            let grp = co / m;
-            for oh in 0..g.h_out {
-                for ow in 0..g.w_out {
-                    let mut s = bias.map_or(0.0, |b| b[co]);
-                    for ci in 0..cig {
-                        let c = grp * cig + ci;
-                        for ki in 0..g.kh {
-                            for kj in 0..g.kw {
-                                let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
-                                    - g.padding.0 as isize;
-                                let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
-                                    - g.padding.1 as isize;
-                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
-                                    continue;
-                                }
-                                let xv =
-                                    x[((n * g.c_in + c) * g.h + ih as usize) * g.w + iw as usize];
-                                let wv = w[((co * cig + ci) * g.kh + ki) * g.kw + kj];
-                                s += xv * wv;
-                            }
-                        }
-                    }
-                    y[((n * g.c_out + co) * g.h_out + oh) * g.w_out + ow] = s;
-                }
-            }
-        }
-    }
-    y
+/// Gradient of the bias in the compute type: `dy` summed over the batch and the output
+/// pixels, per channel.
+pub(crate) fn conv_bias_grad<C: FloatDType>(dy: &[C], g: &Conv2dGeom) -> Vec<C> {
+    let l = g.l();
+    (0..g.c_out)
+        .map(|co| {
+            (0..g.n)
+                .map(|n| sum_slice(&dy[(n * g.c_out + co) * l..(n * g.c_out + co + 1) * l]))
+                .fold(C::zero(), |a, b| a + b)
+        })
+        .collect()
 }
 
-/// The weight gradient by its definition in F64, `dw[o][c][ki][kj] = Σ_images Σ_pixels
-/// dy · x`, and the sum of the terms' magnitudes of each element (for error bounds): the
-/// reference the fast weight gradients are tested against. Ungrouped convolutions.
-pub fn conv2d_weight_grad_reference<V: Copy + Into<f64>>(
-    x: &[V],
-    dy: &[V],
-    g: &Conv2dGeom,
-) -> (Vec<f64>, Vec<f64>) {
-    assert_eq!(g.groups, 1, "conv2d_weight_grad_reference: ungrouped only");
-    let (mut dw, mut mag) = (vec![0.0; g.weight_len()], vec![0.0; g.weight_len()]);
-    for i in 0..g.n {
-        for o in 0..g.c_out {
-            for c in 0..g.c_in {
-                for ki in 0..g.kh {
-                    for kj in 0..g.kw {
-                        let at = ((o * g.c_in + c) * g.kh + ki) * g.kw + kj;
-                        for oh in 0..g.h_out {
-                            for ow in 0..g.w_out {
-                                let ih = (oh * g.stride.0 + ki * g.dilation.0) as isize
-                                    - g.padding.0 as isize;
-                                let iw = (ow * g.stride.1 + kj * g.dilation.1) as isize
-                                    - g.padding.1 as isize;
-                                if ih < 0 || iw < 0 || ih >= g.h as isize || iw >= g.w as isize {
-                                    continue;
-                                }
-                                let xv: f64 = x[i * g.in_image()
-                                    + (c * g.h + ih as usize) * g.w
-                                    + iw as usize]
-                                    .into();
-                                let dv: f64 = dy
-                                    [i * g.out_image() + (o * g.h_out + oh) * g.w_out + ow]
-                                    .into();
-                                dw[at] += xv * dv;
-                                mag[at] += (xv * dv).abs();
-                            }
-                        }
-                    }
-                }
-            }
+/// The bias gradient (per channel, `dy` summed over images and pixels) from an F32/F16/BF16
+/// gradient, an image at a time in F32; the same order as the compute-type path.
+pub(crate) fn conv_bias_grad_blocks<T: WithDType>(dy: &[T], g: &Conv2dGeom) -> Vec<f32> {
+    let l = g.l();
+    let mut acc = vec![0f32; g.c_out];
+    let mut db = vec![0f32; g.out_image()];
+    for n in 0..g.n {
+        let img = chunked::read(dy, n * g.out_image(), &mut db);
+        for (co, a) in acc.iter_mut().enumerate() {
+            *a += sum_slice(&img[co * l..(co + 1) * l]);
         }
     }
-    (dw, mag)
+    acc
 }
 
 // F16/BF16 tensors are unfolded and multiplied as stored, without an F32 copy of the batch:
 // the column matrix is unfolded in the tensor's own dtype (a gather, exact) and multiplied by
-// `gemm_half`, which converts inside its packing (or, for BF16 on CPUs with AVX-512 BF16,
-// multiplies BF16 pairs with `vdpbf16ps`), with F32 results. Products of two F16 or two BF16
+// hemi's blocked GEMM, which converts inside its packing (or, for BF16 on CPUs with AVX-512
+// BF16, multiplies BF16 pairs with `vdpbf16ps`), with F32 results. Products of two F16 or two BF16
 // values are exact in F32, so the half paths compute what the F32 kernels compute on the
 // converted values, up to summation order (and, on the `avx512bf16` kernel, with subnormal
 // inputs and partial sums flushed to zero, as `vdpbf16ps` does). On CPUs without AVX2
-// `gemm_half` runs its portable kernel, slower than the `gemm` crate's SIMD code there.
+// it runs its portable kernel, slower than the `gemm` crate's SIMD code there.
 
 // ----- F32/F16/BF16 tensors, results rounded image by image -----------------------------------
 //
@@ -884,7 +721,7 @@ pub fn conv2d_backward_input_blocks<T: WithDType>(dy: &[T], w: &[T], g: &Conv2dG
     if let Some((wt, tg)) = transposed_input_conv(w, g) {
         return conv2d_forward_blocks(dy, &wt, None, &tg);
     }
-    // Strided BF16: phase by phase of dx on AMX tiles (`cpu::conv_amx`), where hemi's GEMM
+    // Strided BF16: phase by phase of dx on AMX tiles (`cpu::conv::amx`), where hemi's GEMM
     // would run `wᵀ · dy` on `amx-bf16`.
     if let (Some(dyb), Some(wb)) = (same_slice::<T, bf16>(dy), same_slice::<T, bf16>(w)) {
         let plan = amx_gemm(g.k(), g.c_out_g(), g.l())

@@ -4,10 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::storage::CpuStorage;
-use crate::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
-use crate::error::{Error, Result};
-use crate::tensor::Layout;
+use crate::backend::train::{AdamDecay, AdamScalars, SgdFlags, SgdScalars};
 
 /// Whether the update loops can run their FMA build: x86-64 with AVX2 and FMA (checked once
 /// per call; `cpu_has!` reads cached answers).
@@ -31,150 +28,40 @@ fn has_fma() -> bool {
     }
 }
 
-/// The F32 buffer of an optimizer state, or an error naming `what`.
-fn state_f32<'a>(op: &'static str, what: &str, s: &'a mut CpuStorage) -> Result<&'a mut [f32]> {
-    let dtype = s.dtype();
-    match s {
-        CpuStorage::F32(v) => Ok(v),
-        _ => Err(Error::dtype(
-            op,
-            dtype,
-            format!("{what} must be F32 optimizer state"),
-        )),
-    }
-}
-
 /// Elements per parallel job of an update: the loops are a few operations per element and
 /// bound by memory, so jobs are large.
 const CHUNK: usize = 1 << 15;
 
-/// The parameter's F32 values to update: its buffer itself when it is F32 (updated in place,
-/// no copy and no fresh allocation: a BERT word embedding is 47 MB, and a new buffer per step
-/// cost page faults and the kernel's zeroing), else a widened copy. The parameter must be its
-/// whole storage, contiguous.
-fn param_f32<'a>(op: &'static str, p: &'a mut CpuStorage, lp: &Layout) -> Result<ParamF32<'a>> {
-    if lp.contiguous_range() != Some(0..p.len()) {
-        return Err(Error::arg(
-            op,
-            format!(
-                "the parameter must be a whole contiguous buffer, not a view of {} of its {} elements",
-                lp.numel(),
-                p.len()
-            ),
-        ));
-    }
-    if let CpuStorage::F32(v) = p {
-        return Ok(ParamF32::InPlace(v));
-    }
-    let wide = p.to_f32(lp).into_owned();
-    Ok(ParamF32::Widened(p, wide))
-}
-
-enum ParamF32<'a> {
-    InPlace(&'a mut [f32]),
-    /// The parameter, and its values widened to F32 (rounded back by `finish`).
-    Widened(&'a mut CpuStorage, Vec<f32>),
-}
-
-impl ParamF32<'_> {
-    fn values(&mut self) -> &mut [f32] {
-        match self {
-            ParamF32::InPlace(v) => v,
-            ParamF32::Widened(_, w) => w,
-        }
-    }
-
-    /// Rounds the updated values once into the parameter's dtype.
-    fn finish(self) {
-        if let ParamF32::Widened(p, w) = self {
-            let dtype = p.dtype();
-            *p = CpuStorage::from_f32(w, dtype);
-        }
+/// The SGD update of `p` by `g` (momentum buffer `b`, empty without momentum) over
+/// `CHUNK`-element parts in parallel (each element's update depends on that element alone,
+/// so the bits do not depend on the split).
+pub(crate) fn sgd_par(p: &mut [f32], g: &[f32], b: &mut [f32], s: SgdScalars, f: SgdFlags) {
+    crate::threads::nudge();
+    let parts = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK));
+    if f.momentum {
+        parts
+            .zip(b.par_chunks_mut(CHUNK))
+            .for_each(|((p, g), b)| sgd_dispatch(p, g, b, s, f));
+    } else {
+        parts.for_each(|(p, g)| sgd_dispatch(p, g, &mut [], s, f));
     }
 }
 
-impl OptimOps for CpuStorage {
-    fn sgd_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
-        buf: Option<&mut Self>,
-        s: &SgdScalars,
-        f: SgdFlags,
-    ) -> Result<()> {
-        const OP: &str = "sgd_step";
-        let b: &mut [f32] = match buf {
-            Some(b) => state_f32(OP, "the momentum buffer", b)?,
-            None if f.momentum => return Err(Error::arg(OP, "momentum needs a momentum buffer")),
-            None => &mut [],
-        };
-        let mut param = param_f32(OP, self, lp)?;
-        let p = param.values();
-        let g = grad.to_f32(lg);
-        if g.len() != p.len() || (f.momentum && b.len() != p.len()) {
-            return Err(Error::shape(
-                OP,
-                format!(
-                    "{} gradients and a momentum buffer of {} values for {} parameters",
-                    g.len(),
-                    b.len(),
-                    p.len()
-                ),
-            ));
-        }
-        crate::threads::nudge();
-        let parts = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK));
-        if f.momentum {
-            parts
-                .zip(b.par_chunks_mut(CHUNK))
-                .for_each(|((p, g), b)| sgd_dispatch(p, g, b, *s, f));
-        } else {
-            parts.for_each(|(p, g)| sgd_dispatch(p, g, &mut [], *s, f));
-        }
-        param.finish();
-        Ok(())
-    }
-
-    fn adam_step(
-        &mut self,
-        lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
-        exp_avg: &mut Self,
-        exp_avg_sq: &mut Self,
-        max_exp_avg_sq: Option<&mut Self>,
-        k: &AdamScalars,
-        decay: AdamDecay,
-    ) -> Result<()> {
-        const OP: &str = "adam_step";
-        let m = state_f32(OP, "exp_avg", exp_avg)?;
-        let v = state_f32(OP, "exp_avg_sq", exp_avg_sq)?;
-        let max = match max_exp_avg_sq {
-            Some(x) => Some(state_f32(OP, "max_exp_avg_sq", x)?),
-            None => None,
-        };
-        let mut param = param_f32(OP, self, lp)?;
-        let p = param.values();
-        let g = grad.to_f32(lg);
-        let n = p.len();
-        if g.len() != n
-            || m.len() != n
-            || v.len() != n
-            || max.as_ref().is_some_and(|x| x.len() != n)
-        {
-            return Err(Error::shape(
-                OP,
-                format!("the gradient or the state buffers do not hold {n} values"),
-            ));
-        }
-        match decay {
-            AdamDecay::None => adam_par::<NO_DECAY>(p, &g, m, v, max, *k),
-            AdamDecay::L2 => adam_par::<L2>(p, &g, m, v, max, *k),
-            AdamDecay::Decoupled => adam_par::<DECOUPLED>(p, &g, m, v, max, *k),
-        }
-        param.finish();
-        Ok(())
+/// The Adam update of `p` by `g` with its state (`m`, `v`, and `max` for AMSGrad), the loop
+/// built for the weight decay asked for.
+pub(crate) fn adam(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    max: Option<&mut [f32]>,
+    k: AdamScalars,
+    decay: AdamDecay,
+) {
+    match decay {
+        AdamDecay::None => adam_par::<NO_DECAY>(p, g, m, v, max, k),
+        AdamDecay::L2 => adam_par::<L2>(p, g, m, v, max, k),
+        AdamDecay::Decoupled => adam_par::<DECOUPLED>(p, g, m, v, max, k),
     }
 }
 

@@ -36,7 +36,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::gemm_half::{f32_kernel, kernel_for, Kernel};
+use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
 use crate::DType;
 
 /// Output channels per block.
@@ -64,7 +64,7 @@ enum Imp {
     /// `vdpbf16ps` (`avx512bf16`).
     Dot,
     /// Each pair widened to two F32 vectors (its odd and its even elements) and two FMAs:
-    /// where BF16 products run widened to F32 (`avx512f`, `gemm_half::Bf16Route::Widen`).
+    /// where BF16 products run widened to F32 (`avx512f`, `gemm::select::Bf16Route::Widen`).
     Fma,
 }
 
@@ -288,7 +288,7 @@ type Block<E> = unsafe fn(&Rows<'_, E>) -> [[f32; CB]; RB];
 
 /// What a stride-1 convolution whose output rows are as long as its input rows reads, for
 /// code that walks its output pixels in chunks of `chunk` (≤ 32) straight from the image
-/// (`WgradPlan`, `conv_direct::DirectPlan`): output pixel `p` of kernel offset
+/// (`WgradPlan`, `direct::DirectPlan`): output pixel `p` of kernel offset
 /// `r = ki·kw + kj` reads input pixel `p + shifts[r]` of each plane.
 pub(crate) struct ShiftMasks {
     /// Chunks of output pixels: `ceil(L / chunk)`.

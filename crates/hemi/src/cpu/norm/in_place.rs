@@ -82,7 +82,7 @@ macro_rules! on_x86 {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            unreachable!("norm_wide::available() is false off x86-64")
+            unreachable!("in_place::available() is false off x86-64")
         }
     }};
 }
@@ -185,7 +185,7 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
 
-    /// How the kernels load and store an element type (also `conv_amx`'s output store).
+    /// How the kernels load and store an element type (also `conv::amx`'s output store).
     pub(crate) trait Lanes: Copy {
         /// Eight elements from `p` as F32 (exact).
         unsafe fn ld8(p: *const Self) -> __m256;
@@ -338,7 +338,7 @@ pub(crate) mod x86 {
             $(#[$doc])*
             /// # Safety
             /// The CPU has AVX-512 F/BW/VL and F16C; the slices are as the caller in
-            /// `norm_wide` checks.
+            /// `in_place` checks.
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
             pub(super) unsafe fn $name<L: Lanes>($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded.

@@ -1,13 +1,28 @@
-//! Matrix products on strided row-major views: the `gemm` crate in the compute type (F32 or
-//! F64), and `product`, which picks it or hemi's own GEMM (`cpu::gemm_half`, F32
-//! accumulation, half-precision operands converted inside its packing) by the element types
-//! of the operands. Used by matmul, linear and convolution.
+//! Matrix products: every CPU GEMM and what it needs.
+//!
+//! This file: products on strided row-major views (`MatRef`), the `gemm` crate in the
+//! compute type (F32 or F64), and `product`, which picks it or hemi's own GEMM (`blocked`,
+//! F32 accumulation, half-precision operands converted inside its packing) by the element
+//! types of the operands. Used by matmul, linear and convolution. The rest of the family:
+//! - `blocked`: hemi's blocked GEMM (entry points, threads, the driver); `select` (which
+//!   kernel), `pack` (panels, `PackedA`), `unfold` (B packed from a convolution's image),
+//!   `portable` and `x86` (the microkernels);
+//! - `matmul`: batched matmul over tensor layouts (broadcast batch dims, bias rows, the
+//!   F16/BF16 output rounded tile by tile).
 
-use crate::cpu::gemm_half;
+pub mod blocked;
+pub mod matmul;
+pub mod pack;
+mod portable;
+pub mod select;
+pub mod unfold;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 use crate::dtype::{same_slice, DType, FloatDType, WithDType};
 
 /// A strided read-only matrix view of elements `T` (any storage dtype): element (i, j) is at
-/// `data[i * rs + j * cs]`. The one view type of every CPU GEMM (`gemm`, `gemm_half`) and of
+/// `data[i * rs + j * cs]`. The one view type of every CPU GEMM (`gemm`, `blocked`) and of
 /// the convolutions.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a, T> {
@@ -103,7 +118,7 @@ impl<'a, T: WithDType> MatRef<'a, T> {
 
 /// `dst = [dst +] a · b` in the compute type `C`, `dst` row-major contiguous
 /// `a.rows x b.cols`: the `gemm` crate when both operands are of type `C`, else hemi's GEMM
-/// (`gemm_half`: F32, F16 and BF16 operands in any mix, F32 accumulation, so `C` is f32
+/// (`blocked`: F32, F16 and BF16 operands in any mix, F32 accumulation, so `C` is f32
 /// there). `par` lets the product use the thread pool (pass false inside a parallel task);
 /// the thread count changes no bit of the result.
 pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
@@ -119,34 +134,34 @@ pub fn product<C: FloatDType, A: WithDType, B: WithDType>(
             if let (Some(d), Some(a32), Some(b32)) =
                 (C::as_f32_mut(dst), a.cast::<f32>(), b.cast::<f32>())
             {
-                if let Some(kernel) = gemm_half::f32_kernel(a.rows, a.cols, b.cols) {
-                    return gemm_half::gemm_with(kernel, d, a32, b32, acc, par);
+                if let Some(kernel) = select::f32_kernel(a.rows, a.cols, b.cols) {
+                    return blocked::gemm_with(kernel, d, a32, b32, acc, par);
                 }
             }
             matmul_into_par(dst, a, b, acc, par)
         }
         _ => {
             let dst = C::as_f32_mut(dst).expect("half-precision operands: F32 compute");
-            gemm_half::gemm(dst, a, b, acc, par)
+            blocked::gemm(dst, a, b, acc, par)
         }
     }
 }
 
 /// The kernel `product` would run an `m × k · k × n` F32 product on, where that is one of
 /// hemi's F32-panel kernels, which can read a convolution's column matrix straight from its
-/// image (`gemm_half::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
-/// `gemm_half::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
+/// image (`blocked::gemm_unfold`); `None` where it would be the `gemm` crate (F64, shapes
+/// `select::f32_kernel` leaves to it) and for F16/BF16 operands: converting F16 step by
 /// step in the unfold made ResNet-20's amp-fp16 step 5 % slower than im2col + pack, and
 /// BF16 on a pair kernel is unfolded in channel pairs instead (`cpu::conv`'s `PairConv`).
 pub(crate) fn unfold_kernel<C: FloatDType, T: WithDType>(
     m: usize,
     k: usize,
     n: usize,
-) -> Option<gemm_half::Kernel> {
+) -> Option<select::Kernel> {
     if C::DTYPE != DType::F32 || T::DTYPE != DType::F32 {
         return None;
     }
-    gemm_half::f32_kernel(m, k, n).filter(|k| k.packs_f32())
+    select::f32_kernel(m, k, n).filter(|k| k.packs_f32())
 }
 
 /// Threads `gemm` may use for a product of this size (small products stay on one thread).

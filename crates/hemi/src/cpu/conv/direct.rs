@@ -23,7 +23,7 @@
 use half::{bf16, f16};
 
 use crate::backend::nn::Conv2dGeom;
-use crate::cpu::conv_wgrad::ShiftMasks;
+use crate::cpu::conv::wgrad::ShiftMasks;
 
 /// Output channels per block.
 const RO: usize = 8;
@@ -55,7 +55,7 @@ pub struct DirectPlan {
 }
 
 /// The element types the convolutions read from the image (`DirectPlan` here,
-/// `conv_implicit::ImplicitPlan`) take: F32, and F16 and BF16 (widened to F32 as loaded).
+/// `implicit::ImplicitPlan`) take: F32, and F16 and BF16 (widened to F32 as loaded).
 pub trait DirectElem: Copy + Sync + sealed::Sealed {}
 impl DirectElem for f32 {}
 impl DirectElem for f16 {}

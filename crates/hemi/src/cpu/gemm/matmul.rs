@@ -1,8 +1,8 @@
 //! The CPU's matrix product with PyTorch's batching: operands reach GEMM as strided views (a
 //! transposed, broadcast or sliced operand costs no copy: GEMM takes a row and a column
 //! stride per matrix, batch dims are a loop over matrix offsets). F16/BF16 operands of an F32
-//! product are not converted: `cpu::gemm::product` hands them to `gemm_half` as stored, which
-//! converts inside its packing, block by block.
+//! product are not converted: `cpu::gemm::product` hands them to hemi's blocked GEMM as
+//! stored, which converts inside its packing, block by block.
 
 use std::borrow::Cow;
 
@@ -10,8 +10,8 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 use crate::backend::nn::merged_row_stride;
+use crate::cpu::gemm::{blocked, select};
 use crate::cpu::gemm::{product, MatRef};
-use crate::cpu::gemm_half;
 use crate::dtype::{DType, FloatDType, WithDType};
 use crate::tensor::layout::contiguous_strides;
 use crate::tensor::{CpuStorage, Layout};
@@ -186,7 +186,7 @@ pub(crate) fn matmul<C: FloatDType>(
 }
 
 /// `a · b (+ bias)` rounded into the half dtype `O` as each tile is summed
-/// (`gemm_half::gemm_round`), when both operands are stored in `O`, the product is one tall
+/// (`blocked::gemm_round`), when both operands are stored in `O`, the product is one tall
 /// matrix product (b has no batch dims and a's rows merge: a linear layer under autocast)
 /// and its inner dim fits one k block; `None` otherwise. The bits of `matmul::<f32>`
 /// followed by `CpuStorage::from_f32`.
@@ -207,8 +207,8 @@ pub(crate) fn matmul_round<O: WithDType>(
         return None;
     }
     let rows = count * m;
-    let kernel = gemm_half::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
-    if !gemm_half::rounds_in_tiles(kernel, k) {
+    let kernel = select::kernel_for(O::DTYPE, O::DTYPE, rows, k, n);
+    if !blocked::rounds_in_tiles(kernel, k) {
         return None;
     }
     let rs = merged_row_stride(la.shape(), la.strides())?;
@@ -217,7 +217,7 @@ pub(crate) fn matmul_round<O: WithDType>(
     let tall = oa.mat(oa.offset, rows, k).with_row_stride(rs as isize);
     let mut out: Vec<O> = Vec::with_capacity(rows * n);
     let dst = &mut out.spare_capacity_mut()[..rows * n];
-    if !gemm_half::gemm_round(kernel, dst, tall, ob.mat(ob.offset, k, n), bias, true) {
+    if !blocked::gemm_round(kernel, dst, tall, ob.mat(ob.offset, k, n), bias, true) {
         return None;
     }
     // SAFETY: `gemm_round` returned true: it wrote all rows * n elements.

@@ -4,15 +4,16 @@
 //! `PAR_THRESHOLD` elements; each row is reduced by one thread in a fixed order, so results
 //! do not depend on the thread count.
 
+pub mod loss;
+
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
-use super::map::PAR_THRESHOLD;
-use super::storage::CpuStorage;
-use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
-use crate::dtype::{convert, same_slice_mut, DType, FloatDType, WithDType as _};
-use crate::error::Result;
+use crate::backend::reduce::{ReduceOp, Rows};
+use crate::cpu::elementwise::map::PAR_THRESHOLD;
+use crate::cpu::storage::CpuStorage;
+use crate::dtype::{convert, same_slice_mut, FloatDType};
 use crate::tensor::Layout;
 
 /// Sum of a contiguous slice with eight accumulators.
@@ -327,180 +328,140 @@ fn log_softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
     }
 }
 
-impl ReduceOps for CpuStorage {
-    fn reduce(
-        &self,
-        layout: &Layout,
-        outer: usize,
-        inner: usize,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<Self> {
-        Ok(crate::with_compute!(out, C => {
-            if let (ReduceOp::Sum | ReduceOp::Mean, Some(base)) =
-                (op, leading_reduction(layout, outer, inner))
-            {
-                let mut y = column_sums::<C>(self, base, outer, inner);
-                if op == ReduceOp::Mean {
-                    let scale = C::one() / C::from_f64(inner as f64);
-                    y.iter_mut().for_each(|v| *v *= scale);
-                }
-                return Ok(CpuStorage::store::<C>(y, out));
-            }
-            let v = self.load::<C>(layout);
-            let y = match op {
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    let scale = if op == ReduceOp::Mean {
-                        C::one() / C::from_f64(inner as f64)
-                    } else {
-                        C::one()
-                    };
-                    reduce_rows(&v, outer, inner, |r| sum_slice(r) * scale)
-                }
-                ReduceOp::Max | ReduceOp::Min => reduce_rows(&v, outer, inner, |r| find(op, r).0),
-                ReduceOp::Var { correction } => {
-                    let divisor = C::from_f64(inner.saturating_sub(correction) as f64);
-                    reduce_rows(&v, outer, inner, |r| centered(r).1 / divisor)
-                }
+/// `op` over the `inner` values of each of `outer` rows of `x` (as `layout` addresses it) in
+/// the compute type: sums and means of a leading reduction (the rows are the columns of a
+/// contiguous matrix) as column sums, without gathering the transpose.
+pub(crate) fn reduce_as<C: FloatDType>(
+    x: &CpuStorage,
+    layout: &Layout,
+    outer: usize,
+    inner: usize,
+    op: ReduceOp,
+) -> Vec<C> {
+    if let (ReduceOp::Sum | ReduceOp::Mean, Some(base)) =
+        (op, leading_reduction(layout, outer, inner))
+    {
+        let mut y = column_sums::<C>(x, base, outer, inner);
+        if op == ReduceOp::Mean {
+            let scale = C::one() / C::from_f64(inner as f64);
+            y.iter_mut().for_each(|v| *v *= scale);
+        }
+        return y;
+    }
+    let v = x.load::<C>(layout);
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => {
+            let scale = if op == ReduceOp::Mean {
+                C::one() / C::from_f64(inner as f64)
+            } else {
+                C::one()
             };
-            CpuStorage::store::<C>(y, out)
-        }))
+            reduce_rows(&v, outer, inner, |r| sum_slice(r) * scale)
+        }
+        ReduceOp::Max | ReduceOp::Min => reduce_rows(&v, outer, inner, |r| find(op, r).0),
+        ReduceOp::Var { correction } => {
+            let divisor = C::from_f64(inner.saturating_sub(correction) as f64);
+            reduce_rows(&v, outer, inner, |r| centered(r).1 / divisor)
+        }
     }
+}
 
-    fn extreme_backward(
-        &self,
-        layout: &Layout,
-        m: &Self,
-        lm: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        out: DType,
-    ) -> Result<Self> {
-        Ok(crate::with_compute!(out, D => {
-            let (xv, mv, gv) = (self.load::<D>(layout), m.load::<D>(lm), g.load::<D>(lg));
-            let mut gi = vec![D::zero(); outer * inner];
-            if inner > 0 {
-                // Both are exact values of the input dtype, so `==` finds the winners; the
-                // count of ties is exact in any order.
-                let hit = |x: D, m: D| x == m || (x.is_nan() && m.is_nan());
-                for ((gr, r), (&m, &g)) in gi
-                    .chunks_mut(inner)
-                    .zip(xv.chunks(inner))
-                    .zip(mv.iter().zip(gv.iter()))
-                {
-                    let ties = r.iter().filter(|&&x| hit(x, m)).count();
-                    let t = D::from_f64(ties as f64);
-                    for (d, &x) in gr.iter_mut().zip(r) {
-                        *d = if hit(x, m) { g / t } else { D::zero() };
-                    }
-                }
+/// The gradient of a max or min over rows of `inner` values: each row's `g` split evenly
+/// among the elements equal to the row's extreme `m`.
+pub(crate) fn extreme_grads<D: FloatDType>(
+    xv: &[D],
+    mv: &[D],
+    gv: &[D],
+    outer: usize,
+    inner: usize,
+) -> Vec<D> {
+    let mut gi = vec![D::zero(); outer * inner];
+    if inner > 0 {
+        // Both are exact values of the input dtype, so `==` finds the winners; the count of
+        // ties is exact in any order.
+        let hit = |x: D, m: D| x == m || (x.is_nan() && m.is_nan());
+        for ((gr, r), (&m, &g)) in gi
+            .chunks_mut(inner)
+            .zip(xv.chunks(inner))
+            .zip(mv.iter().zip(gv.iter()))
+        {
+            let ties = r.iter().filter(|&&x| hit(x, m)).count();
+            let t = D::from_f64(ties as f64);
+            for (d, &x) in gr.iter_mut().zip(r) {
+                *d = if hit(x, m) { g / t } else { D::zero() };
             }
-            CpuStorage::store::<D>(gi, out)
-        }))
+        }
     }
+    gi
+}
 
-    fn var_backward(
-        &self,
-        layout: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
-        correction: usize,
-        out: DType,
-    ) -> Result<Self> {
-        let divisor = inner.saturating_sub(correction) as f64;
-        Ok(crate::with_compute!(out, C => {
-            // d var / d x_i = 2 (x_i - mean) / divisor (the mean's own dependence on x_i
-            // sums to zero).
-            let (xv, gv) = (self.load::<C>(layout), g.load::<C>(lg));
-            let two = C::from_f64(2.0) / C::from_f64(divisor);
-            let mut gi = vec![C::zero(); outer * inner];
-            if inner > 0 {
-                gi.chunks_mut(inner)
-                    .zip(xv.chunks(inner))
-                    .zip(gv.iter())
-                    .for_each(|((o, r), &g)| {
-                        let mean = centered(r).0;
-                        for (o, &x) in o.iter_mut().zip(r) {
-                            *o = g * two * (x - mean);
-                        }
-                    });
-            }
-            CpuStorage::store::<C>(gi, out)
-        }))
-    }
-
-    fn extreme_dim(
-        &self,
-        layout: &Layout,
-        rows: Rows,
-        op: ReduceOp,
-        out: DType,
-    ) -> Result<(Self, Self)> {
-        Ok(crate::with_compute!(out, C => {
-            let found: Vec<(C, usize)> = rows.reduce(&self.load::<C>(layout), |r| find(op, r));
-            let index: Vec<i64> = found.iter().map(|&(_, k)| k as i64).collect();
-            let values: Vec<C> = found.iter().map(|&(v, _)| v).collect();
-            (CpuStorage::store::<C>(values, out), CpuStorage::from_vec(index))
-        }))
-    }
-
-    fn extreme_dim_backward(
-        &self,
-        lg: &Layout,
-        index: &Self,
-        li: &Layout,
-        rows: Rows,
-        out: DType,
-    ) -> Result<Self> {
-        let at = index.to_i64(li);
-        Ok(crate::with_compute!(out, D => {
-            // The whole gradient goes to the element each output came from.
-            let gv = self.load::<D>(lg);
-            let mut gi = vec![D::zero(); rows.count() * rows.len];
-            for (r, (&k, &g)) in at.iter().zip(gv.iter()).enumerate() {
-                gi[rows.start(r) + k as usize * rows.inner] = g;
-            }
-            CpuStorage::store::<D>(gi, out)
-        }))
-    }
-
-    fn softmax(&self, layout: &Layout, rows: Rows, log: bool, out: DType) -> Result<Self> {
-        Ok(crate::with_compute!(out, C => {
-            let xv = self.load::<C>(layout);
-            let y = rows.map([&xv[..]], |[x], y| {
-                if log {
-                    log_softmax_row(x, y)
-                } else {
-                    softmax_row(x, y)
+/// The gradient of the variance of rows of `inner` values with `divisor` (`inner -
+/// correction`): d var / d x_i = 2 (x_i - mean) / divisor (the mean's own dependence on x_i
+/// sums to zero).
+pub(crate) fn var_grads<C: FloatDType>(
+    xv: &[C],
+    gv: &[C],
+    outer: usize,
+    inner: usize,
+    divisor: f64,
+) -> Vec<C> {
+    let two = C::from_f64(2.0) / C::from_f64(divisor);
+    let mut gi = vec![C::zero(); outer * inner];
+    if inner > 0 {
+        gi.chunks_mut(inner)
+            .zip(xv.chunks(inner))
+            .zip(gv.iter())
+            .for_each(|((o, r), &g)| {
+                let mean = centered(r).0;
+                for (o, &x) in o.iter_mut().zip(r) {
+                    *o = g * two * (x - mean);
                 }
             });
-            CpuStorage::store::<C>(y, out)
-        }))
     }
+    gi
+}
 
-    fn softmax_backward(
-        &self,
-        lg: &Layout,
-        y: &Self,
-        ly: &Layout,
-        rows: Rows,
-        log: bool,
-        out: DType,
-    ) -> Result<Self> {
-        Ok(crate::with_compute!(out, C => {
-            let (gv, yv) = (self.load::<C>(lg), y.load::<C>(ly));
-            let dx = rows.map([&gv[..], &yv[..]], |[g, y], dx| {
-                if log {
-                    log_softmax_backward_row(g, y, dx)
-                } else {
-                    softmax_backward_row(g, y, dx)
-                }
-            });
-            CpuStorage::store::<C>(dx, out)
-        }))
+/// The max or min (`op`) of every row and its index in the row.
+pub(crate) fn extreme_rows<C: FloatDType>(rows: Rows, x: &[C], op: ReduceOp) -> (Vec<C>, Vec<i64>) {
+    let found: Vec<(C, usize)> = rows.reduce(x, |r| find(op, r));
+    let index: Vec<i64> = found.iter().map(|&(_, k)| k as i64).collect();
+    let values: Vec<C> = found.iter().map(|&(v, _)| v).collect();
+    (values, index)
+}
+
+/// The gradient of `extreme_rows`: the whole gradient goes to the element each output came
+/// from (`at`, its index in its row).
+pub(crate) fn extreme_rows_grads<D: FloatDType>(rows: Rows, gv: &[D], at: &[i64]) -> Vec<D> {
+    let mut gi = vec![D::zero(); rows.count() * rows.len];
+    for (r, (&k, &g)) in at.iter().zip(gv.iter()).enumerate() {
+        gi[rows.start(r) + k as usize * rows.inner] = g;
     }
+    gi
+}
+
+/// Softmax (or log-softmax, `log`) of every row.
+pub(crate) fn softmax_rows<C: FloatDType>(rows: Rows, xv: &[C], log: bool) -> Vec<C> {
+    rows.map([xv], |[x], y| {
+        if log {
+            log_softmax_row(x, y)
+        } else {
+            softmax_row(x, y)
+        }
+    })
+}
+
+/// The input gradient of `softmax_rows` from the output gradient `g` and the output `y`.
+pub(crate) fn softmax_backward_rows<C: FloatDType>(
+    rows: Rows,
+    gv: &[C],
+    yv: &[C],
+    log: bool,
+) -> Vec<C> {
+    rows.map([gv, yv], |[g, y], dx| {
+        if log {
+            log_softmax_backward_row(g, y, dx)
+        } else {
+            softmax_backward_row(g, y, dx)
+        }
+    })
 }

@@ -6,13 +6,9 @@
 use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
-use super::storage::CpuStorage;
-use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
-use crate::cpu::chunked::{map1, map2, update2, Src};
-use crate::dtype::{DType, FloatDType, WithDType as _};
-use crate::error::Result;
+use crate::backend::map::{BinaryOp, UnaryOp};
+use crate::dtype::FloatDType;
 use crate::rng::Generator;
-use crate::tensor::Layout;
 
 /// Below this many elements a loop runs on one thread (rayon's overhead dominates).
 pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
@@ -82,7 +78,7 @@ pub(crate) fn apply<C: FloatDType>(op: BinaryOp, x: C, y: C) -> C {
 
 /// `o = x op y` over one F32 chunk, the op matched once per chunk (a per-element match on a
 /// captured op keeps the loop scalar).
-fn binary_chunk(op: BinaryOp, x: &[f32], y: &[f32], o: &mut [f32]) {
+pub(crate) fn binary_chunk(op: BinaryOp, x: &[f32], y: &[f32], o: &mut [f32]) {
     macro_rules! each {
         ($f:expr) => {
             for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
@@ -421,190 +417,106 @@ impl UnaryOp {
     }
 }
 
-impl MapOps for CpuStorage {
-    fn binary_assign(&mut self, la: &Layout, rhs: &Self, lb: &Layout, op: BinaryOp) -> Result<()> {
-        if la.contiguous_range() == Some(0..self.len()) {
-            if let Some(b) = Src::of(rhs, lb) {
-                if update2(self, b, move |x, y, o| binary_chunk(op, x, y, o)).is_some() {
-                    return Ok(());
-                }
-            }
-        }
-        *self = self.binary(la, rhs, lb, op, self.dtype())?;
-        Ok(())
+/// `x op y` element by element in the compute type, the op matched once, outside the loop,
+/// so that each loop vectorises.
+pub(crate) fn binary_vec<C: FloatDType>(op: BinaryOp, x: &[C], y: &[C]) -> Vec<C> {
+    match op {
+        BinaryOp::Add => zip_map(x, y, |x, y| x + y),
+        BinaryOp::Sub => zip_map(x, y, |x, y| x - y),
+        BinaryOp::Mul => zip_map(x, y, |x, y| x * y),
+        BinaryOp::Div => zip_map(x, y, |x, y| x / y),
+        op => zip_map(x, y, |x, y| apply(op, x, y)),
     }
+}
 
-    fn binary(
-        &self,
-        la: &Layout,
-        rhs: &Self,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<Self> {
-        // Contiguous F32/F16/BF16 operands of one shape (no broadcast): chunk by chunk in
-        // F32, no full-size F32 copies of half operands (the same values: F32, one rounding).
-        if let (Some(a), Some(b)) = (Src::of(self, la), Src::of(rhs, lb)) {
-            if let Some(y) = map2(a, b, out, move |x, y, o| binary_chunk(op, x, y, o)) {
-                return Ok(y);
-            }
-        }
-        Ok(crate::with_compute!(out, C => {
-            let (x, y) = (self.load::<C>(la), rhs.load::<C>(lb));
-            // The op matched once, outside the loop, so each loop vectorises.
-            let v = match op {
-                BinaryOp::Add => zip_map(&x, &y, |x, y| x + y),
-                BinaryOp::Sub => zip_map(&x, &y, |x, y| x - y),
-                BinaryOp::Mul => zip_map(&x, &y, |x, y| x * y),
-                BinaryOp::Div => zip_map(&x, &y, |x, y| x / y),
-                op => zip_map(&x, &y, |x, y| apply(op, x, y)),
-            };
-            CpuStorage::store::<C>(v, out)
-        }))
+/// The gradients of `maximum` / `minimum` (`op`) to `a` and `b` from the output's `g`: the
+/// larger (smaller) input gets the gradient; ties split it evenly, as PyTorch.
+pub(crate) fn minmax_grads<C: FloatDType>(
+    op: BinaryOp,
+    gv: &[C],
+    av: &[C],
+    bv: &[C],
+) -> (Vec<C>, Vec<C>) {
+    let pick_a = op == BinaryOp::Maximum;
+    let half = C::from_f64(0.5);
+    let mut wa = Vec::with_capacity(gv.len());
+    let mut wb = Vec::with_capacity(gv.len());
+    for i in 0..gv.len() {
+        let (x, y) = (av[i], bv[i]);
+        let w = if x == y {
+            half
+        } else if (x > y) == pick_a {
+            C::one()
+        } else {
+            C::zero()
+        };
+        wa.push(gv[i] * w);
+        wb.push(gv[i] * (C::one() - w));
     }
+    (wa, wb)
+}
 
-    fn minmax_backward(
-        &self,
-        lg: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
-        op: BinaryOp,
-        out: DType,
-    ) -> Result<(Self, Self)> {
-        // The larger (smaller) input gets the gradient; ties split it evenly, as PyTorch.
-        let pick_a = op == BinaryOp::Maximum;
-        Ok(crate::with_compute!(out, C => {
-            let (gv, av, bv) = (self.load::<C>(lg), a.load::<C>(la), b.load::<C>(lb));
-            let half = C::from_f64(0.5);
-            let mut wa = Vec::with_capacity(gv.len());
-            let mut wb = Vec::with_capacity(gv.len());
-            for i in 0..gv.len() {
-                let (x, y) = (av[i], bv[i]);
-                let w = if x == y {
-                    half
-                } else if (x > y) == pick_a {
-                    C::one()
-                } else {
-                    C::zero()
-                };
-                wa.push(gv[i] * w);
-                wb.push(gv[i] * (C::one() - w));
-            }
-            (CpuStorage::store::<C>(wa, out), CpuStorage::store::<C>(wb, out))
-        }))
-    }
+/// `op` on every element in the compute type (the variant matched once, `specialize!`).
+pub(crate) fn unary_vec<C: FloatDType>(op: UnaryOp, a: &[C]) -> Vec<C> {
+    specialize!(op, o => map(a, |v| o.f(v)))
+}
 
-    fn unary(&self, layout: &Layout, op: UnaryOp, out: DType) -> Result<Self> {
-        // Contiguous F32/F16/BF16: chunk by chunk in F32, no full-size F32 copies. The
-        // variant is matched once per chunk, inside the kernel, so that each arm's loop is
-        // compiled for a constant variant (a match outside the closure leaves `op` a
-        // captured runtime value and the loop dispatches per element).
-        if let Some(src) = Src::of(self, layout) {
-            if let Some(y) = map1(src, out, move |a, out| unary_chunk(op, a, out)) {
-                return Ok(y);
-            }
-        }
-        Ok(crate::with_compute!(out, C => {
-            let y = specialize!(op, o => map(&self.load::<C>(layout), |v| o.f(v)));
-            CpuStorage::store::<C>(y, out)
-        }))
-    }
+/// `g · op'` element by element in the compute type, `saved` being the op's output where
+/// `uses_out`, else its input.
+pub(crate) fn unary_backward_vec<D: FloatDType>(
+    op: UnaryOp,
+    uses_out: bool,
+    gv: &[D],
+    sv: &[D],
+) -> Vec<D> {
+    specialize!(op, o => if uses_out {
+        zip_map(gv, sv, |g, s| g * o.df(D::zero(), s))
+    } else {
+        zip_map(gv, sv, |g, s| g * o.df(s, D::zero()))
+    })
+}
 
-    fn unary_backward(
-        &self,
-        lg: &Layout,
-        saved: &Self,
-        ls: &Layout,
-        op: UnaryOp,
-        out: DType,
-    ) -> Result<Self> {
-        let uses_out = op.backward_uses_output();
-        if let (Some(gv), Some(sv)) = (Src::of(self, lg), Src::of(saved, ls)) {
-            let chunked = map2(gv, sv, out, move |g, s, out| {
-                unary_backward_chunk(op, uses_out, g, s, out)
+/// `a` where `mask` is non-zero, else `b`.
+pub(crate) fn where_vec<C: FloatDType>(mask: &[f64], av: &[C], bv: &[C]) -> Vec<C> {
+    mask.iter()
+        .zip(av.iter().zip(bv.iter()))
+        .map(|(&m, (&x, &y))| if m != 0.0 { x } else { y })
+        .collect()
+}
+
+/// The gradients of `where` to its two branches: `g` where the mask picked the branch, else
+/// zero.
+pub(crate) fn where_grads<D: FloatDType>(mask: &[f64], gv: &[D]) -> (Vec<D>, Vec<D>) {
+    let ga: Vec<D> = gv
+        .iter()
+        .zip(mask.iter())
+        .map(|(&g, &m)| if m != 0.0 { g } else { D::zero() })
+        .collect();
+    let gb: Vec<D> = gv
+        .iter()
+        .zip(mask.iter())
+        .map(|(&g, &m)| if m != 0.0 { D::zero() } else { g })
+        .collect();
+    (ga, gb)
+}
+
+/// Dropout's factors, `mask / (1 - p)`: `1/(1-p)` where kept, 0 where dropped.
+pub(crate) fn dropout_factors<C: FloatDType>(n: usize, p: f64, rng: &mut Generator) -> Vec<C> {
+    if p == 1.0 {
+        vec![C::zero(); n]
+    } else {
+        // One draw from the generator; the elements decided from it in parallel (drawn in
+        // order from the generator, the mask was 4 % of a BERT step, on one thread).
+        let (seed, threshold) = (rng.next_u64(), crate::rng::threshold53(p));
+        let scale = C::from_f64(1.0 / (1.0 - p));
+        let mut f = vec![C::zero(); n];
+        crate::threads::nudge();
+        f.par_chunks_mut(PAR_THRESHOLD)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let base = (c * PAR_THRESHOLD) as u64;
+                crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)
             });
-            if let Some(gi) = chunked {
-                return Ok(gi);
-            }
-        }
-        Ok(crate::with_compute!(out, D => {
-            let (gv, sv) = (self.load::<D>(lg), saved.load::<D>(ls));
-            let gi = specialize!(op, o => if uses_out {
-                zip_map(&gv, &sv, |g, s| g * o.df(D::zero(), s))
-            } else {
-                zip_map(&gv, &sv, |g, s| g * o.df(s, D::zero()))
-            });
-            CpuStorage::store::<D>(gi, out)
-        }))
-    }
-
-    fn where_cond(
-        &self,
-        lc: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
-        out: DType,
-    ) -> Result<Self> {
-        let mask = self.to_f64(lc);
-        Ok(crate::with_compute!(out, C => {
-            let (av, bv) = (a.load::<C>(la), b.load::<C>(lb));
-            let y: Vec<C> = mask
-                .iter()
-                .zip(av.iter().zip(bv.iter()))
-                .map(|(&m, (&x, &y))| if m != 0.0 { x } else { y })
-                .collect();
-            CpuStorage::store::<C>(y, out)
-        }))
-    }
-
-    fn where_backward(
-        &self,
-        lc: &Layout,
-        g: &Self,
-        lg: &Layout,
-        out: DType,
-    ) -> Result<(Self, Self)> {
-        let mask = self.to_f64(lc);
-        Ok(crate::with_compute!(out, D => {
-            let gv = g.load::<D>(lg);
-            let ga: Vec<D> = gv
-                .iter()
-                .zip(mask.iter())
-                .map(|(&g, &m)| if m != 0.0 { g } else { D::zero() })
-                .collect();
-            let gb: Vec<D> = gv
-                .iter()
-                .zip(mask.iter())
-                .map(|(&g, &m)| if m != 0.0 { D::zero() } else { g })
-                .collect();
-            (CpuStorage::store::<D>(ga, out), CpuStorage::store::<D>(gb, out))
-        }))
-    }
-
-    fn dropout_mask(n: usize, p: f64, rng: &mut Generator, dtype: DType) -> Result<Self> {
-        Ok(crate::with_compute!(dtype, C => {
-            // factor = mask / (1 - p): 1/(1-p) where kept, 0 where dropped.
-            let factor: Vec<C> = if p == 1.0 {
-                vec![C::zero(); n]
-            } else {
-                // One draw from the generator; the elements decided from it in parallel
-                // (drawn in order from the generator, the mask was 4 % of a BERT step, on
-                // one thread).
-                let (seed, threshold) = (rng.next_u64(), crate::rng::threshold53(p));
-                let scale = C::from_f64(1.0 / (1.0 - p));
-                let mut f = vec![C::zero(); n];
-                crate::threads::nudge();
-                f.par_chunks_mut(PAR_THRESHOLD).enumerate().for_each(|(c, out)| {
-                    let base = (c * PAR_THRESHOLD) as u64;
-                    crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)
-                });
-                f
-            };
-            CpuStorage::store::<C>(factor, dtype)
-        }))
+        f
     }
 }
