@@ -605,3 +605,30 @@ pub fn batch_norm_backward<B: NnOps + MapOps + ReduceOps>(
     };
     Ok(Grads { dx, dweight, dbias })
 }
+
+/// The gradient of `reduce` with `Var { correction }`: each run's mean (`reduce` Mean), the
+/// centred values times `2 / max(0, inner - correction)`, times the run's output gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn var_backward<B: ReduceOps + MapOps>(
+    x: &B,
+    layout: &Layout,
+    g: &B,
+    lg: &Layout,
+    outer: usize,
+    inner: usize,
+    correction: usize,
+    out: DType,
+) -> Result<B> {
+    let c = compute(out);
+    let (mut xc, mut gc) = (None, None);
+    let (x, xo) = row_major(x, layout, &mut xc)?;
+    let (g, go) = row_major(g, lg, &mut gc)?;
+    let lx = Layout::new(vec![outer, inner], vec![inner, 1], xo);
+    let per_run = |offset| Layout::new(vec![outer, inner], vec![1, 0], offset);
+    let own = Layout::contiguous(&[outer, inner]);
+    let mean = x.reduce(&lx, outer, inner, ReduceOp::Mean, c)?;
+    let two_over_n = 2.0 / inner.saturating_sub(correction) as f64;
+    x.binary(&lx, &mean, &per_run(0), BinaryOp::Sub, c)?
+        .unary(&own, UnaryOp::MulScalar(two_over_n), c)?
+        .binary(&own, g, &per_run(go), BinaryOp::Mul, out)
+}

@@ -146,7 +146,9 @@ primitives! {
             inner: usize,
             correction: usize,
             out: DType,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::var_backward(self, layout, g, lg, outer, inner, correction, out)
+        }
 
         /// The extreme (`op` is `Max` or `Min`, checked by the caller) of each row of `rows` and
         /// its index along the row, the first on ties and the first NaN if any: values in `out`

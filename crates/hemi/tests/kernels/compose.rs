@@ -387,3 +387,27 @@ fn batch_norm_matches_its_composition_in_training_and_eval() {
         }
     }
 }
+
+#[test]
+fn variance_gradient_matches_its_composition() {
+    use hemi::backend::reduce::ReduceOps;
+    let mut rng = Generator::new(29);
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        for correction in [0, 1] {
+            // Rows reduced as stored ([5, 9], inner 9), and columns through a transposed
+            // view ([9, 5] over a [5, 9] buffer: not contiguous, inner 5).
+            let x = rand(&[5, 9], dtype, false, &mut rng);
+            let (xs, lrow) = parts(&x);
+            let lcol = Layout::new(vec![9, 5], vec![1, 9], lrow.offset());
+            for (l, outer, inner) in [(lrow.clone(), 5, 9), (lcol, 9, 5)] {
+                let what = format!("{dtype:?} correction {correction} outer {outer}");
+                let (g, lg) = parts(&rand(&[outer], dtype, false, &mut rng));
+                let f = ReduceOps::var_backward(&xs, &l, &g, &lg, outer, inner, correction, dtype)
+                    .unwrap();
+                let k = compose::var_backward(&xs, &l, &g, &lg, outer, inner, correction, dtype)
+                    .unwrap();
+                close(&what, &f, &k, &[outer, inner], dtype);
+            }
+        }
+    }
+}
