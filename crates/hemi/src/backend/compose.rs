@@ -9,6 +9,7 @@
 //! rounds once, so on F16/BF16 the two agree to one rounding of the dtype, on F32 to a few
 //! F32 ulps.
 
+use super::loss::Reduction;
 use super::map::{BinaryOp, MapOps, UnaryOp};
 use super::nn::{
     BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices, LayerNorm, NnOps, Opt,
@@ -631,4 +632,54 @@ pub fn var_backward<B: ReduceOps + MapOps>(
     x.binary(&lx, &mean, &per_run(0), BinaryOp::Sub, c)?
         .unary(&own, UnaryOp::MulScalar(two_over_n), c)?
         .binary(&own, g, &per_run(go), BinaryOp::Mul, out)
+}
+
+/// Mean squared error: the difference (`binary` Sub), its square, and for `Sum`/`Mean` the
+/// `reduce` over every element; returns the loss and the difference.
+pub fn mse<B: ReduceOps + MapOps>(
+    a: &B,
+    la: &Layout,
+    target: &B,
+    lb: &Layout,
+    reduction: Reduction,
+    out: DType,
+) -> Result<(B, B)> {
+    let n = la.numel();
+    let flat = Layout::contiguous(&[n]);
+    let diff = a.binary(la, target, lb, BinaryOp::Sub, out)?;
+    let sq = diff.unary(&flat, UnaryOp::PowScalar(2.0), out)?;
+    let loss = match reduction {
+        Reduction::None => sq,
+        Reduction::Sum => sq.reduce(&flat, 1, n, ReduceOp::Sum, out)?,
+        Reduction::Mean => sq.reduce(&flat, 1, n, ReduceOp::Mean, out)?,
+    };
+    Ok((loss, diff))
+}
+
+/// The gradients of `mse` from the difference it returned (`diff`, contiguous) and the
+/// loss's gradient `g`: `2 · diff · g` (divided by the count for `Mean`; `g` per element
+/// for `Reduction::None`, else one value broadcast), and its negation for the target.
+pub fn mse_backward<B: MapOps>(
+    diff: &B,
+    g: &B,
+    lg: &Layout,
+    reduction: Reduction,
+    out: DType,
+) -> Result<(B, B)> {
+    let n = diff.len();
+    let flat = Layout::contiguous(&[n]);
+    let (lg, scale) = match reduction {
+        Reduction::None => (lg.clone(), 2.0),
+        Reduction::Sum => (Layout::new(vec![n], vec![0], lg.offset()), 2.0),
+        Reduction::Mean => (Layout::new(vec![n], vec![0], lg.offset()), 2.0 / n as f64),
+    };
+    let da = diff.unary(&flat, UnaryOp::MulScalar(scale), out)?.binary(
+        &flat,
+        g,
+        &lg,
+        BinaryOp::Mul,
+        out,
+    )?;
+    let db = da.unary(&flat, UnaryOp::Neg, out)?;
+    Ok((da, db))
 }

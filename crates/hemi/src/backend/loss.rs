@@ -3,7 +3,8 @@
 //! (F32, F64 for F64) and the outputs are of that type.
 
 use super::declare::{primitives, Lift};
-use super::reduce::Rows;
+use super::map::MapOps;
+use super::reduce::{ReduceOps, Rows};
 use crate::dtype::DType;
 use crate::tensor::Layout;
 
@@ -52,7 +53,7 @@ primitives! {
     /// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
     /// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
     /// whatever the input dtype. `Storage` has a dispatching method of the same name for each.
-    pub trait LossOps {
+    pub trait LossOps: MapOps + ReduceOps {
         /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
         /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):
         /// per row `(1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c])` (the smoothing sum skipped for ε = 0),
@@ -99,7 +100,9 @@ primitives! {
             lb: &Layout,
             reduction: Reduction,
             out: DType,
-        ) -> Result<(Self, Self)>;
+        ) -> Result<(Self, Self)> {
+            super::compose::mse(self, la, target, lb, reduction, out)
+        }
 
         /// The gradients of `mse` with `self` the difference it returned (contiguous) and `g`
         /// the loss's gradient: `(2·diff·scale, -2·diff·scale)`, contiguous in `out`.
@@ -109,7 +112,9 @@ primitives! {
             lg: &Layout,
             reduction: Reduction,
             out: DType,
-        ) -> Result<(Self, Self)>;
+        ) -> Result<(Self, Self)> {
+            super::compose::mse_backward(self, g, lg, reduction, out)
+        }
     }
 }
 

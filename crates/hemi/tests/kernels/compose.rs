@@ -411,3 +411,36 @@ fn variance_gradient_matches_its_composition() {
         }
     }
 }
+
+#[test]
+fn mse_matches_its_composition_forward_and_backward() {
+    use hemi::backend::loss::{LossOps, Reduction};
+    let mut rng = Generator::new(31);
+    let shape = [7, 5];
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        let c = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            let what = format!("{dtype:?} {reduction:?}");
+            let (a, la) = parts(&rand(&shape, dtype, true, &mut rng));
+            let (b, lb) = parts(&rand(&shape, dtype, false, &mut rng));
+            let (fl, fd) = LossOps::mse(&a, &la, &b, &lb, reduction, c).unwrap();
+            let (kl, kd) = compose::mse(&a, &la, &b, &lb, reduction, c).unwrap();
+            let loss_shape: &[usize] = if reduction == Reduction::None {
+                &shape
+            } else {
+                &[1]
+            };
+            close(&format!("{what}: loss"), &fl, &kl, loss_shape, c);
+            close(&format!("{what}: diff"), &fd, &kd, &shape, c);
+            let (g, lg) = parts(&rand(loss_shape, c, false, &mut rng));
+            let (fa, fb) = LossOps::mse_backward(&fd, &g, &lg, reduction, c).unwrap();
+            let (ka, kb) = compose::mse_backward(&fd, &g, &lg, reduction, c).unwrap();
+            close(&format!("{what}: d input"), &fa, &ka, &shape, c);
+            close(&format!("{what}: d target"), &fb, &kb, &shape, c);
+        }
+    }
+}
