@@ -16,7 +16,9 @@ use super::nn::{
     Pool2dGeom, Running,
 };
 use super::reduce::{ReduceOp, ReduceOps, Rows};
+use super::train::{AmpOps, Log2Histogram};
 use super::BackendStorage;
+use crate::cpu::storage::CpuStorage;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
@@ -682,4 +684,83 @@ pub fn mse_backward<B: MapOps>(
     )?;
     let db = da.unary(&flat, UnaryOp::Neg, out)?;
     Ok((da, db))
+}
+
+/// `n` zeros of `dtype` on `like`'s device.
+fn zeros<B: BackendStorage>(like: &B, n: usize, dtype: DType) -> Result<B> {
+    like.upload(&CpuStorage::from_f32(vec![0.0; n], dtype))
+}
+
+/// The gradients of `where_cond`: `where_cond(cond, g, 0)` and `where_cond(cond, 0, g)`.
+pub fn where_backward<B: MapOps>(
+    cond: &B,
+    lc: &Layout,
+    g: &B,
+    lg: &Layout,
+    out: DType,
+) -> Result<(B, B)> {
+    let z = zeros(cond, lg.numel(), out)?;
+    let lz = Layout::contiguous(lg.shape());
+    Ok((
+        cond.where_cond(lc, g, lg, &z, &lz, out)?,
+        cond.where_cond(lc, &z, &lz, g, lg, out)?,
+    ))
+}
+
+/// The loss scaler's unscale-and-check: `g · inv` by `unary` (in F32, F64 for F64), and the
+/// flag set (uploaded) when `g`'s largest magnitude is not finite (`norm_partial` with
+/// p = ∞ is NaN or inf exactly when an element is).
+pub fn unscale_check<B: MapOps + AmpOps>(
+    g: &B,
+    layout: &Layout,
+    inv: f32,
+    found_inf: &mut B,
+) -> Result<B> {
+    if found_inf.dtype() != DType::F32 || found_inf.len() != 1 {
+        return Err(Error::arg(
+            "unscale_check",
+            format!(
+                "found_inf must be one F32 value, got {} {}",
+                found_inf.len(),
+                found_inf.dtype()
+            ),
+        ));
+    }
+    let out = compute(g.dtype());
+    let y = g.unary(layout, UnaryOp::MulScalar(f64::from(inv)), out)?;
+    if !g.norm_partial(layout, f64::INFINITY)?.is_finite() {
+        *found_inf = found_inf.upload(&CpuStorage::from_vec(vec![1.0f32]))?;
+    }
+    Ok(y)
+}
+
+/// The elements `layout` addresses on the host, contiguous, with their layout.
+fn on_host<B: BackendStorage>(x: &B, layout: &Layout) -> Result<(CpuStorage, Layout)> {
+    let h = x.download(layout)?;
+    let l = Layout::contiguous(&[h.len()]);
+    Ok((h, l))
+}
+
+/// `norm_partial` on the host: the elements downloaded, the CPU's loop run. The statistics
+/// are read once per step or less, so a backend may leave them to this default.
+pub fn norm_partial<B: BackendStorage>(x: &B, layout: &Layout, p: f64) -> Result<f64> {
+    let (h, l) = on_host(x, layout)?;
+    AmpOps::norm_partial(&h, &l, p)
+}
+
+/// `range_counts` on the host (as `norm_partial`).
+pub fn range_counts<B: BackendStorage>(
+    x: &B,
+    layout: &Layout,
+    tiny: f64,
+    max: f64,
+) -> Result<(u64, u64)> {
+    let (h, l) = on_host(x, layout)?;
+    AmpOps::range_counts(&h, &l, tiny, max)
+}
+
+/// `log2_histogram` on the host (as `norm_partial`).
+pub fn log2_histogram<B: BackendStorage>(x: &B, layout: &Layout) -> Result<Log2Histogram> {
+    let (h, l) = on_host(x, layout)?;
+    AmpOps::log2_histogram(&h, &l)
 }

@@ -338,7 +338,9 @@ primitives! {
             g: &Self,
             lg: &Layout,
             out: DType,
-        ) -> Result<(Self, Self)>;
+        ) -> Result<(Self, Self)> {
+            super::compose::where_backward(self, lc, g, lg, out)
+        }
 
         /// The scale factors of inverted dropout, on this backend: `n` values of `dtype` (a
         /// compute type, F32 or F64), element `i` `1 / (1 - p)` where

@@ -21,6 +21,7 @@
 //! `Storage`s. Only the constructors (`dropout_mask`, `cat`) have hand-written `Storage`
 //! methods, since no receiver says which backend they are for.
 
+use crate::cpu::storage::CpuStorage;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -77,4 +78,10 @@ pub trait BackendStorage: Sized + Clone + Send + Sync + std::fmt::Debug + 'stati
     /// The elements addressed by `layout` converted to `dtype` (nearest-even, overflow to
     /// ±inf, NaN kept; floats to I64 truncate toward zero).
     fn cast(&self, layout: &Layout, dtype: DType) -> Result<Self>;
+    /// The elements addressed by `layout`, copied into host memory (contiguous): what the
+    /// statistics' default bodies read, and the way to the host for every backend.
+    fn download(&self, layout: &Layout) -> Result<CpuStorage>;
+    /// A buffer on this buffer's device (whose values are not read) holding `host`'s
+    /// elements: the constants a default composition needs (zeros, a flag).
+    fn upload(&self, host: &CpuStorage) -> Result<Self>;
 }

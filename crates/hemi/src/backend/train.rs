@@ -2,6 +2,7 @@
 //! and the optimizer updates (`OptimOps`).
 
 use super::declare::primitives;
+use super::map::MapOps;
 use crate::dtype::convert::Rounding;
 use crate::dtype::DType;
 use crate::rng::Generator;
@@ -211,7 +212,7 @@ impl Log2Histogram {
 primitives! {
     /// The loss scaler's primitive a backend implements: the fused unscale-and-check-finite of
     /// PyTorch's `_amp_foreach_non_finite_check_and_unscale_`.
-    pub trait AmpOps {
+    pub trait AmpOps: MapOps {
         /// The loss scaler's fused unscale-and-check: `self * inv` (read through `layout`) in
         /// F32 — in F64 for an F64 gradient, as PyTorch multiplies a double gradient by its F32
         /// `inv_scale` widened — as a new buffer, and 1.0 stored into the one-element F32 buffer
@@ -219,21 +220,29 @@ primitives! {
         /// flag serves a whole list of gradients and is read back once). As PyTorch's
         /// `_amp_foreach_non_finite_check_and_unscale_`, the check is on the scaled gradient
         /// read, not on the product.
-        fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self>;
+        fn unscale_check(&self, layout: &Layout, inv: f32, found_inf: &mut Self) -> Result<Self> {
+            super::compose::unscale_check(self, layout, inv, found_inf)
+        }
 
         /// One gradient's part of a `p`-norm, in f64 over its F32 (F64 for F64) values in
         /// element order: `max |x|` for p = ∞ (NaN if any element is NaN), else `Σ |x|^p`
         /// (`Σ x·x` for p = 2, `Σ |x|` for p = 1). The caller combines the parts and takes the
         /// root (gradient clipping).
-        fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64>;
+        fn norm_partial(&self, layout: &Layout, p: f64) -> Result<f64> {
+            super::compose::norm_partial(self, layout, p)
+        }
 
         /// How many elements (read as F32) are nonzero with `|x| < tiny`, and how many have
         /// `|x| > max` or are NaN: a gradient's F16 underflow and overflow counts.
-        fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)>;
+        fn range_counts(&self, layout: &Layout, tiny: f64, max: f64) -> Result<(u64, u64)> {
+            super::compose::range_counts(self, layout, tiny, max)
+        }
 
         /// The `floor(log2 |x|)` histogram of the elements `layout` addresses, read as F32
         /// (`--grad-stats`: where a gradient's values sit against F16's and BF16's ranges).
-        fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram>;
+        fn log2_histogram(&self, layout: &Layout) -> Result<Log2Histogram> {
+            super::compose::log2_histogram(self, layout)
+        }
 
         /// The elements `layout` addresses, read as F32, rounded into a new buffer of the float
         /// `dtype` as `rounding` says: nearest-even, or stochastically into F16/BF16 with bits

@@ -444,3 +444,92 @@ fn mse_matches_its_composition_forward_and_backward() {
         }
     }
 }
+
+#[test]
+fn where_backward_and_unscale_check_match_their_compositions() {
+    use hemi::backend::map::MapOps;
+    use hemi::backend::train::AmpOps;
+    let mut rng = Generator::new(37);
+    let shape = [6, 7];
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        // A condition with zeros (false), NaN (true) and other values, broadcast along rows.
+        let mut cv = rand_values(7, -1.0, 1.0, DType::F32, &mut rng);
+        cv[1] = 0.0;
+        cv[4] = f64::NAN;
+        cv[5] = 0.0;
+        let (cond, lc0) = parts(&tensor(&cv, &[7], DType::F32, false));
+        let lc = Layout::new(vec![6, 7], vec![0, 1], lc0.offset());
+        let (g, lg) = parts(&rand(&shape, dtype, true, &mut rng));
+        let (fa, fb) = MapOps::where_backward(&cond, &lc, &g, &lg, dtype).unwrap();
+        let (ka, kb) = compose::where_backward(&cond, &lc, &g, &lg, dtype).unwrap();
+        // Selections are exact: the same bits.
+        assert_eq!(
+            values(&fa, &shape),
+            values(&ka, &shape),
+            "{dtype:?}: where true side"
+        );
+        assert_eq!(
+            values(&fb, &shape),
+            values(&kb, &shape),
+            "{dtype:?}: where false side"
+        );
+
+        for poison in [None, Some(f64::INFINITY), Some(f64::NAN)] {
+            let mut gv = rand_values(42, -3.0, 3.0, dtype, &mut rng);
+            if let Some(p) = poison {
+                gv[17] = p;
+            }
+            let (g, lg) = parts(&tensor(&gv, &shape, dtype, true));
+            let flag = || CpuStorage::from_vec(vec![0.0f32]);
+            let (mut ff, mut kf) = (flag(), flag());
+            let fy = AmpOps::unscale_check(&g, &lg, 0.125, &mut ff).unwrap();
+            let ky = compose::unscale_check(&g, &lg, 0.125, &mut kf).unwrap();
+            let what = format!("{dtype:?} poison {poison:?}");
+            let (fv, kv) = (values(&fy, &shape), values(&ky, &shape));
+            assert_eq!(fv.len(), kv.len(), "{what}");
+            for (a, b) in fv.iter().zip(&kv) {
+                assert!(a == b || (a.is_nan() && b.is_nan()), "{what}: {a} vs {b}");
+            }
+            let flags = (values(&ff, &[1])[0], values(&kf, &[1])[0]);
+            assert_eq!(flags.0, flags.1, "{what}: found_inf");
+            assert_eq!(flags.0, if poison.is_some() { 1.0 } else { 0.0 }, "{what}");
+        }
+    }
+    // A flag of the wrong shape is an error on both.
+    let (g, lg) = parts(&rand(&shape, DType::F32, false, &mut rng));
+    let mut bad = CpuStorage::from_vec(vec![0.0f32, 0.0]);
+    assert!(compose::unscale_check(&g, &lg, 1.0, &mut bad).is_err());
+}
+
+#[test]
+fn gradient_statistics_on_the_host_match_the_cpus() {
+    use hemi::backend::train::AmpOps;
+    let mut rng = Generator::new(41);
+    for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+        let mut v = rand_values(63, -1e-3, 1e-3, dtype, &mut rng);
+        v[3] = 0.0;
+        v[9] = 7e4;
+        v[20] = f64::NAN;
+        let (x, lx) = parts(&tensor(&v, &[7, 9], dtype, true));
+        for p in [1.0, 2.0, 3.0, f64::INFINITY] {
+            let (a, b) = (
+                AmpOps::norm_partial(&x, &lx, p).unwrap(),
+                compose::norm_partial(&x, &lx, p).unwrap(),
+            );
+            assert!(
+                a == b || (a.is_nan() && b.is_nan()),
+                "{dtype:?} p {p}: {a} vs {b}"
+            );
+        }
+        assert_eq!(
+            AmpOps::range_counts(&x, &lx, 6e-5, 65504.0).unwrap(),
+            compose::range_counts(&x, &lx, 6e-5, 65504.0).unwrap(),
+            "{dtype:?}"
+        );
+        assert_eq!(
+            AmpOps::log2_histogram(&x, &lx).unwrap(),
+            compose::log2_histogram(&x, &lx).unwrap(),
+            "{dtype:?}"
+        );
+    }
+}

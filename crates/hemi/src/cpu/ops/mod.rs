@@ -41,4 +41,10 @@ impl BackendStorage for CpuStorage {
     fn cast(&self, layout: &Layout, dtype: DType) -> Result<Self> {
         Ok(CpuStorage::cast(self, layout, dtype))
     }
+    fn download(&self, layout: &Layout) -> Result<CpuStorage> {
+        Ok(self.gather(layout))
+    }
+    fn upload(&self, host: &CpuStorage) -> Result<Self> {
+        Ok(host.clone())
+    }
 }
