@@ -179,12 +179,26 @@ fn search(
     // Forward selection: each round tries the best-ranked --candidates sets not yet pinned
     // and keeps the one that brings the loss closest to FP32's.
     while !(current.is_finite() && current <= opts.tolerance) && pinned.len() < opts.max_pins {
+        // A set that would pin every parameter is plain FP32, not a policy (and under
+        // pure-fp16 leaves the optimizer no half weight): never a candidate.
+        let all_pinned = |c: &Vec<String>| {
+            leaves.iter().all(|l| {
+                pinned
+                    .iter()
+                    .chain(c)
+                    .any(|p| hemi::ops::scope::within(l, p))
+            })
+        };
         let round: Vec<&Vec<String>> = candidates
             .iter()
             .filter(|c| c.iter().any(|m| !pinned.contains(m)))
+            .filter(|c| !all_pinned(c))
             .take(opts.candidates.max(1))
             .collect();
         if round.is_empty() {
+            println!(
+                "search: every candidate left would pin all the parameters (plain FP32); stopping"
+            );
             break;
         }
         let mut best: Option<(f64, PrecisionPolicy, Vec<String>, f64)> = None;

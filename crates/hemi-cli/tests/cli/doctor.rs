@@ -116,3 +116,40 @@ fn hemi_doctor_reports_per_module_and_writes_json_and_a_plot() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--steps"));
 }
+
+#[test]
+fn the_search_never_pins_every_parameter() {
+    // With a tolerance no policy reaches, forward selection goes on until only sets that
+    // would put every parameter in F32 remain: plain FP32, which under pure-fp16 leaves the
+    // optimizer no half weight (it used to end the search with that error).
+    let t = tempfile::tempdir().unwrap();
+    let mut args = vec!["doctor"];
+    args.extend(SMALL);
+    args.extend([
+        "1",
+        "--precision",
+        "pure-fp16",
+        "--steps",
+        "4",
+        "--search",
+        "--tolerance",
+        "0",
+        "--write-policy",
+        "p.json",
+        "--json",
+        "d.json",
+    ]);
+    let out = ok(&hemi(t.path(), &args));
+    assert!(
+        out.contains("would pin all the parameters"),
+        "{out}"
+    );
+    let j: Value =
+        serde_json::from_str(&std::fs::read_to_string(t.path().join("d.json")).unwrap()).unwrap();
+    let steps = j["search"]["steps"].as_array().unwrap();
+    assert!(!steps.is_empty(), "{j}");
+    for s in steps {
+        let pinned = s["pinned"].as_array().unwrap().len() + s["added"].as_array().unwrap().len();
+        assert!(pinned < 2, "a trial pinned both of the MLP's layers: {s}");
+    }
+}
