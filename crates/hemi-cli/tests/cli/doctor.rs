@@ -140,10 +140,7 @@ fn the_search_never_pins_every_parameter() {
         "d.json",
     ]);
     let out = ok(&hemi(t.path(), &args));
-    assert!(
-        out.contains("would pin all the parameters"),
-        "{out}"
-    );
+    assert!(out.contains("would pin all the parameters"), "{out}");
     let j: Value =
         serde_json::from_str(&std::fs::read_to_string(t.path().join("d.json")).unwrap()).unwrap();
     let steps = j["search"]["steps"].as_array().unwrap();
