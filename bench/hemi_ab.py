@@ -68,8 +68,8 @@ print("| model | precision | old img/s | new img/s | new/old | old peak MiB | ne
 print("|---|---|---:|---:|---:|---:|---:|")
 for m, p in pairs:
     o, n = res[(m, p, "old")], res[(m, p, "new")]
-    key = "images_per_s" if "images_per_s" in o[0] else next(k for k in o[0] if "per_s" in k)
-    mo, mn = statistics.median(x[key] for x in o), statistics.median(x[key] for x in n)
+    mo = statistics.median(x["images_per_s"] for x in o)
+    mn = statistics.median(x["images_per_s"] for x in n)
     po = statistics.median(x.get("peak_rss_mib", 0) for x in o)
     pn = statistics.median(x.get("peak_rss_mib", 0) for x in n)
     print(f"| {m} | {p} | {mo:.0f} | {mn:.0f} | {mn / mo:.3f} | {po:.0f} | {pn:.0f} |")

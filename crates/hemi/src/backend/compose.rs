@@ -23,11 +23,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
 
-/// `[n, c, s]` over the elements of `l` (a batch-norm input) when `l` addresses them in
-/// row-major order, else `None` (the caller copies first).
-fn ncs(l: &Layout, g: BatchNormGeom) -> Option<Layout> {
-    l.is_contiguous()
-        .then(|| Layout::new(vec![g.n, g.c, g.s], vec![g.c * g.s, g.s, 1], l.offset()))
+/// A batch-norm input `[n, c, s]`, row-major from `offset`.
+fn ncs(g: BatchNormGeom, offset: usize) -> Layout {
+    Layout::new(vec![g.n, g.c, g.s], vec![g.c * g.s, g.s, 1], offset)
 }
 
 /// A per-channel vector `[c]` (layout `l`) broadcast over `[n, c, s]`.
@@ -106,18 +104,12 @@ pub fn batch_norm_act_apply<B: NnOps + MapOps>(
     relu: bool,
 ) -> Result<B> {
     let dtype = x.dtype();
-    let copied;
-    let (x, lx) = match ncs(l, g) {
-        Some(lx) => (x, lx),
-        None => {
-            copied = x.copy_strided(l)?;
-            let lx = Layout::new(vec![g.n, g.c, g.s], vec![g.c * g.s, g.s, 1], 0);
-            (&copied, lx)
-        }
-    };
+    let mut copy = None;
+    let (x, off) = row_major(x, l, &mut copy)?;
+    let lx = ncs(g, off);
     let out = Layout::contiguous(&[g.n, g.c, g.s]);
     let stat = per_channel(&Layout::contiguous(&[g.c]), g);
-    let c = compute(dtype);
+    let c = dtype.compute_type();
     let mut t = x.binary(&lx, mean, &stat, BinaryOp::Sub, c)?;
     // The last step rounds into the storage dtype; the ones before stay in F32.
     let steps = [
@@ -220,15 +212,6 @@ pub fn conv2d_relu_max_pool2_backward<B: NnOps + MapOps>(
     })
 }
 
-/// The compute type of `dtype`: F64 for F64, F32 for the others.
-fn compute(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// `x`'s elements in a buffer that `l`'s row-major order addresses contiguously from
 /// `offset`: `x` itself when `l` is contiguous, else a copy.
 fn row_major<'a, B: BackendStorage>(
@@ -276,7 +259,7 @@ pub fn softmax<B: ReduceOps + MapOps>(
     log: bool,
     out: DType,
 ) -> Result<B> {
-    let c = compute(out);
+    let c = out.compute_type();
     let mut copy = None;
     let (x, off) = row_major(x, l, &mut copy)?;
     let n = rows.count();
@@ -310,7 +293,7 @@ pub fn softmax_backward<B: ReduceOps + MapOps>(
     log: bool,
     out: DType,
 ) -> Result<B> {
-    let c = compute(out);
+    let c = out.compute_type();
     let (mut gc, mut yc) = (None, None);
     let (g, go) = row_major(g, lg, &mut gc)?;
     let (y, yo) = row_major(y, ly, &mut yc)?;
@@ -349,7 +332,7 @@ pub fn layer_norm<B: ReduceOps + MapOps>(
     bias: Opt<'_, B>,
     eps: f64,
 ) -> Result<LayerNorm<B>> {
-    let (dtype, c) = (x.dtype(), compute(x.dtype()));
+    let (dtype, c) = (x.dtype(), x.dtype().compute_type());
     let rows = l.numel().checked_div(d).unwrap_or(0);
     let mut copy = None;
     let (x, off) = row_major(x, l, &mut copy)?;
@@ -393,7 +376,7 @@ pub fn layer_norm_backward<B: ReduceOps + MapOps>(
     weight: Opt<'_, B>,
     dtypes: GradDTypes,
 ) -> Result<Grads<B>> {
-    let c = compute(x.dtype());
+    let c = x.dtype().compute_type();
     let rows = lx.numel().checked_div(d).unwrap_or(0);
     let (mut dc, mut xc) = (None, None);
     let (dy, doff) = row_major(dy, ldy, &mut dc)?;
@@ -505,7 +488,7 @@ pub fn batch_norm<B: NnOps + MapOps + ReduceOps>(
     momentum: f64,
     eps: f64,
 ) -> Result<BatchNorm<B>> {
-    let c = compute(x.dtype());
+    let c = x.dtype().compute_type();
     let flat = Layout::contiguous(&[g.c]);
     let (mean, var, new_running) = if training {
         let mut copy = None;
@@ -558,18 +541,17 @@ pub fn batch_norm_backward<B: NnOps + MapOps + ReduceOps>(
     training: bool,
     dtypes: GradDTypes,
 ) -> Result<Grads<B>> {
-    let c = compute(x.dtype());
+    let c = x.dtype().compute_type();
     let (mut dc, mut xc) = (None, None);
     let (dy, doff) = row_major(dy, ldy, &mut dc)?;
     let (x, xoff) = row_major(x, lx, &mut xc)?;
-    let ncs = |off| Layout::new(vec![g.n, g.c, g.s], vec![g.c * g.s, g.s, 1], off);
-    let own = ncs(0);
+    let own = ncs(g, 0);
     let stat = per_channel(&Layout::contiguous(&[g.c]), g);
     let runs = channel_runs(g, 0);
     let xhat = x
-        .binary(&ncs(xoff), mean, &stat, BinaryOp::Sub, c)?
+        .binary(&ncs(g, xoff), mean, &stat, BinaryOp::Sub, c)?
         .binary(&own, invstd, &stat, BinaryOp::Mul, c)?;
-    let gc = dy.cast(&ncs(doff), c)?;
+    let gc = dy.cast(&ncs(g, doff), c)?;
     let gx = gc.binary(&own, &xhat, &own, BinaryOp::Mul, c)?;
     let dweight = match dtypes.1 {
         Some(t) => Some(gx.reduce(&runs, g.c, g.m(), ReduceOp::Sum, t)?),
@@ -622,7 +604,7 @@ pub fn var_backward<B: ReduceOps + MapOps>(
     correction: usize,
     out: DType,
 ) -> Result<B> {
-    let c = compute(out);
+    let c = out.compute_type();
     let (mut xc, mut gc) = (None, None);
     let (x, xo) = row_major(x, layout, &mut xc)?;
     let (g, go) = row_major(g, lg, &mut gc)?;
@@ -726,7 +708,7 @@ pub fn unscale_check<B: MapOps + AmpOps>(
             ),
         ));
     }
-    let out = compute(g.dtype());
+    let out = g.dtype().compute_type();
     let y = g.unary(layout, UnaryOp::MulScalar(f64::from(inv)), out)?;
     if !g.norm_partial(layout, f64::INFINITY)?.is_finite() {
         *found_inf = found_inf.upload(&CpuStorage::from_vec(vec![1.0f32]))?;

@@ -80,6 +80,11 @@ impl BinaryOp {
     }
 }
 
+/// `sqrt(2 / pi)`, GELU-tanh's outer constant.
+pub const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+/// GELU-tanh's cubic coefficient.
+pub const GELU_TANH_C: f64 = 0.044_715;
+
 /// The unary maths and activations, and the maps with a scalar. Each backend evaluates
 /// the function and its derivative in the compute type (F32, F64 for F64).
 ///
@@ -171,7 +176,7 @@ impl UnaryOp {
 
     /// The definition in f64: what every backend's evaluation is tested against.
     pub fn reference(self, x: f64) -> f64 {
-        let k = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+        let (k, a) = (SQRT_2_OVER_PI, GELU_TANH_C);
         match self {
             UnaryOp::Neg => -x,
             UnaryOp::Exp => x.exp(),
@@ -181,7 +186,7 @@ impl UnaryOp {
             UnaryOp::Relu if x < 0.0 => 0.0,
             UnaryOp::Relu => x,
             UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
-            UnaryOp::GeluTanh => 0.5 * x * (1.0 + (k * (x + 0.044_715 * x * x * x)).tanh()),
+            UnaryOp::GeluTanh => 0.5 * x * (1.0 + (k * (x + a * x * x * x)).tanh()),
             UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             UnaryOp::Tanh => x.tanh(),
             UnaryOp::AddScalar(c) => x + c,
@@ -195,7 +200,7 @@ impl UnaryOp {
     /// The derivative in f64 at `x` (PyTorch's conventions at the kinks: ReLU' (0) = 0,
     /// |x|' (0) = 0, clamp's slope 1 on the closed interval).
     pub fn derivative(self, x: f64) -> f64 {
-        let k = 0.797_884_560_802_865_4;
+        let (k, a) = (SQRT_2_OVER_PI, GELU_TANH_C);
         match self {
             UnaryOp::Neg => -1.0,
             UnaryOp::Exp => x.exp(),
@@ -208,8 +213,8 @@ impl UnaryOp {
                 0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)) + x * pdf
             }
             UnaryOp::GeluTanh => {
-                let t = (k * (x + 0.044_715 * x * x * x)).tanh();
-                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044_715 * x * x)
+                let t = (k * (x + a * x * x * x)).tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * a * x * x)
             }
             UnaryOp::Sigmoid => {
                 let y = 1.0 / (1.0 + (-x).exp());

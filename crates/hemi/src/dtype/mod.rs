@@ -117,6 +117,16 @@ impl DType {
         })
     }
 
+    /// The type kernels compute and accumulate in for this storage dtype: F64 for F64, F32
+    /// for the others (the half types and F32 itself).
+    pub fn compute_type(self) -> DType {
+        if self == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
     /// Unit roundoff of storing a value in this dtype (half of epsilon); 0 for integers.
     pub fn unit_roundoff(self) -> f64 {
         self.finfo().map_or(0.0, |f| f.epsilon / 2.0)

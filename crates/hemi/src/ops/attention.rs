@@ -22,7 +22,6 @@
 use std::sync::Arc;
 
 use crate::backend::nn::AttentionGeom;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::layout::broadcast_shapes;
@@ -143,11 +142,7 @@ impl Tensor {
         scores_shape.extend([lq, lk]);
         // The mask in the compute type, as a broadcast view of [.., lq, lk]: a copy of the
         // mask's own (small) shape at most, never of the broadcast one.
-        let compute = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
+        let compute = dtype.compute_type();
         let mask = match attn_mask {
             None => None,
             Some(m) => {

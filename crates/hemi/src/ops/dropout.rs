@@ -9,7 +9,6 @@
 use std::sync::Arc;
 
 use crate::backend::map::BinaryOp;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::{Layout, Tensor};
@@ -43,11 +42,7 @@ impl Tensor {
         // The factors 1/(1-p) or 0, in the compute type (F32, F64 for F64) so that the
         // scale is not rounded to the input's dtype; the output and the gradient are the
         // products, rounded once.
-        let compute = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
+        let compute = dtype.compute_type();
         let storage = self.storage();
         let layout = Layout::contiguous(self.shape());
         let factor = Arc::new(storage.dropout_mask(self.numel(), p, rng, compute)?);

@@ -47,11 +47,7 @@ impl Default for CrossEntropyOptions {
 
 /// The dtype of an FP32 op's output: F64 for F64 inputs, F32 for the others.
 fn fp32_op_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
+    dtype.compute_type()
 }
 
 fn require_float(op: &'static str, t: &Tensor) -> Result<()> {

@@ -95,8 +95,7 @@ pub(crate) fn binary_chunk(op: BinaryOp, x: &[f32], y: &[f32], o: &mut [f32]) {
     }
 }
 
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-const GELU_TANH_C: f64 = 0.044_715;
+use crate::backend::map::{GELU_TANH_C, SQRT_2_OVER_PI};
 
 /// Evaluates `$body` with `$o` bound to `$op` in a match arm of its own variant, so that
 /// `$o.f(..)` and `$o.df(..)` inline to that variant's formula and the loop around them
