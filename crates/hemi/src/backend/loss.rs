@@ -3,6 +3,7 @@
 //! (F32, F64 for F64) and the outputs are of that type.
 
 use super::declare::{primitives, Lift};
+use super::index::IndexOps;
 use super::map::MapOps;
 use super::reduce::{ReduceOps, Rows};
 use crate::dtype::DType;
@@ -53,7 +54,7 @@ primitives! {
     /// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
     /// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
     /// whatever the input dtype. `Storage` has a dispatching method of the same name for each.
-    pub trait LossOps: MapOps + ReduceOps {
+    pub trait LossOps: MapOps + ReduceOps + IndexOps {
         /// The forward of `loss` with `self` the logits or log-probabilities seen as `rows` (the
         /// class dim is the row) and `target` (I64, one class index per row, read through `lt`):
         /// per row `(1-ε)·(-lp[t]) + (ε/C)·Σ_c(-lp[c])` (the smoothing sum skipped for ε = 0),
@@ -69,7 +70,9 @@ primitives! {
             rows: Rows,
             loss: ClassLoss,
             out: DType,
-        ) -> Result<ClassLossForward<Self>>;
+        ) -> Result<ClassLossForward<Self>> {
+            super::compose::loss::class_loss(self, layout, target, lt, rows, loss, out)
+        }
 
         /// The gradient of `class_loss` w.r.t. its input with `self = g` (the loss's
         /// gradient): per row `scale · (p - q)` for cross-entropy (`p = exp(log_probs)`, which
@@ -87,7 +90,9 @@ primitives! {
             loss: ClassLoss,
             counted: usize,
             out: DType,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::loss::class_loss_backward(self, lg, log_probs, target, lt, rows, loss, counted, out)
+        }
 
         /// Mean squared error of `self` (input) and `target` (layouts of the same shape):
         /// returns the loss (`(a - b)²` per element for `Reduction::None`, else its sum or mean

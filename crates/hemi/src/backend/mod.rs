@@ -12,7 +12,9 @@
 //! `reduce` (sums, means, extrema, variances, softmax rows), `nn` (matmul, convolutions,
 //! pools, norms), `loss` (classification losses, MSE), `index` (row gathers, their
 //! scatter-add, concatenation), `train` (the fused unscale-and-check, the optimizer
-//! updates). A backend implements them all (`Backend`).
+//! updates). A backend implements them all (`Backend`), but 32 of the 59 methods have a
+//! default body composed of the others (`compose`): a new backend writes 24 primitives and
+//! 3 accessors, and overrides a default where its own kernel is faster.
 //!
 //! Each primitive is declared once, in its area's `primitives!` block (`declare`): the
 //! declaration is the trait method a backend implements and the `Storage` method ops call,

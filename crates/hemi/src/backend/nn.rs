@@ -431,7 +431,9 @@ primitives! {
 
         /// Average pooling of the planes of this buffer (padding counts as zeros, and in the
         /// divisor when `count_include_pad`), in its dtype.
-        fn avg_pool2d(&self, l: &Layout, g: &Pool2dGeom, count_include_pad: bool) -> Result<Self>;
+        fn avg_pool2d(&self, l: &Layout, g: &Pool2dGeom, count_include_pad: bool) -> Result<Self> {
+            super::compose::pool::avg_pool2d(self, l, g, count_include_pad)
+        }
 
         /// Gradient of `avg_pool2d`: each output gradient spread evenly over its window, in the
         /// compute type of `out`.
@@ -441,11 +443,15 @@ primitives! {
             g: &Pool2dGeom,
             count_include_pad: bool,
             out: DType,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::pool::avg_pool2d_backward(self, ldy, g, count_include_pad, out)
+        }
 
         /// Adaptive average pooling of the planes of this buffer (PyTorch's windows
         /// `[floor(i*H/out), ceil((i+1)*H/out))`), in its dtype.
-        fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Self>;
+        fn adaptive_avg_pool2d(&self, l: &Layout, g: &AdaptivePool2dGeom) -> Result<Self> {
+            super::compose::pool::adaptive_avg_pool2d(self, l, g)
+        }
 
         /// Gradient of `adaptive_avg_pool2d`, in the compute type of `out`.
         fn adaptive_avg_pool2d_backward(
@@ -453,7 +459,9 @@ primitives! {
             ldy: &Layout,
             g: &AdaptivePool2dGeom,
             out: DType,
-        ) -> Result<Self>;
+        ) -> Result<Self> {
+            super::compose::pool::adaptive_avg_pool2d_backward(self, ldy, g, out)
+        }
 
         /// Batch normalisation of this buffer `[n, c, s]` per channel, in its dtype, statistics
         /// in its compute type: with the batch's mean and biased variance (two passes) when
@@ -607,7 +615,9 @@ primitives! {
             lv: &Layout,
             mask: Opt<'_, Self>,
             g: &AttentionGeom,
-        ) -> Result<(Self, Self)>;
+        ) -> Result<(Self, Self)> {
+            super::compose::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
+        }
 
         /// Gradients of `attention` from the output gradient `dout` (this buffer, `[.., lq, dv]`),
         /// the inputs and the forward's log-sum-exp: the scores and probabilities are recomputed
@@ -622,7 +632,9 @@ primitives! {
             mask: Opt<'_, Self>,
             lse: &Self,
             g: &AttentionGeom,
-        ) -> Result<(Self, Self, Self)>;
+        ) -> Result<(Self, Self, Self)> {
+            super::compose::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
+        }
     }
 }
 

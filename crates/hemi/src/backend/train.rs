@@ -76,7 +76,7 @@ primitives! {
     /// The optimizer-update primitives a backend implements: SGD (momentum, Nesterov, weight
     /// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
     /// buffers updated in place.
-    pub trait OptimOps {
+    pub trait OptimOps: MapOps {
         /// One SGD step of the parameter `self` (the whole buffer, contiguous through `lp`;
         /// F32/F16/BF16) with gradient `grad` (any float dtype, read through `lg`, same element
         /// count) and, with momentum, the F32 momentum buffer. Everything is updated in place; a
@@ -90,7 +90,9 @@ primitives! {
             buf: Option<&mut Self>,
             s: &SgdScalars,
             f: SgdFlags,
-        ) -> Result<()>;
+        ) -> Result<()> {
+            super::compose::optim::sgd_step(self, lp, grad, lg, buf, s, f)
+        }
 
         /// One Adam(W) step: the parameter (as for `sgd_step`), `exp_avg`, `exp_avg_sq` and
         /// (AMSGrad) `max_exp_avg_sq` (F32) updated in place.
@@ -105,7 +107,9 @@ primitives! {
             max_exp_avg_sq: Option<&mut Self>,
             k: &AdamScalars,
             decay: AdamDecay,
-        ) -> Result<()>;
+        ) -> Result<()> {
+            super::compose::optim::adam_step(self, lp, grad, lg, exp_avg, exp_avg_sq, max_exp_avg_sq, k, decay)
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 mod common;
 
 mod compose;
+mod compose_ops;
 mod conv_amx;
 mod conv_block;
 mod conv_direct;

@@ -9,15 +9,20 @@
 //! rounds once, so on F16/BF16 the two agree to one rounding of the dtype, on F32 to a few
 //! F32 ulps.
 
-use super::loss::Reduction;
-use super::map::{BinaryOp, MapOps, UnaryOp};
-use super::nn::{
+pub mod attention;
+pub mod loss;
+pub mod optim;
+pub mod pool;
+
+use crate::backend::loss::Reduction;
+use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
+use crate::backend::nn::{
     BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices, LayerNorm, NnOps, Opt,
     Pool2dGeom, Running,
 };
-use super::reduce::{ReduceOp, ReduceOps, Rows};
-use super::train::{AmpOps, Log2Histogram};
-use super::BackendStorage;
+use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
+use crate::backend::train::{AmpOps, Log2Histogram};
+use crate::backend::BackendStorage;
 use crate::cpu::storage::CpuStorage;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
