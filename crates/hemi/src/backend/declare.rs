@@ -105,6 +105,8 @@ plain!(
 );
 plain!(
     super::nn::BatchNormGeom,
+    super::nn::BatchNormMode,
+    super::nn::BlockGrads,
     super::train::SgdFlags,
     super::train::AdamDecay
 );
@@ -138,6 +140,35 @@ impl<'a, B> Peer<B> for &'a mut crate::rng::Generator {
     type Out = &'a mut crate::rng::Generator;
     fn peer(self, _: &'static str, _: &B) -> Result<Self::Out> {
         Ok(self)
+    }
+}
+
+/// The argument structs that carry buffers: each field brought to the backend as its own
+/// argument would be.
+macro_rules! peer_struct {
+    ($($name:ident { $($field:ident),* $(,)? })*) => {$(
+        impl<'a, B: BackendStorage> Peer<B> for $name<'a, Storage> {
+            type Out = $name<'a, B>;
+            fn peer(self, op: &'static str, like: &B) -> Result<Self::Out> {
+                Ok($name {
+                    $($field: self.$field.peer(op, like)?,)*
+                })
+            }
+        }
+    )*};
+}
+mod peer_structs {
+    use super::super::nn::{Act, ActSaved, Affine, Qkv, Saved};
+    use super::super::{loss::ClassSaved, train::AdamState};
+    use super::{BackendStorage, Peer, Result, Storage};
+    peer_struct! {
+        Affine { weight, bias }
+        Act { residual, relu }
+        ActSaved { y, want_residual }
+        Saved { mean, invstd, weight, from_input }
+        Qkv { q, k, v }
+        ClassSaved { log_probs, counted }
+        AdamState { exp_avg, exp_avg_sq, max_exp_avg_sq }
     }
 }
 

@@ -5,6 +5,7 @@
 use super::declare::{primitives, Lift};
 use super::index::IndexOps;
 use super::map::MapOps;
+use super::nn::View;
 use super::reduce::{ReduceOps, Rows};
 use crate::dtype::DType;
 use crate::tensor::Layout;
@@ -50,6 +51,15 @@ pub struct ClassLossForward<S> {
     pub counted: usize,
 }
 
+/// What the backward of a class loss reads from its forward.
+#[derive(Debug)]
+pub struct ClassSaved<'a, S> {
+    /// The log-softmax the forward returned (cross-entropy), `None` for NLL.
+    pub log_probs: Option<&'a S>,
+    /// The number of non-ignored targets (the mean's divisor).
+    pub counted: usize,
+}
+
 primitives! {
     /// The loss primitives a backend implements: the class losses (cross-entropy, NLL, with
     /// label smoothing and an ignore index) and their backward, computed in F32 (F64 for F64)
@@ -61,7 +71,6 @@ primitives! {
         /// 0 for ignored targets, then reduced. In the compute type of `out` (F32 or F64),
         /// outputs in `out`. The caller checked shapes, dtypes, `rows.len > 0` and ε; a target
         /// that is neither a class in `0..rows.len` nor the ignore index is `Error::Index`.
-        #[allow(clippy::too_many_arguments)]
         fn class_loss(
             &self,
             layout: &Layout,
@@ -76,22 +85,19 @@ primitives! {
 
         /// The gradient of `class_loss` w.r.t. its input with `self = g` (the loss's
         /// gradient): per row `scale · (p - q)` for cross-entropy (`p = exp(log_probs)`, which
-        /// the forward returned) and `-scale · q` for NLL (`log_probs` is `None`), with
+        /// the forward returned in `saved`) and `-scale · q` for NLL (`saved.log_probs` is `None`), with
         /// `q = (1-ε)·onehot(t) + ε/C` and `scale` the row's gradient (`/ counted` for the
         /// mean); 0 for ignored rows. Contiguous in the input's shape, in `out`.
-        #[allow(clippy::too_many_arguments)]
         fn class_loss_backward(
             &self,
             lg: &Layout,
-            log_probs: Option<&Self>,
-            target: &Self,
-            lt: &Layout,
+            saved: ClassSaved<'_, Self>,
+            target: View<'_, Self>,
             rows: Rows,
             loss: ClassLoss,
-            counted: usize,
             out: DType,
         ) -> Result<Self> {
-            super::compose::loss::class_loss_backward(self, lg, log_probs, target, lt, rows, loss, counted, out)
+            super::compose::loss::class_loss_backward(self, lg, saved, target, rows, loss, out)
         }
 
         /// Mean squared error of `self` (input) and `target` (layouts of the same shape):

@@ -2,6 +2,7 @@
 //! maps with a scalar, `where`, and random fills.
 
 use super::declare::primitives;
+use super::nn::View;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::rng::Generator;
@@ -293,14 +294,11 @@ primitives! {
         /// three layouts of the output's shape (the inputs broadcast by their layouts). Computed
         /// in the compute type of `out`, both results contiguous in `out`. The caller checked
         /// that `op` is `Maximum` or `Minimum`.
-        #[allow(clippy::too_many_arguments)]
         fn minmax_backward(
             &self,
             lg: &Layout,
-            a: &Self,
-            la: &Layout,
-            b: &Self,
-            lb: &Layout,
+            a: View<'_, Self>,
+            b: View<'_, Self>,
             op: BinaryOp,
             out: DType,
         ) -> Result<(Self, Self)>;
@@ -324,14 +322,11 @@ primitives! {
         /// `cond ? a : b` with `self = cond` (any dtype; true where nonzero, NaN included); the
         /// three layouts have the output's shape (broadcasting by zero strides). `a` and `b`
         /// are read in the compute type of `out` and the chosen value rounded into `out`.
-        #[allow(clippy::too_many_arguments)]
         fn where_cond(
             &self,
             lc: &Layout,
-            a: &Self,
-            la: &Layout,
-            b: &Self,
-            lb: &Layout,
+            a: View<'_, Self>,
+            b: View<'_, Self>,
             out: DType,
         ) -> Result<Self>;
 

@@ -316,6 +316,104 @@ pub type Running<'a, S> = Option<((&'a S, &'a Layout), (&'a S, &'a Layout))>;
 /// The dtypes of a norm's gradients (input, weight, bias); `None`: not wanted.
 pub type GradDTypes = (Option<DType>, Option<DType>, Option<DType>);
 
+/// An input of a primitive: its buffer and the layout it is read through.
+pub type View<'a, S> = (&'a S, &'a Layout);
+
+/// A norm's optional scale (`weight`) and shift (`bias`), per channel or per feature.
+#[derive(Debug)]
+pub struct Affine<'a, S> {
+    /// Multiplies the normalised values.
+    pub weight: Opt<'a, S>,
+    /// Added after the scale.
+    pub bias: Opt<'a, S>,
+}
+
+impl<S> Clone for Affine<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for Affine<'_, S> {}
+
+impl<'a, S> Affine<'a, S> {
+    /// Neither scale nor shift.
+    pub fn none() -> Self {
+        Affine {
+            weight: None,
+            bias: None,
+        }
+    }
+}
+
+/// How a batch norm normalises: with the batch's statistics (`training`) or the running
+/// ones; the running update's `momentum`; `eps` added to the variance.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchNormMode {
+    /// Batch statistics (and the running update) when true, running statistics otherwise.
+    pub training: bool,
+    /// Weight of the batch statistic in the running update.
+    pub momentum: f64,
+    /// Added to the variance before the inverse square root.
+    pub eps: f64,
+}
+
+/// The activation end of the fused batch norm: an optional residual added to the
+/// normalised output, then the ReLU when `relu`.
+#[derive(Debug)]
+pub struct Act<'a, S> {
+    /// Added before the ReLU (`x`'s shape and dtype).
+    pub residual: Opt<'a, S>,
+    /// Apply the ReLU.
+    pub relu: bool,
+}
+
+/// What a norm's backward reads from its forward: the per-channel (per-row) `mean` and
+/// `invstd` it returned, the scale it applied, and whether the statistics were computed from
+/// the input (training batch norm, layer norm: the gradient flows through them) or given
+/// (batch norm on running statistics).
+#[derive(Debug)]
+pub struct Saved<'a, S> {
+    /// The forward's mean, in the compute type.
+    pub mean: &'a S,
+    /// The forward's `1/sqrt(var + eps)`, in the compute type.
+    pub invstd: &'a S,
+    /// The scale the forward applied.
+    pub weight: Opt<'a, S>,
+    /// The statistics depend on the input.
+    pub from_input: bool,
+}
+
+/// The activation end of the fused batch norm's backward: the output `y` when the ReLU was
+/// applied (its mask), and whether the residual's gradient is wanted.
+#[derive(Debug)]
+pub struct ActSaved<'a, S> {
+    /// The forward's output, given when it applied the ReLU.
+    pub y: Opt<'a, S>,
+    /// Return the residual's gradient too.
+    pub want_residual: bool,
+}
+
+/// The gradients the fused conv + ReLU + pool block's backward returns besides the
+/// weight's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockGrads {
+    /// The input's gradient.
+    pub dx: bool,
+    /// The bias's gradient (the block had a bias).
+    pub bias: bool,
+}
+
+/// Attention's inputs: the queries, keys and values, each a view.
+#[derive(Debug)]
+pub struct Qkv<'a, S> {
+    /// Queries `[.., lq, d]`.
+    pub q: View<'a, S>,
+    /// Keys `[.., lk, d]`.
+    pub k: View<'a, S>,
+    /// Values `[.., lk, dv]`.
+    pub v: View<'a, S>,
+}
+
 primitives! {
     /// The network primitives a backend implements: matmul, convolutions (and the fused conv +
     /// ReLU + max-pool block), pools, batch and layer norms and attention, each with its
@@ -395,22 +493,18 @@ primitives! {
 
         /// Gradients of `conv2d_relu_max_pool2` from the pooled output gradient `dy` (this
         /// buffer, of the block's dtype), the forward's indices, input and weight: the input's
-        /// when `want_dx`, the weight's, and the bias's when `has_bias`, all in the block's
+        /// when `want.dx`, the weight's, and the bias's when `want.bias`, all in the block's
         /// dtype.
-        #[allow(clippy::too_many_arguments)]
         fn conv2d_relu_max_pool2_backward(
             &self,
             ldy: &Layout,
             indices: &Indices,
-            x: &Self,
-            lx: &Layout,
-            w: &Self,
-            lw: &Layout,
+            x: View<'_, Self>,
+            w: View<'_, Self>,
             g: &Conv2dGeom,
-            want_dx: bool,
-            has_bias: bool,
+            want: BlockGrads,
         ) -> Result<Grads<Self>> {
-            super::compose::conv2d_relu_max_pool2_backward(self, ldy, indices, x, lx, w, lw, g, want_dx, has_bias)
+            super::compose::conv2d_relu_max_pool2_backward(self, ldy, indices, x, w, g, want)
         }
 
         /// Max pooling of the planes of this buffer (padding -inf), in its dtype: the maxima,
@@ -465,42 +559,33 @@ primitives! {
 
         /// Batch normalisation of this buffer `[n, c, s]` per channel, in its dtype, statistics
         /// in its compute type: with the batch's mean and biased variance (two passes) when
-        /// `training`, else with `running` (mean, var); then `* weight + bias`. In training
+        /// `mode.training`, else with `running` (mean, var); then `* weight + bias`. In training
         /// with `running`, also returns `(1 - momentum) * running + momentum * batch` (the
         /// unbiased variance; computed in F64, rounded into each running buffer's dtype).
-        #[allow(clippy::too_many_arguments)]
         fn batch_norm(
             &self,
             l: &Layout,
             g: BatchNormGeom,
-            weight: Opt<'_, Self>,
-            bias: Opt<'_, Self>,
+            affine: Affine<'_, Self>,
             running: Running<'_, Self>,
-            training: bool,
-            momentum: f64,
-            eps: f64,
+            mode: BatchNormMode,
         ) -> Result<BatchNorm<Self>> {
-            super::compose::batch_norm(self, l, g, weight, bias, running, training, momentum, eps)
+            super::compose::batch_norm(self, l, g, affine, running, mode)
         }
 
         /// Gradients of `batch_norm` (closed form) from the output gradient (this buffer), the
         /// input `x`, the forward's `mean` and `invstd` and the weight: `dx` in `dx_dtype` when
         /// given, dweight = Σ g·xhat and dbias = Σ g per channel in the dtypes given. All read in
-        /// the compute type of `x`. `training`: the statistics depend on x.
-        #[allow(clippy::too_many_arguments)]
+        /// the compute type of `x`. `saved.from_input`: the statistics depend on x.
         fn batch_norm_backward(
             &self,
             ldy: &Layout,
-            x: &Self,
-            lx: &Layout,
+            x: View<'_, Self>,
             g: BatchNormGeom,
-            mean: &Self,
-            invstd: &Self,
-            weight: Opt<'_, Self>,
-            training: bool,
+            saved: Saved<'_, Self>,
             dtypes: GradDTypes,
         ) -> Result<Grads<Self>> {
-            super::compose::batch_norm_backward(self, ldy, x, lx, g, mean, invstd, weight, training, dtypes)
+            super::compose::batch_norm_backward(self, ldy, x, g, saved, dtypes)
         }
 
         /// `relu(batch_norm(x) + residual)` in one pass (ResNet's BN + ReLU and BN + add + ReLU),
@@ -508,21 +593,16 @@ primitives! {
         /// `relu`) applied to the F32 result before its one rounding into `x`'s dtype, F32, F16
         /// or BF16 (checked by the caller). Statistics, running statistics and the returned
         /// `mean`/`invstd` as `batch_norm`.
-        #[allow(clippy::too_many_arguments)]
         fn batch_norm_act(
             &self,
             l: &Layout,
             g: BatchNormGeom,
-            residual: Opt<'_, Self>,
-            relu: bool,
-            weight: Opt<'_, Self>,
-            bias: Opt<'_, Self>,
+            act: Act<'_, Self>,
+            affine: Affine<'_, Self>,
             running: Running<'_, Self>,
-            training: bool,
-            momentum: f64,
-            eps: f64,
+            mode: BatchNormMode,
         ) -> Result<BatchNorm<Self>> {
-            super::compose::batch_norm_act(self, l, g, residual, relu, weight, bias, running, training, momentum, eps)
+            super::compose::batch_norm_act(self, l, g, act, affine, running, mode)
         }
 
         /// Gradients of `batch_norm_act` from the output gradient (this buffer), the output `y`
@@ -530,39 +610,30 @@ primitives! {
         /// and `invstd`: the norm's gradients as `batch_norm_backward` (`dx` in `x`'s dtype), and
         /// when `want_residual` the residual's gradient (the output gradient through the ReLU,
         /// in `x`'s dtype).
-        #[allow(clippy::too_many_arguments)]
         fn batch_norm_act_backward(
             &self,
             ldy: &Layout,
-            y: Opt<'_, Self>,
-            x: &Self,
-            lx: &Layout,
+            act: ActSaved<'_, Self>,
+            x: View<'_, Self>,
             g: BatchNormGeom,
-            mean: &Self,
-            invstd: &Self,
-            weight: Opt<'_, Self>,
-            training: bool,
+            saved: Saved<'_, Self>,
             dtypes: GradDTypes,
-            want_residual: bool,
         ) -> Result<(Grads<Self>, Option<Self>)> {
-            super::compose::batch_norm_act_backward(self, ldy, y, x, lx, g, mean, invstd, weight, training, dtypes, want_residual)
+            super::compose::batch_norm_act_backward(self, ldy, act, x, g, saved, dtypes)
         }
 
         /// `batch_norm_act`'s output again (without residual), from the same input `x` (this
-        /// buffer) and the `mean` and `invstd` that call returned: the same bits, for a backward
+        /// buffer) and the `(mean, invstd)` that call returned (`stats`): the same bits, for a backward
         /// that recomputes an activation instead of keeping it (`Tensor::batch_norm_relu_conv2d`).
-        #[allow(clippy::too_many_arguments)]
         fn batch_norm_act_apply(
             &self,
             l: &Layout,
             g: BatchNormGeom,
-            mean: &Self,
-            invstd: &Self,
-            weight: Opt<'_, Self>,
-            bias: Opt<'_, Self>,
+            stats: (&Self, &Self),
+            affine: Affine<'_, Self>,
             relu: bool,
         ) -> Result<Self> {
-            super::compose::batch_norm_act_apply(self, l, g, mean, invstd, weight, bias, relu)
+            super::compose::batch_norm_act_apply(self, l, g, stats, affine, relu)
         }
 
         /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
@@ -571,30 +642,25 @@ primitives! {
             &self,
             l: &Layout,
             d: usize,
-            weight: Opt<'_, Self>,
-            bias: Opt<'_, Self>,
+            affine: Affine<'_, Self>,
             eps: f64,
         ) -> Result<LayerNorm<Self>> {
-            super::compose::layer_norm(self, l, d, weight, bias, eps)
+            super::compose::layer_norm(self, l, d, affine, eps)
         }
 
         /// Gradients of `layer_norm` (closed form, as llm.c's) from the output gradient (this
         /// buffer), the input, the forward's per-row `mean` and `rstd` and the weight; dtypes
         /// (dx, dweight, dbias) as for `batch_norm_backward`. The sums over rows run in runs
         /// fixed by the shape, so the thread count changes no bit.
-        #[allow(clippy::too_many_arguments)]
         fn layer_norm_backward(
             &self,
             ldy: &Layout,
-            x: &Self,
-            lx: &Layout,
+            x: View<'_, Self>,
             d: usize,
-            mean: &Self,
-            rstd: &Self,
-            weight: Opt<'_, Self>,
+            saved: Saved<'_, Self>,
             dtypes: GradDTypes,
         ) -> Result<Grads<Self>> {
-            super::compose::layer_norm_backward(self, ldy, x, lx, d, mean, rstd, weight, dtypes)
+            super::compose::layer_norm_backward(self, ldy, x, d, saved, dtypes)
         }
 
         /// Fused scaled-dot-product attention: `softmax(scale · q·kᵀ + mask) · v` per head, with
@@ -605,35 +671,29 @@ primitives! {
         /// the whole score tensor at once; returns the output `[.., lq, dv]` rounded once into
         /// `q`'s dtype and the per-row log-sum-exp of the scores (compute type, `[batch, lq]`),
         /// all the backward needs besides the inputs.
-        #[allow(clippy::too_many_arguments)]
         fn attention(
             &self,
             lq: &Layout,
-            k: &Self,
-            lk: &Layout,
-            v: &Self,
-            lv: &Layout,
+            k: View<'_, Self>,
+            v: View<'_, Self>,
             mask: Opt<'_, Self>,
             g: &AttentionGeom,
         ) -> Result<(Self, Self)> {
-            super::compose::attention::attention((self, lq), (k, lk), (v, lv), mask, g)
+            super::compose::attention::attention(Qkv { q: (self, lq), k, v }, mask, g)
         }
 
         /// Gradients of `attention` from the output gradient `dout` (this buffer, `[.., lq, dv]`),
         /// the inputs and the forward's log-sum-exp: the scores and probabilities are recomputed
         /// row by row. Returns (dq, dk, dv), contiguous, in `q`'s dtype.
-        #[allow(clippy::too_many_arguments)]
         fn attention_backward(
             &self,
             ldout: &Layout,
-            q: (&Self, &Layout),
-            k: (&Self, &Layout),
-            v: (&Self, &Layout),
+            qkv: Qkv<'_, Self>,
             mask: Opt<'_, Self>,
             lse: &Self,
             g: &AttentionGeom,
         ) -> Result<(Self, Self, Self)> {
-            super::compose::attention::attention_backward((self, ldout), q, k, v, mask, lse, g)
+            super::compose::attention::attention_backward((self, ldout), qkv, mask, lse, g)
         }
     }
 }

@@ -9,6 +9,7 @@
 
 use super::declare::primitives;
 use super::map::MapOps;
+use super::nn::View;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::layout::resolve_dim;
@@ -119,35 +120,28 @@ primitives! {
         /// The gradient of `reduce` with `Max`/`Min` (`amax`/`amin`), `self = x` in the layout
         /// `reduce` read: the output gradient `g[o]` split evenly among the elements of run `o`
         /// equal to its extreme `m[o]` (NaN matching NaN), 0 elsewhere. `m` and `g` hold `outer`
-        /// elements each. Contiguous in the order of `layout` (reduced dims last), in `out`.
-        #[allow(clippy::too_many_arguments)]
+        /// elements each (`runs` is `(outer, inner)`). Contiguous in the order of `layout` (reduced dims last), in `out`.
         fn extreme_backward(
             &self,
             layout: &Layout,
-            m: &Self,
-            lm: &Layout,
-            g: &Self,
-            lg: &Layout,
-            outer: usize,
-            inner: usize,
+            m: View<'_, Self>,
+            g: View<'_, Self>,
+            runs: (usize, usize),
             out: DType,
         ) -> Result<Self>;
 
         /// The gradient of `reduce` with `Var { correction }`, `self = x` in the layout `reduce`
         /// read: `g[o] · 2 (x - mean_o) / max(0, inner - correction)`. `g` holds `outer`
         /// elements. Contiguous in the order of `layout` (reduced dims last), in `out`.
-        #[allow(clippy::too_many_arguments)]
         fn var_backward(
             &self,
             layout: &Layout,
-            g: &Self,
-            lg: &Layout,
-            outer: usize,
-            inner: usize,
+            g: View<'_, Self>,
+            runs: (usize, usize),
             correction: usize,
             out: DType,
         ) -> Result<Self> {
-            super::compose::var_backward(self, layout, g, lg, outer, inner, correction, out)
+            super::compose::var_backward(self, layout, g, runs, correction, out)
         }
 
         /// The extreme (`op` is `Max` or `Min`, checked by the caller) of each row of `rows` and

@@ -3,6 +3,7 @@
 
 use super::declare::primitives;
 use super::map::MapOps;
+use super::nn::View;
 use crate::dtype::convert::Rounding;
 use crate::dtype::DType;
 use crate::rng::Generator;
@@ -72,43 +73,48 @@ pub struct AdamScalars {
     pub neg_step_size: f32,
 }
 
+/// Adam's state buffers (F32), updated in place by a step.
+#[derive(Debug)]
+pub struct AdamState<'a, S> {
+    /// The running mean of the gradients (`m`).
+    pub exp_avg: &'a mut S,
+    /// The running mean of the squared gradients (`v`).
+    pub exp_avg_sq: &'a mut S,
+    /// AMSGrad's running maximum of `v`, when AMSGrad is on.
+    pub max_exp_avg_sq: Option<&'a mut S>,
+}
+
 primitives! {
     /// The optimizer-update primitives a backend implements: SGD (momentum, Nesterov, weight
     /// decay) and Adam/AdamW (AMSGrad) steps, PyTorch's updates bit for bit in F32, with state
     /// buffers updated in place.
     pub trait OptimOps: MapOps {
         /// One SGD step of the parameter `self` (the whole buffer, contiguous through `lp`;
-        /// F32/F16/BF16) with gradient `grad` (any float dtype, read through `lg`, same element
+        /// F32/F16/BF16) with gradient `grad` (any float dtype, a view, same element
         /// count) and, with momentum, the F32 momentum buffer. Everything is updated in place; a
         /// half parameter is rounded once. The update is PyTorch's, bit for bit in F32.
-        #[allow(clippy::too_many_arguments)]
         fn sgd_step(
             &mut self,
             lp: &Layout,
-            grad: &Self,
-            lg: &Layout,
+            grad: View<'_, Self>,
             buf: Option<&mut Self>,
             s: &SgdScalars,
             f: SgdFlags,
         ) -> Result<()> {
-            super::compose::optim::sgd_step(self, lp, grad, lg, buf, s, f)
+            super::compose::optim::sgd_step(self, lp, grad, buf, s, f)
         }
 
         /// One Adam(W) step: the parameter (as for `sgd_step`), `exp_avg`, `exp_avg_sq` and
         /// (AMSGrad) `max_exp_avg_sq` (F32) updated in place.
-        #[allow(clippy::too_many_arguments)]
         fn adam_step(
             &mut self,
             lp: &Layout,
-            grad: &Self,
-            lg: &Layout,
-            exp_avg: &mut Self,
-            exp_avg_sq: &mut Self,
-            max_exp_avg_sq: Option<&mut Self>,
+            grad: View<'_, Self>,
+            state: AdamState<'_, Self>,
             k: &AdamScalars,
             decay: AdamDecay,
         ) -> Result<()> {
-            super::compose::optim::adam_step(self, lp, grad, lg, exp_avg, exp_avg_sq, max_exp_avg_sq, k, decay)
+            super::compose::optim::adam_step(self, lp, grad, state, k, decay)
         }
     }
 }

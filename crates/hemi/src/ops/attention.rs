@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::nn::AttentionGeom;
+use crate::backend::nn::{AttentionGeom, Qkv};
 use crate::error::{Error, Result};
 use crate::rng::Generator;
 use crate::tensor::layout::broadcast_shapes;
@@ -176,10 +176,8 @@ impl Tensor {
         let mask_part = mask.as_ref().map(|m| (m.storage(), m.layout().clone()));
         let (out, lse) = q.storage().attention(
             q.layout(),
-            &k.storage(),
-            k.layout(),
-            &v.storage(),
-            v.layout(),
+            (&k.storage(), k.layout()),
+            (&v.storage(), v.layout()),
             mask_ref(&mask_part),
             &g,
         )?;
@@ -197,11 +195,15 @@ impl Tensor {
                 } else {
                     grad.to_dtype(dtype)?
                 };
+                let (qst, kst, vst) = (qs.storage(), ks.storage(), vs.storage());
+                let qkv = Qkv {
+                    q: (&*qst, qs.layout()),
+                    k: (&*kst, ks.layout()),
+                    v: (&*vst, vs.layout()),
+                };
                 let (dq, dk, dv) = grad.storage().attention_backward(
                     grad.layout(),
-                    (&qs.storage(), qs.layout()),
-                    (&ks.storage(), ks.layout()),
-                    (&vs.storage(), vs.layout()),
+                    qkv,
                     mask_ref(&mask_part),
                     &lse,
                     &g,

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::nn::{conv_out_size, Conv2dGeom};
+use crate::backend::nn::{conv_out_size, BlockGrads, Conv2dGeom};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Layout, Storage, Tensor};
@@ -665,13 +665,13 @@ fn conv_block(
             let grads = g.storage().conv2d_relu_max_pool2_backward(
                 g.layout(),
                 &idx,
-                &x_saved.storage(),
-                x_saved.layout(),
-                &w_saved.storage(),
-                w_saved.layout(),
+                (&x_saved.storage(), x_saved.layout()),
+                (&w_saved.storage(), w_saved.layout()),
                 &geom,
-                want_dx,
-                has_bias,
+                BlockGrads {
+                    dx: want_dx,
+                    bias: has_bias,
+                },
             )?;
             let t = |s: Storage, shape: &[usize]| {
                 Tensor::from_storage(Arc::new(s), Layout::contiguous(shape))

@@ -67,10 +67,8 @@ fn binary_backward(op: Binary, g: &Tensor, a: &Tensor, b: &Tensor) -> Result<(Te
             let (ab, bb) = (a.broadcast_to(&shape)?, b.broadcast_to(&shape)?);
             let (ga, gb) = g.storage().minmax_backward(
                 g.layout(),
-                &ab.storage(),
-                ab.layout(),
-                &bb.storage(),
-                bb.layout(),
+                (&ab.storage(), ab.layout()),
+                (&bb.storage(), bb.layout()),
                 op,
                 g.dtype(),
             )?;
@@ -228,10 +226,8 @@ impl Tensor {
         let (ab, bb) = (a.broadcast_to(&shape)?, b.broadcast_to(&shape)?);
         let out = cond.storage().where_cond(
             cond.layout(),
-            &ab.storage(),
-            ab.layout(),
-            &bb.storage(),
-            bb.layout(),
+            (&ab.storage(), ab.layout()),
+            (&bb.storage(), bb.layout()),
             dtype,
         )?;
         let (a_shape, b_shape) = (a.shape().to_vec(), b.shape().to_vec());

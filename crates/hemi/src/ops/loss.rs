@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::loss::ClassLoss;
+use crate::backend::loss::{ClassLoss, ClassSaved};
 use crate::backend::reduce::Rows;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -180,12 +180,13 @@ fn class_loss(loss: ClassLoss, input: &Tensor, target: &Tensor) -> Result<Tensor
         move |g| {
             let gi = g.storage().class_loss_backward(
                 g.layout(),
-                log_probs.as_deref(),
-                &saved.storage(),
-                saved.layout(),
+                ClassSaved {
+                    log_probs: log_probs.as_deref(),
+                    counted,
+                },
+                (&saved.storage(), saved.layout()),
                 rows,
                 loss,
-                counted,
                 dtype,
             )?;
             Ok(vec![

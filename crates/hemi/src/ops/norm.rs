@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::nn::BatchNormGeom;
+use crate::backend::nn::{Act, ActSaved, Affine, BatchNormGeom, BatchNormMode, Saved};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Layout, Tensor};
@@ -74,6 +74,14 @@ fn part(t: Option<&Tensor>) -> Option<Part> {
 
 fn as_ref(p: &Option<Part>) -> Option<(&crate::tensor::Storage, &Layout)> {
     p.as_ref().map(|(s, l)| (&**s, l))
+}
+
+/// The scale and shift of a norm as the primitives take them.
+fn affine<'a>(w: &'a Option<Part>, b: &'a Option<Part>) -> Affine<'a, crate::tensor::Storage> {
+    Affine {
+        weight: as_ref(w),
+        bias: as_ref(b),
+    }
 }
 
 impl Tensor {
@@ -205,18 +213,23 @@ impl Tensor {
                         g.to_dtype(dtype)?
                     };
                     let yp = part(saved_y.as_ref());
+                    let act = ActSaved {
+                        y: as_ref(&yp),
+                        want_residual: want_res,
+                    };
+                    let saved = Saved {
+                        mean: &mean,
+                        invstd: &invstd,
+                        weight: as_ref(&wp),
+                        from_input: training,
+                    };
                     let (grads, dres) = g.storage().batch_norm_act_backward(
                         g.layout(),
-                        as_ref(&yp),
-                        &saved_x.storage(),
-                        saved_x.layout(),
+                        act,
+                        (&saved_x.storage(), saved_x.layout()),
                         d,
-                        &mean,
-                        &invstd,
-                        as_ref(&wp),
-                        training,
+                        saved,
                         (need_dx.then_some(dtype), w_dtype, b_dtype),
-                        want_res,
                     )?;
                     let mut out = norm_grads(grads, &shape, &cs, &cs);
                     if has_res {
@@ -229,15 +242,17 @@ impl Tensor {
             ));
         }
         Ok(Tensor::from_op(out, layout, OP, &inputs, move |g| {
+            let saved = Saved {
+                mean: &mean,
+                invstd: &invstd,
+                weight: as_ref(&wp),
+                from_input: training,
+            };
             let grads = g.storage().batch_norm_backward(
                 g.layout(),
-                &saved_x.storage(),
-                saved_x.layout(),
+                (&saved_x.storage(), saved_x.layout()),
                 d,
-                &mean,
-                &invstd,
-                as_ref(&wp),
-                training,
+                saved,
                 (need_dx.then_some(dtype), w_dtype, b_dtype),
             )?;
             Ok(norm_grads(grads, &shape, &cs, &cs))
@@ -283,7 +298,7 @@ impl Tensor {
         let (wp, bp) = (part(weight), part(bias));
         let r = self
             .storage()
-            .layer_norm(self.layout(), d, as_ref(&wp), as_ref(&bp), eps)?;
+            .layer_norm(self.layout(), d, affine(&wp, &bp), eps)?;
 
         let mut inputs = vec![self];
         inputs.extend(weight);
@@ -299,14 +314,17 @@ impl Tensor {
             OP,
             &inputs,
             move |g| {
+                let saved = Saved {
+                    mean: &mean,
+                    invstd: &rstd,
+                    weight: as_ref(&wp),
+                    from_input: true,
+                };
                 let grads = g.storage().layer_norm_backward(
                     g.layout(),
-                    &saved_x.storage(),
-                    saved_x.layout(),
+                    (&saved_x.storage(), saved_x.layout()),
                     d,
-                    &mean,
-                    &rstd,
-                    as_ref(&wp),
+                    saved,
                     (need_dx.then_some(dtype), w_dtype, b_dtype),
                 )?;
                 Ok(norm_grads(grads, &shape, &pshape, &pshape))
@@ -426,10 +444,8 @@ impl BnSaved {
         x.storage().batch_norm_act_apply(
             x.layout(),
             self.d,
-            &self.mean,
-            &self.invstd,
-            as_ref(&self.weight),
-            as_ref(&self.bias),
+            (&self.mean, &self.invstd),
+            affine(&self.weight, &self.bias),
             true,
         )
     }
@@ -459,24 +475,20 @@ impl BnSaved {
         let zl = Layout::contiguous(shape);
         let (xs, xl) = (x.storage(), x.layout());
         let (mean, invstd, w) = (&self.mean, &self.invstd, as_ref(&self.weight));
+        let saved = Saved {
+            mean,
+            invstd,
+            weight: w,
+            from_input: true,
+        };
         let (grads, dres) = if self.relu || want_res {
-            let z = z.map(|z| (z, &zl));
-            dz.batch_norm_act_backward(
-                &zl,
-                z,
-                &xs,
-                xl,
-                self.d,
-                mean,
-                invstd,
-                w,
-                true,
-                self.dtypes,
-                want_res,
-            )?
+            let act = ActSaved {
+                y: z.map(|z| (z, &zl)),
+                want_residual: want_res,
+            };
+            dz.batch_norm_act_backward(&zl, act, (&xs, xl), self.d, saved, self.dtypes)?
         } else {
-            let g =
-                dz.batch_norm_backward(&zl, &xs, xl, self.d, mean, invstd, w, true, self.dtypes)?;
+            let g = dz.batch_norm_backward(&zl, (&xs, xl), self.d, saved, self.dtypes)?;
             (g, None)
         };
         let cs = [self.d.c];
@@ -535,6 +547,11 @@ impl Tensor {
             momentum,
             eps,
         } = *p;
+        let mode = BatchNormMode {
+            training,
+            momentum,
+            eps,
+        };
         require_float(OP, "input", self)?;
         if self.rank() < 2 {
             return Err(Error::shape(
@@ -596,29 +613,21 @@ impl Tensor {
             .as_ref()
             .map(|(m, v)| (as_ref(m).expect("given"), as_ref(v).expect("given")));
         let r = if residual.is_some() || relu {
+            let act = Act {
+                residual: as_ref(&rp),
+                relu,
+            };
             self.storage().batch_norm_act(
                 self.layout(),
                 d,
-                as_ref(&rp),
-                relu,
-                as_ref(&wp),
-                as_ref(&bp),
+                act,
+                affine(&wp, &bp),
                 running_r,
-                training,
-                momentum,
-                eps,
+                mode,
             )?
         } else {
-            self.storage().batch_norm(
-                self.layout(),
-                d,
-                as_ref(&wp),
-                as_ref(&bp),
-                running_r,
-                training,
-                momentum,
-                eps,
-            )?
+            self.storage()
+                .batch_norm(self.layout(), d, affine(&wp, &bp), running_r, mode)?
         };
         if let (Some((rm, rv)), Some((new_m, new_v))) = (running, r.running) {
             rm.set_data(&Tensor::from_storage(

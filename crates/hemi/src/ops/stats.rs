@@ -118,10 +118,8 @@ impl Tensor {
                 let (p, _, _) = reduction_layout(&x, &dims)?;
                 let gi = p.storage().var_backward(
                     p.layout(),
-                    &g.storage(),
-                    g.layout(),
-                    outer,
-                    inner,
+                    (&g.storage(), g.layout()),
+                    (outer, inner),
                     correction,
                     g.dtype(),
                 )?;
@@ -159,12 +157,9 @@ impl Tensor {
             let (p, _, _) = reduction_layout(&x, &dims)?;
             let gi = p.storage().extreme_backward(
                 p.layout(),
-                &m.storage(),
-                m.layout(),
-                &g.storage(),
-                g.layout(),
-                outer,
-                inner,
+                (&m.storage(), m.layout()),
+                (&g.storage(), g.layout()),
+                (outer, inner),
                 g.dtype(),
             )?;
             Ok(vec![Some(unpermute(gi, x.shape(), &dims)?)])

@@ -7,7 +7,7 @@ use super::optimizer::{
     check_decay_mask, check_grads, check_nonneg, check_params, state_zeros, Optimizer,
     OptimizerState, StateBuffer, StateReader,
 };
-use crate::backend::train::{AdamDecay, AdamScalars};
+use crate::backend::train::{AdamDecay, AdamScalars, AdamState};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -186,9 +186,21 @@ impl AdamCore {
                 s.exp_avg_sq.with_storage_mut(|v| {
                     p.with_storage_mut(|ps| match &s.max_exp_avg_sq {
                         Some(x) => x.with_storage_mut(|x| {
-                            ps.adam_step(pl, &gs, gl, m, v, Some(x), &k, decay)
+                            let state = AdamState {
+                                exp_avg: m,
+                                exp_avg_sq: v,
+                                max_exp_avg_sq: Some(x),
+                            };
+                            ps.adam_step(pl, (&gs, gl), state, &k, decay)
                         }),
-                        None => ps.adam_step(pl, &gs, gl, m, v, None, &k, decay),
+                        None => {
+                            let state = AdamState {
+                                exp_avg: m,
+                                exp_avg_sq: v,
+                                max_exp_avg_sq: None,
+                            };
+                            ps.adam_step(pl, (&gs, gl), state, &k, decay)
+                        }
                     })
                 })
             })?;

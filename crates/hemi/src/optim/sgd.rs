@@ -146,9 +146,9 @@ impl Optimizer for Sgd {
             let (pl, gl) = (p.layout(), g.layout());
             match &self.momentum_buffers[i] {
                 Some(b) if momentum => b.with_storage_mut(|b| {
-                    p.with_storage_mut(|ps| ps.sgd_step(pl, &gs, gl, Some(b), &scalars, f))
+                    p.with_storage_mut(|ps| ps.sgd_step(pl, (&gs, gl), Some(b), &scalars, f))
                 })?,
-                _ => p.with_storage_mut(|ps| ps.sgd_step(pl, &gs, gl, None, &scalars, f))?,
+                _ => p.with_storage_mut(|ps| ps.sgd_step(pl, (&gs, gl), None, &scalars, f))?,
             }
         }
         Ok(())

@@ -8,7 +8,10 @@
 
 use crate::common::{assert_close, permissive, rand_values, tensor};
 use hemi::backend::compose;
-use hemi::backend::nn::{BatchNormGeom, Conv2dGeom, Grads, NnOps};
+use hemi::backend::nn::{
+    Act, ActSaved, Affine, BatchNormGeom, BatchNormMode, BlockGrads, Conv2dGeom, Grads, NnOps,
+    Saved,
+};
 use hemi::cpu::storage::CpuStorage;
 use hemi::rng::Generator;
 use hemi::tensor::{Layout, Tensor};
@@ -97,12 +100,21 @@ fn batch_norm_act_matches_its_composition_forward_backward_and_apply() {
             let res = residual.then_some((&r, &lr));
             let running = Some(((&rm, &lrm), (&rv, &lrv)));
             let (wo, bo) = (Some((&w, &lw)), Some((&b, &lb)));
-            let fused =
-                NnOps::batch_norm_act(&x, &lx, g, res, relu, wo, bo, running, true, 0.1, 1e-5)
-                    .unwrap();
-            let composed =
-                compose::batch_norm_act(&x, &lx, g, res, relu, wo, bo, running, true, 0.1, 1e-5)
-                    .unwrap();
+            let mode = BatchNormMode {
+                training: true,
+                momentum: 0.1,
+                eps: 1e-5,
+            };
+            let act = || Act {
+                residual: res,
+                relu,
+            };
+            let aff = Affine {
+                weight: wo,
+                bias: bo,
+            };
+            let fused = NnOps::batch_norm_act(&x, &lx, g, act(), aff, running, mode).unwrap();
+            let composed = compose::batch_norm_act(&x, &lx, g, act(), aff, running, mode).unwrap();
             close(
                 &format!("{what}: out"),
                 &fused.out,
@@ -134,14 +146,22 @@ fn batch_norm_act_matches_its_composition_forward_backward_and_apply() {
             let y = relu.then_some((&fused.out, &ly));
             let dtypes = (Some(dtype), Some(DType::F32), Some(DType::F32));
             let (mean, invstd) = (&fused.mean, &fused.invstd);
-            let (fg, fr) = NnOps::batch_norm_act_backward(
-                &dy, &ldy, y, &x, &lx, g, mean, invstd, wo, true, dtypes, residual,
-            )
-            .unwrap();
-            let (cg, cr) = compose::batch_norm_act_backward(
-                &dy, &ldy, y, &x, &lx, g, mean, invstd, wo, true, dtypes, residual,
-            )
-            .unwrap();
+            let act = || ActSaved {
+                y,
+                want_residual: residual,
+            };
+            let saved = || Saved {
+                mean,
+                invstd,
+                weight: wo,
+                from_input: true,
+            };
+            let (fg, fr) =
+                NnOps::batch_norm_act_backward(&dy, &ldy, act(), (&x, &lx), g, saved(), dtypes)
+                    .unwrap();
+            let (cg, cr) =
+                compose::batch_norm_act_backward(&dy, &ldy, act(), (&x, &lx), g, saved(), dtypes)
+                    .unwrap();
             close_grads(&what, &fg, &cg, [&shape, &[5], &[5]], dtype);
             assert_eq!(fr.is_some(), residual, "{what}: residual gradient");
             if let (Some(f), Some(c)) = (fr, cr) {
@@ -149,8 +169,8 @@ fn batch_norm_act_matches_its_composition_forward_backward_and_apply() {
             }
 
             // Applying the forward's statistics again.
-            let fa = NnOps::batch_norm_act_apply(&x, &lx, g, mean, invstd, wo, bo, relu).unwrap();
-            let ca = compose::batch_norm_act_apply(&x, &lx, g, mean, invstd, wo, bo, relu).unwrap();
+            let fa = NnOps::batch_norm_act_apply(&x, &lx, g, (mean, invstd), aff, relu).unwrap();
+            let ca = compose::batch_norm_act_apply(&x, &lx, g, (mean, invstd), aff, relu).unwrap();
             close(&format!("{what}: apply"), &fa, &ca, &shape, dtype);
         }
     }
@@ -190,12 +210,25 @@ fn conv2d_relu_max_pool2_matches_its_composition_forward_and_backward() {
             close(&format!("{what}: out"), &fo, &co, &pooled, dtype);
 
             let (dy, ldy) = parts(&rand(&pooled, dtype, false, &mut rng));
+            let want = BlockGrads { dx: true, bias };
             let fg = NnOps::conv2d_relu_max_pool2_backward(
-                &dy, &ldy, &fi, &x, &lx, &wt, &lw, &g, true, bias,
+                &dy,
+                &ldy,
+                &fi,
+                (&x, &lx),
+                (&wt, &lw),
+                &g,
+                want,
             )
             .unwrap();
             let cg = compose::conv2d_relu_max_pool2_backward(
-                &dy, &ldy, &ci, &x, &lx, &wt, &lw, &g, true, bias,
+                &dy,
+                &ldy,
+                &ci,
+                (&x, &lx),
+                (&wt, &lw),
+                &g,
+                want,
             )
             .unwrap();
             close_grads(
@@ -232,11 +265,14 @@ fn a_composed_backward_refuses_another_backends_indices() {
     // The CPU's fused forward keeps its own indices; the composition cannot read them.
     let (_, fused) = NnOps::conv2d_relu_max_pool2(&x, &lx, &wt, &lw, None, &g).unwrap();
     let (dy, ldy) = parts(&rand(&g.pooled_shape(), DType::F32, false, &mut rng));
-    let err = compose::conv2d_relu_max_pool2_backward(
-        &dy, &ldy, &fused, &x, &lx, &wt, &lw, &g, true, false,
-    )
-    .unwrap_err()
-    .to_string();
+    let want = BlockGrads {
+        dx: true,
+        bias: false,
+    };
+    let err =
+        compose::conv2d_relu_max_pool2_backward(&dy, &ldy, &fused, (&x, &lx), (&wt, &lw), &g, want)
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("not from this backend's forward"), "{err}");
 }
 
@@ -281,8 +317,12 @@ fn layer_norm_matches_its_composition_forward_and_backward() {
             let (w, lw) = parts(&rand(&[d], dtype, false, &mut rng));
             let (b, lb) = parts(&rand(&[d], dtype, false, &mut rng));
             let (wo, bo) = (affine.then_some((&w, &lw)), affine.then_some((&b, &lb)));
-            let f = NnOps::layer_norm(&x, &lx, d, wo, bo, 1e-5).unwrap();
-            let k = compose::layer_norm(&x, &lx, d, wo, bo, 1e-5).unwrap();
+            let aff = Affine {
+                weight: wo,
+                bias: bo,
+            };
+            let f = NnOps::layer_norm(&x, &lx, d, aff, 1e-5).unwrap();
+            let k = compose::layer_norm(&x, &lx, d, aff, 1e-5).unwrap();
             close(&format!("{what}: out"), &f.out, &k.out, &shape, dtype);
             close(&format!("{what}: mean"), &f.mean, &k.mean, &[12], c);
             close(&format!("{what}: rstd"), &f.rstd, &k.rstd, &[12], c);
@@ -294,10 +334,15 @@ fn layer_norm_matches_its_composition_forward_and_backward() {
                 affine.then_some(dtype),
             );
             let (mean, rstd) = (&f.mean, &f.rstd);
-            let fg =
-                NnOps::layer_norm_backward(&dy, &ldy, &x, &lx, d, mean, rstd, wo, dtypes).unwrap();
-            let kg = compose::layer_norm_backward(&dy, &ldy, &x, &lx, d, mean, rstd, wo, dtypes)
-                .unwrap();
+            let saved = || Saved {
+                mean,
+                invstd: rstd,
+                weight: wo,
+                from_input: true,
+            };
+            let fg = NnOps::layer_norm_backward(&dy, &ldy, (&x, &lx), d, saved(), dtypes).unwrap();
+            let kg =
+                compose::layer_norm_backward(&dy, &ldy, (&x, &lx), d, saved(), dtypes).unwrap();
             close_grads(&what, &fg, &kg, [&shape, &[d], &[d]], dtype);
         }
     }
@@ -361,8 +406,17 @@ fn batch_norm_matches_its_composition_in_training_and_eval() {
             let (rv, lrv) = parts(&tensor(&[0.5, 1.0, 1.5, 2.0], &[4], c, false));
             let (wo, bo) = (affine.then_some((&w, &lw)), affine.then_some((&b, &lb)));
             let running = Some(((&rm, &lrm), (&rv, &lrv)));
-            let f = NnOps::batch_norm(&x, &lx, g, wo, bo, running, training, 0.1, 1e-5).unwrap();
-            let k = compose::batch_norm(&x, &lx, g, wo, bo, running, training, 0.1, 1e-5).unwrap();
+            let mode = BatchNormMode {
+                training,
+                momentum: 0.1,
+                eps: 1e-5,
+            };
+            let aff = Affine {
+                weight: wo,
+                bias: bo,
+            };
+            let f = NnOps::batch_norm(&x, &lx, g, aff, running, mode).unwrap();
+            let k = compose::batch_norm(&x, &lx, g, aff, running, mode).unwrap();
             close(&format!("{what}: out"), &f.out, &k.out, &shape, dtype);
             close(&format!("{what}: mean"), &f.mean, &k.mean, &[4], c);
             close(&format!("{what}: invstd"), &f.invstd, &k.invstd, &[4], c);
@@ -375,14 +429,15 @@ fn batch_norm_matches_its_composition_in_training_and_eval() {
             let (dy, ldy) = parts(&rand(&shape, dtype, !strided, &mut rng));
             let dtypes = (Some(dtype), affine.then_some(c), affine.then_some(c));
             let (mean, invstd) = (&f.mean, &f.invstd);
-            let fg = NnOps::batch_norm_backward(
-                &dy, &ldy, &x, &lx, g, mean, invstd, wo, training, dtypes,
-            )
-            .unwrap();
-            let kg = compose::batch_norm_backward(
-                &dy, &ldy, &x, &lx, g, mean, invstd, wo, training, dtypes,
-            )
-            .unwrap();
+            let saved = || Saved {
+                mean,
+                invstd,
+                weight: wo,
+                from_input: training,
+            };
+            let fg = NnOps::batch_norm_backward(&dy, &ldy, (&x, &lx), g, saved(), dtypes).unwrap();
+            let kg =
+                compose::batch_norm_backward(&dy, &ldy, (&x, &lx), g, saved(), dtypes).unwrap();
             close_grads(&what, &fg, &kg, [&shape, &[4], &[4]], dtype);
         }
     }
@@ -402,10 +457,10 @@ fn variance_gradient_matches_its_composition() {
             for (l, outer, inner) in [(lrow.clone(), 5, 9), (lcol, 9, 5)] {
                 let what = format!("{dtype:?} correction {correction} outer {outer}");
                 let (g, lg) = parts(&rand(&[outer], dtype, false, &mut rng));
-                let f = ReduceOps::var_backward(&xs, &l, &g, &lg, outer, inner, correction, dtype)
-                    .unwrap();
-                let k = compose::var_backward(&xs, &l, &g, &lg, outer, inner, correction, dtype)
-                    .unwrap();
+                let runs = (outer, inner);
+                let f =
+                    ReduceOps::var_backward(&xs, &l, (&g, &lg), runs, correction, dtype).unwrap();
+                let k = compose::var_backward(&xs, &l, (&g, &lg), runs, correction, dtype).unwrap();
                 close(&what, &f, &k, &[outer, inner], dtype);
             }
         }

@@ -7,10 +7,10 @@
 
 use crate::common::{assert_close, permissive, rand_values, tensor};
 use hemi::backend::compose;
-use hemi::backend::loss::{ClassLoss, LossOps, Reduction};
-use hemi::backend::nn::{AdaptivePool2dGeom, AttentionGeom, NnOps, Pool2dGeom};
+use hemi::backend::loss::{ClassLoss, ClassSaved, LossOps, Reduction};
+use hemi::backend::nn::{AdaptivePool2dGeom, AttentionGeom, NnOps, Pool2dGeom, Qkv};
 use hemi::backend::reduce::Rows;
-use hemi::backend::train::{AdamDecay, AdamScalars, OptimOps, SgdFlags, SgdScalars};
+use hemi::backend::train::{AdamDecay, AdamScalars, AdamState, OptimOps, SgdFlags, SgdScalars};
 use hemi::cpu::storage::CpuStorage;
 use hemi::rng::Generator;
 use hemi::tensor::{Layout, Tensor};
@@ -171,15 +171,15 @@ fn class_losses_match_their_compositions_forward_and_backward() {
                     }
                     let (g, lg) = parts(&rand(lshape, c, false, &mut rng));
                     let lp = f.log_probs.as_ref();
-                    let args = (&target, &lt, rows, loss, f.counted, c);
-                    let fb = LossOps::class_loss_backward(
-                        &g, &lg, lp, args.0, args.1, args.2, args.3, args.4, args.5,
-                    )
-                    .unwrap();
-                    let kb = compose::loss::class_loss_backward(
-                        &g, &lg, lp, args.0, args.1, args.2, args.3, args.4, args.5,
-                    )
-                    .unwrap();
+                    let saved = || ClassSaved {
+                        log_probs: lp,
+                        counted: f.counted,
+                    };
+                    let t = (&target, &lt);
+                    let fb =
+                        LossOps::class_loss_backward(&g, &lg, saved(), t, rows, loss, c).unwrap();
+                    let kb = compose::loss::class_loss_backward(&g, &lg, saved(), t, rows, loss, c)
+                        .unwrap();
                     close(&format!("{what}: grad"), &kb, &fb, &shape, c);
                 }
             }
@@ -267,10 +267,14 @@ fn attention_matches_its_composition_forward_and_backward() {
                 scale: 1.0 / (d as f64).sqrt(),
                 dropout,
             };
-            let (fo, flse) = NnOps::attention(&q, &lqv, &k, &lkv, &v, &lvv, mask_ref, &g).unwrap();
-            let (ko, klse) =
-                compose::attention::attention((&q, &lqv), (&k, &lkv), (&v, &lvv), mask_ref, &g)
-                    .unwrap();
+            let qkv = || Qkv {
+                q: (&q, &lqv),
+                k: (&k, &lkv),
+                v: (&v, &lvv),
+            };
+            let (fo, flse) =
+                NnOps::attention(&q, &lqv, (&k, &lkv), (&v, &lvv), mask_ref, &g).unwrap();
+            let (ko, klse) = compose::attention::attention(qkv(), mask_ref, &g).unwrap();
             close(&format!("{what}: out"), &ko, &fo, &[b, h, lq, dv], dtype);
             close(&format!("{what}: lse"), &klse, &flse, &[b * h, lq], c);
             if fully_masked_row {
@@ -281,27 +285,11 @@ fn attention_matches_its_composition_forward_and_backward() {
                 );
             }
             let (dout, ldo) = parts(&rand(&[b, h, lq, dv], dtype, true, &mut rng));
-            let (fq, fk, fv) = NnOps::attention_backward(
-                &dout,
-                &ldo,
-                (&q, &lqv),
-                (&k, &lkv),
-                (&v, &lvv),
-                mask_ref,
-                &flse,
-                &g,
-            )
-            .unwrap();
-            let (kq, kk, kv) = compose::attention::attention_backward(
-                (&dout, &ldo),
-                (&q, &lqv),
-                (&k, &lkv),
-                (&v, &lvv),
-                mask_ref,
-                &flse,
-                &g,
-            )
-            .unwrap();
+            let (fq, fk, fv) =
+                NnOps::attention_backward(&dout, &ldo, qkv(), mask_ref, &flse, &g).unwrap();
+            let (kq, kk, kv) =
+                compose::attention::attention_backward((&dout, &ldo), qkv(), mask_ref, &flse, &g)
+                    .unwrap();
             close(&format!("{what}: dq"), &kq, &fq, &[b, h, lq, d], dtype);
             close(&format!("{what}: dk"), &kk, &fk, &[b, h, lk, d], dtype);
             close(&format!("{what}: dv"), &kv, &fv, &[b, h, lk, dv], dtype);
@@ -355,8 +343,8 @@ fn optimizer_steps_match_their_compositions() {
             } else {
                 (None, None)
             };
-            OptimOps::sgd_step(&mut pf, &lp, &g, &lg, bfo, &s, f).unwrap();
-            compose::optim::sgd_step(&mut pc, &lp, &g, &lg, bco, &s, f).unwrap();
+            OptimOps::sgd_step(&mut pf, &lp, (&g, &lg), bfo, &s, f).unwrap();
+            compose::optim::sgd_step(&mut pc, &lp, (&g, &lg), bco, &s, f).unwrap();
             close(&format!("{what}: param"), &pc, &pf, &[n], dtype);
             close(&format!("{what}: buf"), &bc, &bf, &[n], DType::F32);
             assert_ne!(
@@ -397,9 +385,18 @@ fn optimizer_steps_match_their_compositions() {
             } else {
                 (None, None)
             };
-            OptimOps::adam_step(&mut pf, &lp, &g, &lg, &mut mf, &mut vf, xfo, &k, decay).unwrap();
-            compose::optim::adam_step(&mut pc, &lp, &g, &lg, &mut mc, &mut vc, xco, &k, decay)
-                .unwrap();
+            let fs = AdamState {
+                exp_avg: &mut mf,
+                exp_avg_sq: &mut vf,
+                max_exp_avg_sq: xfo,
+            };
+            let cs = AdamState {
+                exp_avg: &mut mc,
+                exp_avg_sq: &mut vc,
+                max_exp_avg_sq: xco,
+            };
+            OptimOps::adam_step(&mut pf, &lp, (&g, &lg), fs, &k, decay).unwrap();
+            compose::optim::adam_step(&mut pc, &lp, (&g, &lg), cs, &k, decay).unwrap();
             close(&format!("{what}: param"), &pc, &pf, &[n], dtype);
             close(&format!("{what}: m"), &mc, &mf, &[n], DType::F32);
             close(&format!("{what}: v"), &vc, &vf, &[n], DType::F32);
@@ -420,5 +417,5 @@ fn optimizer_steps_match_their_compositions() {
         momentum: 0.9,
         keep: 1.0,
     };
-    assert!(compose::optim::sgd_step(&mut p, &lp, &g, &lp, None, &s, f).is_err());
+    assert!(compose::optim::sgd_step(&mut p, &lp, (&g, &lp), None, &s, f).is_err());
 }

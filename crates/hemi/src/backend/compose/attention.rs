@@ -9,7 +9,7 @@
 //! -inf, as the CPU's.
 
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
-use crate::backend::nn::{AttentionGeom, NnOps, Opt};
+use crate::backend::nn::{AttentionGeom, NnOps, Opt, Qkv, View};
 use crate::backend::reduce::{ReduceOp, ReduceOps};
 use crate::cpu::storage::CpuStorage;
 use crate::dtype::DType;
@@ -62,8 +62,8 @@ impl Shapes {
 
 /// `scale · q·kᵀ (+ mask)` in `c`, contiguous `[.., lq, lk]`.
 fn scores<B: NnOps + MapOps>(
-    q: (&B, &Layout),
-    k: (&B, &Layout),
+    q: View<'_, B>,
+    k: View<'_, B>,
     mask: Opt<'_, B>,
     g: &AttentionGeom,
     sh: &Shapes,
@@ -114,9 +114,7 @@ fn probs_for_product<B: MapOps>(x: B, l: &Layout, dtype: DType) -> Result<B> {
 /// The forward (`NnOps::attention`): the output in `q`'s dtype and the per-row log-sum-exp
 /// `[batch, lq]` in the compute type.
 pub fn attention<B: NnOps + MapOps + ReduceOps>(
-    q: (&B, &Layout),
-    k: (&B, &Layout),
-    v: (&B, &Layout),
+    Qkv { q, k, v }: Qkv<'_, B>,
     mask: Opt<'_, B>,
     g: &AttentionGeom,
 ) -> Result<(B, B)> {
@@ -156,10 +154,8 @@ pub fn attention<B: NnOps + MapOps + ReduceOps>(
 /// the dropout factors: `dV = (P∘Z)ᵀ dO`, `dP = Z ∘ (dO Vᵀ)`, `D = Σ_j P dP`,
 /// `dS = P ∘ (dP - D) · scale`, `dQ = dS K`, `dK = dSᵀ Q`, each in `q`'s dtype.
 pub fn attention_backward<B: NnOps + MapOps + ReduceOps>(
-    dout: (&B, &Layout),
-    q: (&B, &Layout),
-    k: (&B, &Layout),
-    v: (&B, &Layout),
+    dout: View<'_, B>,
+    Qkv { q, k, v }: Qkv<'_, B>,
     mask: Opt<'_, B>,
     lse: &B,
     g: &AttentionGeom,

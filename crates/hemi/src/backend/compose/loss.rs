@@ -6,8 +6,9 @@
 
 use super::{per_row, row_major, rows_layout};
 use crate::backend::index::{AlongDim, IndexOps};
-use crate::backend::loss::{ClassLoss, ClassLossForward, Reduction};
+use crate::backend::loss::{ClassLoss, ClassLossForward, ClassSaved, Reduction};
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
+use crate::backend::nn::View;
 use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
 use crate::backend::BackendStorage;
 use crate::cpu::storage::CpuStorage;
@@ -112,7 +113,7 @@ pub fn class_loss<B: ReduceOps + MapOps + IndexOps>(
     let mask = counted_mask(lp, &t, out)?;
     let zeros = scalar(lp, 0.0, out)?;
     let bcast = Layout::new(vec![n], vec![0], 0);
-    let per = mask.where_cond(&flat_n, &per, &flat_n, &zeros, &bcast, out)?;
+    let per = mask.where_cond(&flat_n, (&per, &flat_n), (&zeros, &bcast), out)?;
     let loss_out = match loss.reduction {
         Reduction::None => per,
         Reduction::Sum => per.reduce(&flat_n, 1, n, ReduceOp::Sum, out)?,
@@ -135,16 +136,13 @@ pub fn class_loss<B: ReduceOps + MapOps + IndexOps>(
 /// row's gradient, the one gradient, or it divided by the count for the mean), then
 /// `s·(p - ε/C) - s·(1-ε)·onehot(t)` with `p = exp(lp)` for cross-entropy and `p = 0` for NLL,
 /// 0 at ignored rows.
-#[allow(clippy::too_many_arguments)]
 pub fn class_loss_backward<B: ReduceOps + MapOps + IndexOps>(
     g: &B,
     lg: &Layout,
-    log_probs: Option<&B>,
-    target: &B,
-    lt: &Layout,
+    ClassSaved { log_probs, counted }: ClassSaved<'_, B>,
+    (target, lt): View<'_, B>,
     rows: Rows,
     loss: ClassLoss,
-    counted: usize,
     out: DType,
 ) -> Result<B> {
     let t = targets(target, lt, &loss, rows.len)?;
@@ -201,5 +199,5 @@ pub fn class_loss_backward<B: ReduceOps + MapOps + IndexOps>(
     let mask = counted_mask(g, &t, out)?;
     let zeros = scalar(g, 0.0, out)?;
     let z = Layout::new(vec![rows.outer, rows.len, rows.inner], vec![0, 0, 0], 0);
-    mask.where_cond(&per_row(rows), &grad, &own, &zeros, &z, out)
+    mask.where_cond(&per_row(rows), (&grad, &own), (&zeros, &z), out)
 }

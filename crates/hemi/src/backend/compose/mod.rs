@@ -17,8 +17,8 @@ pub mod pool;
 use crate::backend::loss::Reduction;
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
 use crate::backend::nn::{
-    BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads, Indices, LayerNorm, NnOps, Opt,
-    Pool2dGeom, Running,
+    Act, ActSaved, Affine, BatchNorm, BatchNormGeom, BatchNormMode, BlockGrads, Conv2dGeom,
+    GradDTypes, Grads, Indices, LayerNorm, NnOps, Opt, Pool2dGeom, Running, Saved, View,
 };
 use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
 use crate::backend::train::{AmpOps, Log2Histogram};
@@ -40,22 +40,17 @@ fn per_channel(l: &Layout, g: BatchNormGeom) -> Layout {
 
 /// `relu(batch_norm(x) + residual)`: `NnOps::batch_norm`, then `binary` add and `unary`
 /// ReLU, each rounded into `x`'s dtype.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_act<B: NnOps + MapOps>(
     x: &B,
     l: &Layout,
     g: BatchNormGeom,
-    residual: Opt<'_, B>,
-    relu: bool,
-    weight: Opt<'_, B>,
-    bias: Opt<'_, B>,
+    Act { residual, relu }: Act<'_, B>,
+    affine: Affine<'_, B>,
     running: Running<'_, B>,
-    training: bool,
-    momentum: f64,
-    eps: f64,
+    mode: BatchNormMode,
 ) -> Result<BatchNorm<B>> {
     let dtype = x.dtype();
-    let mut bn = x.batch_norm(l, g, weight, bias, running, training, momentum, eps)?;
+    let mut bn = x.batch_norm(l, g, affine, running, mode)?;
     let ly = Layout::contiguous(l.shape());
     if let Some((r, lr)) = residual {
         bn.out = bn.out.binary(&ly, r, lr, BinaryOp::Add, dtype)?;
@@ -69,43 +64,33 @@ pub fn batch_norm_act<B: NnOps + MapOps>(
 /// The gradients of `batch_norm_act`: the output gradient through the ReLU (`unary_backward`
 /// with the output `y` as the saved value: `y > 0` exactly where the input of the ReLU is),
 /// that into `batch_norm_backward`, and the same masked gradient for the residual.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_act_backward<B: NnOps + MapOps>(
     dy: &B,
     ldy: &Layout,
-    y: Opt<'_, B>,
-    x: &B,
-    lx: &Layout,
+    ActSaved { y, want_residual }: ActSaved<'_, B>,
+    (x, lx): View<'_, B>,
     g: BatchNormGeom,
-    mean: &B,
-    invstd: &B,
-    weight: Opt<'_, B>,
-    training: bool,
+    saved: Saved<'_, B>,
     dtypes: GradDTypes,
-    want_residual: bool,
 ) -> Result<(Grads<B>, Option<B>)> {
     let masked = match y {
         Some((y, ly)) => dy.unary_backward(ldy, y, ly, UnaryOp::Relu, x.dtype())?,
         None => dy.cast(ldy, x.dtype())?,
     };
     let lg = Layout::contiguous(ldy.shape());
-    let grads =
-        masked.batch_norm_backward(&lg, x, lx, g, mean, invstd, weight, training, dtypes)?;
+    let grads = masked.batch_norm_backward(&lg, (x, lx), g, saved, dtypes)?;
     Ok((grads, want_residual.then_some(masked)))
 }
 
 /// `batch_norm_act`'s output from given statistics: `((x - mean) · invstd) · weight + bias`,
 /// per channel by broadcasting, in the compute type, rounded once into `x`'s dtype, then
 /// the ReLU.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_act_apply<B: NnOps + MapOps>(
     x: &B,
     l: &Layout,
     g: BatchNormGeom,
-    mean: &B,
-    invstd: &B,
-    weight: Opt<'_, B>,
-    bias: Opt<'_, B>,
+    (mean, invstd): (&B, &B),
+    Affine { weight, bias }: Affine<'_, B>,
     relu: bool,
 ) -> Result<B> {
     let dtype = x.dtype();
@@ -179,19 +164,16 @@ pub fn conv2d_relu_max_pool2<B: NnOps + MapOps>(
 
 /// The gradients of `conv2d_relu_max_pool2`: `max_pool2d_backward`, the ReLU's
 /// `unary_backward`, then the convolution's three backward primitives.
-#[allow(clippy::too_many_arguments)]
 pub fn conv2d_relu_max_pool2_backward<B: NnOps + MapOps>(
     dy: &B,
     ldy: &Layout,
     indices: &Indices,
-    x: &B,
-    lx: &Layout,
-    w: &B,
-    lw: &Layout,
+    (x, lx): View<'_, B>,
+    (w, lw): View<'_, B>,
     g: &Conv2dGeom,
-    want_dx: bool,
-    has_bias: bool,
+    want: BlockGrads,
 ) -> Result<Grads<B>> {
+    let (want_dx, has_bias) = (want.dx, want.bias);
     let keep: &ConvReluPool<B> = indices.get().ok_or_else(|| {
         Error::Msg(
             "conv2d_relu_max_pool2_backward: the indices are not from this backend's forward"
@@ -333,8 +315,7 @@ pub fn layer_norm<B: ReduceOps + MapOps>(
     x: &B,
     l: &Layout,
     d: usize,
-    weight: Opt<'_, B>,
-    bias: Opt<'_, B>,
+    Affine { weight, bias }: Affine<'_, B>,
     eps: f64,
 ) -> Result<LayerNorm<B>> {
     let (dtype, c) = (x.dtype(), x.dtype().compute_type());
@@ -369,18 +350,15 @@ pub fn layer_norm<B: ReduceOps + MapOps>(
 /// The gradients of `layer_norm` from the closed form: with `xhat = (x - mean) · rstd` and
 /// `h = dy · weight`, `dx = rstd · (h - mean(h) - xhat · mean(h · xhat))` per row,
 /// `dweight = Σ_rows dy · xhat`, `dbias = Σ_rows dy`.
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward<B: ReduceOps + MapOps>(
     dy: &B,
     ldy: &Layout,
-    x: &B,
-    lx: &Layout,
+    (x, lx): View<'_, B>,
     d: usize,
-    mean: &B,
-    rstd: &B,
-    weight: Opt<'_, B>,
+    saved: Saved<'_, B>,
     dtypes: GradDTypes,
 ) -> Result<Grads<B>> {
+    let (mean, rstd, weight) = (saved.mean, saved.invstd, saved.weight);
     let c = x.dtype().compute_type();
     let rows = lx.numel().checked_div(d).unwrap_or(0);
     let (mut dc, mut xc) = (None, None);
@@ -481,17 +459,17 @@ fn update_running<B: MapOps>(running: (&B, &Layout), batch: &B, momentum: f64) -
 /// Var over the channel's values) in training, the running statistics otherwise;
 /// `invstd = (var + eps)^(-1/2)`; the output as `batch_norm_act_apply` without the ReLU;
 /// in training with running buffers, their update with the unbiased variance.
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm<B: NnOps + MapOps + ReduceOps>(
     x: &B,
     l: &Layout,
     g: BatchNormGeom,
-    weight: Opt<'_, B>,
-    bias: Opt<'_, B>,
+    affine: Affine<'_, B>,
     running: Running<'_, B>,
-    training: bool,
-    momentum: f64,
-    eps: f64,
+    BatchNormMode {
+        training,
+        momentum,
+        eps,
+    }: BatchNormMode,
 ) -> Result<BatchNorm<B>> {
     let c = x.dtype().compute_type();
     let flat = Layout::contiguous(&[g.c]);
@@ -521,7 +499,7 @@ pub fn batch_norm<B: NnOps + MapOps + ReduceOps>(
     let invstd =
         var.unary(&flat, UnaryOp::AddScalar(eps), c)?
             .unary(&flat, UnaryOp::PowScalar(-0.5), c)?;
-    let out = batch_norm_act_apply(x, l, g, &mean, &invstd, weight, bias, false)?;
+    let out = batch_norm_act_apply(x, l, g, (&mean, &invstd), affine, false)?;
     Ok(BatchNorm {
         out,
         mean,
@@ -533,19 +511,16 @@ pub fn batch_norm<B: NnOps + MapOps + ReduceOps>(
 /// The gradients of `batch_norm` (closed form): with `xhat = (x - mean) · invstd`,
 /// `dbias = Σ g`, `dweight = Σ g · xhat` per channel, and `dx = weight · invstd ·
 /// (g - mean(g) - xhat · mean(g · xhat))` in training (`weight · invstd · g` otherwise).
-#[allow(clippy::too_many_arguments)]
 pub fn batch_norm_backward<B: NnOps + MapOps + ReduceOps>(
     dy: &B,
     ldy: &Layout,
-    x: &B,
-    lx: &Layout,
+    (x, lx): View<'_, B>,
     g: BatchNormGeom,
-    mean: &B,
-    invstd: &B,
-    weight: Opt<'_, B>,
-    training: bool,
+    saved: Saved<'_, B>,
     dtypes: GradDTypes,
 ) -> Result<Grads<B>> {
+    let (mean, invstd, weight, training) =
+        (saved.mean, saved.invstd, saved.weight, saved.from_input);
     let c = x.dtype().compute_type();
     let (mut dc, mut xc) = (None, None);
     let (dy, doff) = row_major(dy, ldy, &mut dc)?;
@@ -598,14 +573,11 @@ pub fn batch_norm_backward<B: NnOps + MapOps + ReduceOps>(
 
 /// The gradient of `reduce` with `Var { correction }`: each run's mean (`reduce` Mean), the
 /// centred values times `2 / max(0, inner - correction)`, times the run's output gradient.
-#[allow(clippy::too_many_arguments)]
 pub fn var_backward<B: ReduceOps + MapOps>(
     x: &B,
     layout: &Layout,
-    g: &B,
-    lg: &Layout,
-    outer: usize,
-    inner: usize,
+    (g, lg): View<'_, B>,
+    (outer, inner): (usize, usize),
     correction: usize,
     out: DType,
 ) -> Result<B> {
@@ -689,8 +661,8 @@ pub fn where_backward<B: MapOps>(
     let z = zeros(cond, lg.numel(), out)?;
     let lz = Layout::contiguous(lg.shape());
     Ok((
-        cond.where_cond(lc, g, lg, &z, &lz, out)?,
-        cond.where_cond(lc, &z, &lz, g, lg, out)?,
+        cond.where_cond(lc, (g, lg), (&z, &lz), out)?,
+        cond.where_cond(lc, (&z, &lz), (g, lg), out)?,
     ))
 }
 

@@ -6,7 +6,8 @@
 //! not bit for bit. A backend overrides these with its fused kernel.
 
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
-use crate::backend::train::{AdamDecay, AdamScalars, SgdFlags, SgdScalars};
+use crate::backend::nn::View;
+use crate::backend::train::{AdamDecay, AdamScalars, AdamState, SgdFlags, SgdScalars};
 use crate::backend::BackendStorage;
 use crate::cpu::storage::CpuStorage;
 use crate::dtype::DType;
@@ -79,8 +80,7 @@ fn operands<B: MapOps>(op: &'static str, p: &B, lp: &Layout, g: &B, lg: &Layout)
 pub fn sgd_step<B: MapOps>(
     param: &mut B,
     lp: &Layout,
-    grad: &B,
-    lg: &Layout,
+    (grad, lg): View<'_, B>,
     buf: Option<&mut B>,
     s: &SgdScalars,
     f: SgdFlags,
@@ -121,15 +121,15 @@ pub fn sgd_step<B: MapOps>(
 /// L2 `g + wd·p`; `m = lerp(m, g, 1-β1)`; `v = β2·v + (1-β2)·g·g`; AMSGrad's running
 /// maximum; `denom = sqrt(v) / sqrt(1-β2^t) + eps`; `p = p + (-step·m) / denom`, rounded once
 /// into the parameter's dtype.
-#[allow(clippy::too_many_arguments)]
 pub fn adam_step<B: MapOps>(
     param: &mut B,
     lp: &Layout,
-    grad: &B,
-    lg: &Layout,
-    exp_avg: &mut B,
-    exp_avg_sq: &mut B,
-    max_exp_avg_sq: Option<&mut B>,
+    (grad, lg): View<'_, B>,
+    AdamState {
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq,
+    }: AdamState<'_, B>,
     k: &AdamScalars,
     decay: AdamDecay,
 ) -> Result<()> {

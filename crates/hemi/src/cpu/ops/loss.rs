@@ -1,7 +1,8 @@
 //! `LossOps` on the CPU: the targets read and checked, the inputs read in the compute type,
 //! the losses of `cpu::reduce::loss`, each result rounded once into the dtype asked for.
 
-use crate::backend::loss::{ClassLoss, ClassLossForward, LossOps, Reduction};
+use crate::backend::loss::{ClassLoss, ClassLossForward, ClassSaved, LossOps, Reduction};
+use crate::backend::nn::View;
 use crate::backend::reduce::Rows;
 use crate::cpu::reduce::loss::{class_loss, class_loss_grads, mse, mse_grads};
 use crate::cpu::storage::CpuStorage;
@@ -62,12 +63,10 @@ impl LossOps for CpuStorage {
     fn class_loss_backward(
         &self,
         lg: &Layout,
-        log_probs: Option<&Self>,
-        target: &Self,
-        lt: &Layout,
+        ClassSaved { log_probs, counted }: ClassSaved<'_, Self>,
+        (target, lt): View<'_, Self>,
         rows: Rows,
         loss: ClassLoss,
-        counted: usize,
         out: DType,
     ) -> Result<Self> {
         let targets = targets_of(target, lt, &loss, rows.len)?;

@@ -4,6 +4,7 @@
 //! rounded once into the dtype asked for.
 
 use crate::backend::map::{BinaryOp, MapOps, UnaryOp};
+use crate::backend::nn::View;
 use crate::cpu::chunked::{map1, map2, update2, Src};
 use crate::cpu::elementwise::map::{
     binary_chunk, binary_vec, dropout_factors, minmax_grads, unary_backward_chunk,
@@ -52,10 +53,8 @@ impl MapOps for CpuStorage {
     fn minmax_backward(
         &self,
         lg: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
+        (a, la): View<'_, Self>,
+        (b, lb): View<'_, Self>,
         op: BinaryOp,
         out: DType,
     ) -> Result<(Self, Self)> {
@@ -107,10 +106,8 @@ impl MapOps for CpuStorage {
     fn where_cond(
         &self,
         lc: &Layout,
-        a: &Self,
-        la: &Layout,
-        b: &Self,
-        lb: &Layout,
+        (a, la): View<'_, Self>,
+        (b, lb): View<'_, Self>,
         out: DType,
     ) -> Result<Self> {
         let mask = self.to_f64(lc);

@@ -6,8 +6,9 @@
 use std::borrow::Cow;
 
 use crate::backend::nn::{
-    AdaptivePool2dGeom, AttentionGeom, BatchNorm, BatchNormGeom, Conv2dGeom, GradDTypes, Grads,
-    Indices, LayerNorm, MaxPool2d, NnOps, Opt, Pool2dGeom, Running,
+    Act, ActSaved, AdaptivePool2dGeom, Affine, AttentionGeom, BatchNorm, BatchNormGeom,
+    BatchNormMode, BlockGrads, Conv2dGeom, GradDTypes, Grads, Indices, LayerNorm, MaxPool2d, NnOps,
+    Opt, Pool2dGeom, Qkv, Running, Saved, View,
 };
 use crate::cpu::gemm::matmul;
 use crate::cpu::storage::CpuStorage;
@@ -56,19 +57,17 @@ fn norm_grads<C: FloatDType>(
 }
 
 /// `NnOps::batch_norm_act` over F32/F16/BF16 elements `T` (the input's dtype).
-#[allow(clippy::too_many_arguments)]
 fn bn_act<T: WithDType>(
-    x: &CpuStorage,
-    l: &Layout,
+    (x, l): View<'_, CpuStorage>,
     g: BatchNormGeom,
-    residual: Opt<'_, CpuStorage>,
-    relu: bool,
-    weight: Opt<'_, CpuStorage>,
-    bias: Opt<'_, CpuStorage>,
+    Act { residual, relu }: Act<'_, CpuStorage>,
+    Affine { weight, bias }: Affine<'_, CpuStorage>,
     running: Running<'_, CpuStorage>,
-    training: bool,
-    momentum: f64,
-    eps: f64,
+    BatchNormMode {
+        training,
+        momentum,
+        eps,
+    }: BatchNormMode,
 ) -> Result<BatchNorm<CpuStorage>> {
     const OP: &str = "batch_norm_act";
     let xv = elems::<T>(x, l);
@@ -114,21 +113,16 @@ fn bn_act<T: WithDType>(
 }
 
 /// `NnOps::batch_norm_act_backward` over F32/F16/BF16 elements `T` (the input's dtype).
-#[allow(clippy::too_many_arguments)]
 fn bn_act_backward<T: WithDType>(
-    dy: &CpuStorage,
-    ldy: &Layout,
-    y: Opt<'_, CpuStorage>,
-    x: &CpuStorage,
-    lx: &Layout,
+    (dy, ldy): View<'_, CpuStorage>,
+    ActSaved { y, want_residual }: ActSaved<'_, CpuStorage>,
+    (x, lx): View<'_, CpuStorage>,
     g: BatchNormGeom,
-    mean: &CpuStorage,
-    invstd: &CpuStorage,
-    weight: Opt<'_, CpuStorage>,
-    training: bool,
+    saved: Saved<'_, CpuStorage>,
     (dx_dt, dw_dt, db_dt): GradDTypes,
-    want_residual: bool,
 ) -> Result<(Grads<CpuStorage>, Option<CpuStorage>)> {
+    let (mean, invstd, weight, training) =
+        (saved.mean, saved.invstd, saved.weight, saved.from_input);
     fn same<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [T]>> {
         s.elems::<T>(l)
             .ok_or_else(|| wrong_dtype("batch_norm_act_backward", s.dtype()))
@@ -176,9 +170,7 @@ fn slice<'a, T: WithDType>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T
 
 /// `NnOps::attention` on the CPU.
 fn attention(
-    q: (&CpuStorage, &Layout),
-    k: (&CpuStorage, &Layout),
-    v: (&CpuStorage, &Layout),
+    Qkv { q, k, v }: Qkv<'_, CpuStorage>,
     mask: Opt<'_, CpuStorage>,
     g: &AttentionGeom,
 ) -> Result<(CpuStorage, CpuStorage)> {
@@ -204,10 +196,8 @@ fn attention(
 
 /// `NnOps::attention_backward` on the CPU.
 fn attention_backward(
-    dout: (&CpuStorage, &Layout),
-    q: (&CpuStorage, &Layout),
-    k: (&CpuStorage, &Layout),
-    v: (&CpuStorage, &Layout),
+    dout: View<'_, CpuStorage>,
+    Qkv { q, k, v }: Qkv<'_, CpuStorage>,
     mask: Opt<'_, CpuStorage>,
     lse: &CpuStorage,
     g: &AttentionGeom,
@@ -374,14 +364,12 @@ impl NnOps for CpuStorage {
         &self,
         ldy: &Layout,
         indices: &Indices,
-        x: &Self,
-        lx: &Layout,
-        w: &Self,
-        lw: &Layout,
+        (x, lx): View<'_, Self>,
+        (w, lw): View<'_, Self>,
         g: &Conv2dGeom,
-        want_dx: bool,
-        has_bias: bool,
+        want: BlockGrads,
     ) -> Result<Grads<Self>> {
+        let (want_dx, has_bias) = (want.dx, want.bias);
         const OP: &str = "conv2d_relu_max_pool2_backward";
         let dtype = self.dtype();
         if x.dtype() != dtype || w.dtype() != dtype {
@@ -522,19 +510,26 @@ impl NnOps for CpuStorage {
         &self,
         l: &Layout,
         g: BatchNormGeom,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
+        affine: Affine<'_, Self>,
         running: Running<'_, Self>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
+        mode: BatchNormMode,
     ) -> Result<BatchNorm<Self>> {
         let dtype = self.dtype();
         if matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return self.batch_norm_act(
-                l, g, None, false, weight, bias, running, training, momentum, eps,
-            );
+            let act = Act {
+                residual: None,
+                relu: false,
+            };
+            return self.batch_norm_act(l, g, act, affine, running, mode);
         }
+        let (
+            Affine { weight, bias },
+            BatchNormMode {
+                training,
+                momentum,
+                eps,
+            },
+        ) = (affine, mode);
         Ok(crate::with_compute!(dtype, C => {
             let x = self.load::<C>(l);
             let (mean, var, new_running) = if training {
@@ -570,21 +565,21 @@ impl NnOps for CpuStorage {
     fn batch_norm_backward(
         &self,
         ldy: &Layout,
-        x: &Self,
-        lx: &Layout,
+        (x, lx): View<'_, Self>,
         g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        training: bool,
+        saved: Saved<'_, Self>,
         dtypes: GradDTypes,
     ) -> Result<Grads<Self>> {
         if matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) && self.dtype() == x.dtype() {
-            let (grads, _) = self.batch_norm_act_backward(
-                ldy, None, x, lx, g, mean, invstd, weight, training, dtypes, false,
-            )?;
+            let act = ActSaved {
+                y: None,
+                want_residual: false,
+            };
+            let (grads, _) = self.batch_norm_act_backward(ldy, act, (x, lx), g, saved, dtypes)?;
             return Ok(grads);
         }
+        let (mean, invstd, weight, training) =
+            (saved.mean, saved.invstd, saved.weight, saved.from_input);
         Ok(crate::with_compute!(x.dtype(), C => {
             let (gv, xv) = (self.load::<C>(ldy), x.load::<C>(lx));
             let wv = weight.map(|(w, l)| w.load::<C>(l));
@@ -606,47 +601,36 @@ impl NnOps for CpuStorage {
         &self,
         l: &Layout,
         g: BatchNormGeom,
-        residual: Opt<'_, Self>,
-        relu: bool,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
+        act: Act<'_, Self>,
+        affine: Affine<'_, Self>,
         running: Running<'_, Self>,
-        training: bool,
-        momentum: f64,
-        eps: f64,
+        mode: BatchNormMode,
     ) -> Result<BatchNorm<Self>> {
         with_f32_or_half!(self.dtype(), T => bn_act::<T>(
-            self, l, g, residual, relu, weight, bias, running, training, momentum, eps,
+            (self, l), g, act, affine, running, mode,
         ), _ => Err(wrong_dtype("batch_norm_act", self.dtype())))
     }
 
     fn batch_norm_act_backward(
         &self,
         ldy: &Layout,
-        y: Opt<'_, Self>,
-        x: &Self,
-        lx: &Layout,
+        act: ActSaved<'_, Self>,
+        x: View<'_, Self>,
         g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        training: bool,
+        saved: Saved<'_, Self>,
         dtypes: GradDTypes,
-        want_residual: bool,
     ) -> Result<(Grads<Self>, Option<Self>)> {
-        with_f32_or_half!(x.dtype(), T => bn_act_backward::<T>(
-            self, ldy, y, x, lx, g, mean, invstd, weight, training, dtypes, want_residual,
-        ), _ => Err(wrong_dtype("batch_norm_act_backward", x.dtype())))
+        with_f32_or_half!(x.0.dtype(), T => bn_act_backward::<T>(
+            (self, ldy), act, x, g, saved, dtypes,
+        ), _ => Err(wrong_dtype("batch_norm_act_backward", x.0.dtype())))
     }
 
     fn batch_norm_act_apply(
         &self,
         l: &Layout,
         g: BatchNormGeom,
-        mean: &Self,
-        invstd: &Self,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
+        (mean, invstd): (&Self, &Self),
+        Affine { weight, bias }: Affine<'_, Self>,
         relu: bool,
     ) -> Result<Self> {
         let (wv, bv) = (
@@ -669,8 +653,7 @@ impl NnOps for CpuStorage {
         &self,
         l: &Layout,
         d: usize,
-        weight: Opt<'_, Self>,
-        bias: Opt<'_, Self>,
+        Affine { weight, bias }: Affine<'_, Self>,
         eps: f64,
     ) -> Result<LayerNorm<Self>> {
         let dtype = self.dtype();
@@ -690,14 +673,12 @@ impl NnOps for CpuStorage {
     fn layer_norm_backward(
         &self,
         ldy: &Layout,
-        x: &Self,
-        lx: &Layout,
+        (x, lx): View<'_, Self>,
         d: usize,
-        mean: &Self,
-        rstd: &Self,
-        weight: Opt<'_, Self>,
+        saved: Saved<'_, Self>,
         dtypes: GradDTypes,
     ) -> Result<Grads<Self>> {
+        let (mean, rstd, weight) = (saved.mean, saved.invstd, saved.weight);
         Ok(crate::with_compute!(x.dtype(), C => {
             let (gv, xv) = (self.load::<C>(ldy), x.load::<C>(lx));
             let wv = weight.map(|(w, l)| w.load::<C>(l));
@@ -717,26 +698,30 @@ impl NnOps for CpuStorage {
     fn attention(
         &self,
         lq: &Layout,
-        k: &Self,
-        lk: &Layout,
-        v: &Self,
-        lv: &Layout,
+        k: View<'_, Self>,
+        v: View<'_, Self>,
         mask: Opt<'_, Self>,
         g: &AttentionGeom,
     ) -> Result<(Self, Self)> {
-        attention((self, lq), (k, lk), (v, lv), mask, g)
+        attention(
+            Qkv {
+                q: (self, lq),
+                k,
+                v,
+            },
+            mask,
+            g,
+        )
     }
 
     fn attention_backward(
         &self,
         ldout: &Layout,
-        q: (&Self, &Layout),
-        k: (&Self, &Layout),
-        v: (&Self, &Layout),
+        qkv: Qkv<'_, Self>,
         mask: Opt<'_, Self>,
         lse: &Self,
         g: &AttentionGeom,
     ) -> Result<(Self, Self, Self)> {
-        attention_backward((self, ldout), q, k, v, mask, lse, g)
+        attention_backward((self, ldout), qkv, mask, lse, g)
     }
 }

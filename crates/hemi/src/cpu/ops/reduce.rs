@@ -1,6 +1,7 @@
 //! `ReduceOps` on the CPU: each primitive reads its inputs in the compute type and hands
 //! them to the reductions (`cpu::reduce`), each result rounded once into the dtype asked for.
 
+use crate::backend::nn::View;
 use crate::backend::reduce::{ReduceOp, ReduceOps, Rows};
 use crate::cpu::reduce::{
     extreme_grads, extreme_rows, extreme_rows_grads, reduce_as, softmax_backward_rows,
@@ -28,12 +29,9 @@ impl ReduceOps for CpuStorage {
     fn extreme_backward(
         &self,
         layout: &Layout,
-        m: &Self,
-        lm: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
+        (m, lm): View<'_, Self>,
+        (g, lg): View<'_, Self>,
+        (outer, inner): (usize, usize),
         out: DType,
     ) -> Result<Self> {
         Ok(crate::with_compute!(out, D => {
@@ -45,10 +43,8 @@ impl ReduceOps for CpuStorage {
     fn var_backward(
         &self,
         layout: &Layout,
-        g: &Self,
-        lg: &Layout,
-        outer: usize,
-        inner: usize,
+        (g, lg): View<'_, Self>,
+        (outer, inner): (usize, usize),
         correction: usize,
         out: DType,
     ) -> Result<Self> {

@@ -3,8 +3,9 @@
 //! on the parameter and its state buffers), handing the values to the kernels of
 //! `cpu::elementwise::{amp, optim}`.
 
+use crate::backend::nn::View;
 use crate::backend::train::{
-    AdamDecay, AdamScalars, AmpOps, Log2Histogram, OptimOps, SgdFlags, SgdScalars,
+    AdamDecay, AdamScalars, AdamState, AmpOps, Log2Histogram, OptimOps, SgdFlags, SgdScalars,
 };
 use crate::cpu::elementwise::amp::{
     log2_histogram, norm_partial, range_counts, scale_in_place, stochastic_bf16, stochastic_f16,
@@ -184,8 +185,7 @@ impl OptimOps for CpuStorage {
     fn sgd_step(
         &mut self,
         lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
+        (grad, lg): View<'_, Self>,
         buf: Option<&mut Self>,
         s: &SgdScalars,
         f: SgdFlags,
@@ -218,11 +218,12 @@ impl OptimOps for CpuStorage {
     fn adam_step(
         &mut self,
         lp: &Layout,
-        grad: &Self,
-        lg: &Layout,
-        exp_avg: &mut Self,
-        exp_avg_sq: &mut Self,
-        max_exp_avg_sq: Option<&mut Self>,
+        (grad, lg): View<'_, Self>,
+        AdamState {
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        }: AdamState<'_, Self>,
         k: &AdamScalars,
         decay: AdamDecay,
     ) -> Result<()> {

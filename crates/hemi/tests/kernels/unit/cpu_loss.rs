@@ -3,7 +3,7 @@
 //! A strided target layout and half logits straight into the primitives, against an
 //! f64 reference.
 use half::f16;
-use hemi::backend::loss::{ClassLoss, LossOps, Reduction};
+use hemi::backend::loss::{ClassLoss, ClassSaved, LossOps, Reduction};
 use hemi::backend::reduce::Rows;
 use hemi::cpu::storage::CpuStorage;
 use hemi::dtype::DType;
@@ -52,12 +52,13 @@ fn class_loss_reads_a_strided_target_and_its_backward_sums_to_zero() {
     let gi = g
         .class_loss_backward(
             &Layout::contiguous(&[1]),
-            f.log_probs.as_ref(),
-            &target,
-            &lt,
+            ClassSaved {
+                log_probs: f.log_probs.as_ref(),
+                counted: f.counted,
+            },
+            (&target, &lt),
             rows,
             loss,
-            f.counted,
             DType::F64,
         )
         .unwrap();

@@ -115,7 +115,9 @@ fn where_and_its_backward_with_a_broadcast_condition() {
     let b = CpuStorage::from_vec(vec![-1.0f32]);
     let lb = Layout::new(vec![2, 3], vec![0, 0], 0);
     let la = Layout::contiguous(&[2, 3]);
-    let y = cond.where_cond(&lc, &a, &la, &b, &lb, DType::F64).unwrap();
+    let y = cond
+        .where_cond(&lc, (&a, &la), (&b, &lb), DType::F64)
+        .unwrap();
     assert_eq!(
         y.as_slice::<f64>().unwrap(),
         &[0.0, -1.0, 2.0, 3.0, -1.0, 5.0]
@@ -140,7 +142,7 @@ fn minmax_backward_splits_ties_with_a_broadcast_input() {
     let l = Layout::contiguous(&[4]);
     let lb = Layout::new(vec![4], vec![0], 0);
     let (ga, gb) = g
-        .minmax_backward(&l, &a, &l, &b, &lb, BinaryOp::Maximum, DType::F32)
+        .minmax_backward(&l, (&a, &l), (&b, &lb), BinaryOp::Maximum, DType::F32)
         .unwrap();
     assert_eq!(ga.as_slice::<f32>().unwrap(), &[0.0, 1.0, 0.0, 2.0]);
     assert_eq!(gb.as_slice::<f32>().unwrap(), &[2.0, 1.0, 2.0, 0.0]);

@@ -66,7 +66,7 @@ fn extreme_backward_splits_ties_in_a_permuted_layout() {
     let g = CpuStorage::from_vec(vec![1.0f32, 2.0, 3.0, 4.0]);
     let c = Layout::contiguous(&[4]);
     let gi = s
-        .extreme_backward(&l, &m, &c, &g, &c, 4, 3, DType::F32)
+        .extreme_backward(&l, (&m, &c), (&g, &c), (4, 3), DType::F32)
         .unwrap();
     // Row-major in the permuted order: rows (x[0], x[2], x[4]) = (1, 3, 3) share 1.
     let want = [0.0, 0.5, 0.5, 2.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0, 0.0, 0.0];
