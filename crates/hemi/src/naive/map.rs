@@ -29,7 +29,7 @@ fn slope(op: UnaryOp, s: f64) -> f64 {
         UnaryOp::Sqrt => 0.5 / s,
         UnaryOp::Sigmoid => s * (1.0 - s),
         UnaryOp::Tanh => 1.0 - s * s,
-        UnaryOp::PowScalar(p) if p == 0.0 => 0.0,
+        UnaryOp::PowScalar(0.0) => 0.0,
         op => op.derivative(s),
     }
 }

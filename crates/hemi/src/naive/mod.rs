@@ -14,12 +14,13 @@
 //!   device's buffer and each loop by a kernel, and the models train (DEVELOPERS.md,
 //!   "Adding a backend").
 //!
-//! The primitives written here (24): `BackendStorage`'s `device`, `dtype`, `len`,
-//! `copy_strided`, `cast`, `download`, `upload`; `MapOps`' `binary`, `minmax_backward`,
-//! `unary`, `unary_backward`, `where_cond`, `dropout_mask`; `ReduceOps`' `reduce`,
-//! `extreme_backward`, `extreme_dim`, `extreme_dim_backward`; `NnOps`' `matmul`, `conv2d`,
-//! `conv2d_backward_input`, `conv2d_backward_weight`, `max_pool2d`, `max_pool2d_backward`;
-//! `IndexOps`' `index_select`, `index_add_zeros`, `cat`; `AmpOps`' `round_into`.
+//! The primitives written here, 24 besides `BackendStorage`'s accessors `device`, `dtype`
+//! and `len`: `BackendStorage`'s `copy_strided`, `cast`, `download`, `upload`; `MapOps`'
+//! `binary`, `minmax_backward`, `unary`, `unary_backward`, `where_cond`, `dropout_mask`;
+//! `ReduceOps`' `reduce`, `extreme_backward`, `extreme_dim`, `extreme_dim_backward`;
+//! `NnOps`' `matmul`, `conv2d`, `conv2d_backward_input`, `conv2d_backward_weight`,
+//! `max_pool2d`, `max_pool2d_backward`; `IndexOps`' `index_select`, `index_add_zeros`,
+//! `cat`; `AmpOps`' `round_into`.
 //!
 //! Arithmetic, as each primitive's doc says, read the simplest way:
 //!

@@ -471,7 +471,7 @@ fn dropout(dtype: DType) {
         for p in [0.1, 0.5, 1.0] {
             same(
                 &format!("dropout p={p} {view:?}"),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Bits,
                 Agree::Bits,
                 |t| {
@@ -501,28 +501,44 @@ fn reductions(dtype: DType) {
         for (name, dims, n) in sums {
             let keep = dims.len() == 1;
             let tol = Agree::Terms(n);
-            same(&at(&format!("sum {name}")), &[x.clone()], tol, tol, |t| {
-                one(t[0].sum(dims, keep))
-            });
-            same(&at(&format!("mean {name}")), &[x.clone()], tol, tol, |t| {
-                one(t[0].mean(dims, keep))
-            });
-            same(&at(&format!("var {name}")), &[x.clone()], tol, tol, |t| {
-                one(t[0].var(dims, 1, keep))
-            });
-            same(&at(&format!("var0 {name}")), &[x.clone()], tol, tol, |t| {
-                one(t[0].var(dims, 0, !keep))
-            });
+            same(
+                &at(&format!("sum {name}")),
+                std::slice::from_ref(&x),
+                tol,
+                tol,
+                |t| one(t[0].sum(dims, keep)),
+            );
+            same(
+                &at(&format!("mean {name}")),
+                std::slice::from_ref(&x),
+                tol,
+                tol,
+                |t| one(t[0].mean(dims, keep)),
+            );
+            same(
+                &at(&format!("var {name}")),
+                std::slice::from_ref(&x),
+                tol,
+                tol,
+                |t| one(t[0].var(dims, 1, keep)),
+            );
+            same(
+                &at(&format!("var0 {name}")),
+                std::slice::from_ref(&x),
+                tol,
+                tol,
+                |t| one(t[0].var(dims, 0, !keep)),
+            );
             same(
                 &at(&format!("max {name}")),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Bits,
                 Agree::Bits,
                 |t| one(t[0].max(dims, keep)),
             );
             same(
                 &at(&format!("min {name}")),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Bits,
                 Agree::Bits,
                 |t| one(t[0].min(dims, keep)),
@@ -530,14 +546,14 @@ fn reductions(dtype: DType) {
         }
         same(
             &at("sum_all"),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             Agree::Terms(120),
             Agree::Bits,
             |t| one(t[0].sum_all()),
         );
         same(
             &at("mean_all"),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             Agree::Terms(120),
             Agree::Bits,
             |t| one(t[0].mean_all()),
@@ -545,7 +561,7 @@ fn reductions(dtype: DType) {
         for dim in [0, 1, -1] {
             same(
                 &at(&format!("max_dim {dim}")),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Bits,
                 Agree::Bits,
                 |t| {
@@ -555,7 +571,7 @@ fn reductions(dtype: DType) {
             );
             same(
                 &at(&format!("min_dim {dim}")),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Bits,
                 Agree::Bits,
                 |t| {
@@ -577,10 +593,16 @@ fn reductions(dtype: DType) {
         x.values[r * 8 + 5] = 1.0;
         x.values[r * 8 + 6] = -1.0;
     }
-    same("max ties", &[x.clone()], Agree::Bits, Agree::Bits, |t| {
-        let (v, i) = t[0].max_dim(1, false)?;
-        Ok(vec![t[0].max(&[1], false)?, v, i])
-    });
+    same(
+        "max ties",
+        std::slice::from_ref(&x),
+        Agree::Bits,
+        Agree::Bits,
+        |t| {
+            let (v, i) = t[0].max_dim(1, false)?;
+            Ok(vec![t[0].max(&[1], false)?, v, i])
+        },
+    );
     same("min ties", &[x], Agree::Bits, Agree::Bits, |t| {
         one(t[0].min(&[0, 1], false))
     });
@@ -595,14 +617,14 @@ fn softmaxes(dtype: DType) {
             let n = if dim == 1 { 9 } else { 7 };
             same(
                 &format!("softmax {dim} {view:?}"),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Terms(n),
                 Agree::Terms(n),
                 |t| one(t[0].softmax(dim)),
             );
             same(
                 &format!("log_softmax {dim} {view:?}"),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 Agree::Terms(n),
                 Agree::Terms(n),
                 |t| one(t[0].log_softmax(dim)),
@@ -1031,7 +1053,8 @@ fn mixing_devices_is_an_error() {
     let naive = cpu.to_device(Device::Naive).unwrap();
     assert_eq!(naive.device(), Device::Naive);
     assert_eq!(naive.to_vec_f64(), cpu.to_vec_f64());
-    let ops: [(&str, Box<dyn Fn() -> Result<Tensor>>); 5] = [
+    type Op<'a> = (&'a str, Box<dyn Fn() -> Result<Tensor> + 'a>);
+    let ops: [Op; 5] = [
         ("add", Box::new(|| cpu.add(&naive))),
         ("matmul", Box::new(|| naive.matmul(&cpu))),
         ("where", Box::new(|| Tensor::where_cond(&cpu, &naive, &cpu))),
