@@ -1,13 +1,13 @@
-//! Where a tensor's storage lives: the CPU, or a CUDA GPU by ordinal. Every tensor carries
-//! its device; ops refuse to mix devices (`Device::check_same`), and `Tensor::to_device`
-//! moves data between them.
+//! Where a tensor's storage lives: the CPU, a CUDA GPU by ordinal, or the naive reference
+//! backend. Every tensor carries its device; ops refuse to mix devices (`Device::check_same`),
+//! and `Tensor::to_device` moves data between them.
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// A device: the host CPU, or CUDA GPU number `n` (`cuda:n`).
+/// A device: the host CPU, CUDA GPU number `n` (`cuda:n`), or the naive backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub enum Device {
     /// The host CPU (the default).
@@ -15,6 +15,11 @@ pub enum Device {
     Cpu,
     /// CUDA GPU number `n` (`cuda:n`); needs the `cuda` feature.
     Cuda(usize),
+    /// The naive reference backend (`naive`, `crate::naive`): host memory, every primitive a
+    /// plain scalar loop in f64 rounded into the dtype, implementing only the basic
+    /// primitives (the rest are the default compositions). Slow on purpose: tests hold the
+    /// CPU backend to it, and a new backend starts from a copy of it (DEVELOPERS.md).
+    Naive,
 }
 
 impl Device {
@@ -49,6 +54,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Naive => f.write_str("naive"),
         }
     }
 }
@@ -56,16 +62,20 @@ impl fmt::Display for Device {
 impl FromStr for Device {
     type Err = Error;
 
-    /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does.
+    /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does, and
+    /// `naive` (the reference backend).
     fn from_str(s: &str) -> Result<Device> {
         let bad = |why: &str| {
             Error::device(
                 "device",
-                format!("cannot parse {s:?} as a device ({why}); expected cpu, cuda or cuda:N"),
+                format!(
+                    "cannot parse {s:?} as a device ({why}); expected cpu, cuda, cuda:N or naive"
+                ),
             )
         };
         match s.trim() {
             "cpu" => Ok(Device::Cpu),
+            "naive" => Ok(Device::Naive),
             "cuda" | "gpu" => Ok(Device::Cuda(0)),
             t => match t.strip_prefix("cuda:") {
                 Some(n) => n

@@ -162,6 +162,7 @@ pub mod dtype;
 pub mod error;
 pub mod io;
 pub mod models;
+pub mod naive;
 pub mod nn;
 pub mod ops;
 pub mod optim;

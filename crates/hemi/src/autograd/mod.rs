@@ -124,7 +124,7 @@ fn reverse_topo(root: &Tensor) -> Vec<Tensor> {
     order
 }
 
-/// The output gradient of a scalar `root`: ones of its shape.
+/// The output gradient of a scalar `root`: ones of its shape, on its device.
 fn scalar_seed(root: &Tensor) -> Result<Tensor> {
     if root.numel() != 1 {
         return Err(Error::Autograd(format!(
@@ -132,7 +132,7 @@ fn scalar_seed(root: &Tensor) -> Result<Tensor> {
             root.shape()
         )));
     }
-    Tensor::ones(root.shape(), root.dtype())
+    Tensor::ones(root.shape(), root.dtype())?.to_device(root.device())
 }
 
 pub(crate) fn backward(root: &Tensor) -> Result<()> {
@@ -168,14 +168,14 @@ pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
             output.shape()
         )));
     }
-    let seed = Tensor::ones(output.shape(), output.dtype())?;
+    let seed = Tensor::ones(output.shape(), output.dtype())?.to_device(output.device())?;
     let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
     let mut found = sweep(output, seed, Some(&wanted), true)?;
     inputs
         .iter()
         .map(|t| match found.remove(&t.id()) {
             Some(g) => Ok(g),
-            None => Tensor::zeros(t.shape(), t.dtype()),
+            None => t.zeros_like(),
         })
         .collect()
 }

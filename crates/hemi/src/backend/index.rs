@@ -1,9 +1,10 @@
 //! Indexing primitives: gathers of whole rows along a dim (embedding lookups,
 //! `index_select`), their scatter-add backward, and concatenation.
 
-use super::declare::primitives;
+use super::declare::{primitives, Peer};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::tensor::storage::dispatch;
 use crate::tensor::{Layout, Storage};
 
 /// A tensor seen as `[outer, size, inner]` around the indexed dim.
@@ -63,20 +64,20 @@ impl Storage {
                 format!("inputs on {} and {}", first.device(), other.device()),
             ));
         }
-        #[allow(unreachable_patterns)]
-        match first {
-            Storage::Cpu(_) => {
-                let cpu: Vec<_> = parts
-                    .iter()
-                    .map(|(s, l)| match s {
-                        Storage::Cpu(c) => (c, *l),
-                        _ => unreachable!("devices checked above"),
-                    })
-                    .collect();
-                Ok(Storage::Cpu(crate::cpu::storage::CpuStorage::cat(
-                    &cpu, outer, lens, inner,
-                )?))
-            }
+        /// `B::cat` over the parts, each brought to `first`'s backend `B`.
+        fn on<B: IndexOps + Into<Storage>>(
+            first: &B,
+            parts: &[(&Storage, &Layout)],
+            outer: usize,
+            lens: &[usize],
+            inner: usize,
+        ) -> Result<Storage> {
+            let bufs = parts
+                .iter()
+                .map(|&(s, l)| Ok((Peer::<B>::peer(s, "cat", first)?, l)))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(B::cat(&bufs, outer, lens, inner)?.into())
         }
+        dispatch!(*first, s => on(s, parts, outer, lens, inner))
     }
 }

@@ -364,6 +364,6 @@ impl Storage {
         fn on<B: MapOps>(_: &B, n: usize, p: f64, rng: &mut Generator, dt: DType) -> Result<B> {
             B::dropout_mask(n, p, rng, dt)
         }
-        Ok(dispatch!(self, s => wrap!(self, on(s, n, p, rng, dtype)?)))
+        Ok(dispatch!(self, s => wrap!(on(s, n, p, rng, dtype)?)))
     }
 }

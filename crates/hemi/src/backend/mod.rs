@@ -1,7 +1,8 @@
 //! The backend boundary: what a device's buffer must provide for the ops above it.
 //!
-//! Each backend (`cpu/`, and `cuda/` behind the `cuda` feature) has one buffer type that
-//! implements `BackendStorage`; `tensor::Storage` is the enum over them and dispatches each
+//! Each backend (`cpu/`; `naive/`, the plain-loops reference that writes only the basic
+//! primitives; `cuda/` behind the `cuda` feature) has one buffer type that implements
+//! `BackendStorage`; `tensor::Storage` is the enum over them and dispatches each
 //! call. Every primitive takes the layouts of its inputs (shape, strides, offset), so views
 //! need no copy before a kernel, and returns a new contiguous buffer on the same device.
 //! Ops validate shapes and dtypes, apply autocast and promotion, and record backward before

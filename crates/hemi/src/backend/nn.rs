@@ -637,7 +637,8 @@ primitives! {
         }
 
         /// Layer normalisation of the rows of `d` values of this buffer, in its dtype,
-        /// statistics in its compute type, then `* weight + bias` (each `[d]`).
+        /// statistics in its compute type, then `* weight + bias` (each of the normalized
+        /// shape, `d` values read row-major through its layout, whatever its rank).
         fn layer_norm(
             &self,
             l: &Layout,

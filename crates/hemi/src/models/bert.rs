@@ -528,7 +528,7 @@ impl BertEmbeddings {
                 format!("sequence length {l} exceeds max_position_embeddings {max}"),
             ));
         }
-        let positions = Tensor::arange(0.0, l as f64, 1.0, DType::I64)?;
+        let positions = Tensor::arange(0.0, l as f64, 1.0, DType::I64)?.to_device(ids.device())?;
         let x = self
             .word_embeddings
             .forward(ids)?
@@ -805,8 +805,8 @@ impl BertModel {
                 ),
             ));
         }
-        let ones = Tensor::ones(ids.shape(), DType::I64)?;
-        let zeros = Tensor::zeros(ids.shape(), DType::I64)?;
+        let ones = Tensor::ones(ids.shape(), DType::I64)?.to_device(ids.device())?;
+        let zeros = Tensor::zeros(ids.shape(), DType::I64)?.to_device(ids.device())?;
         self.forward_text(ids, &ones, &zeros)
     }
 
@@ -928,8 +928,8 @@ impl BertForSequenceClassification {
 
 impl Module for BertForSequenceClassification {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ones = Tensor::ones(x.shape(), DType::I64)?;
-        let zeros = Tensor::zeros(x.shape(), DType::I64)?;
+        let ones = Tensor::ones(x.shape(), DType::I64)?.to_device(x.device())?;
+        let zeros = Tensor::zeros(x.shape(), DType::I64)?.to_device(x.device())?;
         self.forward_text(x, &ones, &zeros)
     }
     fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {
@@ -1023,8 +1023,8 @@ impl BertForMaskedLM {
 
 impl Module for BertForMaskedLM {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ones = Tensor::ones(x.shape(), DType::I64)?;
-        let zeros = Tensor::zeros(x.shape(), DType::I64)?;
+        let ones = Tensor::ones(x.shape(), DType::I64)?.to_device(x.device())?;
+        let zeros = Tensor::zeros(x.shape(), DType::I64)?.to_device(x.device())?;
         self.forward_text(x, &ones, &zeros)
     }
     fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {

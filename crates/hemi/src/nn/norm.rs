@@ -165,8 +165,9 @@ impl BatchNorm2d {
         let training = self.training.load(Ordering::Relaxed);
         if training {
             let n = self.num_batches_tracked.to_vec_i64()[0];
+            let count = Tensor::from_vec(vec![n + 1], &[])?;
             self.num_batches_tracked
-                .set_data(&Tensor::from_vec(vec![n + 1], &[])?)?;
+                .set_data(&count.to_device(self.num_batches_tracked.device())?)?;
         }
         Ok(training)
     }

@@ -256,7 +256,7 @@ impl Tensor {
 
     /// `value` where `mask` is nonzero, `self` elsewhere (`mask` broadcasts to `self`).
     pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
-        let fill = Tensor::scalar(value, self.dtype());
+        let fill = Tensor::scalar(value, self.dtype()).to_device(self.device())?;
         let out = Tensor::where_cond(mask, &fill, self)?;
         if out.shape() != self.shape() {
             return Err(Error::shape(

@@ -74,14 +74,14 @@ impl Tensor {
         Tensor::full(shape, 1.0, dtype)
     }
 
-    /// Zeros of this tensor's shape and dtype (`torch.zeros_like`).
+    /// Zeros of this tensor's shape and dtype, on its device (`torch.zeros_like`).
     pub fn zeros_like(&self) -> Result<Tensor> {
-        Tensor::zeros(self.shape(), self.dtype())
+        Tensor::zeros(self.shape(), self.dtype())?.to_device(self.device())
     }
 
-    /// Ones of this tensor's shape and dtype (`torch.ones_like`).
+    /// Ones of this tensor's shape and dtype, on its device (`torch.ones_like`).
     pub fn ones_like(&self) -> Result<Tensor> {
-        Tensor::ones(self.shape(), self.dtype())
+        Tensor::ones(self.shape(), self.dtype())?.to_device(self.device())
     }
 
     /// `start, start+step, ...` below `end` (as `torch.arange`), one-dimensional.

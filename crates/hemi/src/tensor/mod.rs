@@ -405,17 +405,30 @@ impl Tensor {
 
     // ----- reading values back -----------------------------------------------------------
 
+    /// `f` of the whole storage in host memory: borrowed on the CPU, downloaded from another
+    /// device (a failed download is a bug of that backend: the values are gone, so it panics).
+    fn with_host<R>(&self, f: impl FnOnce(&CpuStorage) -> R) -> R {
+        let storage = self.storage();
+        match storage.to_cpu() {
+            Ok(h) => f(&h),
+            Err(e) => panic!(
+                "reading a tensor on {} back to the host: {e}",
+                self.device()
+            ),
+        }
+    }
+
     /// All elements in row-major order, converted to F32.
     pub fn to_vec_f32(&self) -> Vec<f32> {
-        self.storage().as_cpu().to_f32(self.layout()).into_owned()
+        self.with_host(|h| h.to_f32(self.layout()).into_owned())
     }
     /// All elements in row-major order, converted to F64 (exact for every float dtype).
     pub fn to_vec_f64(&self) -> Vec<f64> {
-        self.storage().as_cpu().to_f64(self.layout()).into_owned()
+        self.with_host(|h| h.to_f64(self.layout()).into_owned())
     }
     /// All elements in row-major order as i64 (floats truncate).
     pub fn to_vec_i64(&self) -> Vec<i64> {
-        self.storage().as_cpu().to_i64(self.layout()).into_owned()
+        self.with_host(|h| h.to_i64(self.layout()).into_owned())
     }
     /// All elements as their own Rust type; errors if `T` is not the tensor's dtype.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {

@@ -3,7 +3,9 @@
 //! backend's implementation of `BackendStorage` (`crate::backend`); nothing above matches on
 //! a backend's own buffer type.
 //!
-//! A CUDA variant joins `Cpu` behind the `cuda` feature once its kernels implement the trait.
+//! `Naive` is the reference backend (`crate::naive`): plain loops over f64 values, the
+//! template for a new backend. A CUDA variant joins them behind the `cuda` feature once its
+//! kernels implement the trait.
 
 use std::borrow::Cow;
 
@@ -12,6 +14,7 @@ use crate::cpu::storage::CpuStorage;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::naive::NaiveStorage;
 use crate::tensor::Layout;
 
 /// A tensor's buffer on one device.
@@ -19,6 +22,8 @@ use crate::tensor::Layout;
 pub enum Storage {
     /// A buffer in host memory.
     Cpu(CpuStorage),
+    /// A buffer of the naive reference backend (`Device::Naive`).
+    Naive(NaiveStorage),
 }
 
 impl From<CpuStorage> for Storage {
@@ -27,24 +32,31 @@ impl From<CpuStorage> for Storage {
     }
 }
 
-/// Runs `$body` with `$s` bound to the backend buffer inside `$storage`. Use `Storage::Cpu`
-/// in `$body` only through `wrap!`, so a new variant needs no edit at the call sites.
+impl From<NaiveStorage> for Storage {
+    fn from(s: NaiveStorage) -> Storage {
+        Storage::Naive(s)
+    }
+}
+
+/// Runs `$body` with `$s` bound to the backend buffer inside `$storage` (`$body` is compiled
+/// once per variant, each time with `$s` of that backend's type). Name no variant in
+/// `$body`: wrap a backend buffer with `wrap!`, so a new variant needs no edit at the call
+/// sites.
 macro_rules! dispatch {
     ($storage:expr, $s:ident => $body:expr) => {
         match $storage {
             $crate::tensor::Storage::Cpu($s) => $body,
+            $crate::tensor::Storage::Naive($s) => $body,
         }
     };
 }
 pub(crate) use dispatch;
 
-/// A backend buffer wrapped back into the `Storage` variant of `$like` (the storage the
-/// primitive was called on).
+/// A backend buffer wrapped into its `Storage` variant (every backend's buffer type has a
+/// `From` into `Storage`).
 macro_rules! wrap {
-    ($like:expr, $buf:expr) => {
-        match $like {
-            $crate::tensor::Storage::Cpu(_) => $crate::tensor::Storage::Cpu($buf),
-        }
+    ($buf:expr) => {
+        $crate::tensor::Storage::from($buf)
     };
 }
 pub(crate) use wrap;
@@ -78,19 +90,22 @@ impl Storage {
     /// The elements addressed by `layout`, copied into a new contiguous buffer on the same
     /// device.
     pub fn copy_strided(&self, layout: &Layout) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, BackendStorage::copy_strided(s, layout)?)))
+        Ok(dispatch!(self, s => wrap!(BackendStorage::copy_strided(s, layout)?)))
     }
 
     /// The elements addressed by `layout` converted to `dtype` (contiguous, same device):
     /// round-to-nearest-even, overflow to ±inf, NaN kept.
     pub fn cast(&self, layout: &Layout, dtype: DType) -> Result<Storage> {
-        Ok(dispatch!(self, s => wrap!(self, BackendStorage::cast(s, layout, dtype)?)))
+        Ok(dispatch!(self, s => wrap!(BackendStorage::cast(s, layout, dtype)?)))
     }
 
     /// The whole buffer as a host buffer: borrowed on the CPU, copied from other devices.
     pub fn to_cpu(&self) -> Result<Cow<'_, CpuStorage>> {
         match self {
             Storage::Cpu(s) => Ok(Cow::Borrowed(s)),
+            other => dispatch!(other, s => {
+                Ok(Cow::Owned(s.download(&Layout::contiguous(&[s.len()]))?))
+            }),
         }
     }
 
@@ -98,6 +113,7 @@ impl Storage {
     pub fn into_cpu(self) -> Result<CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s),
+            other => Ok(other.to_cpu()?.into_owned()),
         }
     }
 
@@ -120,6 +136,9 @@ impl Storage {
         let host = self.to_cpu()?;
         match device {
             Device::Cpu => Ok(Storage::Cpu(host.into_owned())),
+            Device::Naive => Ok(Storage::Naive(
+                NaiveStorage::empty(host.dtype()).upload(&host)?,
+            )),
             Device::Cuda(_) => Err(crate::error::Error::device(
                 "to_device",
                 if cfg!(feature = "cuda") {
@@ -134,14 +153,6 @@ impl Storage {
                     )
                 },
             )),
-        }
-    }
-
-    /// The host buffer of a CPU storage, for kernels not yet behind `BackendStorage`.
-    /// Transitional: each remaining call is an op that still runs on the host only.
-    pub(crate) fn as_cpu(&self) -> &CpuStorage {
-        match self {
-            Storage::Cpu(s) => s,
         }
     }
 }

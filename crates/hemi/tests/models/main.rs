@@ -15,6 +15,7 @@ mod bert_train;
 mod checkpoint;
 mod dist;
 mod doctor;
+mod naive;
 mod optim;
 mod quant;
 mod quant_torch;

@@ -18,6 +18,7 @@ mod grad_histogram;
 mod index;
 mod loss;
 mod matmul;
+mod naive;
 mod nn;
 mod norm;
 mod op_table;

@@ -303,9 +303,16 @@ pub fn softmax_backward<B: ReduceOps + MapOps>(
     }
 }
 
-/// `[d]` (layout `l`) broadcast over `rows` rows of `d`.
-fn per_column(l: &Layout, rows: usize, d: usize) -> Layout {
-    Layout::new(vec![rows, d], vec![0, l.strides()[0]], l.offset())
+/// A layer norm's weight or bias (of the normalized shape, any rank, `d` elements) read
+/// row-major and broadcast over `rows` rows of `d`: itself when contiguous, else a copy.
+fn per_column<'a, B: BackendStorage>(
+    (p, l): (&'a B, &Layout),
+    rows: usize,
+    d: usize,
+    copy: &'a mut Option<B>,
+) -> Result<(&'a B, Layout)> {
+    let (p, off) = row_major(p, l, copy)?;
+    Ok((p, Layout::new(vec![rows, d], vec![0, 1], off)))
 }
 
 /// Layer normalisation of rows of `d`: the row mean (`reduce` Mean), the centred values, the
@@ -333,10 +340,15 @@ pub fn layer_norm<B: ReduceOps + MapOps>(
     let rstd =
         var.unary(&flat, UnaryOp::AddScalar(eps), c)?
             .unary(&flat, UnaryOp::PowScalar(-0.5), c)?;
+    let (mut wc, mut bc) = (None, None);
+    let weight = weight
+        .map(|w| per_column(w, rows, d, &mut wc))
+        .transpose()?;
+    let bias = bias.map(|b| per_column(b, rows, d, &mut bc)).transpose()?;
     let steps = [
         Some((&rstd, stat.clone(), BinaryOp::Mul)),
-        weight.map(|(w, lw)| (w, per_column(lw, rows, d), BinaryOp::Mul)),
-        bias.map(|(b, lb)| (b, per_column(lb, rows, d), BinaryOp::Add)),
+        weight.map(|(w, lw)| (w, lw, BinaryOp::Mul)),
+        bias.map(|(b, lb)| (b, lb, BinaryOp::Add)),
     ];
     let steps: Vec<_> = steps.into_iter().flatten().collect();
     let mut t = centred;
@@ -399,7 +411,11 @@ pub fn layer_norm_backward<B: ReduceOps + MapOps>(
     let dx = match dtypes.0 {
         Some(t) => {
             let h = match weight {
-                Some((w, lw)) => dy.binary(&ld, w, &per_column(lw, rows, d), BinaryOp::Mul, c)?,
+                Some(w) => {
+                    let mut copy = None;
+                    let (w, lw) = per_column(w, rows, d, &mut copy)?;
+                    dy.binary(&ld, w, &lw, BinaryOp::Mul, c)?
+                }
                 None => dy.cast(&ld, c)?,
             };
             let mh = h.reduce(&own, rows, d, ReduceOp::Mean, c)?;
