@@ -1,4 +1,4 @@
-//! Where a tensor's storage lives: the CPU, or a CUDA GPU by ordinal. Every tensor carries
+//! Where a tensor's storage lives: the CPU, a CUDA GPU or a wgpu (Vulkan) GPU by ordinal. Every tensor carries
 //! its device; ops refuse to mix devices (`Device::check_same`), and `Tensor::to_device`
 //! moves data between them.
 
@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// A device: the host CPU, or CUDA GPU number `n` (`cuda:n`).
+/// A device: the host CPU, CUDA GPU number `n` (`cuda:n`), or wgpu GPU number `n` (`gpu:n`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub enum Device {
     /// The host CPU (the default).
@@ -15,6 +15,9 @@ pub enum Device {
     Cpu,
     /// CUDA GPU number `n` (`cuda:n`); needs the `cuda` feature.
     Cuda(usize),
+    /// GPU number `n` of the wgpu backend (`gpu:n`): the `n`-th Vulkan adapter (a real GPU,
+    /// or Mesa's lavapipe on a machine without one); needs the `gpu` feature.
+    Gpu(usize),
 }
 
 impl Device {
@@ -26,6 +29,11 @@ impl Device {
     /// True for a CUDA GPU.
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
+    }
+
+    /// True for a GPU of the wgpu backend.
+    pub fn is_gpu(self) -> bool {
+        matches!(self, Device::Gpu(_))
     }
 
     /// Errors, naming both devices and the op, unless every device in `devices` is the same.
@@ -49,6 +57,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Gpu(n) => write!(f, "gpu:{n}"),
         }
     }
 }
@@ -56,26 +65,31 @@ impl fmt::Display for Device {
 impl FromStr for Device {
     type Err = Error;
 
-    /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does.
+    /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does, and
+    /// `gpu` (device 0) and `gpu:N` for the wgpu backend.
     fn from_str(s: &str) -> Result<Device> {
         let bad = |why: &str| {
             Error::device(
                 "device",
-                format!("cannot parse {s:?} as a device ({why}); expected cpu, cuda or cuda:N"),
+                format!("cannot parse {s:?} as a device ({why}); expected cpu, cuda, cuda:N, gpu or gpu:N"),
             )
         };
         match s.trim() {
             "cpu" => Ok(Device::Cpu),
-            "cuda" | "gpu" => Ok(Device::Cuda(0)),
-            t => match t.strip_prefix("cuda:") {
-                Some(n) => n
-                    .parse::<usize>()
+            "cuda" => Ok(Device::Cuda(0)),
+            "gpu" => Ok(Device::Gpu(0)),
+            t => {
+                let (kind, n): (fn(usize) -> Device, &str) = match t.split_once(':') {
+                    Some(("cuda", n)) => (Device::Cuda, n),
+                    Some(("gpu", n)) => (Device::Gpu, n),
+                    _ => return Err(bad("unknown device kind")),
+                };
+                n.parse::<usize>()
                     .ok()
                     .filter(|n| *n < 1 << 16)
-                    .map(Device::Cuda)
-                    .ok_or_else(|| bad("the ordinal is not a small non-negative integer")),
-                None => Err(bad("unknown device kind")),
-            },
+                    .map(kind)
+                    .ok_or_else(|| bad("the ordinal is not a small non-negative integer"))
+            }
         }
     }
 }

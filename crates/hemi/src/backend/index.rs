@@ -77,6 +77,19 @@ impl Storage {
                     &cpu, outer, lens, inner,
                 )?))
             }
+            #[cfg(feature = "gpu")]
+            Storage::Gpu(_) => {
+                let gpu: Vec<_> = parts
+                    .iter()
+                    .map(|(s, l)| match s {
+                        Storage::Gpu(g) => (g, *l),
+                        _ => unreachable!("devices checked above"),
+                    })
+                    .collect();
+                Ok(Storage::Gpu(crate::gpu::GpuStorage::cat(
+                    &gpu, outer, lens, inner,
+                )?))
+            }
         }
     }
 }

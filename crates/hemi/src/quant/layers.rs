@@ -149,7 +149,8 @@ impl QWeights {
         check_host(x, "quantized layer")?;
         // The input's own F32 elements where it is contiguous F32 (no copy).
         let storage = x.storage();
-        let v = storage.as_cpu().to_f32(x.layout());
+        let host = storage.as_cpu();
+        let v = host.to_f32(x.layout());
         let relu = act == Act::Relu;
         let (plan, out_shape) = self.rows(x)?;
         let kk = self.packed.k();

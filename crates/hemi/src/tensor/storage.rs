@@ -3,7 +3,8 @@
 //! backend's implementation of `BackendStorage` (`crate::backend`); nothing above matches on
 //! a backend's own buffer type.
 //!
-//! A CUDA variant joins `Cpu` behind the `cuda` feature once its kernels implement the trait.
+//! `Gpu` (feature `gpu`) is the wgpu backend's buffer (`crate::gpu`). A CUDA variant joins
+//! them behind the `cuda` feature once its kernels implement the trait.
 
 use std::borrow::Cow;
 
@@ -19,6 +20,16 @@ use crate::tensor::Layout;
 pub enum Storage {
     /// A buffer in host memory.
     Cpu(CpuStorage),
+    /// A buffer on a GPU of the wgpu backend (`gpu:n`).
+    #[cfg(feature = "gpu")]
+    Gpu(crate::gpu::GpuStorage),
+}
+
+#[cfg(feature = "gpu")]
+impl From<crate::gpu::GpuStorage> for Storage {
+    fn from(s: crate::gpu::GpuStorage) -> Storage {
+        Storage::Gpu(s)
+    }
 }
 
 impl From<CpuStorage> for Storage {
@@ -33,19 +44,22 @@ macro_rules! dispatch {
     ($storage:expr, $s:ident => $body:expr) => {
         match $storage {
             $crate::tensor::Storage::Cpu($s) => $body,
+            #[cfg(feature = "gpu")]
+            $crate::tensor::Storage::Gpu($s) => $body,
         }
     };
 }
 pub(crate) use dispatch;
 
-/// A backend buffer wrapped back into the `Storage` variant of `$like` (the storage the
-/// primitive was called on).
+/// A backend buffer wrapped back into its `Storage` variant (by its `From` impl; `$like`,
+/// the storage the primitive was called on, names the backend at the call site). A
+/// `match` on `$like` here would type its expression once per variant, which fails to
+/// compile as soon as there are two.
 macro_rules! wrap {
-    ($like:expr, $buf:expr) => {
-        match $like {
-            $crate::tensor::Storage::Cpu(_) => $crate::tensor::Storage::Cpu($buf),
-        }
-    };
+    ($like:expr, $buf:expr) => {{
+        let _ = &$like;
+        $crate::tensor::Storage::from($buf)
+    }};
 }
 pub(crate) use wrap;
 
@@ -91,6 +105,11 @@ impl Storage {
     pub fn to_cpu(&self) -> Result<Cow<'_, CpuStorage>> {
         match self {
             Storage::Cpu(s) => Ok(Cow::Borrowed(s)),
+            #[cfg(feature = "gpu")]
+            Storage::Gpu(s) => Ok(Cow::Owned(BackendStorage::download(
+                s,
+                &Layout::contiguous(&[s.len()]),
+            )?)),
         }
     }
 
@@ -98,6 +117,8 @@ impl Storage {
     pub fn into_cpu(self) -> Result<CpuStorage> {
         match self {
             Storage::Cpu(s) => Ok(s),
+            #[cfg(feature = "gpu")]
+            gpu @ Storage::Gpu(_) => Ok(gpu.to_cpu()?.into_owned()),
         }
     }
 
@@ -120,6 +141,16 @@ impl Storage {
         let host = self.to_cpu()?;
         match device {
             Device::Cpu => Ok(Storage::Cpu(host.into_owned())),
+            #[cfg(feature = "gpu")]
+            Device::Gpu(n) => Ok(Storage::Gpu(crate::gpu::GpuStorage::from_host(n, &host)?)),
+            #[cfg(not(feature = "gpu"))]
+            Device::Gpu(_) => Err(crate::error::Error::device(
+                "to_device",
+                format!(
+                    "cannot place a tensor on {device}: hemi was built without the `gpu` \
+                     feature (rebuild with `--features gpu`)"
+                ),
+            )),
             Device::Cuda(_) => Err(crate::error::Error::device(
                 "to_device",
                 if cfg!(feature = "cuda") {
@@ -137,11 +168,17 @@ impl Storage {
         }
     }
 
-    /// The host buffer of a CPU storage, for kernels not yet behind `BackendStorage`.
+    /// The host buffer of a CPU storage, for kernels not yet behind `BackendStorage`, and a
+    /// download of a GPU one (reading values back: `Tensor::to_vec_f32`).
     /// Transitional: each remaining call is an op that still runs on the host only.
-    pub(crate) fn as_cpu(&self) -> &CpuStorage {
-        match self {
-            Storage::Cpu(s) => s,
+    ///
+    /// # Panics
+    /// When a GPU buffer cannot be read back (the device was lost): the callers return
+    /// plain vectors. `to_cpu` is the fallible way.
+    pub(crate) fn as_cpu(&self) -> Cow<'_, CpuStorage> {
+        match self.to_cpu() {
+            Ok(host) => host,
+            Err(e) => panic!("reading a tensor back from {}: {e}", self.device()),
         }
     }
 }
