@@ -18,6 +18,8 @@ const STREAM: u64 = 0;
 pub const WORKGROUP: u32 = 64;
 /// The most workgroups along one dispatch dimension (WebGPU's minimum limit).
 pub const MAX_GROUPS: u32 = 65_535;
+/// Bytes of a kernel's parameter buffer (1024 words: layouts up to rank 300 or so).
+const PARAM_BYTES: u64 = 4096;
 
 /// What a context knows of its adapter.
 #[derive(Clone, Debug)]
@@ -95,6 +97,11 @@ pub struct GpuContext {
     queue: wgpu::Queue,
     alloc: Mutex<CachingAllocator<Segments>>,
     pipelines: Mutex<HashMap<String, Arc<wgpu::ComputePipeline>>>,
+    /// Free parameter buffers. Parameters are not allocator blocks: wgpu tracks a buffer's
+    /// usage as a whole, so a read-only binding beside a writable one of the same segment
+    /// is a validation error (the blocks bind read_write, the parameters read-only, which
+    /// keeps them uniform for the kernels' loops and barriers).
+    params: Mutex<Vec<wgpu::Buffer>>,
     /// An error wgpu reported outside an error scope (validation, out of memory), taken by
     /// the next check; or the reason the device was lost (kept).
     errors: Arc<Mutex<Option<String>>>,
@@ -254,6 +261,7 @@ pub fn context(ordinal: usize) -> Result<Arc<GpuContext>> {
         queue,
         alloc: Mutex::new(CachingAllocator::new(segments)),
         pipelines: Mutex::new(HashMap::new()),
+        params: Mutex::new(Vec::new()),
         errors,
         lost,
     });
@@ -459,8 +467,29 @@ impl GpuContext {
         }
         let pipeline = self.pipeline(source)?;
         let bytes: Vec<u8> = params.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let pblock = self.upload_bytes(&bytes)?;
-        let blocks: Vec<&Block> = [&pblock, out].into_iter().chain(inputs.iter().copied()).collect();
+        if bytes.len() as u64 > PARAM_BYTES {
+            return Err(Error::arg(
+                op,
+                format!(
+                    "{} parameter words exceed the GPU backend's {} (a layout of very high rank)",
+                    params.len(),
+                    PARAM_BYTES / 4
+                ),
+            ));
+        }
+        let pbuf = self.params.lock().map_err(|_| self.poisoned())?.pop();
+        let pbuf = pbuf.unwrap_or_else(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("hemi params"),
+                size: PARAM_BYTES,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
+        if !bytes.is_empty() {
+            self.queue.write_buffer(&pbuf, 0, &bytes);
+        }
+        let blocks: Vec<&Block> = [out].into_iter().chain(inputs.iter().copied()).collect();
         let buffers = blocks
             .iter()
             .map(|b| b.buffer())
@@ -479,19 +508,20 @@ impl GpuContext {
                 ));
             }
         }
-        let entries: Vec<wgpu::BindGroupEntry<'_>> = blocks
-            .iter()
-            .zip(&buffers)
-            .enumerate()
-            .map(|(i, (b, buf))| wgpu::BindGroupEntry {
-                binding: i as u32,
+        let mut entries: Vec<wgpu::BindGroupEntry<'_>> = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: pbuf.as_entire_binding(),
+        }];
+        entries.extend(blocks.iter().zip(&buffers).enumerate().map(|(i, (b, buf))| {
+            wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer: buf,
                     offset: b.offset(),
                     size: NonZeroU64::new(b.size()),
                 }),
-            })
-            .collect();
+            }
+        }));
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
             layout: &pipeline.get_bind_group_layout(0),
@@ -507,9 +537,10 @@ impl GpuContext {
             pass.dispatch_workgroups(groups.0, groups.1, groups.2);
         }
         self.queue.submit([enc.finish()]);
-        // The parameter block goes back to the cache; the queue orders its reuse after this
-        // kernel.
-        drop(pblock);
+        // The parameter buffer goes back to the free list; the queue orders its next write
+        // after this kernel.
+        drop((entries, bind));
+        self.params.lock().map_err(|_| self.poisoned())?.push(pbuf);
         self.check(op)
     }
 }

@@ -8,7 +8,8 @@
 //! kernel writing a half dtype computes a whole word (two elements) per thread, so no two
 //! threads write one word.
 //!
-//! Bindings: 0 the parameters (`p`, `u32` words), 1 the output, 2.. the inputs.
+//! Bindings: 0 the parameters (`p`, `u32` words, read-only and so uniform), 1 the output,
+//! 2.. the inputs (read_write: `GpuContext::launch` says why).
 //! Strided operands: `p[0]` elements, `p[1]` rank `r`, `p[2]`, `p[3]` two scalar words,
 //! `p[4..4+r]` the shape, then per operand `k` its offset and `r` strides at
 //! `4 + r + k(r + 1)`.
@@ -139,7 +140,9 @@ fn input(name: &str, binding: u32, d: DType) -> String {
         }
         _ => unreachable!("only F32/F16/BF16 reach the shaders"),
     };
-    format!("@group(0) @binding({binding}) var<storage, read> {name}: array<u32>;\n{body}")
+    // read_write although only read: blocks of one segment share a wgpu buffer, whose usage
+    // wgpu tracks as a whole, so every block binds with the output's access.
+    format!("@group(0) @binding({binding}) var<storage, read_write> {name}: array<u32>;\n{body}")
 }
 
 fn header(out_rw: bool) -> String {
