@@ -155,8 +155,6 @@ pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "gpu")]
-pub mod gpu;
 pub mod data;
 pub mod device;
 #[cfg(any(feature = "cuda", feature = "gpu"))]
@@ -164,6 +162,8 @@ pub mod device_alloc;
 pub mod dist;
 pub mod dtype;
 pub mod error;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod io;
 pub mod models;
 pub mod nn;

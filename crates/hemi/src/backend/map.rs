@@ -287,7 +287,7 @@ impl UnaryOp {
             UnaryOp::AddScalar(_) => "x + c0",
             UnaryOp::MulScalar(_) => "x * c0",
             UnaryOp::PowScalar(_) => "hemi_pow(x, c0)",
-            UnaryOp::Clamp(..) => "select(min(max(x, c0), c1), x, x != x)",
+            UnaryOp::Clamp(..) => "select(min(max(x, c0), c1), x, hemi_isnan(x))",
         }
     }
 

@@ -131,7 +131,11 @@ impl Drop for Block {
 
 impl std::fmt::Debug for Block {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Block({} bytes on gpu:{})", self.handle.size, self.ctx.ordinal)
+        write!(
+            f,
+            "Block({} bytes on gpu:{})",
+            self.handle.size, self.ctx.ordinal
+        )
     }
 }
 
@@ -288,7 +292,10 @@ impl GpuContext {
     fn poisoned(&self) -> Error {
         Error::device(
             "gpu",
-            format!("{}: a thread panicked while holding its state", self.device()),
+            format!(
+                "{}: a thread panicked while holding its state",
+                self.device()
+            ),
         )
     }
 
@@ -381,9 +388,10 @@ impl GpuContext {
         })?;
         mapped.map_err(|e| Error::device("download", format!("{}: {e}", self.device())))?;
         let out = {
-            let view = staging.slice(..).get_mapped_range().map_err(|e| {
-                Error::device("download", format!("{}: {e}", self.device()))
-            })?;
+            let view = staging
+                .slice(..)
+                .get_mapped_range()
+                .map_err(|e| Error::device("download", format!("{}: {e}", self.device())))?;
             view[..bytes].to_vec()
         };
         staging.unmap();
@@ -512,16 +520,20 @@ impl GpuContext {
             binding: 0,
             resource: pbuf.as_entire_binding(),
         }];
-        entries.extend(blocks.iter().zip(&buffers).enumerate().map(|(i, (b, buf))| {
-            wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: buf,
-                    offset: b.offset(),
-                    size: NonZeroU64::new(b.size()),
+        entries.extend(
+            blocks
+                .iter()
+                .zip(&buffers)
+                .enumerate()
+                .map(|(i, (b, buf))| wgpu::BindGroupEntry {
+                    binding: i as u32 + 1,
+                    resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                        buffer: buf,
+                        offset: b.offset(),
+                        size: NonZeroU64::new(b.size()),
+                    }),
                 }),
-            }
-        }));
+        );
         let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
             layout: &pipeline.get_bind_group_layout(0),

@@ -81,11 +81,15 @@ fn f2bf(x: f32) -> u32 {
     }
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
+// NaN by its bits: lavapipe's compiler folded `a != a` to false.
+fn hemi_isnan(a: f32) -> bool {
+    return (bitcast<u32>(a) & 0x7fffffffu) > 0x7f800000u;
+}
 fn hemi_max(a: f32, b: f32) -> f32 {
-    return select(b, a, a != a || a > b);
+    return select(b, a, hemi_isnan(a) || a > b);
 }
 fn hemi_min(a: f32, b: f32) -> f32 {
-    return select(b, a, a != a || a < b);
+    return select(b, a, hemi_isnan(a) || a < b);
 }
 fn hemi_erf(x: f32) -> f32 {
     // WGSL has no erf: Abramowitz & Stegun 7.1.26, which errs by 1.5e-7 at most (absolute),

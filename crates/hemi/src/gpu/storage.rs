@@ -61,7 +61,10 @@ fn word(op: &'static str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| {
         Error::arg(
             op,
-            format!("{v} exceeds the GPU backend's 32-bit indexing (at most {})", u32::MAX),
+            format!(
+                "{v} exceeds the GPU backend's 32-bit indexing (at most {})",
+                u32::MAX
+            ),
         )
     })
 }

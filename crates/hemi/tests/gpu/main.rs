@@ -123,7 +123,13 @@ fn upload_download_and_copy_strided_are_exact() {
     need_gpu!("upload_download_and_copy_strided_are_exact");
     let mut rng = Generator::new(1);
     for dtype in [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I64] {
-        for shape in [vec![7usize], vec![5, 7], vec![3, 1, 4, 9], vec![0, 3], vec![]] {
+        for shape in [
+            vec![7usize],
+            vec![5, 7],
+            vec![3, 1, 4, 9],
+            vec![0, 3],
+            vec![],
+        ] {
             let (l, len) = strided(&shape);
             let (cpu, gpu) = pair(host(len, -100.0, 100.0, dtype, &mut rng));
             assert_eq!(bits(&gpu), bits(&cpu), "{dtype:?} round trip");
@@ -132,9 +138,15 @@ fn upload_download_and_copy_strided_are_exact() {
             assert_eq!(got.device(), GPU);
             assert_eq!(bits(&got), bits(&want), "copy_strided {dtype:?} {shape:?}");
             // A strided download is the same gather.
-            let Storage::Gpu(g) = &gpu else { unreachable!() };
+            let Storage::Gpu(g) = &gpu else {
+                unreachable!()
+            };
             let down = hemi::backend::BackendStorage::download(g, &l).unwrap();
-            assert_eq!(down.to_le_bytes(), bits(&want), "download {dtype:?} {shape:?}");
+            assert_eq!(
+                down.to_le_bytes(),
+                bits(&want),
+                "download {dtype:?} {shape:?}"
+            );
         }
     }
 }
@@ -142,7 +154,9 @@ fn upload_download_and_copy_strided_are_exact() {
 /// F32 bit patterns over every class: normals of every exponent, subnormals, zeros, infs,
 /// NaNs, half's overflow edge and round-to-nearest-even ties.
 fn f32_patterns(rng: &mut Generator) -> Vec<f32> {
-    let mut v: Vec<f32> = (0..4001).map(|_| f32::from_bits(rng.next_u64() as u32)).collect();
+    let mut v: Vec<f32> = (0..4001)
+        .map(|_| f32::from_bits(rng.next_u64() as u32))
+        .collect();
     v.extend([
         0.0,
         -0.0,
@@ -274,8 +288,17 @@ fn binary_maps_broadcast_over_strided_layouts() {
     for op in [BinaryOp::Maximum, BinaryOp::Minimum] {
         let want = values(&c.binary(&l, &c, &l2, op, DType::F32).unwrap(), &[2]);
         let got = values(&g.binary(&l, &g, &l2, op, DType::F32).unwrap(), &[2]);
-        assert!(want[0].is_nan() && got[0].is_nan() && got[1].is_nan(), "{got:?}");
+        assert!(
+            want[0].is_nan() && got[0].is_nan() && got[1].is_nan(),
+            "{got:?}"
+        );
     }
+    // And through clamp.
+    let got = values(
+        &g.unary(&l, UnaryOp::Clamp(-1.0, 1.0), DType::F32).unwrap(),
+        &[2],
+    );
+    assert!(got[0].is_nan() && got[1] == 1.0, "{got:?}");
 }
 
 #[test]
@@ -283,7 +306,12 @@ fn reductions_match_the_cpu() {
     need_gpu!("reductions_match_the_cpu");
     let mut rng = Generator::new(5);
     // [outer dims..., reduced dims...] as a strided view; inner from 1 to 1000.
-    for shape in [vec![5usize, 7], vec![3, 1], vec![2, 3, 10, 100], vec![1, 999]] {
+    for shape in [
+        vec![5usize, 7],
+        vec![3, 1],
+        vec![2, 3, 10, 100],
+        vec![1, 999],
+    ] {
         let (l, len) = strided(&shape);
         let inner = *shape.last().unwrap() * if shape.len() == 4 { shape[2] } else { 1 };
         let outer = shape.iter().product::<usize>() / inner;
@@ -394,17 +422,29 @@ fn missing_primitives_and_mixed_devices_are_errors() {
     let (c, g) = pair(host(12, -1.0, 1.0, DType::F32, &mut rng));
     let l = Layout::contiguous(&[3, 4]);
     // A primitive without a kernel names itself and the device.
-    let e = g.where_cond(&l, &g, &l, &g, &l, DType::F32).unwrap_err().to_string();
+    let e = g
+        .where_cond(&l, &g, &l, &g, &l, DType::F32)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("where_cond") && e.contains("not on the GPU backend yet") && e.contains("gpu:0"),
         "{e}"
     );
     // Mixing a CPU and a GPU buffer is the existing device error, naming both.
-    let e = g.binary(&l, &c, &l, BinaryOp::Add, DType::F32).unwrap_err().to_string();
-    assert!(e.contains("binary") && e.contains("cpu") && e.contains("gpu:0"), "{e}");
+    let e = g
+        .binary(&l, &c, &l, BinaryOp::Add, DType::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("binary") && e.contains("cpu") && e.contains("gpu:0"),
+        "{e}"
+    );
     // F64 is stored but not computed in.
     let (_, g64) = pair(host(12, -1.0, 1.0, DType::F64, &mut rng));
-    let e = g64.unary(&l, UnaryOp::Exp, DType::F64).unwrap_err().to_string();
+    let e = g64
+        .unary(&l, UnaryOp::Exp, DType::F64)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("F64") && e.contains("gpu:0"), "{e}");
     // Tensors move back and forth.
     let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3]).unwrap();
