@@ -247,14 +247,14 @@ pub fn context(ordinal: usize) -> Result<Arc<GpuContext>> {
         name: ai.name.clone(),
         driver: format!("{} {}", ai.driver, ai.driver_info),
         shader_f16: features.contains(wgpu::Features::SHADER_F16),
-        max_binding: u64::from(limits.max_storage_buffer_binding_size),
+        max_binding: limits.max_storage_buffer_binding_size,
     };
     let segments = Segments {
         device: device.clone(),
         device_name: dev,
         max_buffer: limits
             .max_buffer_size
-            .min(u64::from(limits.max_storage_buffer_binding_size)),
+            .min(limits.max_storage_buffer_binding_size),
         buffers: HashMap::new(),
         next: 0,
     };

@@ -169,6 +169,7 @@ impl GpuStorage {
 
     /// An elementwise kernel over `shape`: `expr` of the operands (their values as F32, or
     /// their bits with `bits`), into a new contiguous buffer of `out`.
+    #[allow(clippy::too_many_arguments)]
     fn map_kernel(
         &self,
         op: &'static str,

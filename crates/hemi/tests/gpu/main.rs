@@ -9,7 +9,6 @@
 
 #[macro_use]
 #[path = "../common/mod.rs"]
-#[allow(dead_code, unused_macros)]
 mod common;
 
 use common::{assert_close, balanced, strict, Tol};
