@@ -1,13 +1,14 @@
-//! Where a tensor's storage lives: the CPU, a CUDA GPU by ordinal, or the naive reference
-//! backend. Every tensor carries its device; ops refuse to mix devices (`Device::check_same`),
-//! and `Tensor::to_device` moves data between them.
+//! Where a tensor's storage lives: the CPU, a CUDA GPU or a wgpu (Vulkan) GPU by ordinal, or
+//! the naive reference backend. Every tensor carries its device; ops refuse to mix devices
+//! (`Device::check_same`), and `Tensor::to_device` moves data between them.
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{Error, Result};
 
-/// A device: the host CPU, CUDA GPU number `n` (`cuda:n`), or the naive backend.
+/// A device: the host CPU, CUDA GPU number `n` (`cuda:n`), wgpu GPU number `n` (`gpu:n`), or
+/// the naive backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub enum Device {
     /// The host CPU (the default).
@@ -15,6 +16,9 @@ pub enum Device {
     Cpu,
     /// CUDA GPU number `n` (`cuda:n`); needs the `cuda` feature.
     Cuda(usize),
+    /// GPU number `n` of the wgpu backend (`gpu:n`): the `n`-th Vulkan adapter (a real GPU,
+    /// or Mesa's lavapipe on a machine without one); needs the `gpu` feature.
+    Gpu(usize),
     /// The naive reference backend (`naive`, `crate::naive`): host memory, every primitive a
     /// plain scalar loop in f64 rounded into the dtype, implementing only the basic
     /// primitives (the rest are the default compositions). Slow on purpose: tests hold the
@@ -31,6 +35,11 @@ impl Device {
     /// True for a CUDA GPU.
     pub fn is_cuda(self) -> bool {
         matches!(self, Device::Cuda(_))
+    }
+
+    /// True for a GPU of the wgpu backend.
+    pub fn is_gpu(self) -> bool {
+        matches!(self, Device::Gpu(_))
     }
 
     /// Errors, naming both devices and the op, unless every device in `devices` is the same.
@@ -54,6 +63,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Gpu(n) => write!(f, "gpu:{n}"),
             Device::Naive => f.write_str("naive"),
         }
     }
@@ -63,29 +73,34 @@ impl FromStr for Device {
     type Err = Error;
 
     /// Parses `cpu`, `cuda` (device 0) and `cuda:N`, as PyTorch's `torch.device` does, and
-    /// `naive` (the reference backend).
+    /// `gpu` (device 0) and `gpu:N` for the wgpu backend; `naive` (the reference backend).
     fn from_str(s: &str) -> Result<Device> {
         let bad = |why: &str| {
             Error::device(
                 "device",
                 format!(
-                    "cannot parse {s:?} as a device ({why}); expected cpu, cuda, cuda:N or naive"
+                    "cannot parse {s:?} as a device ({why}); expected cpu, cuda, cuda:N, gpu, \
+                     gpu:N or naive"
                 ),
             )
         };
         match s.trim() {
             "cpu" => Ok(Device::Cpu),
             "naive" => Ok(Device::Naive),
-            "cuda" | "gpu" => Ok(Device::Cuda(0)),
-            t => match t.strip_prefix("cuda:") {
-                Some(n) => n
-                    .parse::<usize>()
+            "cuda" => Ok(Device::Cuda(0)),
+            "gpu" => Ok(Device::Gpu(0)),
+            t => {
+                let (kind, n): (fn(usize) -> Device, &str) = match t.split_once(':') {
+                    Some(("cuda", n)) => (Device::Cuda, n),
+                    Some(("gpu", n)) => (Device::Gpu, n),
+                    _ => return Err(bad("unknown device kind")),
+                };
+                n.parse::<usize>()
                     .ok()
                     .filter(|n| *n < 1 << 16)
-                    .map(Device::Cuda)
-                    .ok_or_else(|| bad("the ordinal is not a small non-negative integer")),
-                None => Err(bad("unknown device kind")),
-            },
+                    .map(kind)
+                    .ok_or_else(|| bad("the ordinal is not a small non-negative integer"))
+            }
         }
     }
 }

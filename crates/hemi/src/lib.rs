@@ -157,9 +157,13 @@ pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod device;
+#[cfg(any(feature = "cuda", feature = "gpu"))]
+pub mod device_alloc;
 pub mod dist;
 pub mod dtype;
 pub mod error;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod io;
 pub mod models;
 pub mod naive;

@@ -79,6 +79,19 @@ impl BinaryOp {
             BinaryOp::Minimum => "hemi_min(a, b)",
         }
     }
+
+    /// The WGSL expression of `a` and `b` (F32), for the wgpu backend's generated kernels
+    /// (`hemi_max`/`hemi_min`: the NaN-propagating helpers of `gpu::shaders`).
+    pub fn wgsl(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "a + b",
+            BinaryOp::Sub => "a - b",
+            BinaryOp::Mul => "a * b",
+            BinaryOp::Div => "a / b",
+            BinaryOp::Maximum => "hemi_max(a, b)",
+            BinaryOp::Minimum => "hemi_min(a, b)",
+        }
+    }
 }
 
 /// `sqrt(2 / pi)`, GELU-tanh's outer constant.
@@ -250,6 +263,32 @@ impl UnaryOp {
             UnaryOp::MulScalar(_) => "x * c0",
             UnaryOp::PowScalar(_) => "(c0 == 2.0f ? x * x : powf(x, c0))",
             UnaryOp::Clamp(..) => "(x != x ? x : fminf(fmaxf(x, c0), c1))",
+        }
+    }
+
+    /// The WGSL expression of `x` (F32) for the wgpu backend's generated kernels, the op's
+    /// scalars as `c0`, `c1` (read from the kernel's parameters). WGSL has no erf and its
+    /// `pow` and `tanh` are loose at the edges, so `gpu::shaders` supplies `hemi_erf`,
+    /// `hemi_pow` (integer powers of negative bases) and `hemi_tanh` (no inf/inf for large
+    /// |x|). NaN passes through ReLU and clamp, as in PyTorch.
+    pub fn wgsl(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "-x",
+            UnaryOp::Exp => "exp(x)",
+            UnaryOp::Log => "log(x)",
+            UnaryOp::Sqrt => "sqrt(x)",
+            UnaryOp::Abs => "abs(x)",
+            UnaryOp::Relu => "select(x, 0.0, x < 0.0)",
+            UnaryOp::Gelu => "0.5 * x * (1.0 + hemi_erf(x * 0.70710678118654752))",
+            UnaryOp::GeluTanh => {
+                "0.5 * x * (1.0 + hemi_tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))"
+            }
+            UnaryOp::Sigmoid => "1.0 / (1.0 + exp(-x))",
+            UnaryOp::Tanh => "hemi_tanh(x)",
+            UnaryOp::AddScalar(_) => "x + c0",
+            UnaryOp::MulScalar(_) => "x * c0",
+            UnaryOp::PowScalar(_) => "hemi_pow(x, c0)",
+            UnaryOp::Clamp(..) => "select(min(max(x, c0), c1), x, hemi_isnan(x))",
         }
     }
 

@@ -15,7 +15,7 @@
 //! - [`context`]: [`CudaDevice`] (context, stream, cuBLAS, allocator, module cache) and
 //!   [`CudaStorage`]. Not yet wired into `Tensor`.
 
-pub mod alloc;
+pub use crate::device_alloc as alloc;
 pub mod context;
 pub mod device;
 pub mod gemm;

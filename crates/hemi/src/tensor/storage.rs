@@ -4,8 +4,9 @@
 //! a backend's own buffer type.
 //!
 //! `Naive` is the reference backend (`crate::naive`): plain loops over f64 values, the
-//! template for a new backend. A CUDA variant joins them behind the `cuda` feature once its
-//! kernels implement the trait.
+//! template for a new backend. `Gpu` (feature `gpu`) is the wgpu backend's buffer
+//! (`crate::gpu`). A CUDA variant joins them behind the `cuda` feature once its kernels
+//! implement the trait.
 
 use std::borrow::Cow;
 
@@ -24,6 +25,16 @@ pub enum Storage {
     Cpu(CpuStorage),
     /// A buffer of the naive reference backend (`Device::Naive`).
     Naive(NaiveStorage),
+    /// A buffer on a GPU of the wgpu backend (`gpu:n`).
+    #[cfg(feature = "gpu")]
+    Gpu(crate::gpu::GpuStorage),
+}
+
+#[cfg(feature = "gpu")]
+impl From<crate::gpu::GpuStorage> for Storage {
+    fn from(s: crate::gpu::GpuStorage) -> Storage {
+        Storage::Gpu(s)
+    }
 }
 
 impl From<CpuStorage> for Storage {
@@ -47,6 +58,8 @@ macro_rules! dispatch {
         match $storage {
             $crate::tensor::Storage::Cpu($s) => $body,
             $crate::tensor::Storage::Naive($s) => $body,
+            #[cfg(feature = "gpu")]
+            $crate::tensor::Storage::Gpu($s) => $body,
         }
     };
 }
@@ -138,6 +151,16 @@ impl Storage {
             Device::Cpu => Ok(Storage::Cpu(host.into_owned())),
             Device::Naive => Ok(Storage::Naive(
                 NaiveStorage::empty(host.dtype()).upload(&host)?,
+            )),
+            #[cfg(feature = "gpu")]
+            Device::Gpu(n) => Ok(Storage::Gpu(crate::gpu::GpuStorage::from_host(n, &host)?)),
+            #[cfg(not(feature = "gpu"))]
+            Device::Gpu(_) => Err(crate::error::Error::device(
+                "to_device",
+                format!(
+                    "cannot place a tensor on {device}: hemi was built without the `gpu` \
+                     feature (rebuild with `--features gpu`)"
+                ),
             )),
             Device::Cuda(_) => Err(crate::error::Error::device(
                 "to_device",

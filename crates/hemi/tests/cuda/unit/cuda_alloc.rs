@@ -214,7 +214,7 @@ fn out_of_memory_frees_the_cache_and_retries_then_errors_clearly() {
     assert!(matches!(
         e,
         Error::Device {
-            op: "cuda malloc",
+            op: "device malloc",
             ..
         }
     ));

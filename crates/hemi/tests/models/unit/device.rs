@@ -8,6 +8,11 @@ fn parses_and_prints_like_torch_device() {
     assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
     assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
     assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+    // `gpu` is the wgpu backend (it meant CUDA 0 before that backend existed).
+    assert_eq!("gpu".parse::<Device>().unwrap(), Device::Gpu(0));
+    assert_eq!("gpu:2".parse::<Device>().unwrap(), Device::Gpu(2));
+    assert_eq!(Device::Gpu(2).to_string(), "gpu:2");
+    assert!(Device::Gpu(0).is_gpu() && !Device::Gpu(0).is_cuda());
     for bad in [
         "",
         "tpu",
@@ -15,6 +20,9 @@ fn parses_and_prints_like_torch_device() {
         "cuda:-1",
         "cuda:x",
         "cuda:99999999999999999999",
+        "gpu:",
+        "gpu:x",
+        "cpu:0",
     ] {
         let e = bad.parse::<Device>().unwrap_err().to_string();
         assert!(e.contains("cannot parse"), "{bad:?}: {e}");

@@ -1,4 +1,6 @@
-//! A caching device allocator, after PyTorch's `CUDACachingAllocator`.
+//! A caching device allocator, after PyTorch's `CUDACachingAllocator`: shared by the CUDA
+//! backend (`cuda::alloc`, raw blocks from `cuMemAlloc`) and the wgpu backend (`gpu`, whose
+//! raw allocations are wgpu buffers, one per segment, blocks bound at their offsets).
 //!
 //! `cudaMalloc`/`cudaFree` are slow and synchronise the device, and a training step allocates
 //! the same sizes every step; so freed blocks are kept and reused instead of returned.
@@ -33,7 +35,7 @@ pub const SMALL_SEGMENT: usize = 2 << 20;
 /// Large-pool segments are rounded up to a multiple of this.
 pub const LARGE_ROUND: usize = 2 << 20;
 
-/// The device's own allocator (`cuMemAlloc`/`cuMemFree`), or a fake in tests.
+/// The device's own allocator (`cuMemAlloc`/`cuMemFree`, a wgpu buffer per segment), or a fake in tests.
 pub trait RawAllocator {
     /// Allocates `bytes` bytes of device memory; the device address.
     fn raw_alloc(&mut self, bytes: usize) -> Result<u64>;
@@ -200,7 +202,7 @@ impl<R: RawAllocator> CachingAllocator<R> {
     pub fn malloc(&mut self, bytes: usize, stream: StreamId) -> Result<BlockHandle> {
         let too_big = || {
             Error::device(
-                "cuda malloc",
+                "device malloc",
                 format!("cannot allocate {bytes} bytes: the size overflows when rounded"),
             )
         };
@@ -257,7 +259,7 @@ impl<R: RawAllocator> CachingAllocator<R> {
                 self.release_free_segments()?;
                 self.raw.raw_alloc(seg).map_err(|e| {
                     Error::device(
-                        "cuda malloc",
+                        "device malloc",
                         format!(
                             "out of memory: tried to allocate {bytes} bytes ({size} rounded, in a \
                              new {seg}-byte segment) after freeing the cache; {}; device said: {e}",
@@ -318,7 +320,7 @@ impl<R: RawAllocator> CachingAllocator<R> {
     pub fn free(&mut self, handle: BlockHandle) -> Result<()> {
         let id = self.live.remove(&handle.ptr).ok_or_else(|| {
             Error::device(
-                "cuda free",
+                "device free",
                 format!(
                     "0x{:x} is not a live allocation of this allocator (freed twice?)",
                     handle.ptr

@@ -1,0 +1,24 @@
+//! The wgpu backend (feature `gpu`): tensors on any GPU with a Vulkan driver (`gpu:n`),
+//! and on Mesa's lavapipe, a software Vulkan device, where CI runs its tests.
+//!
+//! - [`context`]: one context per ordinal (instance, adapter, device, queue), created on
+//!   first use and shared; the caching allocator (`crate::device_alloc`, whose raw
+//!   allocations here are wgpu buffers, one per segment); the pipeline cache (one compiled
+//!   pipeline per generated shader text); launches and transfers. No adapter, a lost device,
+//!   out of memory and a shader that fails to compile are `Error::Device`s naming the device
+//!   and the fix.
+//! - [`shaders`]: the WGSL kernels, generated per variant (dtypes, op): elementwise maps over
+//!   strided, broadcast layouts (copies, casts, the op table's unary and binary maps), row
+//!   reductions, tiled batched matmul. F32 arithmetic; F16 and BF16 stored two per word and
+//!   converted exactly, with round-to-nearest-even on the way back.
+//! - [`storage`]: [`GpuStorage`], `Storage::Gpu`'s buffer, and its primitives. Those without
+//!   a kernel yet return an error naming the primitive; the default compositions
+//!   (`backend::compose`: softmax, layer norm, losses, optimizers...) run on the ones that
+//!   exist.
+
+pub mod context;
+pub mod shaders;
+pub mod storage;
+
+pub use context::{context, device_count, AdapterInfo, GpuContext};
+pub use storage::GpuStorage;
