@@ -422,7 +422,7 @@ fn missing_primitives_and_mixed_devices_are_errors() {
     let l = Layout::contiguous(&[3, 4]);
     // A primitive without a kernel names itself and the device.
     let e = g
-        .where_cond(&l, &g, &l, &g, &l, DType::F32)
+        .where_cond(&l, (&g, &l), (&g, &l), DType::F32)
         .unwrap_err()
         .to_string();
     assert!(
