@@ -1,12 +1,15 @@
 //! CPU kernels against their plain twins and f64 references: GEMM, convolutions, INT8 GEMM, thread-count independence.
 //!
 //! One test binary for these files (each a module, as each was its own binary before), so
-//! the suite links a few binaries instead of one per file.
+//! the suite links a few binaries instead of one per file. Tests that change process-wide
+//! state (`gemm_kernels`' forced kernels, `spinners`) run each in a process of its own
+//! (`alone`).
 
 #[macro_use]
 #[path = "../common/mod.rs"]
 mod common;
 
+mod alone;
 mod compose;
 mod conv_amx;
 mod conv_block;
@@ -15,6 +18,8 @@ mod conv_implicit;
 mod conv_wgrad;
 mod gemm_f32_bench;
 mod gemm_half;
+mod gemm_kernels;
 mod qgemm;
+mod spinners;
 mod threads;
 mod unit;
