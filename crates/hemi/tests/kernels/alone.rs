@@ -1,6 +1,7 @@
-//! `alone`: a test that changes process-wide state (a GEMM kernel forced for every product,
-//! the count of spinning workers) runs in a process of its own, so that the tests running
-//! beside it in this binary see none of it.
+//! `alone`: a test that changes process-wide state (a GEMM kernel forced for every product)
+//! runs in a process of its own, so that the tests running beside it in this binary see
+//! none of it. (It still shares the CPU with them: a test that needs idle cores, such as
+//! `tests/spinners.rs`, keeps a binary of its own, which `cargo test` runs by itself.)
 
 use std::process::Command;
 

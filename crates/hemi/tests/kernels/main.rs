@@ -2,8 +2,7 @@
 //!
 //! One test binary for these files (each a module, as each was its own binary before), so
 //! the suite links a few binaries instead of one per file. Tests that change process-wide
-//! state (`gemm_kernels`' forced kernels, `spinners`) run each in a process of its own
-//! (`alone`).
+//! state (`gemm_kernels`' forced kernels) run each in a process of its own (`alone`).
 
 #[macro_use]
 #[path = "../common/mod.rs"]
@@ -20,6 +19,5 @@ mod gemm_f32_bench;
 mod gemm_half;
 mod gemm_kernels;
 mod qgemm;
-mod spinners;
 mod threads;
 mod unit;
