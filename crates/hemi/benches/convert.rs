@@ -2,7 +2,7 @@
 //! far larger than any cache, so this measures the streaming case), against the scalar
 //! element-by-element `bf16::from_f32` loop they replace.
 //!
-//! Run: `cargo bench -p hemi --bench convert -- --warm-up-time 1 --measurement-time 3`
+//! Run: `cargo bench -p hemi --features bench --bench convert -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::{bf16, f16};

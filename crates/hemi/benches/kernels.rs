@@ -5,7 +5,8 @@
 //! run without a graph (no input requires grad), on rayon's global pool.
 //!
 //! Short by design (10 samples, ~2 s each) so the whole run takes a couple of minutes:
-//! `cargo bench -p hemi --bench kernels` (a name filter after `--` picks some).
+//! `cargo bench -p hemi --features bench --bench kernels` (a name filter after `--` picks some;
+//! the feature `bench` brings in criterion).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use hemi::ops::conv::Conv2dOptions;

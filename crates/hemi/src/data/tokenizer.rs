@@ -74,7 +74,13 @@ impl std::fmt::Debug for Tokenizer {
 impl Tokenizer {
     /// Reads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
-        let path = path.as_ref();
+        Tokenizer::read(path.as_ref())
+    }
+
+    /// `from_file`, compiled once here: a generic body would be compiled again in every
+    /// crate that calls it, and `tokenizers`' JSON deserialisation with it (10 s of the
+    /// `bert_dropout_spread` example's build).
+    fn read(path: &Path) -> Result<Tokenizer> {
         check_regular_file(path, "a Hugging Face tokenizer.json")?;
         let bytes = std::fs::read(path).map_err(|e| super::dataset::io_error(path, e))?;
         let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
@@ -121,7 +127,7 @@ impl Tokenizer {
 
     /// Reads `dir/tokenizer.json` (a Hugging Face model directory).
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Tokenizer> {
-        Tokenizer::from_file(dir.as_ref().join("tokenizer.json"))
+        Tokenizer::read(&dir.as_ref().join("tokenizer.json"))
     }
 
     /// The file this tokenizer was read from.

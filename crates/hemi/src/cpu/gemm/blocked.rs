@@ -65,7 +65,7 @@
 use crate::cpu::gemm::MatRef;
 use crate::dtype::WithDType;
 use crate::DType;
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -415,8 +415,63 @@ unsafe fn round_run(src: &[f32], dst: *mut u16, bf16_out: bool) {
     }
 }
 
-/// Splits the product among threads (or not) and runs its tasks.
+/// Runs `job` on the copy of the driver compiled in this crate for its operand types, one
+/// of the nine F32/F16/BF16 pairs every kernel's checks (`Kernel::accepts`) leave.
+///
+/// The entry points are generic over the operand types, and a release build compiles a
+/// generic function again in every crate that instantiates it (no shared generics at
+/// opt-level 3). Were the driver (`split_and_run`, every kernel's `run_tile` and packing)
+/// generic all the way down, each test binary calling `gemm_with` would compile the whole
+/// of it again (it was a third of the `kernels` test binary), and the library itself
+/// compiled it for the ten pairs with F64 or I64 that its generic callers name but the
+/// checks reject. The nine copies below are plain functions: compiled here once.
 fn run_job<A: WithDType, B: WithDType>(
+    kernel: Kernel,
+    job: &Job<'_, A, B>,
+    m: usize,
+    n: usize,
+    k: usize,
+    parallel: bool,
+) {
+    macro_rules! monomorphic {
+        ($($name:ident: $a:ty, $b:ty;)*) => {
+            $(
+                if let Some(job) = job.cast::<$a, $b>() {
+                    fn $name(
+                        kernel: Kernel,
+                        job: &Job<'_, $a, $b>,
+                        m: usize,
+                        n: usize,
+                        k: usize,
+                        parallel: bool,
+                    ) {
+                        split_and_run(kernel, job, m, n, k, parallel)
+                    }
+                    return $name(kernel, job, m, n, k, parallel);
+                }
+            )*
+        };
+    }
+    monomorphic! {
+        f32_f32: f32, f32;
+        f32_f16: f32, f16;
+        f32_bf16: f32, bf16;
+        f16_f32: f16, f32;
+        f16_f16: f16, f16;
+        f16_bf16: f16, bf16;
+        bf16_f32: bf16, f32;
+        bf16_f16: bf16, f16;
+        bf16_bf16: bf16, bf16;
+    }
+    unreachable!(
+        "gemm_half: the callers check for F32, F16 or BF16 operands, not {:?} x {:?}",
+        A::DTYPE,
+        B::DTYPE
+    )
+}
+
+/// Splits the product among threads (or not) and runs its tasks.
+fn split_and_run<A: WithDType, B: WithDType>(
     kernel: Kernel,
     job: &Job<'_, A, B>,
     m: usize,
@@ -485,6 +540,16 @@ pub(super) struct Job<'a, A, B> {
     accumulate: bool,
     /// `gemm_round`: each tile rounded into this F16/BF16 output instead of written to `c`.
     round: Option<Rounded<'a>>,
+}
+
+impl<'a, A: WithDType, B: WithDType> Job<'a, A, B> {
+    /// This job as a `Job<A2, B2>`, when `A2` is `A` and `B2` is `B`.
+    fn cast<A2: WithDType, B2: WithDType>(&self) -> Option<&Job<'a, A2, B2>> {
+        use std::any::TypeId;
+        (TypeId::of::<A>() == TypeId::of::<A2>() && TypeId::of::<B>() == TypeId::of::<B2>())
+            // SAFETY: the same types, so the same struct; the borrow carries over.
+            .then(|| unsafe { &*(self as *const Self).cast::<Job<'a, A2, B2>>() })
+    }
 }
 
 /// The F16/BF16 output of `gemm_round`, written by several tasks at once, and the bias its

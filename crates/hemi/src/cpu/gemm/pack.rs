@@ -46,6 +46,30 @@ impl PackedA {
             a.dtype()
         );
         a.check_bounds("lhs");
+        // The packing is compiled here once per dtype, not again in each crate that calls
+        // `new` (see `blocked::run_job`).
+        fn f32_panels(kernel: Kernel, a: MatRef<'_, f32>) -> PackedA {
+            PackedA::pack(kernel, a)
+        }
+        fn f16_panels(kernel: Kernel, a: MatRef<'_, f16>) -> PackedA {
+            PackedA::pack(kernel, a)
+        }
+        fn bf16_panels(kernel: Kernel, a: MatRef<'_, bf16>) -> PackedA {
+            PackedA::pack(kernel, a)
+        }
+        if let Some(a) = a.cast::<f32>() {
+            f32_panels(kernel, a)
+        } else if let Some(a) = a.cast::<f16>() {
+            f16_panels(kernel, a)
+        } else if let Some(a) = a.cast::<bf16>() {
+            bf16_panels(kernel, a)
+        } else {
+            unreachable!("`accepts` takes F32, F16 or BF16 only")
+        }
+    }
+
+    /// `new` after its checks.
+    fn pack<A: WithDType>(kernel: Kernel, a: MatRef<'_, A>) -> Self {
         // Each x86 kernel packs as its portable twin does (same panels, same blocking).
         let (blocks, data) = match kernel {
             Kernel::PortableF32 | Kernel::Avx2Fma => pack_whole::<PortableF32, A>(&a),

@@ -44,7 +44,7 @@ pub enum Kernel {
     /// internal precision) the SDM does not give: measured on a Sapphire-Rapids-class Xeon,
     /// 60 % of the elements of random 16×32·32×16 products equal this sequential sum (and 62
     /// % the correctly rounded one), the rest differ in the last bits. So the two agree to
-    /// the bit only where every partial sum is exact (`tests/gemm_kernels.rs`), and each is
+    /// the bit only where every partial sum is exact (`tests/kernels/gemm_kernels.rs`), and each is
     /// checked against F64 with the F32 summation bound.
     PortableAmx,
     /// Intel AMX `tdpbf16ps` on the AMX panels: four 16×16 F32 accumulator tiles, two A and
@@ -182,8 +182,9 @@ const NONE_FORCED: usize = usize::MAX;
 ///
 /// The setting is global, not scoped: every thread's products switch at once, so results
 /// computed while another thread changes it may mix kernels (each kernel sums in its own
-/// order). Callers that set it serialise among themselves (`tests/gemm_kernels.rs` holds a
-/// lock) and set it back to `None`.
+/// order). Callers that set it hold every other product off meanwhile (the tests that force
+/// a kernel run each in a process of its own: `tests/kernels/gemm_kernels.rs`) and set it
+/// back to `None`.
 pub fn force_kernel(kernel: Option<Kernel>) {
     let index = kernel.map_or(NONE_FORCED, |k| {
         assert!(

@@ -11,23 +11,20 @@
 //! against F64 on odd sizes and strided views, `avx512f` against its plain-Rust twin
 //! `portable-wide` bit for bit, and the route `cpu::gemm::product` takes for F32.
 //!
-//! The kernel choice is process-wide, so the tests of this binary take turns (`KERNEL_LOCK`).
+//! The kernel choice is process-wide, so the tests that force one run each in a process of
+//! its own (`alone`); no test of this binary forces one in its main process.
 
-mod common;
-use common::block::block_matches_reference;
-use common::*;
+use crate::alone::alone;
+use crate::common::block::block_matches_reference;
+use crate::common::*;
 use hemi::cpu::gemm::blocked::{gemm, gemm_with};
 use hemi::cpu::gemm::select::{f32_kernel, force_kernel, kernel_for, kernel_name, Kernel};
 use hemi::cpu::gemm::{matmul_into, product, MatRef};
 use hemi::ops::conv::Conv2dOptions;
 use hemi::{DType, Generator, Tensor};
-use std::sync::Mutex;
-
-static KERNEL_LOCK: Mutex<()> = Mutex::new(());
 
 /// Runs `f(kernel)` with each kernel this CPU has that takes `dtype` × `dtype` forced.
 fn on_each_kernel(dtype: DType, f: impl Fn(Kernel)) {
-    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let kernels: Vec<Kernel> = Kernel::ALL
         .into_iter()
         .filter(|k| k.is_available() && k.accepts(dtype, dtype))
@@ -65,9 +62,11 @@ fn f64_leaf(v: &[f64], shape: &[usize], abs: bool) -> Tensor {
 
 #[test]
 fn conv_block_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        on_each_kernel(dtype, |_| block_matches_reference(dtype));
-    }
+    alone(|| {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            on_each_kernel(dtype, |_| block_matches_reference(dtype));
+        }
+    });
 }
 
 /// conv2d forward and backward (input, weight, bias) in `dtype` against F64, on shapes that
@@ -137,50 +136,54 @@ fn conv2d_matches_f64(dtype: DType, kernel: Kernel) {
 
 #[test]
 fn conv2d_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        on_each_kernel(dtype, |k| conv2d_matches_f64(dtype, k));
-    }
+    alone(|| {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            on_each_kernel(dtype, |k| conv2d_matches_f64(dtype, k));
+        }
+    });
 }
 
 /// matmul of half tensors (one operand a transposed view) and its gradients against F64.
 #[test]
 fn matmul_on_each_kernel() {
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        on_each_kernel(dtype, |kernel| {
-            let mut rng = Generator::new(72);
-            let (m, k, n) = (37, 70, 45);
-            let (a, av) = rand_tensor(&[m, k], dtype, true, &mut rng);
-            let (b, bv) = rand_tensor(&[k, n], dtype, false, &mut rng);
-            let (a, b) = (a.requires_grad_(), b.requires_grad_());
-            let y = a.matmul(&b).unwrap();
-            let gv = rand_values(m * n, -1.0, 1.0, dtype, &mut rng);
-            let g = Tensor::from_f64_vec(gv.clone(), &[m, n], dtype).unwrap();
-            y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
-            let run = |abs: bool| {
-                let t = |v: &[f64], s: &[usize]| f64_leaf(v, s, abs);
-                let (ar, br) = (t(&av, &[m, k]), t(&bv, &[k, n]));
-                let yr = ar.matmul(&br).unwrap();
-                yr.mul(&t(&gv, &[m, n]))
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
-                let grad = |t: &Tensor| t.grad().unwrap().to_vec_f64();
-                [yr.to_vec_f64(), grad(&ar), grad(&br)]
-            };
-            let (want, abs) = (run(false), run(true));
-            let got = [
-                y.to_vec_f64(),
-                a.grad().unwrap().to_vec_f64(),
-                b.grad().unwrap().to_vec_f64(),
-            ];
-            for (i, (name, terms)) in [("y", k), ("da", n), ("db", m)].into_iter().enumerate() {
-                let what = format!("{} {dtype} matmul {name}", kernel.name());
-                assert_sums_close(&what, &got[i], &want[i], &abs[i], terms, dtype);
-            }
-        });
-    }
+    alone(|| {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            on_each_kernel(dtype, |kernel| {
+                let mut rng = Generator::new(72);
+                let (m, k, n) = (37, 70, 45);
+                let (a, av) = rand_tensor(&[m, k], dtype, true, &mut rng);
+                let (b, bv) = rand_tensor(&[k, n], dtype, false, &mut rng);
+                let (a, b) = (a.requires_grad_(), b.requires_grad_());
+                let y = a.matmul(&b).unwrap();
+                let gv = rand_values(m * n, -1.0, 1.0, dtype, &mut rng);
+                let g = Tensor::from_f64_vec(gv.clone(), &[m, n], dtype).unwrap();
+                y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+                let run = |abs: bool| {
+                    let t = |v: &[f64], s: &[usize]| f64_leaf(v, s, abs);
+                    let (ar, br) = (t(&av, &[m, k]), t(&bv, &[k, n]));
+                    let yr = ar.matmul(&br).unwrap();
+                    yr.mul(&t(&gv, &[m, n]))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let grad = |t: &Tensor| t.grad().unwrap().to_vec_f64();
+                    [yr.to_vec_f64(), grad(&ar), grad(&br)]
+                };
+                let (want, abs) = (run(false), run(true));
+                let got = [
+                    y.to_vec_f64(),
+                    a.grad().unwrap().to_vec_f64(),
+                    b.grad().unwrap().to_vec_f64(),
+                ];
+                for (i, (name, terms)) in [("y", k), ("da", n), ("db", m)].into_iter().enumerate() {
+                    let what = format!("{} {dtype} matmul {name}", kernel.name());
+                    assert_sums_close(&what, &got[i], &want[i], &abs[i], terms, dtype);
+                }
+            });
+        }
+    });
 }
 
 // ----- the F32-panel kernels straight through `gemm_with` ------------------------------------
@@ -338,7 +341,6 @@ fn avx512f_equals_its_portable_twin_bit_for_bit() {
 /// `gemm_with`), else the `gemm` crate (bit for bit `matmul_into`); F64 always the latter.
 #[test]
 fn f32_products_take_the_route_f32_kernel_names() {
-    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let mut rng = Generator::new(75);
     // Small and skinny products stay on the gemm crate, larger ones go to avx512f where the
     // CPU has it (the last two; the message names the route).
@@ -387,7 +389,6 @@ fn f32_products_take_the_route_f32_kernel_names() {
 /// (matrix-vector, a 10-class classifier's, tiny ones). Elsewhere nothing changes route.
 #[test]
 fn f32_route_follows_the_measurements() {
-    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let fast = Kernel::Avx512F32
         .is_available()
         .then_some(Kernel::Avx512F32);
@@ -428,7 +429,6 @@ fn f32_route_follows_the_measurements() {
 /// F16 does (`Bf16Route`). `gemm` follows `kernel_for` bit for bit.
 #[test]
 fn half_products_take_the_wide_kernel_where_it_suits() {
-    let _turn = KERNEL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let wide = Kernel::Avx512F32.is_available();
     let narrow = kernel_name(DType::F16, DType::F16);
     for (a, b) in [
