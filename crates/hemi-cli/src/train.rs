@@ -247,7 +247,8 @@ pub struct TrainArgs {
     /// Activation checkpointing: the model's segments keep only their inputs for the
     /// backward and run their forward again there (the same gradients, bit for bit; less
     /// memory, more time). Optionally which segments: `blocks` (default) or `stages` for
-    /// the ResNets, `layers` for BERT; other models have none (an error).
+    /// the ResNets, `layers` for BERT (each but the last); other models have none (an
+    /// error).
     #[arg(help_heading = "Model and recipe", long, value_name = "SEGMENTS", num_args = 0..=1, default_missing_value = "")]
     checkpoint_activations: Option<String>,
     /// Gradient accumulation: split each batch into this many micro-batches, one backward

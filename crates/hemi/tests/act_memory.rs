@@ -113,18 +113,19 @@ fn checkpointing_keeps_fewer_activations() {
     let [(kept0, peak0), (kept_b, peak_b), (kept_s, peak_s)] = r[..] else {
         unreachable!()
     };
-    // Blocks keep one activation per block (their inputs: 7.0 of 18.6 MiB when this was
-    // written; the plain run keeps about three more per block, its fused ops already
-    // recompute the ReLUs), and the backward holds one block's activations on top (13.0 of
-    // 19.5 MiB at the peak). Stages keep one activation per stage (3.5 MiB) but hold the
-    // first stage's activations in the backward, nearly the plain peak (17.0 MiB).
+    // Blocks keep one activation per block (their inputs) and the last block's activations
+    // (7.8 of 18.6 MiB when this was written; the plain run keeps about three more per
+    // block, its fused ops already recompute the ReLUs); the backward holds one block's
+    // activations on top (13.0 of 19.5 MiB at the peak). Stages keep one activation per
+    // stage and the last stage's activations (6.0 MiB) but hold the first stage's
+    // activations in the backward, nearly the plain peak (17.0 MiB).
     let ratio = |a: usize, b: usize| a as f64 / b as f64;
     assert!(
-        ratio(kept_b, kept0) < 0.45,
+        ratio(kept_b, kept0) < 0.5,
         "blocks kept {kept_b} of {kept0}"
     );
     assert!(
-        ratio(kept_s, kept0) < 0.25,
+        ratio(kept_s, kept0) < 0.4,
         "stages kept {kept_s} of {kept0}"
     );
     assert!(

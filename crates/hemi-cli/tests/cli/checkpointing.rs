@@ -157,9 +157,10 @@ fn bench_train_reports_the_heap_checkpointing_saves() {
     assert_eq!(ckpt["checkpoint_activations"], "blocks");
     let kept = |v: &serde_json::Value| v["kept_heap_mib"].as_f64().unwrap();
     let peak = |v: &serde_json::Value| v["step_heap_mib"].as_f64().unwrap();
-    // ResNet-20's blocks keep their inputs, 0.38x of what the plain step keeps (7.0 of 18.5
-    // MiB), and hold one block's activations in the backward (13.0 of 19.4 MiB at the peak).
-    assert!(kept(&ckpt) < 0.45 * kept(&plain), "{plain}\n{ckpt}");
+    // ResNet-20's blocks keep their inputs (and the last block's activations), 0.42x of what
+    // the plain step keeps (7.8 of 18.5 MiB), and hold one block's activations in the
+    // backward (13.0 of 19.4 MiB at the peak).
+    assert!(kept(&ckpt) < 0.5 * kept(&plain), "{plain}\n{ckpt}");
     assert!(peak(&ckpt) < 0.75 * peak(&plain), "{plain}\n{ckpt}");
     assert_eq!(plain["loss"], ckpt["loss"]);
 }

@@ -34,8 +34,8 @@
 //!   what updates state in a forward asks it. `BatchNorm2d` does not update its running
 //!   statistics or `num_batches_tracked` a second time, and QAT's observers do not observe
 //!   the batch a second time. (PyTorch's `checkpoint` updates batch-norm running
-//!   statistics twice, once per forward, which changes them; hemi's match the run without
-//!   checkpointing.)
+//!   statistics in both forwards, pytorch/pytorch#96136, which changes them; hemi's match
+//!   the run without checkpointing.)
 //!
 //! A segment may read tensors that were computed before it only through its inputs: one it
 //! captures that requires grad and is not a leaf (its gradient would have nowhere to go)

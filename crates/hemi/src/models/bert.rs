@@ -722,7 +722,9 @@ pub struct BertModel {
     /// `pooler.dense`: absent for `add_pooling_layer=False` (the masked-LM model).
     pub pooler: Option<Linear>,
     /// Activation checkpointing of the encoder layers in training (default off): each
-    /// layer keeps only its input for the backward and runs its forward again there.
+    /// layer keeps only its input for the backward and runs its forward again there, but
+    /// the last, with which the backward starts (recomputing it would hold the same
+    /// activations at the same moment, one forward of it later).
     pub checkpoint_layers: bool,
 }
 
@@ -831,9 +833,12 @@ impl BertModel {
         };
         let mask = extended_attention_mask(attention_mask, score_dtype)?;
         let checkpoint = self.checkpoint_layers && crate::autograd::is_grad_enabled();
+        let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let _scope = crate::ops::scope::enter_index("encoder.layer", i);
-            h = if checkpoint {
+            // The last layer runs as usual: the backward starts with it (see
+            // `checkpoint_layers`).
+            h = if checkpoint && i + 1 < n {
                 crate::autograd::checkpoint(Arc::new(layer.replica()), &[&h, &mask])?
             } else {
                 layer.forward(&h, Some(&mask))?

@@ -253,7 +253,9 @@ impl Replicate for Block {
 }
 
 /// Which parts of a ResNet activation checkpointing (`autograd::checkpoint`) runs again in
-/// the backward instead of keeping their activations: `ResNet::checkpoint`.
+/// the backward instead of keeping their activations: `ResNet::checkpoint`. The last block
+/// (or stage) runs as usual: the backward starts with it, so its activations would be alive
+/// then either way (PyTorch's `checkpoint_sequential` leaves its last segment alone too).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ResNetCheckpoint {
     /// Every residual block: the backward keeps each block's input (one activation per
@@ -588,8 +590,12 @@ impl ResNet {
         let checkpoint = self
             .checkpoint
             .filter(|_| crate::autograd::is_grad_enabled());
+        // The last segment runs as usual (as `checkpoint_sequential`'s does): the backward
+        // starts with it, so recomputing it would hold the same activations at the same
+        // moment, one forward of it later.
+        let last_stage = self.layers.len().saturating_sub(1);
         for (l, layer) in self.layers.iter().enumerate() {
-            if checkpoint == Some(ResNetCheckpoint::Stages) {
+            if checkpoint == Some(ResNetCheckpoint::Stages) && l < last_stage {
                 let stage = Stage {
                     name: LAYERS[l.min(3)],
                     blocks: layer.iter().map(Block::replica).collect(),
@@ -599,9 +605,10 @@ impl ResNet {
             }
             for (i, block) in layer.iter().enumerate() {
                 let _scope = crate::ops::scope::enter_index(LAYERS[l.min(3)], i);
+                let last = l == last_stage && i + 1 == layer.len();
                 x = match checkpoint {
-                    Some(_) => crate::nn::checkpoint(block, &x)?,
-                    None => block.forward(&x)?,
+                    Some(ResNetCheckpoint::Blocks) if !last => crate::nn::checkpoint(block, &x)?,
+                    _ => block.forward(&x)?,
                 };
             }
         }

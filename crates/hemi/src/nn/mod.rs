@@ -303,8 +303,9 @@ pub trait Module: Visit + Send + std::any::Any {
     /// one of `checkpoint_granularities`: which segments) or off (`None`): in training the
     /// segments keep only their inputs for the backward and run their forward again there
     /// (`autograd::checkpoint`), for the same gradients bit for bit. ResNets checkpoint
-    /// `blocks` or `stages`, BERT its encoder `layers`. Default: the model has no such
-    /// segments, and `Some` is an error.
+    /// `blocks` or `stages`, BERT its encoder `layers`, each but the last (the backward
+    /// starts with it: its activations would be alive then anyway). Default: the model has
+    /// no such segments, and `Some` is an error.
     fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
         match granularity {
             None => Ok(()),
