@@ -103,6 +103,10 @@ enum Which {
         /// Text models: tokens per sequence (every sequence has exactly this many).
         #[arg(long, default_value_t = 64)]
         max_length: usize,
+        /// Activation checkpointing, as `hemi train --checkpoint-activations` (optionally
+        /// which segments: blocks or stages for the ResNets, layers for BERT).
+        #[arg(long, value_name = "SEGMENTS", num_args = 0..=1, default_missing_value = "")]
+        checkpoint_activations: Option<String>,
     },
     /// Convolution layers: forward, input gradient and weight gradient, F32/F16/BF16.
     ///
@@ -314,8 +318,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             pretrained,
             config,
             max_length,
+            checkpoint_activations,
         } => {
             let spec = hemi::models::registry::find(model)?;
+            let ckpt = checkpoint_activations.as_deref();
             if spec.input == hemi::models::registry::InputKind::Text {
                 let text = TextBench {
                     pretrained: pretrained.as_deref(),
@@ -323,12 +329,15 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                     max_length: *max_length,
                 };
                 pool.install(|| {
-                    bench_train_text(&args, &spec, &text, *precision, *batch_size, *steps)
+                    bench_train_text(&args, &spec, &text, *precision, *batch_size, *steps, ckpt)
                 })
             } else {
-                pool.install(|| {
-                    bench_train(&args, model, *precision, *batch_size, *steps, *image_size)
-                })
+                let shape = Shape {
+                    batch: *batch_size,
+                    steps: *steps,
+                    size: *image_size,
+                };
+                pool.install(|| bench_train(&args, &spec, *precision, shape, ckpt))
             }
         }
         Which::Conv { layers, batch_size } => bench_conv(&args, &pool, layers, *batch_size),
@@ -553,16 +562,75 @@ fn bench_pool(args: &BenchArgs, pool: &rayon::ThreadPool, batch: usize) -> Resul
     Ok(())
 }
 
-/// Median images/s of full training steps of `model` under `precision` on random data.
-fn bench_train(
-    args: &BenchArgs,
-    model_name: &str,
-    precision: Precision,
+/// The batch, timed steps and image side of `bench train` on images.
+struct Shape {
     batch: usize,
     steps: usize,
     size: usize,
+}
+
+/// Turns on `--checkpoint-activations` (`asked`) for `model` and starts counting the heap;
+/// the segments' name, if any.
+fn bench_checkpointing(
+    spec: &hemi::models::registry::ModelSpec,
+    model: &mut dyn hemi::nn::Module,
+    asked: Option<&str>,
+) -> Result<Option<&'static str>> {
+    crate::alloc::count_heap();
+    let Some(asked) = asked else {
+        return Ok(None);
+    };
+    let g = crate::train::checkpoint_segments(spec, model, asked)?;
+    model.set_activation_checkpointing(Some(g))?;
+    Ok(Some(g))
+}
+
+/// The heap a training step holds above what lives between steps, per timed step: what the
+/// forward leaves for the backward (the activations, the loss) and the step's peak.
+#[derive(Default)]
+struct StepHeap {
+    base: isize,
+    kept: Vec<f64>,
+    peak: Vec<f64>,
+}
+
+impl StepHeap {
+    fn start(&mut self) {
+        self.base = crate::alloc::heap_live();
+        crate::alloc::reset_heap_peak();
+    }
+    fn after_forward(&mut self, timed: bool) {
+        if timed {
+            self.kept
+                .push((crate::alloc::heap_live() - self.base) as f64 / MIB);
+        }
+    }
+    fn end(&mut self, timed: bool) {
+        let peak = crate::alloc::reset_heap_peak();
+        if timed {
+            self.peak.push((peak - self.base) as f64 / MIB);
+        }
+    }
+    /// (kept, peak): the largest over the timed steps, MiB.
+    fn max(&self) -> (f64, f64) {
+        let m = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        (m(&self.kept), m(&self.peak))
+    }
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// Median images/s of full training steps of `model` under `precision` on random data.
+fn bench_train(
+    args: &BenchArgs,
+    spec: &hemi::models::registry::ModelSpec,
+    precision: Precision,
+    shape: Shape,
+    checkpoint: Option<&str>,
 ) -> Result<()> {
     const WARMUP: usize = 2;
+    let Shape { batch, steps, size } = shape;
+    let model_name = spec.name;
     if batch == 0 || steps == 0 {
         return Err(Error::arg(
             "bench train",
@@ -571,6 +639,7 @@ fn bench_train(
     }
     let mut rng = Generator::new(0);
     let mut model = crate::train::build_model(model_name, [3, size, size], 10, 0)?;
+    let ckpt = bench_checkpointing(spec, model.as_mut(), checkpoint)?;
     precision.prepare_model(model.as_mut())?;
     let mut opt = AmpOptimizer::new(
         precision,
@@ -592,14 +661,17 @@ fn bench_train(
     let labels = Tensor::randint(&[batch], 10, &mut rng)?;
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
+    let mut heap = StepHeap::default();
     for i in 0..WARMUP + steps {
         let t0 = Instant::now();
         opt.zero_grad();
+        heap.start();
         let loss = {
             let _ac = precision.autocast();
             let logits = model.forward(&precision.input(&images)?)?;
             cross_entropy(&logits, &labels, CrossEntropyOptions::default())?
         };
+        heap.after_forward(i >= WARMUP);
         let trace = std::env::var_os("HEMI_MEM_TRACE").is_some();
         if trace {
             eprintln!(
@@ -618,6 +690,8 @@ fn bench_train(
         }
         opt.step()?;
         last_loss = loss.to_scalar()?;
+        drop(loss);
+        heap.end(i >= WARMUP);
         if i >= WARMUP {
             times.push(t0.elapsed().as_secs_f64());
         }
@@ -625,19 +699,24 @@ fn bench_train(
     let med = median(times);
     let ips = batch as f64 / med;
     let rss = crate::train::peak_rss_mib();
+    let (kept, step_peak) = heap.max();
     if args.json {
         let j = serde_json::json!({
             "bench": "train", "model": model_name, "precision": precision.name(),
             "batch_size": batch, "image_size": size, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
+            "checkpoint_activations": ckpt,
             "images_per_s": ips, "median_step_ms": med * 1e3,
-            "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
+            "peak_rss_mib": rss, "kept_heap_mib": kept, "step_heap_mib": step_peak,
+            "loss": last_loss, "loss_scale": opt.scale(),
             "skipped": opt.skipped_steps(),
         });
         println!("{j}");
     } else {
         println!(
-            "train {model_name} {precision} batch {batch} ({size}x{size}), {} threads: {ips:.0} images/s \
-             (median step {:.1} ms over {steps}), peak RSS {}",
+            "train {model_name} {precision} batch {batch} ({size}x{size}){}, {} threads: {ips:.0} \
+             images/s (median step {:.1} ms over {steps}), peak RSS {}, step heap {step_peak:.0} MiB \
+             ({kept:.0} MiB kept for the backward)",
+            ckpt.map_or(String::new(), |g| format!(", checkpointed {g}")),
             args.threads,
             med * 1e3,
             rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))
@@ -696,6 +775,7 @@ fn bench_train_text(
     precision: Precision,
     batch: usize,
     steps: usize,
+    checkpoint: Option<&str>,
 ) -> Result<()> {
     const WARMUP: usize = 2;
     if batch == 0 || steps == 0 {
@@ -706,6 +786,7 @@ fn bench_train_text(
     }
     let mlm = spec.task == "masked-lm";
     let (mut model, cfg) = text_model("bench train", spec, text.config, text.pretrained, None, 0)?;
+    let ckpt = bench_checkpointing(spec, model.as_mut(), checkpoint)?;
     let l = text.max_length;
     if l > cfg.max_position_embeddings {
         return Err(Error::arg(
@@ -761,17 +842,22 @@ fn bench_train_text(
     };
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
+    let mut heap = StepHeap::default();
     for i in 0..WARMUP + steps {
         let t0 = Instant::now();
         opt.zero_grad();
+        heap.start();
         let loss = {
             let _ac = precision.autocast();
             task.forward(model.as_ref(), &b, precision, 0.0, false)?
                 .loss
         };
+        heap.after_forward(i >= WARMUP);
         opt.backward(&loss)?;
         opt.step()?;
         last_loss = loss.to_scalar()?;
+        drop(loss);
+        heap.end(i >= WARMUP);
         if i >= WARMUP {
             times.push(t0.elapsed().as_secs_f64());
         }
@@ -779,20 +865,25 @@ fn bench_train_text(
     let med = median(times);
     let sps = batch as f64 / med;
     let rss = crate::train::peak_rss_mib();
+    let (kept, step_peak) = heap.max();
     if args.json {
         let j = serde_json::json!({
             "bench": "train", "model": spec.name, "precision": precision.name(),
             "batch_size": batch, "max_length": l, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
+            "checkpoint_activations": ckpt,
             "sentences_per_s": sps, "median_step_ms": med * 1e3,
-            "peak_rss_mib": rss, "loss": last_loss, "loss_scale": opt.scale(),
+            "peak_rss_mib": rss, "kept_heap_mib": kept, "step_heap_mib": step_peak,
+            "loss": last_loss, "loss_scale": opt.scale(),
             "skipped": opt.skipped_steps(),
         });
         println!("{j}");
     } else {
         println!(
-            "train {} {precision} batch {batch} x length {l}, {} threads: {sps:.1} sentences/s \
-             (median step {:.1} ms over {steps}), peak RSS {}",
+            "train {} {precision} batch {batch} x length {l}{}, {} threads: {sps:.1} sentences/s \
+             (median step {:.1} ms over {steps}), peak RSS {}, step heap {step_peak:.0} MiB \
+             ({kept:.0} MiB kept for the backward)",
             spec.name,
+            ckpt.map_or(String::new(), |g| format!(", checkpointed {g}")),
             args.threads,
             med * 1e3,
             rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))

@@ -244,6 +244,13 @@ pub struct TrainArgs {
     /// turns the result into INT8.
     #[arg(help_heading = "Model and recipe", long, value_name = "CHECKPOINT")]
     qat: Option<PathBuf>,
+    /// Activation checkpointing: the model's segments keep only their inputs for the
+    /// backward and run their forward again there (the same gradients, bit for bit; less
+    /// memory, more time). Optionally which segments: `blocks` (default) or `stages` for
+    /// the ResNets, `layers` for BERT (each but the last); other models have none (an
+    /// error).
+    #[arg(help_heading = "Model and recipe", long, value_name = "SEGMENTS", num_args = 0..=1, default_missing_value = "")]
+    checkpoint_activations: Option<String>,
     /// Gradient accumulation: split each batch into this many micro-batches, one backward
     /// each, and step once (1 rank with --micro-batches N trains exactly like N ranks).
     #[arg(help_heading = "Optimizer and schedule", long, default_value_t = 1)]
@@ -407,6 +414,45 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
             })
         }
     }
+}
+
+/// The segments `--checkpoint-activations ASKED` names for `model` (`spec`): ASKED, or the
+/// model's first granularity when empty; an error naming the model when it has none (and
+/// the models that have), or the granularities it has when ASKED is not one.
+pub(crate) fn checkpoint_segments(
+    spec: &hemi::models::registry::ModelSpec,
+    model: &dyn Module,
+    asked: &str,
+) -> Result<&'static str> {
+    let have = model.checkpoint_granularities();
+    let Some(&first) = have.first() else {
+        let with: Vec<&str> = hemi::models::registry::models()
+            .iter()
+            .filter(|m| !m.checkpoint.is_empty())
+            .map(|m| m.name)
+            .collect();
+        return Err(Error::arg(
+            "--checkpoint-activations",
+            format!(
+                "model {} has no checkpointed segments (models that have: {})",
+                spec.name,
+                with.join(", ")
+            ),
+        ));
+    };
+    if asked.is_empty() {
+        return Ok(first);
+    }
+    have.iter().copied().find(|g| *g == asked).ok_or_else(|| {
+        Error::arg(
+            "--checkpoint-activations",
+            format!(
+                "model {} checkpoints {}, not {asked:?}",
+                spec.name,
+                have.join(" or ")
+            ),
+        )
+    })
 }
 
 pub(crate) fn build_model(
@@ -969,6 +1015,12 @@ fn run_train_on(
             ck.dir.display()
         );
         settings.insert("qat".into(), ck.dir.display().to_string());
+    }
+    if let Some(asked) = &args.checkpoint_activations {
+        let g = checkpoint_segments(&spec, model.as_ref(), asked)?;
+        model.set_activation_checkpointing(Some(g))?;
+        println!("activation checkpointing: {} {g}", args.model);
+        settings.insert("checkpoint_activations".into(), g.into());
     }
     let dist = match &group {
         Some(g) => {

@@ -8,6 +8,7 @@ mod common;
 
 mod bad_input;
 mod bench;
+mod checkpointing;
 mod doctor;
 mod export;
 mod models;

@@ -21,6 +21,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorId};
 
+mod checkpoint;
+pub use checkpoint::{checkpoint, checkpoint_fn, is_recomputing, Segment};
+
 /// Maps the gradient of an op's output to the gradients of its inputs.
 pub type BackwardFn = dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
 
@@ -170,25 +173,46 @@ pub fn grad(output: &Tensor, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let seed = Tensor::ones(output.shape(), output.dtype())?.to_device(output.device())?;
     let wanted: HashSet<TensorId> = inputs.iter().map(|t| t.id()).collect();
-    let mut found = sweep(output, seed, Some(&wanted), true)?;
+    let mut found = sweep(output, seed, Some(Capture::Sums(&wanted)), true)?;
     inputs
         .iter()
-        .map(|t| match found.remove(&t.id()) {
+        .map(|t| match found.remove(&t.id()).and_then(|mut v| v.pop()) {
             Some(g) => Ok(g),
             None => t.zeros_like(),
         })
         .collect()
 }
 
+/// Which gradients a sweep returns instead of adding leaves' gradients to their `.grad`.
+#[derive(Clone, Copy)]
+pub(crate) enum Capture<'a> {
+    /// Each tensor's gradient, summed (`grad`): one tensor per id.
+    Sums(&'a HashSet<TensorId>),
+    /// Each gradient that reaches these tensors, one per graph edge into them (and the
+    /// seed for the root), in the order the sweep produced them, unsummed; the sweep does
+    /// not go past them. Activation checkpointing hands them to the outer sweep, which
+    /// then adds them in the order it would have without checkpointing.
+    Parts(&'a HashSet<TensorId>),
+}
+
+impl Capture<'_> {
+    fn wants(&self, id: &TensorId) -> bool {
+        match self {
+            Capture::Sums(s) | Capture::Parts(s) => s.contains(id),
+        }
+    }
+}
+
 /// The reverse sweep. With `capture`, gradients of those tensors are returned instead of
-/// being added to leaves' `.grad`. Unless `retain`, each node's saved inputs and closure are
-/// dropped once it has run, and the sweep's own handle on each tensor right after.
+/// being added to leaves' `.grad` (see `Capture`). Unless `retain`, each node's saved inputs
+/// and closure are dropped once it has run, and the sweep's own handle on each tensor right
+/// after.
 fn sweep(
     root: &Tensor,
     grad: Tensor,
-    capture: Option<&HashSet<TensorId>>,
+    capture: Option<Capture<'_>>,
     retain: bool,
-) -> Result<HashMap<TensorId, Tensor>> {
+) -> Result<HashMap<TensorId, Vec<Tensor>>> {
     if !root.requires_grad() {
         return Err(Error::Autograd(
             "backward on a tensor that does not require grad (no parameter reaches it, or \
@@ -207,15 +231,20 @@ fn sweep(
     let _no_autocast = crate::ops::autocast::suspend();
     let order = reverse_topo(root);
     let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
-    let mut captured = HashMap::new();
+    let mut captured: HashMap<TensorId, Vec<Tensor>> = HashMap::new();
+    let parts = match capture {
+        Some(Capture::Parts(p)) => Some(p),
+        _ => None,
+    };
     grads.insert(root.id(), grad.to_dtype(root.dtype())?);
     for t in order {
         let Some(g) = grads.remove(&t.id()) else {
             continue;
         };
-        if let Some(wanted) = capture {
-            if wanted.contains(&t.id()) {
-                captured.insert(t.id(), g.clone());
+        if let Some(c) = capture.filter(|c| c.wants(&t.id())) {
+            captured.entry(t.id()).or_default().push(g.clone());
+            if matches!(c, Capture::Parts(_)) {
+                continue;
             }
         }
         let Some(node) = t.grad_fn() else {
@@ -258,6 +287,10 @@ fn sweep(
             }
             // A gradient has its tensor's dtype.
             let ig = ig.to_dtype(inp.dtype())?;
+            if parts.is_some_and(|p| p.contains(&inp.id())) {
+                captured.entry(inp.id()).or_default().push(ig);
+                continue;
+            }
             let acc = match grads.remove(&inp.id()) {
                 None => ig,
                 Some(prev) => prev.add(&ig)?,

@@ -24,16 +24,17 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Map, Value};
 
+use crate::autograd::Segment;
 use crate::data::Inputs;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{
-    param, Dropout, Embedding, LayerNorm, Linear, Module, StateDictMismatch, Visit, Visitor,
-    VisitorMut,
+    param, Dropout, Embedding, LayerNorm, Linear, Module, Replicate, StateDictMismatch, Visit,
+    Visitor, VisitorMut,
 };
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -577,7 +578,8 @@ pub struct BertLayer {
     heads: usize,
     act: HiddenAct,
     attention_dropout_p: f64,
-    attention_rng: Mutex<Generator>,
+    /// Shared with the layer's replicas (activation checkpointing).
+    attention_rng: Arc<Mutex<Generator>>,
     attention_output_dropout: Dropout,
     output_dropout: Dropout,
     training: AtomicBool,
@@ -598,7 +600,7 @@ impl BertLayer {
             heads: cfg.num_attention_heads,
             act: cfg.hidden_act,
             attention_dropout_p: cfg.attention_probs_dropout_prob,
-            attention_rng: Mutex::new(Generator::new(rng.next_u64())),
+            attention_rng: Arc::new(Mutex::new(Generator::new(rng.next_u64()))),
             attention_output_dropout: dropout(cfg.hidden_dropout_prob, rng)?,
             output_dropout: dropout(cfg.hidden_dropout_prob, rng)?,
             training: AtomicBool::new(true),
@@ -638,6 +640,40 @@ impl BertLayer {
         let f = self.act.after(&self.intermediate, &a)?;
         let f = self.output_dropout.forward(&self.output.forward(&f)?)?;
         self.output_norm.forward(&f.add(&a)?)
+    }
+}
+
+impl BertLayer {
+    /// A copy for activation checkpointing to run again in the backward (`nn::Replicate`):
+    /// the same parameters, generators and hooks, the training flag's current value.
+    fn replica(&self) -> BertLayer {
+        BertLayer {
+            query: self.query.replica(),
+            key: self.key.replica(),
+            value: self.value.replica(),
+            attention_output: self.attention_output.replica(),
+            attention_norm: self.attention_norm.replica(),
+            intermediate: self.intermediate.replica(),
+            output: self.output.replica(),
+            output_norm: self.output_norm.replica(),
+            heads: self.heads,
+            act: self.act,
+            attention_dropout_p: self.attention_dropout_p,
+            attention_rng: self.attention_rng.clone(),
+            attention_output_dropout: self.attention_output_dropout.replica(),
+            output_dropout: self.output_dropout.replica(),
+            training: AtomicBool::new(self.training.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+/// A layer (a replica) as a checkpointed segment: inputs `h` and the additive mask.
+impl Segment for BertLayer {
+    fn forward(&self, inputs: &[Tensor]) -> Result<Tensor> {
+        BertLayer::forward(self, &inputs[0], inputs.get(1))
+    }
+    fn generators(&self) -> Vec<&Mutex<Generator>> {
+        crate::nn::generators(self)
     }
 }
 
@@ -685,6 +721,26 @@ pub struct BertModel {
     pub layers: Vec<BertLayer>,
     /// `pooler.dense`: absent for `add_pooling_layer=False` (the masked-LM model).
     pub pooler: Option<Linear>,
+    /// Activation checkpointing of the encoder layers in training (default off): each
+    /// layer keeps only its input for the backward and runs its forward again there, but
+    /// the last, with which the backward starts (recomputing it would hold the same
+    /// activations at the same moment, one forward of it later).
+    pub checkpoint_layers: bool,
+}
+
+/// The granularities BERT's `set_activation_checkpointing` takes.
+const BERT_CHECKPOINT: [&str; 1] = ["layers"];
+
+/// `BertModel::checkpoint_layers` for `set_activation_checkpointing(granularity)`.
+fn bert_checkpoint(granularity: Option<&str>) -> Result<bool> {
+    match granularity {
+        None => Ok(false),
+        Some("layers") => Ok(true),
+        Some(other) => Err(Error::arg(
+            "activation checkpointing",
+            format!("BERT checkpoints its encoder \"layers\", not {other:?}"),
+        )),
+    }
 }
 
 /// Checks the three `[B, L]` I64 inputs.
@@ -736,6 +792,7 @@ impl BertModel {
             embeddings,
             layers,
             pooler,
+            checkpoint_layers: false,
         })
     }
 
@@ -775,9 +832,17 @@ impl BertModel {
             _ => wdt,
         };
         let mask = extended_attention_mask(attention_mask, score_dtype)?;
+        let checkpoint = self.checkpoint_layers && crate::autograd::is_grad_enabled();
+        let n = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let _scope = crate::ops::scope::enter_index("encoder.layer", i);
-            h = layer.forward(&h, Some(&mask))?;
+            // The last layer runs as usual: the backward starts with it (see
+            // `checkpoint_layers`).
+            h = if checkpoint && i + 1 < n {
+                crate::autograd::checkpoint(Arc::new(layer.replica()), &[&h, &mask])?
+            } else {
+                layer.forward(&h, Some(&mask))?
+            };
         }
         let _scope = crate::ops::scope::enter("pooler");
         let pooled = match &self.pooler {
@@ -823,6 +888,14 @@ impl Module for BertModel {
     }
     fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {
         Ok(self.forward_batch(inputs)?.0)
+    }
+
+    fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
+        self.checkpoint_layers = bert_checkpoint(granularity)?;
+        Ok(())
+    }
+    fn checkpoint_granularities(&self) -> &'static [&'static str] {
+        &BERT_CHECKPOINT
     }
 }
 
@@ -936,6 +1009,14 @@ impl Module for BertForSequenceClassification {
         let t = inputs.text()?;
         self.forward_text(&t.input_ids, &t.attention_mask, &t.token_type_ids)
     }
+
+    fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
+        self.bert.checkpoint_layers = bert_checkpoint(granularity)?;
+        Ok(())
+    }
+    fn checkpoint_granularities(&self) -> &'static [&'static str] {
+        &BERT_CHECKPOINT
+    }
 }
 
 impl Visit for BertForSequenceClassification {
@@ -1030,6 +1111,14 @@ impl Module for BertForMaskedLM {
     fn forward_inputs(&self, inputs: &Inputs) -> Result<Tensor> {
         let t = inputs.text()?;
         self.forward_text(&t.input_ids, &t.attention_mask, &t.token_type_ids)
+    }
+
+    fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
+        self.bert.checkpoint_layers = bert_checkpoint(granularity)?;
+        Ok(())
+    }
+    fn checkpoint_granularities(&self) -> &'static [&'static str] {
+        &BERT_CHECKPOINT
     }
 }
 

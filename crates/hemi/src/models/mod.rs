@@ -16,5 +16,5 @@ pub use cifar_net::CifarNet;
 pub use mlp::Mlp;
 pub use resnet::{
     resnet, resnet18, resnet20, resnet32, resnet34, resnet50, resnet56, Block, BlockKind,
-    CifarShortcut, ResNet, ResNetConfig, Shortcut, RESNET_ARCHS,
+    CifarShortcut, ResNet, ResNetCheckpoint, ResNetConfig, Shortcut, RESNET_ARCHS,
 };

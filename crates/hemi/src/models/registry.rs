@@ -56,6 +56,9 @@ pub struct ModelSpec {
     pub task: &'static str,
     /// The `transformers` class its `save_pretrained` layout loads into (text models).
     pub architecture: Option<&'static str>,
+    /// The activation-checkpointing segments the model takes
+    /// (`Module::set_activation_checkpointing`), the default first; empty: none.
+    pub checkpoint: &'static [&'static str],
     build: Option<Build>,
     build_text: Option<BuildText>,
 }
@@ -129,6 +132,7 @@ pub fn models() -> Vec<ModelSpec> {
             recipe: "documents",
             task: "classification",
             architecture: None,
+            checkpoint: &[],
             build: Some(|_, s, c, r| Ok(Box::new(CifarNet::new(s[0], s[1], s[2], c, r)?))),
             build_text: None,
         },
@@ -140,6 +144,7 @@ pub fn models() -> Vec<ModelSpec> {
             recipe: "documents",
             task: "classification",
             architecture: None,
+            checkpoint: &[],
             build: Some(|_, s, c, r| Ok(Box::new(Mlp::new(s.iter().product(), 512, c, r)?))),
             build_text: None,
         },
@@ -195,6 +200,7 @@ pub fn models() -> Vec<ModelSpec> {
             recipe,
             task: "classification",
             architecture: None,
+            checkpoint: &super::ResNetCheckpoint::NAMES,
             build: Some(rgb_resnet),
             build_text: None,
         });
@@ -208,6 +214,7 @@ pub fn models() -> Vec<ModelSpec> {
         recipe: "bert-finetune",
         task: "classification",
         architecture: Some("BertForSequenceClassification"),
+        checkpoint: &["layers"],
         build: None,
         build_text: Some(|_, config, classes, rng| {
             let cfg = BertConfig::from_file(config)?.with_num_labels(classes);
@@ -223,6 +230,7 @@ pub fn models() -> Vec<ModelSpec> {
         recipe: "bert-mlm",
         task: "masked-lm",
         architecture: Some("BertForMaskedLM"),
+        checkpoint: &["layers"],
         build: None,
         build_text: Some(|_, config, _, rng| {
             let cfg = BertConfig::from_file(config)?;

@@ -17,10 +17,14 @@
 //! BN weight 1 and bias 0, fc PyTorch's Linear default; with `zero_init_residual` the last
 //! BN of each block starts at weight 0, so every block starts as its shortcut.
 
+use std::sync::Arc;
+
+use crate::autograd::Segment;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{
-    init, param, BatchNorm2d, Conv2d, Linear, MaxPool2d, Module, Visit, Visitor, VisitorMut,
+    init, param, BatchNorm2d, Conv2d, Linear, MaxPool2d, Module, Replicate, Visit, Visitor,
+    VisitorMut,
 };
 use crate::ops::conv::Conv2dOptions;
 use crate::rng::Generator;
@@ -221,6 +225,92 @@ impl Block {
     }
 }
 
+impl Replicate for Block {
+    fn replica(&self) -> Self {
+        Block {
+            kind: self.kind,
+            layers: self
+                .layers
+                .iter()
+                .map(|(c, b)| (c.replica(), b.replica()))
+                .collect(),
+            shortcut: match &self.shortcut {
+                Shortcut::Identity => Shortcut::Identity,
+                &Shortcut::Pad {
+                    stride,
+                    extra_channels,
+                } => Shortcut::Pad {
+                    stride,
+                    extra_channels,
+                },
+                Shortcut::Projection { conv, bn } => Shortcut::Projection {
+                    conv: conv.replica(),
+                    bn: bn.replica(),
+                },
+            },
+        }
+    }
+}
+
+/// Which parts of a ResNet activation checkpointing (`autograd::checkpoint`) runs again in
+/// the backward instead of keeping their activations: `ResNet::checkpoint`. The last block
+/// (or stage) runs as usual: the backward starts with it, so its activations would be alive
+/// then either way (PyTorch's `checkpoint_sequential` leaves its last segment alone too).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResNetCheckpoint {
+    /// Every residual block: the backward keeps each block's input (one activation per
+    /// block) and holds one block's activations at a time.
+    Blocks,
+    /// Every stage (`layer1`..`layer4`): the backward keeps each stage's input and holds one
+    /// stage's activations at a time (fewer kept tensors, a larger transient).
+    Stages,
+}
+
+impl ResNetCheckpoint {
+    /// The names `ResNet`'s `set_activation_checkpointing` takes, the default first.
+    pub const NAMES: [&'static str; 2] = ["blocks", "stages"];
+
+    /// The granularity named `name` (`blocks`, `stages`).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "blocks" => Ok(ResNetCheckpoint::Blocks),
+            "stages" => Ok(ResNetCheckpoint::Stages),
+            other => Err(Error::arg(
+                "activation checkpointing",
+                format!(
+                    "a ResNet checkpoints {}, not {other:?}",
+                    Self::NAMES.join(" or ")
+                ),
+            )),
+        }
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ResNetCheckpoint::Blocks => "blocks",
+            ResNetCheckpoint::Stages => "stages",
+        }
+    }
+}
+
+/// A stage's blocks (replicas) as one checkpointed segment, each block in its module scope.
+struct Stage {
+    name: &'static str,
+    blocks: Vec<Block>,
+}
+
+impl Segment for Stage {
+    fn forward(&self, inputs: &[Tensor]) -> Result<Tensor> {
+        let mut x = inputs[0].clone();
+        for (i, block) in self.blocks.iter().enumerate() {
+            let _scope = crate::ops::scope::enter_index(self.name, i);
+            x = block.forward(&x)?;
+        }
+        Ok(x)
+    }
+}
+
 /// A block's last convolution costing at most this many multiply-adds per output value, and
 /// writing at least twice as many channels as it reads, has its output computed again in
 /// the backward instead of kept from the forward: the 1×1 64 → 256 convolutions that end a
@@ -299,6 +389,10 @@ pub struct ResNet {
     pub layers: Vec<Vec<Block>>,
     /// The classifier: pooled features → `num_classes` logits.
     pub fc: Linear,
+    /// Activation checkpointing of the blocks or the stages in training (`None`, the
+    /// default: off). The same gradients either way; less memory, one more forward of
+    /// the checkpointed parts per step.
+    pub checkpoint: Option<ResNetCheckpoint>,
 }
 
 /// A configuration by architecture name (one of [`RESNET_ARCHS`]).
@@ -429,6 +523,7 @@ impl ResNet {
             }),
             layers,
             fc: Linear::new(in_ch, num_classes, true, rng)?,
+            checkpoint: None,
         })
     }
 
@@ -475,6 +570,7 @@ impl ResNet {
             maxpool: None,
             layers,
             fc: Linear::new(in_ch, num_classes, true, rng)?,
+            checkpoint: None,
         })
     }
 
@@ -491,10 +587,29 @@ impl ResNet {
             None => self.bn1.forward_act(&self.conv1.forward(x)?, None, true)?,
         };
         const LAYERS: [&str; 4] = ["layer1", "layer2", "layer3", "layer4"];
+        let checkpoint = self
+            .checkpoint
+            .filter(|_| crate::autograd::is_grad_enabled());
+        // The last segment runs as usual (as `checkpoint_sequential`'s does): the backward
+        // starts with it, so recomputing it would hold the same activations at the same
+        // moment, one forward of it later.
+        let last_stage = self.layers.len().saturating_sub(1);
         for (l, layer) in self.layers.iter().enumerate() {
+            if checkpoint == Some(ResNetCheckpoint::Stages) && l < last_stage {
+                let stage = Stage {
+                    name: LAYERS[l.min(3)],
+                    blocks: layer.iter().map(Block::replica).collect(),
+                };
+                x = crate::autograd::checkpoint(Arc::new(stage), &[&x])?;
+                continue;
+            }
             for (i, block) in layer.iter().enumerate() {
                 let _scope = crate::ops::scope::enter_index(LAYERS[l.min(3)], i);
-                x = block.forward(&x)?;
+                let last = l == last_stage && i + 1 == layer.len();
+                x = match checkpoint {
+                    Some(ResNetCheckpoint::Blocks) if !last => crate::nn::checkpoint(block, &x)?,
+                    _ => block.forward(&x)?,
+                };
             }
         }
         x.adaptive_avg_pool2d((1, 1))?.flatten(1, -1)
@@ -504,6 +619,15 @@ impl ResNet {
 impl Module for ResNet {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.fc.forward(&self.features(x)?)
+    }
+
+    fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
+        self.checkpoint = granularity.map(ResNetCheckpoint::parse).transpose()?;
+        Ok(())
+    }
+
+    fn checkpoint_granularities(&self) -> &'static [&'static str] {
+        &ResNetCheckpoint::NAMES
     }
 }
 

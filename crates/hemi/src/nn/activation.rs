@@ -1,7 +1,7 @@
 //! Activations, Flatten and Dropout.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::pool::stateless;
 use super::{Module, Visit, Visitor, VisitorMut};
@@ -38,8 +38,9 @@ pub struct Dropout {
     /// Probability of zeroing an element in training, in `[0, 1]`; kept elements are scaled
     /// by `1/(1-p)`.
     pub p: f64,
-    rng: Mutex<Generator>,
-    training: AtomicBool,
+    /// Shared with the layer's replicas (`nn::Replicate`), whose recompute draws from it.
+    pub(crate) rng: Arc<Mutex<Generator>>,
+    pub(crate) training: AtomicBool,
 }
 
 impl Dropout {
@@ -55,7 +56,7 @@ impl Dropout {
         }
         Ok(Dropout {
             p,
-            rng: Mutex::new(Generator::new(seed)),
+            rng: Arc::new(Mutex::new(Generator::new(seed))),
             training: AtomicBool::new(true),
         })
     }

@@ -7,6 +7,7 @@
 //! so cast before building the optimizer, as in PyTorch.
 
 mod activation;
+mod checkpoint;
 mod conv;
 pub mod init;
 mod linear;
@@ -18,6 +19,7 @@ mod state_dict;
 mod visit;
 
 pub use activation::{Dropout, Flatten, Gelu, Relu};
+pub use checkpoint::{checkpoint, Replicate};
 pub use conv::Conv2d;
 pub use linear::{Embedding, Linear};
 pub use loss::{CrossEntropyLoss, MseLoss, NllLoss};
@@ -25,6 +27,7 @@ pub use norm::{BatchNorm2d, LayerNorm};
 pub use pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d};
 pub use sequential::Sequential;
 pub use state_dict::{state_dict_mismatch, StateDictMismatch};
+pub(crate) use visit::generators;
 pub use visit::{Visit, Visitor, VisitorMut};
 
 use crate::data::Inputs;
@@ -294,6 +297,29 @@ pub trait Module: Visit + Send + std::any::Any {
         for p in self.parameters() {
             p.zero_grad();
         }
+    }
+
+    /// Turns activation checkpointing of the model's own segments on (`Some(granularity)`,
+    /// one of `checkpoint_granularities`: which segments) or off (`None`): in training the
+    /// segments keep only their inputs for the backward and run their forward again there
+    /// (`autograd::checkpoint`), for the same gradients bit for bit. ResNets checkpoint
+    /// `blocks` or `stages`, BERT its encoder `layers`, each but the last (the backward
+    /// starts with it: its activations would be alive then anyway). Default: the model has
+    /// no such segments, and `Some` is an error.
+    fn set_activation_checkpointing(&mut self, granularity: Option<&str>) -> Result<()> {
+        match granularity {
+            None => Ok(()),
+            Some(g) => Err(Error::arg(
+                "activation checkpointing",
+                format!("this model has no checkpointed segments (asked for {g:?})"),
+            )),
+        }
+    }
+
+    /// The granularities `set_activation_checkpointing` takes, the default first; empty
+    /// when the model has no checkpointed segments.
+    fn checkpoint_granularities(&self) -> &'static [&'static str] {
+        &[]
     }
 
     /// Number of trainable scalars.

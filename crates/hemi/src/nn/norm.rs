@@ -33,7 +33,7 @@ pub struct BatchNorm2d {
     /// this group together (PyTorch's `nn.SyncBatchNorm`); `None` (the default): this
     /// process's batch only. Set by `dist::convert_sync_batch_norm`.
     pub sync: Option<Arc<ProcessGroup>>,
-    training: AtomicBool,
+    pub(crate) training: AtomicBool,
 }
 
 impl BatchNorm2d {
@@ -63,9 +63,10 @@ impl BatchNorm2d {
         if let Some(g) = self.sync.as_ref().filter(|g| training && g.size() > 1) {
             return self.forward_sync(g, x, residual, relu);
         }
+        let (rm, rv) = self.running();
         x.batch_norm_act(
-            Some(&self.running_mean),
-            Some(&self.running_var),
+            Some(&rm),
+            Some(&rv),
             Some(&self.weight),
             Some(&self.bias),
             training,
@@ -84,7 +85,8 @@ impl BatchNorm2d {
         if !self.fuses_with(conv) {
             return conv.forward(&self.forward_act(x, None, true)?);
         }
-        let bn = self.params(self.count_batch()?);
+        let running = self.running();
+        let bn = self.params(self.count_batch()?, &running);
         x.batch_norm_relu_conv2d(&bn, &conv.weight, conv.bias.as_ref(), conv.opts)
     }
 
@@ -96,7 +98,8 @@ impl BatchNorm2d {
         if !self.fuses_with(conv) {
             return self.forward(&conv.forward(x)?);
         }
-        let bn = self.params(self.count_batch()?);
+        let running = self.running();
+        let bn = self.params(self.count_batch()?, &running);
         x.conv2d_batch_norm(&conv.weight, conv.bias.as_ref(), conv.opts, &bn)
     }
 
@@ -113,7 +116,8 @@ impl BatchNorm2d {
         if !self.fuses_with(conv) {
             return self.forward_act(&conv.forward(x)?, Some(residual), true);
         }
-        let bn = self.params(self.count_batch()?);
+        let running = self.running();
+        let bn = self.params(self.count_batch()?, &running);
         x.conv2d_batch_norm_add_relu(&conv.weight, conv.bias.as_ref(), conv.opts, &bn, residual)
     }
 
@@ -129,7 +133,8 @@ impl BatchNorm2d {
         if !self.fuses_with(conv) {
             return pool.forward(&self.forward_act(&conv.forward(x)?, None, true)?);
         }
-        let bn = self.params(self.count_batch()?);
+        let running = self.running();
+        let bn = self.params(self.count_batch()?, &running);
         x.conv2d_batch_norm_relu_max_pool2d(
             &conv.weight,
             conv.bias.as_ref(),
@@ -147,11 +152,12 @@ impl BatchNorm2d {
         self.sync.as_ref().is_none_or(|g| g.size() <= 1) && conv.hook.is_none()
     }
 
-    /// The arguments of the functional batch norm for this layer.
-    fn params(&self, training: bool) -> BatchNormParams<'_> {
+    /// The arguments of the functional batch norm for this layer, with `running` (from
+    /// `running`).
+    fn params<'a>(&'a self, training: bool, running: &'a (Tensor, Tensor)) -> BatchNormParams<'a> {
         BatchNormParams {
-            running_mean: Some(&self.running_mean),
-            running_var: Some(&self.running_var),
+            running_mean: Some(&running.0),
+            running_var: Some(&running.1),
             weight: Some(&self.weight),
             bias: Some(&self.bias),
             training,
@@ -160,10 +166,24 @@ impl BatchNorm2d {
         }
     }
 
-    /// In training, counts one more batch in `num_batches_tracked`; whether training.
+    /// The running statistics the forward hands the op, which updates them in training:
+    /// the layer's own, or, while a checkpointed segment's forward runs again in the
+    /// backward (`autograd::is_recomputing`), handles on the same values that the op
+    /// updates in vain. The recompute runs the very same op (so the same output), and the
+    /// statistics are updated once per batch, by the forward, as without checkpointing.
+    fn running(&self) -> (Tensor, Tensor) {
+        if crate::autograd::is_recomputing() {
+            (self.running_mean.detach(), self.running_var.detach())
+        } else {
+            (self.running_mean.clone(), self.running_var.clone())
+        }
+    }
+
+    /// In training, counts one more batch in `num_batches_tracked` (not while a
+    /// checkpointed segment is recomputed: the forward counted it); whether training.
     fn count_batch(&self) -> Result<bool> {
         let training = self.training.load(Ordering::Relaxed);
-        if training {
+        if training && !crate::autograd::is_recomputing() {
             let n = self.num_batches_tracked.to_vec_i64()[0];
             let count = Tensor::from_vec(vec![n + 1], &[])?;
             self.num_batches_tracked
@@ -220,6 +240,10 @@ impl BatchNorm2d {
         }
         if relu {
             y = y.relu()?;
+        }
+        if crate::autograd::is_recomputing() {
+            // The forward updated the running statistics (see `running`).
+            return Ok(y);
         }
         let _ng = crate::autograd::no_grad();
         let m = self.momentum;

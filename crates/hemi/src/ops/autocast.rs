@@ -287,6 +287,64 @@ pub(crate) fn suspend() -> AutocastGuard {
     push(None, None)
 }
 
+/// The autocast settings in force on this thread: the innermost scope's dtype and pins
+/// (`current_state`), to be opened again later by `isolated`. Activation checkpointing
+/// (`autograd::checkpoint`) recomputes a segment's forward in the backward, where no scope
+/// of the forward is open any more, under the settings of its forward.
+#[derive(Clone, Default)]
+pub struct AutocastState {
+    scope: Option<Scope>,
+}
+
+impl AutocastState {
+    /// The dtype autocast casts to in this state, if enabled.
+    pub fn dtype(&self) -> Option<DType> {
+        self.scope.as_ref().and_then(|s| s.dtype)
+    }
+}
+
+/// The settings of the innermost open scope (none open: autocast off).
+pub fn current_state() -> AutocastState {
+    STATE.with(|s| AutocastState {
+        scope: s.borrow().scopes.last().cloned(),
+    })
+}
+
+/// While alive, `state` is this thread's only scope, with a cast cache of its own; the
+/// thread's scopes and cache come back when it drops. Not `Send`.
+#[must_use = "the state applies only while the guard is alive"]
+pub struct IsolatedGuard {
+    saved: Option<State>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for IsolatedGuard {
+    fn drop(&mut self) {
+        let Some(saved) = self.saved.take() else {
+            return;
+        };
+        let inner = STATE.with(|s| std::mem::replace(&mut *s.borrow_mut(), saved));
+        // The isolated casts hold graph nodes; drop them outside the borrow.
+        drop(inner);
+    }
+}
+
+/// Opens `state` as the thread's only scope, with an empty cast cache (so a parameter cast
+/// here is cast here, not taken from an enclosing scope's cache: its cast and the graph
+/// node of the cast belong to the region, and are freed with it). Scopes opened inside
+/// nest as usual.
+pub fn isolated(state: &AutocastState) -> IsolatedGuard {
+    let fresh = State {
+        scopes: state.scope.iter().cloned().collect(),
+        cache: HashMap::new(),
+    };
+    let saved = STATE.with(|s| std::mem::replace(&mut *s.borrow_mut(), fresh));
+    IsolatedGuard {
+        saved: Some(saved),
+        _not_send: PhantomData,
+    }
+}
+
 /// The dtype `op`'s float inputs must be cast to under the current scope, or `None` when
 /// nothing is to be cast (no scope, or every eligible input already has that dtype).
 pub(crate) fn target(op: &'static str, inputs: &[Option<&Tensor>]) -> Option<DType> {

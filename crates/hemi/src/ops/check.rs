@@ -172,8 +172,11 @@ pub(crate) fn on_op(op: &'static str, site: Option<&str>, inputs: &[&Tensor], ou
             }
         });
     }
-    // Ops a backward runs (under no_grad) are checked through their gradients instead.
-    let Some(site) = site.filter(|_| crate::autograd::is_grad_enabled()) else {
+    // Ops a backward runs (under no_grad) are checked through their gradients instead, and
+    // a checkpointed segment's forward run again in the backward was checked the first time.
+    let Some(site) =
+        site.filter(|_| crate::autograd::is_grad_enabled() && !crate::autograd::is_recomputing())
+    else {
         return;
     };
     STATE.with(|s| {

@@ -62,6 +62,41 @@ pub fn enter_at(index: usize) -> ModuleScope {
     push(&[Seg::Index(index)])
 }
 
+/// The module path as it stands, to be entered again later (`replaced`): activation
+/// checkpointing recomputes a segment's forward in the backward, outside the scopes its
+/// forward ran in.
+#[derive(Clone, Default)]
+pub struct ScopePath(Vec<Seg>);
+
+/// The current module path, kept (`replaced` enters it again).
+pub fn snapshot() -> ScopePath {
+    PATH.with(|p| ScopePath(p.borrow().clone()))
+}
+
+/// While alive, `path` is this thread's module path; the path before comes back when it
+/// drops. Not `Send`.
+#[must_use = "the path applies only while the guard is alive"]
+pub struct ReplacedPath {
+    saved: Vec<Seg>,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for ReplacedPath {
+    fn drop(&mut self) {
+        let saved = std::mem::take(&mut self.saved);
+        PATH.with(|p| *p.borrow_mut() = saved);
+    }
+}
+
+/// Makes `path` the module path until the guard drops.
+pub fn replaced(path: &ScopePath) -> ReplacedPath {
+    let saved = PATH.with(|p| std::mem::replace(&mut *p.borrow_mut(), path.0.clone()));
+    ReplacedPath {
+        saved,
+        _not_send: PhantomData,
+    }
+}
+
 /// The current module path (`"layer3.1"`; empty at the model's top level).
 pub fn current() -> String {
     PATH.with(|p| {

@@ -440,7 +440,8 @@ impl Default for FakeQuantHook {
 
 impl ForwardHook for FakeQuantHook {
     fn forward(&self, layer: LayerRef<'_>, x: &Tensor, relu: bool) -> Result<Tensor> {
-        let observing = crate::autograd::is_grad_enabled();
+        // Not again when a checkpointed segment's forward runs again in the backward.
+        let observing = crate::autograd::is_grad_enabled() && !crate::autograd::is_recomputing();
         let (si, zi) = {
             let mut o = lock(&self.input)?;
             if observing || o.batches() == 0 {

@@ -30,7 +30,9 @@ pub use crate::device::Device;
 pub struct TensorId(u64);
 
 impl TensorId {
-    fn next() -> Self {
+    /// A new id: every tensor made after this call has a larger one (activation
+    /// checkpointing tells the tensors its segment made from those made before).
+    pub(crate) fn next() -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(1);
         TensorId(COUNTER.fetch_add(1, Ordering::Relaxed))
     }

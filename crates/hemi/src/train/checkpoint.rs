@@ -117,8 +117,15 @@ impl RunInfo {
         let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
         keys.sort();
         keys.dedup();
-        // What the run decided itself (`--auto-promote`), not a setting to compare.
-        keys.retain(|k| k.as_str() != "promoted" && k.as_str() != "settings.promoted");
+        // What the run decided itself (`--auto-promote`), not a setting to compare; and
+        // activation checkpointing, which changes memory and time but not a bit of the
+        // result, so a run may be resumed with or without it.
+        keys.retain(|k| {
+            !matches!(
+                k.as_str(),
+                "promoted" | "settings.promoted" | "checkpoint_activations"
+            )
+        });
         keys.into_iter()
             .filter_map(|k| {
                 let (x, y) = (a.get(k), b.get(k));

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod act_checkpoint;
 mod amp_master;
 mod amp_presets;
 mod amp_scaler;
