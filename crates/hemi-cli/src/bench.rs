@@ -17,7 +17,10 @@
 //!   optimizer step with the preset's loss scaling or master weights) on random 3×S×S
 //!   images; images/s from the median step time after two warm-up steps, and the process's
 //!   peak resident memory. Run one preset per process so that the peak memory is that
-//!   preset's.
+//!   preset's. The allocator also counts the heap (`alloc::count_heap`): the bytes the
+//!   forward keeps for the backward and the step's peak above what lives between steps,
+//!   the largest over the timed steps. `--checkpoint-activations [SEGMENTS]` turns on the
+//!   model's activation checkpointing (`bench/checkpoint_ab.py` compares on and off).
 //! - `hemi bench conv [--layers cifar-conv1,cifar-conv2,resnet-3x3,resnet20-16,...] [--batch-size N]`:
 //!   median ms and GFLOP/s of `Tensor::conv2d`'s forward, input gradient and weight
 //!   gradient per layer, in F32, F16 and BF16.
