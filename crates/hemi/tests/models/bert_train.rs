@@ -197,7 +197,7 @@ fn tiny_bert_mlm_lowers_held_out_loss_in_every_precision_preset() {
     let spec = registry::find("bert-mlm").unwrap();
     for p in Precision::ALL {
         let mut model = spec.build_text(&cfg_path, tok.vocab_size(), 7).unwrap();
-        let cfg = config(p, "masked-lm", 3, 3e-3);
+        let cfg = config(p, "masked-lm", 2, 3e-3);
         let before =
             evaluate_task(model.as_mut(), &test_l, Precision::Fp32, cfg.task.as_ref()).unwrap();
         train(
@@ -218,7 +218,8 @@ fn tiny_bert_mlm_lowers_held_out_loss_in_every_precision_preset() {
             after.perplexity()
         );
         // A fresh model's loss is about ln(30522) = 10.3; 15 filler and sentiment words
-        // make most targets easy, so training must cut it by far more than noise.
+        // make most targets easy, so training must cut it by far more than noise (two
+        // epochs bring every preset to about 4.67, 0.45 of the start; three to 2.99).
         assert!(before.loss > 9.0, "{p}: {}", before.loss);
         assert!(
             after.loss.is_finite() && after.loss < 0.6 * before.loss,
