@@ -775,7 +775,7 @@ fn bf16ne_available() -> bool {
 pub fn wide_store() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::cpu::norm::in_place::available()
+        crate::cpu::norm::in_place::Level::Avx512.is_available()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

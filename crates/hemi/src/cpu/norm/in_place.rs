@@ -3,7 +3,9 @@
 //! result rounded to the storage type as it is stored.
 //!
 //! `cpu::norm` runs a channel's run (one image's `s` values of one channel) through these
-//! where the CPU has AVX-512 F/BW/VL and F16C (`available`). Elsewhere it converts the run
+//! where the CPU has AVX-512 F/BW/VL and F16C, or through their AVX2 build (eight lanes, the
+//! tails through a small stack buffer) where it has AVX2 and F16C (`level`). Elsewhere
+//! (the portable level) it converts the run
 //! into an F32 buffer, calls its F32 loop, and rounds the result out of another buffer: the
 //! portable twin, which the tests in `cpu::norm` hold these kernels to, bit for bit. On 2
 //! Emerald Rapids cores reading in place took batch norm from about 27 % to 19.5 % of the
@@ -43,20 +45,52 @@ pub struct Dx {
     pub dn: f32,
 }
 
-/// True where these kernels run: x86-64 with AVX-512 F, BW, VL and F16C (checked once).
+/// Which build of the kernels runs: both give the same bits (the tests hold each to the
+/// portable path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[doc(hidden)]
+pub enum Level {
+    /// Sixteen lanes under AVX-512 masks: AVX-512 F, BW, VL and F16C.
+    Avx512,
+    /// Eight lanes: AVX2 and F16C (Zen 3, Haswell and later; `--cpu-level avx2`).
+    Avx2,
+}
+
+impl Level {
+    /// Whether this CPU, as the CPU configuration caps it, runs this build.
+    pub fn is_available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Level::Avx512 => {
+                    cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512vl) && cpu_has!(F16c)
+                }
+                Level::Avx2 => cpu_has!(Avx2) && cpu_has!(F16c),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+}
+
+/// The widest build this CPU runs (checked once), `None` off x86-64 and at the portable
+/// level.
+#[doc(hidden)]
+pub fn level() -> Option<Level> {
+    static LEVEL: std::sync::OnceLock<Option<Level>> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        [Level::Avx512, Level::Avx2]
+            .into_iter()
+            .find(|l| l.is_available())
+    })
+}
+
+/// True where some build of these kernels runs (`level`).
 #[doc(hidden)]
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            cpu_has!(Avx512f) && cpu_has!(Avx512bw) && cpu_has!(Avx512vl) && cpu_has!(F16c)
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    level().is_some()
 }
 
 /// `s` as `&[U]`, where `U` is `T`.
@@ -87,49 +121,68 @@ macro_rules! on_x86 {
     }};
 }
 
+/// `x86::$wide::<L>(args)` at `Level::Avx512`, `x86::$narrow::<L>(args)` at `Level::Avx2`.
+macro_rules! at_level {
+    ($level:expr, $wide:ident, $narrow:ident, ($($arg:expr),*)) => {
+        match $level {
+            Level::Avx512 => x86::$wide::<L>($($arg),*),
+            Level::Avx2 => x86::$narrow::<L>($($arg),*),
+        }
+    };
+}
+
 /// `Σ x` (as F32) in `sum_slice`'s order.
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[doc(hidden)]
-pub unsafe fn sum<T: WithDType>(x: &[T]) -> f32 {
+pub unsafe fn sum<T: WithDType>(level: Level, x: &[T]) -> f32 {
     // SAFETY: forwarded.
-    on_x86!(T, L => unsafe { x86::sum::<L>(cast(x)) })
+    on_x86!(T, L => unsafe { at_level!(level, sum, sum_avx2, (cast(x))) })
 }
 
 /// `Σ (x − mu)²` (as F32) in `sum_slice`'s order.
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[doc(hidden)]
-pub unsafe fn sq_dev<T: WithDType>(x: &[T], mu: f32) -> f32 {
+pub unsafe fn sq_dev<T: WithDType>(level: Level, x: &[T], mu: f32) -> f32 {
     // SAFETY: forwarded.
-    on_x86!(T, L => unsafe { x86::sq_dev::<L>(cast(x), mu) })
+    on_x86!(T, L => unsafe { at_level!(level, sq_dev, sq_dev_avx2, (cast(x), mu)) })
 }
 
 /// `o = relu?((x − mu)·scale + shift + r)`, rounded once into `T` (every element of `o`
 /// written).
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[doc(hidden)]
-pub unsafe fn apply<T: WithDType>(o: &mut [MaybeUninit<T>], x: &[T], r: Option<&[T]>, k: Apply) {
+pub unsafe fn apply<T: WithDType>(
+    level: Level,
+    o: &mut [MaybeUninit<T>],
+    x: &[T],
+    r: Option<&[T]>,
+    k: Apply,
+) {
     assert!(x.len() >= o.len() && r.is_none_or(|r| r.len() >= o.len()));
     // SAFETY: forwarded; lengths checked above.
-    on_x86!(T, L => unsafe { x86::apply::<L>(cast_mut(o), cast(x), r.map(cast), k) })
+    on_x86!(T, L => unsafe {
+        at_level!(level, apply, apply_avx2, (cast_mut(o), cast(x), r.map(cast), k))
+    })
 }
 
 /// `(Σ gz·xhat, Σ gz)` with `gz = g·[y > 0]` (`g` without `y`) and `xhat = (x − mu)·rs`,
 /// each in `sum_slice`'s order.
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[doc(hidden)]
 pub unsafe fn relu_sums<T: WithDType>(
+    level: Level,
     g: &[T],
     y: Option<&[T]>,
     x: &[T],
@@ -138,17 +191,20 @@ pub unsafe fn relu_sums<T: WithDType>(
 ) -> (f32, f32) {
     assert!(x.len() >= g.len() && y.is_none_or(|y| y.len() >= g.len()));
     // SAFETY: forwarded; lengths checked above.
-    on_x86!(T, L => unsafe { x86::relu_sums::<L>(cast(g), y.map(cast), cast(x), mu, rs) })
+    on_x86!(T, L => unsafe {
+        at_level!(level, relu_sums, relu_sums_avx2, (cast(g), y.map(cast), cast(x), mu, rs))
+    })
 }
 
 /// One run of the backward's elementwise pass: `gz = g·[y > 0]` into `dres`, and the input
 /// gradient (`Dx`) into `dx`, each rounded once into `T` (every element written).
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[doc(hidden)]
 pub unsafe fn dx<T: WithDType>(
+    level: Level,
     g: &[T],
     y: Option<&[T]>,
     x: &[T],
@@ -162,20 +218,25 @@ pub unsafe fn dx<T: WithDType>(
     assert!(dres.as_ref().is_none_or(|o| o.len() == n));
     // SAFETY: forwarded; lengths checked above.
     on_x86!(T, L => unsafe {
-        x86::dx::<L>(cast(g), y.map(cast), cast(x), k, dx.map(cast_mut), dres.map(cast_mut))
+        at_level!(
+            level,
+            dx,
+            dx_avx2,
+            (cast(g), y.map(cast), cast(x), k, dx.map(cast_mut), dres.map(cast_mut))
+        )
     })
 }
 
 /// `src` rounded into `dst` by the kernels' store (the tests hold it to `convert`'s).
 ///
 /// # Safety
-/// `available()` is true.
+/// `level.is_available()`.
 #[doc(hidden)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-pub unsafe fn round_into<T: WithDType>(src: &[f32], dst: &mut [MaybeUninit<T>]) {
+pub unsafe fn round_into<T: WithDType>(level: Level, src: &[f32], dst: &mut [MaybeUninit<T>]) {
     assert_eq!(src.len(), dst.len());
     // SAFETY: forwarded; equal lengths.
-    on_x86!(T, L => unsafe { x86::round_into::<L>(src, cast_mut(dst)) })
+    on_x86!(T, L => unsafe { at_level!(level, round_into, round_into_avx2, (src, cast_mut(dst))) })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -186,9 +247,12 @@ pub(crate) mod x86 {
     use std::mem::MaybeUninit;
 
     /// How the kernels load and store an element type (also `conv::amx`'s output store).
-    pub(crate) trait Lanes: Copy {
+    pub(crate) trait Lanes: Copy + Default {
         /// Eight elements from `p` as F32 (exact).
         unsafe fn ld8(p: *const Self) -> __m256;
+        /// Eight lanes of `v`, rounded to nearest-even as `st` rounds them, stored at `p`
+        /// (AVX2 and F16C).
+        unsafe fn st8(p: *mut Self, v: __m256);
         /// The elements of `p` under mask `m` as F32 (exact; other lanes zero).
         unsafe fn ld(p: *const Self, m: __mmask16) -> __m512;
         /// The lanes of `v` under mask `m`, rounded to nearest-even, stored at `p`.
@@ -202,6 +266,11 @@ pub(crate) mod x86 {
         unsafe fn ld8(p: *const f32) -> __m256 {
             // SAFETY: the caller's.
             unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn st8(p: *mut f32, v: __m256) {
+            // SAFETY: the caller's.
+            unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline(always)]
         unsafe fn ld(p: *const f32, m: __mmask16) -> __m512 {
@@ -237,12 +306,41 @@ pub(crate) mod x86 {
         _mm512_mask_blend_epi32(nan, rounded, quiet)
     }
 
+    /// `bf16_bits` on eight lanes (AVX2). Always inlined, like every helper of the AVX2
+    /// build: a helper or closure compiled on its own lacks the entry's target features,
+    /// and its intrinsics become calls (measured: 2.3× slower batch norm).
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[inline(always)]
+    unsafe fn bf16_bits8(v: __m256) -> __m256i {
+        let x = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
+        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+        let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+        _mm256_blendv_epi8(rounded, quiet, nan)
+    }
+
     impl Lanes for bf16 {
         #[inline(always)]
         unsafe fn ld8(p: *const bf16) -> __m256 {
             // SAFETY: the caller's.
             let h = unsafe { _mm_loadu_si128(p.cast()) };
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        /// `bf16_bits8`, the eight 32-bit lanes (each at most `0xFFFF`) packed to 16 bits.
+        #[inline(always)]
+        unsafe fn st8(p: *mut bf16, v: __m256) {
+            // SAFETY: the caller's (AVX2 for every `st8`).
+            unsafe {
+                let b = bf16_bits8(v);
+                let h =
+                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+                _mm_storeu_si128(p.cast(), h)
+            }
         }
         #[inline(always)]
         unsafe fn ld(p: *const bf16, m: __mmask16) -> __m512 {
@@ -272,6 +370,13 @@ pub(crate) mod x86 {
         unsafe fn ld8(p: *const f16) -> __m256 {
             // SAFETY: the caller's.
             _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+        }
+        /// `vcvtps2ph` to nearest-even, as `st`.
+        #[inline(always)]
+        unsafe fn st8(p: *mut f16, v: __m256) {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            // SAFETY: the caller's.
+            unsafe { _mm_storeu_si128(p.cast(), h) }
         }
         #[inline(always)]
         unsafe fn ld(p: *const f16, m: __mmask16) -> __m512 {
@@ -310,27 +415,28 @@ pub(crate) mod x86 {
         ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
     }
 
-    /// `Σ f(x)` over the full eight-element chunks of `x` (eight lanes), folded, then the
-    /// tail in order through `t`.
-    #[inline(always)]
-    unsafe fn sum_by<L: Lanes>(
-        x: &[L],
-        f: impl Fn(__m256) -> __m256,
-        t: impl Fn(f32) -> f32,
-    ) -> f32 {
-        let full = x.len() / 8 * 8;
-        let mut acc = _mm256_setzero_ps();
-        let mut j = 0;
-        while j < full {
-            // SAFETY: j + 8 <= x.len().
-            acc = _mm256_add_ps(acc, f(unsafe { L::ld8(x.as_ptr().add(j)) }));
-            j += 8;
-        }
-        let mut s = fold(acc);
-        for &v in &x[full..] {
-            s += t(v.f32());
-        }
-        s
+    /// `Σ f(x)` over the full eight-element chunks of `$x` (eight lanes), folded, then the
+    /// tail in order through `t`. A macro, so that `f` is inlined into the entry that has
+    /// the target features (a closure is compiled without them; see `bf16_bits8`).
+    macro_rules! sum_by {
+        ($L:ty, $x:expr, |$v:ident| $f:expr, |$s:ident| $t:expr) => {{
+            let x: &[$L] = $x;
+            let full = x.len() / 8 * 8;
+            let mut acc = _mm256_setzero_ps();
+            let mut j = 0;
+            while j < full {
+                // SAFETY: j + 8 <= x.len().
+                let $v = unsafe { <$L as Lanes>::ld8(x.as_ptr().add(j)) };
+                acc = _mm256_add_ps(acc, $f);
+                j += 8;
+            }
+            let mut total = fold(acc);
+            for &e in &x[full..] {
+                let $s = e.f32();
+                total += $t;
+            }
+            total
+        }};
     }
 
     macro_rules! entry {
@@ -357,6 +463,201 @@ pub(crate) mod x86 {
 
     entry!(fn round_into(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into_imp);
 
+    macro_rules! entry_avx2 {
+        ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $imp:ident) => {
+            $(#[$doc])*
+            /// # Safety
+            /// The CPU has AVX2 and F16C; the slices are as the caller in `in_place`
+            /// checks.
+            #[target_feature(enable = "avx2,f16c")]
+            pub(super) unsafe fn $name<L: Lanes>($($arg: $ty),*) $(-> $ret)? {
+                // SAFETY: forwarded.
+                unsafe { $imp::<L>($($arg),*) }
+            }
+        };
+    }
+
+    // The sums are eight-lane loops already: the same bodies, compiled for AVX2.
+    entry_avx2!(fn sum_avx2(x: &[L]) -> f32 = sum_imp);
+    entry_avx2!(fn sq_dev_avx2(x: &[L], mu: f32) -> f32 = sq_dev_imp);
+    entry_avx2!(fn apply_avx2(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply)
+        = apply8_imp);
+    entry_avx2!(fn relu_sums_avx2(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32)
+        -> (f32, f32) = relu_sums_imp);
+    entry_avx2!(fn dx_avx2(g: &[L], y: Option<&[L]>, x: &[L], k: Dx,
+        dx: Option<&mut [MaybeUninit<L>]>, dres: Option<&mut [MaybeUninit<L>]>) = dx8_imp);
+    entry_avx2!(fn round_into_avx2(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into8_imp);
+
+    /// The first `n` (< 8) elements at `p` as F32, the other lanes zero: through a stack
+    /// buffer, since AVX2 has no masked 16-bit loads.
+    ///
+    /// # Safety
+    /// `n` elements are readable at `p`; AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn ld8_part<L: Lanes>(p: *const L, n: usize) -> __m256 {
+        let mut buf = [L::default(); 8];
+        // SAFETY: the caller's; n < 8.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n);
+            L::ld8(buf.as_ptr())
+        }
+    }
+
+    /// The first `n` (< 8) lanes of `v`, rounded as `st8` rounds them, stored at `p`.
+    ///
+    /// # Safety
+    /// `n` elements are writable at `p`; AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn st8_part<L: Lanes>(p: *mut L, v: __m256, n: usize) {
+        let mut buf = [L::default(); 8];
+        // SAFETY: the caller's; n < 8.
+        unsafe {
+            L::st8(buf.as_mut_ptr(), v);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), p, n);
+        }
+    }
+
+    /// `relu` on eight lanes: `+0.0` where not `z > 0` and not NaN.
+    #[inline(always)]
+    unsafe fn relu8(z: __m256) -> __m256 {
+        _mm256_and_ps(_mm256_cmp_ps::<_CMP_NLE_UQ>(z, _mm256_setzero_ps()), z)
+    }
+
+    /// `through_relu` on eight lanes.
+    #[inline(always)]
+    unsafe fn through_relu8(g: __m256, y: Option<__m256>) -> __m256 {
+        match y {
+            Some(y) => {
+                let zero = _mm256_setzero_ps();
+                let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(y, zero);
+                _mm256_mul_ps(g, _mm256_blendv_ps(zero, _mm256_set1_ps(1.0), pos))
+            }
+            None => g,
+        }
+    }
+
+    /// `$body` for each step of eight elements of `0..$len` (`$j` its start, `$n` = 8),
+    /// then for the tail (`$n` < 8) if any. A macro, not a function taking a closure: the
+    /// closure would be compiled without the entry's target features (see `bf16_bits8`).
+    macro_rules! steps8 {
+        ($len:expr, |$j:ident, $n:ident| $body:block) => {{
+            let len = $len;
+            let mut $j = 0;
+            while $j + 8 <= len {
+                let $n = 8;
+                $body
+                $j += 8;
+            }
+            if $j < len {
+                let $n = len - $j;
+                $body
+            }
+        }};
+    }
+
+    /// `n` (≤ 8) elements at `p` as F32.
+    #[inline(always)]
+    unsafe fn load8<L: Lanes>(p: *const L, n: usize) -> __m256 {
+        // SAFETY: the caller's.
+        unsafe {
+            if n == 8 {
+                L::ld8(p)
+            } else {
+                ld8_part(p, n)
+            }
+        }
+    }
+
+    /// The first `n` (≤ 8) lanes of `v` rounded and stored at `p`.
+    #[inline(always)]
+    unsafe fn store8<L: Lanes>(p: *mut L, v: __m256, n: usize) {
+        // SAFETY: the caller's.
+        unsafe {
+            if n == 8 {
+                L::st8(p, v)
+            } else {
+                st8_part(p, v, n)
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn round_into8_imp<L: Lanes>(src: &[f32], dst: &mut [MaybeUninit<L>]) {
+        steps8!(dst.len(), |j, n| {
+            // SAFETY: j + n <= the length of both slices (equal lengths).
+            unsafe {
+                let v = load8(src.as_ptr().add(j), n);
+                store8::<L>(dst.as_mut_ptr().add(j).cast(), v, n);
+            }
+        });
+    }
+
+    #[inline(always)]
+    unsafe fn apply8_imp<L: Lanes>(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) {
+        let (mu, scale, shift) = (
+            _mm256_set1_ps(k.mu),
+            _mm256_set1_ps(k.scale),
+            _mm256_set1_ps(k.shift),
+        );
+        steps8!(o.len(), |j, n| {
+            // SAFETY: j + n <= the length of every slice (the callers' lengths).
+            unsafe {
+                let v = load8(x.as_ptr().add(j), n);
+                let mut z = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, mu), scale), shift);
+                if let Some(r) = r {
+                    z = _mm256_add_ps(z, load8(r.as_ptr().add(j), n));
+                }
+                if k.relu {
+                    z = relu8(z);
+                }
+                store8::<L>(o.as_mut_ptr().add(j).cast(), z, n);
+            }
+        });
+    }
+
+    #[inline(always)]
+    unsafe fn dx8_imp<L: Lanes>(
+        g: &[L],
+        y: Option<&[L]>,
+        x: &[L],
+        k: Dx,
+        mut dx: Option<&mut [MaybeUninit<L>]>,
+        mut dres: Option<&mut [MaybeUninit<L>]>,
+    ) {
+        let (mu, rs, wc, dm, dn) = (
+            _mm256_set1_ps(k.mu),
+            _mm256_set1_ps(k.rs),
+            _mm256_set1_ps(k.wc),
+            _mm256_set1_ps(k.dm),
+            _mm256_set1_ps(k.dn),
+        );
+        steps8!(g.len(), |j, n| {
+            // SAFETY: j + n <= the length of every slice (the caller's checks).
+            unsafe {
+                let yv = match y {
+                    Some(y) => Some(load8(y.as_ptr().add(j), n)),
+                    None => None,
+                };
+                let z = through_relu8(load8(g.as_ptr().add(j), n), yv);
+                if let Some(r) = dres.as_deref_mut() {
+                    store8::<L>(r.as_mut_ptr().add(j).cast(), z, n);
+                }
+                if let Some(o) = dx.as_deref_mut() {
+                    let gw = _mm256_mul_ps(z, wc);
+                    let v = if k.training {
+                        let xv = load8(x.as_ptr().add(j), n);
+                        let xhat = _mm256_mul_ps(_mm256_sub_ps(xv, mu), rs);
+                        let t = _mm256_sub_ps(_mm256_sub_ps(gw, dm), _mm256_mul_ps(xhat, dn));
+                        _mm256_mul_ps(rs, t)
+                    } else {
+                        _mm256_mul_ps(gw, rs)
+                    };
+                    store8::<L>(o.as_mut_ptr().add(j).cast(), v, n);
+                }
+            }
+        });
+    }
+
     #[inline(always)]
     unsafe fn round_into_imp<L: Lanes>(src: &[f32], dst: &mut [MaybeUninit<L>]) {
         let mut j = 0;
@@ -373,24 +674,21 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     unsafe fn sum_imp<L: Lanes>(x: &[L]) -> f32 {
-        // SAFETY: forwarded.
-        unsafe { sum_by(x, |v| v, |v| v) }
+        sum_by!(L, x, |v| v, |v| v)
     }
 
     #[inline(always)]
     unsafe fn sq_dev_imp<L: Lanes>(x: &[L], mu: f32) -> f32 {
         let m = _mm256_set1_ps(mu);
-        // SAFETY: forwarded.
-        unsafe {
-            sum_by(
-                x,
-                |v| {
-                    let d = _mm256_sub_ps(v, m);
-                    _mm256_mul_ps(d, d)
-                },
-                |v| (v - mu) * (v - mu),
-            )
-        }
+        sum_by!(
+            L,
+            x,
+            |v| {
+                let d = _mm256_sub_ps(v, m);
+                _mm256_mul_ps(d, d)
+            },
+            |v| (v - mu) * (v - mu)
+        )
     }
 
     /// `relu_f32` on sixteen lanes: a lane stays where `z > 0` or `z` is NaN (not
@@ -512,7 +810,10 @@ pub(crate) mod x86 {
             let m = lanes(n - j);
             // SAFETY: the lanes under `m` lie inside every slice (the caller's checks).
             unsafe {
-                let yv = y.map(|y| L::ld(y.as_ptr().add(j), m));
+                let yv = match y {
+                    Some(y) => Some(L::ld(y.as_ptr().add(j), m)),
+                    None => None,
+                };
                 let z = through_relu(L::ld(g.as_ptr().add(j), m), yv);
                 if let Some(r) = dres.as_deref_mut() {
                     L::st(r.as_mut_ptr().add(j).cast(), z, m);

@@ -545,24 +545,24 @@ fn fold_runs(d: BatchNormGeom, runs: &[f32], ch: usize) -> f32 {
 /// deviations) on its own, the runs of a channel added in image order.
 pub(crate) fn bn_stats_t<T: WithDType>(x: &[T], d: BatchNormGeom) -> (Vec<f32>, Vec<f32>) {
     let inv_m = 1.0 / d.m() as f32;
-    let direct = in_place::available();
-    let sums = if direct {
-        // SAFETY: `available()`.
+    let direct = in_place::level();
+    let sums = if let Some(l) = direct {
+        // SAFETY: `level()` found `l` available.
         per_run(
             d,
             || (),
-            |_, i, ch| unsafe { in_place::sum(run_of(d, x, i, ch)) },
+            |_, i, ch| unsafe { in_place::sum(l, run_of(d, x, i, ch)) },
         )
     } else {
         per_run_f32(d, x, |_, r| sum_slice(r))
     };
     let mean: Vec<f32> = (0..d.c).map(|ch| fold_runs(d, &sums, ch) * inv_m).collect();
-    let sq = if direct {
+    let sq = if let Some(l) = direct {
         per_run(
             d,
             || (),
-            // SAFETY: `available()`.
-            |_, i, ch| unsafe { in_place::sq_dev(run_of(d, x, i, ch), mean[ch]) },
+            // SAFETY: `level()` found `l` available.
+            |_, i, ch| unsafe { in_place::sq_dev(l, run_of(d, x, i, ch), mean[ch]) },
         )
     } else {
         per_run_f32(d, x, |ch, r| {
@@ -607,13 +607,13 @@ pub(crate) fn bn_act_forward<T: WithDType>(
         shift: b.map_or(0.0, |b| b[ch]),
         relu,
     };
-    if in_place::available() {
+    if let Some(l) = in_place::level() {
         let image = |_: &mut (), i, ob: &mut [_]| {
             for ch in 0..d.c {
                 let rr = residual.map(|r| run_of(d, r, i, ch));
                 let o = &mut ob[ch * d.s..][..d.s];
-                // SAFETY: `available()`.
-                unsafe { in_place::apply(o, run_of(d, x, i, ch), rr, k(ch)) };
+                // SAFETY: `level()` found `l` available.
+                unsafe { in_place::apply(l, o, run_of(d, x, i, ch), rr, k(ch)) };
             }
         };
         // SAFETY: the runs of the channels tile each block, and `apply` writes every element
@@ -856,17 +856,17 @@ pub(crate) fn bn_act_backward<T: WithDType>(
 ) -> BnActGrads<T> {
     // Each run's (Σ g·xhat, Σ g) through the ReLU, in memory order; a channel's runs added
     // in image order.
-    let direct = in_place::available();
-    let s_buf = if direct { 0 } else { d.s };
+    let direct = in_place::level();
+    let s_buf = if direct.is_some() { 0 } else { d.s };
     let pairs = per_run(
         d,
         || std::array::from_fn::<_, 3, _>(|_| vec![0f32; s_buf]),
         |[bg, by, bx], i, ch| {
-            if direct {
+            if let Some(l) = direct {
                 let yr = y.map(|y| run_of(d, y, i, ch));
                 let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
-                // SAFETY: `available()`; the runs are `d.s` long.
-                return unsafe { in_place::relu_sums(gr, yr, xr, mean[ch], rstd[ch]) };
+                // SAFETY: `level()` found `l` available; the runs are `d.s` long.
+                return unsafe { in_place::relu_sums(l, gr, yr, xr, mean[ch], rstd[ch]) };
             }
             let gr = run_f32(d, g, i, ch, bg);
             let yr = y.map(|y| run_f32(d, y, i, ch, by));
@@ -936,7 +936,7 @@ pub(crate) fn bn_act_backward<T: WithDType>(
     let min_len = (PAR_THRESHOLD / block).max(1);
     let n_blocks = if d.c * d.s == 0 { 0 } else { n };
     let wants = (need_dx, need_dres);
-    let (dx, dres) = if direct {
+    let (dx, dres) = if let Some(l) = direct {
         let k = |ch: usize| {
             let wc = w.map_or(1.0, |w| w[ch]);
             in_place::Dx {
@@ -955,8 +955,8 @@ pub(crate) fn bn_act_backward<T: WithDType>(
                 let (gr, xr) = (run_of(d, g, i, ch), run_of(d, x, i, ch));
                 let o = o.as_deref_mut().map(|b| &mut b[run.clone()]);
                 let r = r.as_deref_mut().map(|b| &mut b[run]);
-                // SAFETY: `available()`.
-                unsafe { in_place::dx(gr, yr, xr, k(ch), o, r) };
+                // SAFETY: `level()` found `l` available.
+                unsafe { in_place::dx(l, gr, yr, xr, k(ch), o, r) };
             }
         };
         // SAFETY: the runs of the channels tile each block, and `dx` writes every element

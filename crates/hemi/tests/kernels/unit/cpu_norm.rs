@@ -184,17 +184,21 @@ fn wide_norm_backward_loops_equal_the_portable_loop() {
     }
 }
 
-/// The AVX-512 per-run kernels of `norm::in_place`, which read and write F32/F16/BF16
-/// directly, give the bits of the portable path (widen into an F32 buffer, the F32 loop,
-/// round out of a buffer) for every element type, run length (tails included), with and
-/// without the ReLU's output and the residual, in training and eval; on finite data with
-/// signed zeros and (F32) subnormals, and NaN for NaN where infinities come in.
+/// The per-run kernels of `norm::in_place` (AVX-512 and AVX2 builds, each where this CPU
+/// runs it), which read and write F32/F16/BF16 directly, give the bits of the portable path
+/// (widen into an F32 buffer, the F32 loop, round out of a buffer) for every element type,
+/// run length (tails included), with and without the ReLU's output and the residual, in
+/// training and eval; on finite data with signed zeros and (F32) subnormals, and NaN for
+/// NaN where infinities come in.
 #[test]
 fn direct_half_runs_equal_the_buffered_path() {
-    if !norm_wide::available() {
-        return;
+    let levels = [norm_wide::Level::Avx512, norm_wide::Level::Avx2];
+    for level in levels.into_iter().filter(|l| l.is_available()) {
+        check::<f32>(level);
+        check::<half::f16>(level);
+        check::<half::bf16>(level);
     }
-    fn check<T: WithDType>() {
+    fn check<T: WithDType>(level: norm_wide::Level) {
         let name = T::DTYPE;
         let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
         let same_t = |a: &[T], b: &[T]| {
@@ -223,20 +227,23 @@ fn direct_half_runs_equal_the_buffered_path() {
                     chunked::read(v, 0, &mut b).to_vec()
                 };
                 let (gf, yf, xf) = (widen(&g), widen(&y), widen(&x));
-                // SAFETY: `available()` (checked above); every slice is `n` long.
+                // SAFETY: `level.is_available()` (the caller's filter); every slice is `n` long.
                 unsafe {
                     assert!(
-                        same(norm_wide::sum(&x), sum_slice(&xf)),
-                        "{name:?} sum n {n}"
+                        same(norm_wide::sum(level, &x), sum_slice(&xf)),
+                        "{level:?} {name:?} sum n {n}"
                     );
                     let want = sum_map(&xf, |v| (v - 0.3) * (v - 0.3));
-                    assert!(same(norm_wide::sq_dev(&x, 0.3), want), "{name:?} sq n {n}");
+                    assert!(
+                        same(norm_wide::sq_dev(level, &x, 0.3), want),
+                        "{level:?} {name:?} sq n {n}"
+                    );
                     for yy in [None, Some((&y[..], &yf[..]))] {
-                        let got = norm_wide::relu_sums(&g, yy.map(|p| p.0), &x, 0.3, 1.7);
+                        let got = norm_wide::relu_sums(level, &g, yy.map(|p| p.0), &x, 0.3, 1.7);
                         let want = relu_sums_impl(&gf, yy.map(|p| p.1), &xf, 0.3, 1.7);
                         assert!(
                             same(got.0, want.0) && same(got.1, want.1),
-                            "{name:?} relu sums n {n}: {got:?} vs {want:?}"
+                            "{level:?} {name:?} relu sums n {n}: {got:?} vs {want:?}"
                         );
                     }
                     for (r, relu) in [(None, false), (Some((&y[..], &yf[..])), true)] {
@@ -251,8 +258,11 @@ fn direct_half_runs_equal_the_buffered_path() {
                         let mut want_t = vec![T::default(); n];
                         chunked::write(&want, &mut want_t);
                         let mut got = vec![T::default(); n];
-                        norm_wide::apply(norm_wide::uninit(&mut got), &x, r.map(|p| p.0), k);
-                        assert!(same_t(&got, &want_t), "{name:?} apply n {n} relu {relu}");
+                        norm_wide::apply(level, norm_wide::uninit(&mut got), &x, r.map(|p| p.0), k);
+                        assert!(
+                            same_t(&got, &want_t),
+                            "{level:?} {name:?} apply n {n} relu {relu}"
+                        );
                     }
                     for (training, yy) in [(true, Some((&y[..], &yf[..]))), (false, None)] {
                         let k = DxTrain {
@@ -287,6 +297,7 @@ fn direct_half_runs_equal_the_buffered_path() {
                         };
                         let yv = yy.map(|p| p.0);
                         norm_wide::dx(
+                            level,
                             &g,
                             yv,
                             &x,
@@ -294,14 +305,14 @@ fn direct_half_runs_equal_the_buffered_path() {
                             Some(norm_wide::uninit(&mut got)),
                             Some(norm_wide::uninit(&mut got_r)),
                         );
-                        assert!(same_t(&got, &want_t), "{name:?} dx n {n} train {training}");
-                        assert!(same_t(&got_r, &want_r), "{name:?} dres n {n}");
+                        assert!(
+                            same_t(&got, &want_t),
+                            "{level:?} {name:?} dx n {n} train {training}"
+                        );
+                        assert!(same_t(&got_r, &want_r), "{level:?} {name:?} dres n {n}");
                     }
                 }
             }
         }
     }
-    check::<f32>();
-    check::<half::f16>();
-    check::<half::bf16>();
 }

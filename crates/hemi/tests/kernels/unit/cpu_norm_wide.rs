@@ -10,9 +10,14 @@ use hemi::dtype::WithDType;
 /// largest finite values, subnormals, infinities, signalling and quiet NaN.
 #[test]
 fn stores_round_as_convert_does() {
-    if !available() {
-        return;
+    for level in [Level::Avx512, Level::Avx2] {
+        if level.is_available() {
+            stores_round_as_convert_does_at(level);
+        }
     }
+}
+
+fn stores_round_as_convert_does_at(level: Level) {
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut bits: Vec<u32> = (0..4099)
         .map(|_| {
@@ -41,23 +46,23 @@ fn stores_round_as_convert_does() {
         bits.push(b);
     }
     let src: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
-    fn check<T: WithDType>(src: &[f32]) {
-        for n in [src.len(), 17, 5] {
+    fn check<T: WithDType>(level: Level, src: &[f32]) {
+        for n in [src.len(), 17, 8, 5] {
             let src = &src[src.len() - n..];
             let mut want = vec![T::default(); n];
             chunked::write(src, &mut want);
             let mut got = vec![T::default(); n];
-            // SAFETY: `available()` (checked by the caller); equal lengths.
-            unsafe { round_into(src, uninit(&mut got)) };
+            // SAFETY: `level.is_available()` (checked by the caller); equal lengths.
+            unsafe { round_into(level, src, uninit(&mut got)) };
             let bytes = |v: &[T]| {
                 let mut out = vec![];
                 v.iter().for_each(|&x| x.write_le(&mut out));
                 out
             };
-            assert_eq!(bytes(&got), bytes(&want), "{:?}, n {n}", T::DTYPE);
+            assert_eq!(bytes(&got), bytes(&want), "{level:?} {:?}, n {n}", T::DTYPE);
         }
     }
-    check::<f32>(&src);
-    check::<f16>(&src);
-    check::<bf16>(&src);
+    check::<f32>(level, &src);
+    check::<f16>(level, &src);
+    check::<bf16>(level, &src);
 }
