@@ -634,15 +634,17 @@ pub(crate) mod x86 {
         steps8!(g.len(), |j, n| {
             // SAFETY: j + n <= the length of every slice (the caller's checks).
             unsafe {
+                // Not `y.map(..)`: a closure loses the target features (`bf16_bits8`).
+                #[allow(clippy::manual_map)]
                 let yv = match y {
                     Some(y) => Some(load8(y.as_ptr().add(j), n)),
                     None => None,
                 };
                 let z = through_relu8(load8(g.as_ptr().add(j), n), yv);
-                if let Some(r) = dres.as_deref_mut() {
+                if let Some(r) = &mut dres {
                     store8::<L>(r.as_mut_ptr().add(j).cast(), z, n);
                 }
-                if let Some(o) = dx.as_deref_mut() {
+                if let Some(o) = &mut dx {
                     let gw = _mm256_mul_ps(z, wc);
                     let v = if k.training {
                         let xv = load8(x.as_ptr().add(j), n);
@@ -810,6 +812,8 @@ pub(crate) mod x86 {
             let m = lanes(n - j);
             // SAFETY: the lanes under `m` lie inside every slice (the caller's checks).
             unsafe {
+                // Not `y.map(..)`: a closure loses the target features (`bf16_bits8`).
+                #[allow(clippy::manual_map)]
                 let yv = match y {
                     Some(y) => Some(L::ld(y.as_ptr().add(j), m)),
                     None => None,
