@@ -134,28 +134,129 @@ impl Drop for CudaStorage {
 }
 
 /// NVRTC's virtual architecture (`compute_XY`) for compute capability `major.minor`, or
-/// `None` for one not in the list.
+/// `None` for one NVRTC 13 cannot target: CUDA 13 dropped Maxwell, Pascal and Volta
+/// (compute 7.0 and below; NVRTC 13 rejects `compute_70`), and a capability newer than this
+/// list is unknown here.
 #[doc(hidden)]
 pub fn nvrtc_arch(major: i32, minor: i32) -> Option<&'static str> {
-    Some(match (major, minor) {
-        (7, 0) => "compute_70",
-        (7, 5) => "compute_75",
-        (8, 0) => "compute_80",
-        (8, 6) => "compute_86",
-        (8, 9) => "compute_89",
-        (9, 0) => "compute_90",
-        (10, 0) => "compute_100",
-        (12, 0) => "compute_120",
-        _ => return None,
-    })
+    NVRTC_ARCHS
+        .iter()
+        .find(|&&(ma, mi, _)| (ma, mi) == (major, minor))
+        .map(|&(_, _, name)| name)
+}
+
+/// Every compute capability hemi compiles its kernels for, with NVRTC's name for it:
+/// Turing (7.5) to Blackwell (12.x). `tests/cuda` compiles every module for each with the
+/// real NVRTC (CI installs it from PyPI).
+#[doc(hidden)]
+pub const NVRTC_ARCHS: [(i32, i32, &str); 11] = [
+    (7, 5, "compute_75"),
+    (8, 0, "compute_80"),
+    (8, 6, "compute_86"),
+    (8, 7, "compute_87"),
+    (8, 9, "compute_89"),
+    (9, 0, "compute_90"),
+    (10, 0, "compute_100"),
+    (10, 3, "compute_103"),
+    (11, 0, "compute_110"),
+    (12, 0, "compute_120"),
+    (12, 1, "compute_121"),
+];
+
+/// Compiles the generated module of `dtype` for `arch` (`compute_XY`) with NVRTC, without a
+/// GPU: Ok with NVRTC's log (empty when it had nothing to say), or an error with the log.
+/// What `CudaDevice::function` does before loading, exposed so that tests and CI check every
+/// module for every architecture on machines with NVRTC and no GPU.
+#[doc(hidden)]
+pub fn compile_module(dtype: DType, arch: &'static str) -> Result<String> {
+    use cudarc::nvrtc::result as nvrtc;
+    NVRTC.probe()?;
+    let src = module_source(dtype)?;
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend(include_dirs().iter().map(|d| format!("--include-path={d}")));
+    let what = format!("{dtype:?} module for {arch}");
+    let err = |e: String| Error::device("nvrtc", format!("{what}: {e}"));
+    let name =
+        std::ffi::CString::new(format!("hemi_{dtype:?}.cu")).map_err(|e| err(e.to_string()))?;
+    let program = nvrtc::create_program(
+        std::ffi::CString::new(src)
+            .map_err(|e| err(e.to_string()))?
+            .as_c_str(),
+        Some(name.as_c_str()),
+    )
+    .map_err(|e| err(format!("{e:?}")))?;
+    // SAFETY: `program` was just created and is destroyed once, below.
+    let compiled = unsafe { nvrtc::compile_program(program, &options) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(program) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).trim().to_string()
+        })
+        .unwrap_or_default();
+    // SAFETY: as above.
+    let _ = unsafe { nvrtc::destroy_program(program) };
+    match compiled {
+        Ok(()) => Ok(log),
+        Err(e) => Err(err(format!(
+            "{e:?}: {log}. If cuda_fp16.h was not found, set HEMI_CUDA_INCLUDE or CUDA_HOME \
+             to a CUDA include dir, or put the nvidia-cuda-runtime wheel's lib dir on \
+             LD_LIBRARY_PATH"
+        ))),
+    }
 }
 
 /// Directories searched for `cuda_fp16.h`/`cuda_bf16.h` when compiling kernels:
 /// `HEMI_CUDA_INCLUDE` (a `:`-separated list), then `$CUDA_HOME/include`,
-/// `$CUDA_PATH/include`, `/usr/local/cuda/include`; those that exist.
+/// `$CUDA_PATH/include`, `/usr/local/cuda/include`, then the headers of NVIDIA's PyPI wheels
+/// (`nvidia-cuda-runtime` keeps them in `nvidia/cu13/include`, beside the `lib` dir that
+/// `LD_LIBRARY_PATH` names so that NVRTC loads): `DIR/../include` for each `LD_LIBRARY_PATH`
+/// entry, and the active virtual environment's (`$VIRTUAL_ENV`) site-packages; those that
+/// exist.
 pub fn include_dirs() -> Vec<String> {
     let var = |k: &str| std::env::var(k).ok();
-    include_dirs_from(var("HEMI_CUDA_INCLUDE"), var("CUDA_HOME"), var("CUDA_PATH"))
+    let mut dirs = include_dirs_from(var("HEMI_CUDA_INCLUDE"), var("CUDA_HOME"), var("CUDA_PATH"));
+    for d in wheel_include_dirs(var("LD_LIBRARY_PATH"), var("VIRTUAL_ENV")) {
+        if !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    dirs
+}
+
+/// The wheel-installed CUDA include dirs `include_dirs` adds (testable without touching the
+/// environment): `DIR/../include` for each `ld_library_path` entry, and
+/// `VENV/lib/python3.*/site-packages/nvidia/cu13/include`; those holding `cuda_fp16.h`.
+#[doc(hidden)]
+pub fn wheel_include_dirs(ld_library_path: Option<String>, venv: Option<String>) -> Vec<String> {
+    use std::path::{Path, PathBuf};
+    let mut found: Vec<PathBuf> = Vec::new();
+    for lib in ld_library_path
+        .iter()
+        .flat_map(|v| v.split(':'))
+        .filter(|s| !s.is_empty())
+    {
+        found.push(Path::new(lib).join("..").join("include"));
+    }
+    if let Some(venv) = venv {
+        if let Ok(entries) = std::fs::read_dir(Path::new(&venv).join("lib")) {
+            let mut pys: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+            pys.sort();
+            for py in pys {
+                found.push(py.join("site-packages/nvidia/cu13/include"));
+            }
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    for d in found {
+        if d.join("cuda_fp16.h").exists() {
+            let d = d.canonicalize().unwrap_or(d).display().to_string();
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+    }
+    out
 }
 
 /// [`include_dirs`] from given variable values (testable without touching the environment).
