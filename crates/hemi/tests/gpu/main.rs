@@ -1,7 +1,8 @@
 //! The wgpu backend (`--features gpu`) against the CPU backend: every primitive it
 //! implements on the same random, odd-sized, strided inputs, within the dtype's tolerance
 //! (casts and copies bit for bit); a composition (softmax, layer norm) running on the GPU
-//! from the default bodies; the errors of bad input.
+//! from the default bodies; the errors of bad input. `ops.rs`: the op suite of
+//! `tests/ops/naive.rs`.
 //!
 //! In CI the device is Mesa's lavapipe (software Vulkan). Without an adapter each test prints
 //! `SKIPPED (no GPU adapter)` and returns, unless `HEMI_REQUIRE_GPU=1`, where it fails.
@@ -46,6 +47,9 @@ macro_rules! need_gpu {
         }
     };
 }
+
+/// The op suite of `tests/ops/naive.rs` on the GPU.
+mod ops;
 
 /// A buffer of `n` random values of `dtype` in [lo, hi) on the CPU.
 fn host(n: usize, lo: f64, hi: f64, dtype: DType, rng: &mut Generator) -> CpuStorage {
