@@ -2,7 +2,7 @@
 //! implements on the same random, odd-sized, strided inputs, within the dtype's tolerance
 //! (casts and copies bit for bit); a composition (softmax, layer norm) running on the GPU
 //! from the default bodies; the errors of bad input. `ops.rs`: the op suite of
-//! `tests/ops/naive.rs`.
+//! `tests/ops/naive.rs`; `models.rs`: training steps of `tests/models/naive.rs`.
 //!
 //! In CI the device is Mesa's lavapipe (software Vulkan). Without an adapter each test prints
 //! `SKIPPED (no GPU adapter)` and returns, unless `HEMI_REQUIRE_GPU=1`, where it fails.
@@ -50,6 +50,10 @@ macro_rules! need_gpu {
 
 /// The op suite of `tests/ops/naive.rs` on the GPU.
 mod ops;
+
+/// Training steps of `tests/models/naive.rs` on the GPU (which runs some of its helpers).
+#[allow(dead_code, unused_imports)]
+mod models;
 
 /// A buffer of `n` random values of `dtype` in [lo, hi) on the CPU.
 fn host(n: usize, lo: f64, hi: f64, dtype: DType, rng: &mut Generator) -> CpuStorage {
