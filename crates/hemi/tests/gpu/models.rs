@@ -80,3 +80,91 @@ fn bert_sgd_amp_bf16() {
         BERT,
     );
 }
+
+/// The library's training loop (`hemi::train::train`, what `hemi train --device gpu` runs)
+/// with the model moved to the GPU: each batch is uploaded there, and one epoch of an MLP
+/// (fp32 SGD, 3 steps) ends with the CPU run's weights and test accuracy. Resuming on the
+/// GPU is an error naming the device, not a crash.
+#[test]
+fn train_loop_runs_a_gpu_model() {
+    use hemi::data::{DataLoader, LoaderConfig, Split, Synthetic, Transform};
+    use hemi::models::Mlp;
+    use hemi::train::{train, OptimizerKind, RunInfo, TrainConfig};
+    use std::sync::Arc;
+
+    need_gpu!("train_loop_runs_a_gpu_model");
+    let loader = |split, n, shuffle| {
+        let data = Arc::new(Synthetic::generate(3, split, n));
+        let cfg = LoaderConfig {
+            batch_size: 32,
+            shuffle,
+            seed: 5,
+            workers: 0,
+            transform: Transform::to_tensor_normalize_half(),
+            ..Default::default()
+        };
+        DataLoader::new(data, cfg).unwrap()
+    };
+    let (tr, te) = (
+        loader(Split::Train, 96, true),
+        loader(Split::Test, 40, false),
+    );
+    let info = RunInfo {
+        model: "mlp".into(),
+        dataset: "synthetic".into(),
+        input_shape: [3, 32, 32],
+        classes: 10,
+        seed: 1,
+        precision: "fp32".into(),
+        ..Default::default()
+    };
+    let cfg = TrainConfig {
+        epochs: 1,
+        optimizer: OptimizerKind::Sgd,
+        lr: 0.05,
+        precision: Precision::Fp32,
+        ..Default::default()
+    };
+    let run = |device| {
+        let mut m = Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(1)).unwrap();
+        m.to_device(device).unwrap();
+        let s = train(&mut m, &tr, &te, &cfg, &info, &mut |_| {})
+            .unwrap_or_else(|e| panic!("on {device}: {e}"));
+        let state: Named<Vec<f64>> = m
+            .state_dict()
+            .into_iter()
+            .map(|(name, t)| {
+                assert_eq!(t.device(), device, "{name} left {device}");
+                (name, t.to_vec_f64())
+            })
+            .collect();
+        (s, state)
+    };
+    let ((sc, wc), (sg, wg)) = (run(Device::Cpu), run(BACKEND));
+    assert_eq!((sc.steps, sc.test_accuracy), (sg.steps, sg.test_accuracy));
+    let depth = Depth {
+        layers: 2,
+        terms: 3 * 32 * 32,
+    };
+    let opt = Opt::Sgd { lr: 0.05 };
+    for ((name, c), (_, g)) in wc.iter().zip(&wg) {
+        let tol = tolerance(DType::F32, depth, sc.steps as usize);
+        let slack = opt.slack(sc.steps as usize, DType::F32, depth);
+        agree(&format!("mlp {name} after an epoch"), c, g, tol, slack);
+    }
+    // Resuming on the GPU would load the optimizer's state on the CPU: refused.
+    let mut m = Mlp::new(3 * 32 * 32, 32, 10, &mut Generator::new(1)).unwrap();
+    m.to_device(BACKEND).unwrap();
+    let dir = std::env::temp_dir().join(format!("hemi-gpu-resume-{}", std::process::id()));
+    let resume = TrainConfig {
+        resume: true,
+        checkpoint_dir: Some(dir.clone()),
+        ..cfg.clone()
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = train(&mut m, &tr, &te, &resume, &info, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(e.contains("gpu:0") && e.contains("resum"), "{e}");
+}
