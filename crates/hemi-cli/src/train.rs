@@ -119,6 +119,11 @@ pub struct TrainArgs {
     /// them, with a warning).
     #[arg(help_heading = "Model and recipe", long)]
     threads: Option<usize>,
+    /// Where the model trains: cpu, or gpu / gpu:N, a GPU of the wgpu backend (any Vulkan
+    /// driver, Mesa's lavapipe included; needs a build with `--features gpu`). Each batch is
+    /// uploaded to it; checkpoints hold host copies and resume on the CPU.
+    #[arg(help_heading = "Model and recipe", long, default_value = "cpu")]
+    device: String,
     /// Data loader threads.
     #[arg(help_heading = "Data", long, default_value_t = 2)]
     workers: usize,
@@ -921,6 +926,8 @@ fn run_train_on(
     let lr = args.lr.unwrap_or(recipe.lr);
     let momentum = args.momentum.unwrap_or(recipe.momentum);
     let augment = args.augment.unwrap_or(recipe.augment);
+    // Before any data is read, as the other flags' checks.
+    let device: hemi::Device = args.device.parse()?;
     if args.resume && args.checkpoint_dir.is_none() {
         return Err(Error::arg("train", "--resume needs --checkpoint-dir"));
     }
@@ -1072,6 +1079,16 @@ fn run_train_on(
         Some(OptimizerArg::Adam) => OptimizerKind::Adam,
         Some(OptimizerArg::Adamw) => OptimizerKind::AdamW,
     };
+    if device != hemi::Device::Cpu {
+        if doctor.is_some() {
+            return Err(Error::arg(
+                "doctor",
+                format!("--device {device}: the doctor replays on the CPU only (--device cpu)"),
+            ));
+        }
+        model.to_device(device)?;
+        println!("device: {device}");
+    }
     let cfg = TrainConfig {
         epochs,
         optimizer,

@@ -292,6 +292,29 @@ impl UnaryOp {
         }
     }
 
+    /// The WGSL expression of the derivative from the saved value `s` (the output `y` where
+    /// `backward_uses_output`, else the input `x`), the scalars as `c0`, `c1`; the helpers
+    /// are `gpu::shaders`' (`BACKWARD_HELPERS`). The naive backend's `slope` in F32.
+    pub fn wgsl_slope(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "-1.0",
+            UnaryOp::Exp => "s",
+            UnaryOp::Log => "1.0 / s",
+            UnaryOp::Sqrt => "0.5 / s",
+            UnaryOp::Abs => "hemi_sign(s)",
+            UnaryOp::Relu => "select(0.0, 1.0, s > 0.0)",
+            UnaryOp::Gelu => "hemi_gelu_slope(s)",
+            UnaryOp::GeluTanh => "hemi_gelu_tanh_slope(s)",
+            UnaryOp::Sigmoid => "s * (1.0 - s)",
+            UnaryOp::Tanh => "1.0 - s * s",
+            UnaryOp::AddScalar(_) => "1.0",
+            UnaryOp::MulScalar(_) => "c0",
+            // x^0 has slope 0 everywhere (0^-1 would make it NaN at 0).
+            UnaryOp::PowScalar(_) => "select(c0 * hemi_pow(s, c0 - 1.0), 0.0, c0 == 0.0)",
+            UnaryOp::Clamp(..) => "select(0.0, 1.0, s >= c0 && s <= c1)",
+        }
+    }
+
     /// True when the derivative is written in terms of the output `y` (exp, sqrt, sigmoid,
     /// tanh), so the backward saves the output; the others save the input `x`.
     pub fn backward_uses_output(self) -> bool {
@@ -402,6 +425,12 @@ impl Storage {
     ) -> Result<Storage> {
         fn on<B: MapOps>(_: &B, n: usize, p: f64, rng: &mut Generator, dt: DType) -> Result<B> {
             B::dropout_mask(n, p, rng, dt)
+        }
+        // A GPU has an ordinal the constructor cannot know: the mask goes to this tensor's.
+        #[cfg(feature = "gpu")]
+        if let Storage::Gpu(g) = self {
+            let mask = crate::gpu::GpuStorage::dropout_mask_on(g.ctx(), n, p, rng, dtype)?;
+            return Ok(Storage::Gpu(mask));
         }
         Ok(dispatch!(self, s => wrap!(on(s, n, p, rng, dtype)?)))
     }

@@ -46,6 +46,18 @@ impl Inputs {
         }
     }
 
+    /// The same inputs on `device`.
+    pub fn to_device(&self, device: crate::Device) -> Result<Inputs> {
+        Ok(match self {
+            Inputs::Images(x) => Inputs::Images(x.to_device(device)?),
+            Inputs::Text(t) => Inputs::Text(TextInputs {
+                input_ids: t.input_ids.to_device(device)?,
+                attention_mask: t.attention_mask.to_device(device)?,
+                token_type_ids: t.token_type_ids.to_device(device)?,
+            }),
+        })
+    }
+
     /// The text inputs; an error for images.
     pub fn text(&self) -> Result<&TextInputs> {
         match self {

@@ -102,6 +102,16 @@ impl Batch {
         self.indices.is_empty()
     }
 
+    /// The same batch on `device` (its inputs and labels uploaded; itself when there
+    /// already): what a training step on a GPU model reads.
+    pub fn to_device(&self, device: crate::Device) -> Result<Batch> {
+        Ok(Batch {
+            inputs: self.inputs.to_device(device)?,
+            labels: self.labels.to_device(device)?,
+            indices: self.indices.clone(),
+        })
+    }
+
     /// The samples at `rows` of this batch, in that order (a micro-batch for gradient
     /// accumulation). A text batch keeps its padded length.
     pub fn select_rows(&self, rows: &[usize]) -> Result<Batch> {
@@ -112,7 +122,8 @@ impl Batch {
                 size: self.len(),
             });
         }
-        let idx = Tensor::from_vec(rows.iter().map(|&r| r as i64).collect(), &[rows.len()])?;
+        let idx = Tensor::from_vec(rows.iter().map(|&r| r as i64).collect(), &[rows.len()])?
+            .to_device(self.labels.device())?;
         let pick = |t: &Tensor| t.index_select(0, &idx);
         let inputs = match &self.inputs {
             Inputs::Images(x) => Inputs::Images(pick(x)?),

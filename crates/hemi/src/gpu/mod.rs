@@ -8,13 +8,15 @@
 //!   out of memory and a shader that fails to compile are `Error::Device`s naming the device
 //!   and the fix.
 //! - [`shaders`]: the WGSL kernels, generated per variant (dtypes, op): elementwise maps over
-//!   strided, broadcast layouts (copies, casts, the op table's unary and binary maps), row
-//!   reductions, tiled batched matmul. F32 arithmetic; F16 and BF16 stored two per word and
-//!   converted exactly, with round-to-nearest-even on the way back.
-//! - [`storage`]: [`GpuStorage`], `Storage::Gpu`'s buffer, and its primitives. Those without
-//!   a kernel yet return an error naming the primitive; the default compositions
-//!   (`backend::compose`: softmax, layer norm, losses, optimizers...) run on the ones that
-//!   exist.
+//!   strided, broadcast layouts (copies, casts, the op table's unary and binary maps and
+//!   their backwards, `where`), row reductions, tiled batched matmul, and kernels over
+//!   contiguous F32 operands (extrema, gathers and their scatter-add, concatenation, direct
+//!   convolutions, max pooling, the dropout hash, stochastic rounding). F32 arithmetic; F16
+//!   and BF16 stored two per word and converted exactly, with round-to-nearest-even on the
+//!   way back.
+//! - [`storage`]: [`GpuStorage`], `Storage::Gpu`'s buffer, and the 24 basic primitives; the
+//!   default compositions (`backend::compose`: softmax, layer norm, losses, optimizers...)
+//!   run on them.
 
 pub mod context;
 pub mod shaders;

@@ -799,6 +799,16 @@ fn replay_overflow(
     }))
 }
 
+/// The device of `model`'s first parameter (the CPU for a model without one): where the
+/// training and evaluation loops put each batch, so a model moved to a GPU
+/// (`Module::to_device`) trains and evaluates there.
+fn model_device(model: &dyn Module) -> crate::Device {
+    model
+        .parameters()
+        .first()
+        .map_or(crate::Device::Cpu, |p| p.device())
+}
+
 /// (targets predicted correctly, targets, summed loss) of `model` on `loader`.
 fn evaluate_sums(
     model: &mut dyn Module,
@@ -809,10 +819,11 @@ fn evaluate_sums(
 ) -> Result<(usize, usize, f64)> {
     model.set_training(false);
     let _g = crate::autograd::no_grad();
+    let device = model_device(&*model);
     let run = || -> Result<(usize, usize, f64)> {
         let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
         for batch in loader.epoch(0) {
-            let batch = batch?;
+            let batch = batch?.to_device(device)?;
             let out = {
                 let _scope = forward_scope(precision, policy, &*model);
                 task.forward(&*model, &batch, precision, 0.0, true)?
@@ -1082,6 +1093,25 @@ pub fn train_with_callbacks(
     let group = cfg.dist.as_ref().map(|d| d.group.clone());
     let rank = group.as_ref().map_or(0, |g| g.rank());
     let root = rank == 0;
+    // A model moved to another device trains there: each batch is uploaded to it. Resuming
+    // would load the optimizer's state onto the CPU, and the collectives read host buffers.
+    let device = model_device(&*model);
+    if device != crate::Device::Cpu {
+        let what = match (cfg.resume, cfg.dist.is_some()) {
+            (true, _) => Some("resuming a run"),
+            (_, true) => Some("data-parallel training"),
+            _ => None,
+        };
+        if let Some(what) = what {
+            return Err(Error::device(
+                "train",
+                format!(
+                    "{what} on {device} is not supported yet: use the CPU (--device cpu); \
+                     checkpoints written on a GPU resume there"
+                ),
+            ));
+        }
+    }
     let _dir_lock = preflight(train, test, cfg, root)?;
     let precision = cfg.precision;
     // The checkpoint records the precision and the settings the run actually uses.
@@ -1278,7 +1308,8 @@ pub fn train_with_callbacks(
                     root,
                 ));
             }
-            let batch = batch?;
+            // Uploaded to the model's device (a no-op on the CPU).
+            let batch = batch?.to_device(device)?;
             // The schedule is a closed form of the global step: a resumed run sets the same
             // lr an uninterrupted one would.
             let t = ((epoch - 1) * train.num_batches() + b) as u64;

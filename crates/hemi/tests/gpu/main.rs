@@ -1,7 +1,8 @@
 //! The wgpu backend (`--features gpu`) against the CPU backend: every primitive it
 //! implements on the same random, odd-sized, strided inputs, within the dtype's tolerance
 //! (casts and copies bit for bit); a composition (softmax, layer norm) running on the GPU
-//! from the default bodies; the errors of what is missing.
+//! from the default bodies; the errors of bad input. `ops.rs`: the op suite of
+//! `tests/ops/naive.rs`; `models.rs`: training steps of `tests/models/naive.rs`.
 //!
 //! In CI the device is Mesa's lavapipe (software Vulkan). Without an adapter each test prints
 //! `SKIPPED (no GPU adapter)` and returns, unless `HEMI_REQUIRE_GPU=1`, where it fails.
@@ -16,6 +17,7 @@ use hemi::backend::map::{BinaryOp, UnaryOp};
 use hemi::backend::reduce::ReduceOp;
 use hemi::cpu::storage::CpuStorage;
 use hemi::device::Device;
+use hemi::dtype::convert::Rounding;
 use hemi::rng::Generator;
 use hemi::tensor::{Layout, Storage, Tensor};
 use hemi::DType;
@@ -40,11 +42,18 @@ fn have_gpu(test: &str) -> bool {
 
 macro_rules! need_gpu {
     ($name:expr) => {
-        if !have_gpu($name) {
+        if !crate::have_gpu($name) {
             return;
         }
     };
 }
+
+/// The op suite of `tests/ops/naive.rs` on the GPU.
+mod ops;
+
+/// Training steps of `tests/models/naive.rs` on the GPU (which runs some of its helpers).
+#[allow(dead_code, unused_imports)]
+mod models;
 
 /// A buffer of `n` random values of `dtype` in [lo, hi) on the CPU.
 fn host(n: usize, lo: f64, hi: f64, dtype: DType, rng: &mut Generator) -> CpuStorage {
@@ -415,20 +424,17 @@ fn compositions_run_on_the_gpu() {
 }
 
 #[test]
-fn missing_primitives_and_mixed_devices_are_errors() {
-    need_gpu!("missing_primitives_and_mixed_devices_are_errors");
+fn bad_input_and_mixed_devices_are_errors() {
+    need_gpu!("bad_input_and_mixed_devices_are_errors");
     let mut rng = Generator::new(8);
     let (c, g) = pair(host(12, -1.0, 1.0, DType::F32, &mut rng));
     let l = Layout::contiguous(&[3, 4]);
-    // A primitive without a kernel names itself and the device.
+    // Rounding into I64 is an error naming the op and the dtype.
     let e = g
-        .where_cond(&l, (&g, &l), (&g, &l), DType::F32)
+        .round_into(&l, DType::I64, Rounding::Stochastic, &mut rng)
         .unwrap_err()
         .to_string();
-    assert!(
-        e.contains("where_cond") && e.contains("not on the GPU backend yet") && e.contains("gpu:0"),
-        "{e}"
-    );
+    assert!(e.contains("round_into") && e.contains("I64"), "{e}");
     // Mixing a CPU and a GPU buffer is the existing device error, naming both.
     let e = g
         .binary(&l, &c, &l, BinaryOp::Add, DType::F32)
@@ -438,10 +444,14 @@ fn missing_primitives_and_mixed_devices_are_errors() {
         e.contains("binary") && e.contains("cpu") && e.contains("gpu:0"),
         "{e}"
     );
-    // F64 is stored but not computed in.
-    let (_, g64) = pair(host(12, -1.0, 1.0, DType::F64, &mut rng));
+    // F64 maps run the CPU's on the host (batch norm's running statistics use them); other
+    // F64 arithmetic is an error naming the dtype and the device.
+    let (c64, g64) = pair(host(12, -1.0, 1.0, DType::F64, &mut rng));
+    let want = c64.unary(&l, UnaryOp::Exp, DType::F64).unwrap();
+    let got = g64.unary(&l, UnaryOp::Exp, DType::F64).unwrap();
+    assert_eq!((got.device(), bits(&got)), (GPU, bits(&want)));
     let e = g64
-        .unary(&l, UnaryOp::Exp, DType::F64)
+        .reduce(&l, 3, 4, ReduceOp::Sum, DType::F64)
         .unwrap_err()
         .to_string();
     assert!(e.contains("F64") && e.contains("gpu:0"), "{e}");
@@ -465,4 +475,44 @@ fn freed_buffers_are_reused_from_the_cache() {
     let after = ctx.memory_stats();
     assert_eq!(after.raw_mallocs, before.raw_mallocs, "{before} / {after}");
     assert!(after.allocs > before.allocs);
+}
+
+/// `round_into` draws the CPU's random bits in the CPU's order, so stochastic rounding into
+/// F16 and BF16 is the CPU's bit for bit (and nearest-even is the cast), from F32 values of
+/// every class and from a strided F16 view.
+#[test]
+fn round_into_matches_the_cpu_bit_for_bit() {
+    need_gpu!("round_into_matches_the_cpu_bit_for_bit");
+    let mut rng = Generator::new(10);
+    let patterns = CpuStorage::from_vec(f32_patterns(&mut rng));
+    let n = patterns.len();
+    let (l16, len16) = strided(&[9, 7]);
+    let sources = [
+        (patterns, Layout::contiguous(&[n])),
+        (host(len16, -3.0, 3.0, DType::F32, &mut rng), l16.clone()),
+        (host(len16, -3.0, 3.0, DType::F16, &mut rng), l16),
+    ];
+    for (h, l) in sources {
+        let from = h.dtype();
+        let (cpu, gpu) = pair(h);
+        for to in [DType::F16, DType::BF16, DType::F32] {
+            for rounding in [Rounding::Stochastic, Rounding::NearestEven] {
+                let (mut rc, mut rg) = (Generator::new(77), Generator::new(77));
+                let want = cpu.round_into(&l, to, rounding, &mut rc).unwrap();
+                let got = gpu.round_into(&l, to, rounding, &mut rg).unwrap();
+                assert_eq!((got.device(), got.dtype()), (GPU, to));
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "round_into {from:?} -> {to:?} {rounding:?}"
+                );
+                // Both drew as many numbers.
+                assert_eq!(
+                    rc.next_u64(),
+                    rg.next_u64(),
+                    "{from:?} -> {to:?} {rounding:?}"
+                );
+            }
+        }
+    }
 }
