@@ -170,6 +170,11 @@ enum Job {
         wire: Wire,
         reply: Sender<Result<Vec<f32>>>,
     },
+    ReduceScatter {
+        data: Vec<f32>,
+        wire: Wire,
+        reply: Sender<Result<(usize, Vec<f32>)>>,
+    },
     AllGather {
         data: Vec<u8>,
         /// Every rank sends as many bytes (one message per ring step instead of two).
@@ -346,6 +351,15 @@ impl ProcessGroup {
         Ok(self.work(rx))
     }
 
+    /// Starts the first half of [`ProcessGroup::all_reduce`] (ZeRO stage 2): [`Work::wait`]
+    /// returns where this rank's chunk starts in `data` and the chunk's sums, the bits
+    /// `all_reduce` gives there (the chunk is `ring::chunk(len, N, (rank + 1) mod N)`).
+    pub fn reduce_scatter(&self, data: Vec<f32>, wire: Wire) -> Result<Work<(usize, Vec<f32>)>> {
+        let (reply, rx) = channel();
+        self.submit(Job::ReduceScatter { data, wire, reply })?;
+        Ok(self.work(rx))
+    }
+
     /// Every rank's `data`, in rank order (the lengths may differ).
     pub fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         self.gather(data, false)
@@ -442,6 +456,26 @@ fn comm_loop(t: &mut dyn Transport, jobs: Receiver<Job>, stats: &CommStats, time
                 let r = match &broken {
                     Some(_) => Err(fail(&broken)),
                     None => ring::all_reduce(t, &mut data, wire, stats, timeout).map(|_| data),
+                };
+                if let Err(e) = &r {
+                    broken.get_or_insert_with(|| e.to_string());
+                }
+                let _ = reply.send(r);
+            }
+            Job::ReduceScatter {
+                mut data,
+                wire,
+                reply,
+            } => {
+                let r = match &broken {
+                    Some(_) => Err(fail(&broken)),
+                    None => ring::reduce_scatter(t, &mut data, wire, stats, timeout).map(|own| {
+                        // Keep the own chunk only: the rest is scratch.
+                        data.truncate(own.end);
+                        data.drain(..own.start);
+                        data.shrink_to_fit();
+                        (own.start, data)
+                    }),
                 };
                 if let Err(e) = &r {
                     broken.get_or_insert_with(|| e.to_string());
