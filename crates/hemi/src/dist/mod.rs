@@ -24,6 +24,9 @@
 //!   complete (and the buckets before it launched), averaged and written back by
 //!   [`GradReducer::finish`].
 //!
+//! - [`zero`]: ZeRO stages 1 and 2: the optimizer state, F32 masters and (stage 2) reduced
+//!   gradients of each rank's shard only, with the bits of plain data parallel.
+//!
 //! The training loop (`train::train` with `TrainConfig::dist`) adds the rest: a check at
 //! start that every rank runs the same configuration on the same initial parameters, the
 //! GradScaler's found-inf flag and the stop flag reduced across ranks, evaluation sharded
@@ -35,6 +38,7 @@ pub mod mpi;
 mod reducer;
 pub mod ring;
 mod sync;
+pub mod zero;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -45,6 +49,7 @@ use std::time::{Duration, Instant};
 pub use local::LocalTransport;
 pub use reducer::{GradReducer, ReducerConfig};
 pub use sync::{all_reduce_sum, broadcast_buffers, convert_sync_batch_norm};
+pub use zero::{ZeroShard, ZeroStage};
 
 use crate::error::{Error, Result};
 
@@ -504,4 +509,7 @@ pub struct DistConfig {
     pub group: Arc<ProcessGroup>,
     /// Buckets and wire dtype of the gradient all-reduce.
     pub reducer: ReducerConfig,
+    /// ZeRO: shard the optimizer state and masters (stage 1) and the reduced gradients
+    /// (stage 2) over the ranks (default off).
+    pub zero: ZeroStage,
 }
