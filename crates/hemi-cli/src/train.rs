@@ -1574,10 +1574,12 @@ fn run_train_on(
     if std::env::var_os("HEMI_COUNT_HEAP").is_some() {
         // stderr: ranks other than 0 print nothing on stdout.
         eprintln!(
-            "memory (rank {}): peak heap {:.1} MiB, optimizer state {:.1} MiB",
+            "memory (rank {}): peak heap {:.1} MiB, optimizer state {:.1} MiB, ZeRO shard \
+             copies {:.1} MiB",
             group.as_ref().map_or(0, |g| g.rank()),
             crate::alloc::reset_heap_peak() as f64 / (1 << 20) as f64,
-            summary.optimizer_bytes as f64 / (1 << 20) as f64
+            summary.optimizer_bytes as f64 / (1 << 20) as f64,
+            summary.shard_bytes as f64 / (1 << 20) as f64
         );
     }
     if let (Some(dir), Some(save), true) = (&args.save_pretrained, &save, root) {

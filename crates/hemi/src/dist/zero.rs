@@ -257,40 +257,42 @@ impl ZeroShard {
         }
         let all = self.group.all_gather(mine)?;
         let n = self.group.size();
-        // Per parameter, its bytes assembled from the ranks' pieces.
-        let mut bytes: Vec<Vec<u8>> = self
-            .params
-            .iter()
-            .map(|p| vec![0u8; p.numel() * dtype_bytes(p.dtype())])
-            .collect();
-        let mut filled = vec![0usize; self.params.len()];
+        // Where each parameter's pieces lie in the ranks' blocks: (rank, byte offset, range).
+        let mut sources: Vec<Vec<(usize, usize, Range<usize>)>> =
+            vec![Vec::new(); self.params.len()];
         for (r, block) in all.iter().enumerate() {
             let mut at = 0;
             for pc in pieces(&self.numel, &self.buckets, n, r) {
-                let w = dtype_bytes(self.params[pc.param].dtype());
-                let len = pc.range.len() * w;
-                let src = block.get(at..at + len).ok_or_else(|| {
-                    Error::Msg(format!(
+                let len = pc.range.len() * dtype_bytes(self.params[pc.param].dtype());
+                if at + len > block.len() {
+                    return Err(Error::Msg(format!(
                         "rank {}: rank {r} sent {} bytes of its shard, fewer than its pieces hold",
                         self.group.rank(),
                         block.len()
-                    ))
-                })?;
-                bytes[pc.param][pc.range.start * w..pc.range.end * w].copy_from_slice(src);
-                filled[pc.param] += pc.range.len();
+                    )));
+                }
+                sources[pc.param].push((r, at, pc.range));
                 at += len;
             }
         }
-        for (i, (p, b)) in self.params.iter().zip(bytes).enumerate() {
-            if filled[i] != p.numel() {
+        // One parameter at a time, so that only one new buffer exists beside the blocks.
+        for (i, p) in self.params.iter().enumerate() {
+            let w = dtype_bytes(p.dtype());
+            let mut bytes = vec![0u8; p.numel() * w];
+            let mut filled = 0;
+            for (r, at, range) in &sources[i] {
+                let len = range.len() * w;
+                bytes[range.start * w..range.end * w].copy_from_slice(&all[*r][*at..*at + len]);
+                filled += range.len();
+            }
+            if filled != p.numel() {
                 return Err(Error::Msg(format!(
-                    "rank {}: the shards cover {} of parameter {i}'s {} values",
+                    "rank {}: the shards cover {filled} of parameter {i}'s {} values",
                     self.group.rank(),
-                    filled[i],
                     p.numel()
                 )));
             }
-            p.set_data(&from_bytes(&b, p.shape(), p.dtype())?)?;
+            p.set_data(&from_bytes(&bytes, p.shape(), p.dtype())?)?;
         }
         Ok(())
     }

@@ -514,10 +514,11 @@ pub struct Summary {
     /// this call.
     pub comm: Option<CommSnapshot>,
     /// Bytes of optimizer state this rank holds at the end: the optimizer's F32 buffers
-    /// (momentum, Adam moments, fp16-master's F32 masters) and, under ZeRO, the shard
-    /// tensors the optimizer updates (the whole parameters, which the model holds, not
-    /// counted).
+    /// (momentum, Adam moments, fp16-master's F32 masters; a shard's under ZeRO).
     pub optimizer_bytes: u64,
+    /// Under ZeRO, the bytes of the shard tensors the optimizer updates (copies of the
+    /// rank's slices of the weights, in the weights' dtype; 0 without ZeRO).
+    pub shard_bytes: u64,
 }
 
 /// How many of one parameter's unscaled gradient values F16 could not represent, summed
@@ -1270,6 +1271,7 @@ pub fn train_with_callbacks(
         train_seconds: 0.0,
         comm: None,
         optimizer_bytes: 0,
+        shard_bytes: 0,
     };
     // Everything but the step, in the order its events reach `on_event`.
     let mut inject = cfg.inject_inf.map(InjectInf::new);
@@ -1583,7 +1585,8 @@ pub fn train_with_callbacks(
             .map(|t| t.numel() * t.dtype().size_in_bytes())
             .sum()
     });
-    summary.optimizer_bytes = (state + shards) as u64;
+    summary.optimizer_bytes = state as u64;
+    summary.shard_bytes = shards as u64;
     Ok(summary)
 }
 
