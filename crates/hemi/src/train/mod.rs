@@ -1350,7 +1350,6 @@ pub fn train_with_callbacks(
                     zero.as_deref(),
                     &with_promoted(info, &promoted.borrow()),
                     progress,
-                    root,
                 ));
             }
             let batch = batch?;
@@ -1413,7 +1412,6 @@ pub fn train_with_callbacks(
                         zero.as_deref(),
                         &with_promoted(info, &promoted.borrow()),
                         progress,
-                        root,
                     ));
                 }
             }
@@ -1720,7 +1718,6 @@ fn mean_or_nan(sum: f64, n: usize) -> f64 {
 }
 
 /// Writes the mid-epoch checkpoint of a stopped run and builds the error that reports it.
-#[allow(clippy::too_many_arguments)]
 fn interrupt(
     steps: u64,
     cfg: &TrainConfig,
@@ -1729,8 +1726,8 @@ fn interrupt(
     zero: Option<&ZeroShard>,
     info: &RunInfo,
     at: Progress,
-    root: bool,
 ) -> Error {
+    let root = cfg.dist.as_ref().is_none_or(|d| d.group.rank() == 0);
     let Some(dir) = &cfg.checkpoint_dir else {
         return Error::Interrupted(format!(
             "stopped at epoch {}, batch {} (no --checkpoint-dir: nothing saved)",
