@@ -17,7 +17,7 @@ use hemi::data::{
     Cifar10, Column, DataLoader, Dataset, ImageFolder, LoaderConfig, MlmConfig, MnistKind, Shard,
     Split, Synthetic, TextColumns,
 };
-use hemi::dist::{DistConfig, ProcessGroup, ReducerConfig, Wire};
+use hemi::dist::{DistConfig, ProcessGroup, ReducerConfig, Wire, ZeroStage};
 use hemi::io::tensorboard::SummaryWriter;
 use hemi::models::registry::{InputKind, ModelSpec};
 use hemi::nn::Module;
@@ -260,6 +260,11 @@ pub struct TrainArgs {
     /// each, and step once (1 rank with --micro-batches N trains exactly like N ranks).
     #[arg(help_heading = "Optimizer and schedule", long, default_value_t = 1)]
     micro_batches: usize,
+    /// Clip the total 2-norm of the unscaled gradients to this before every step
+    /// (PyTorch's clip_grad_norm_ after the scaler's unscale_; the F32 masters' gradients
+    /// under fp16-master).
+    #[arg(help_heading = "Optimizer and schedule", long, value_name = "MAX_NORM")]
+    clip_grad_norm: Option<f64>,
     /// Data parallel (`mpirun -np N hemi train`, a build with `--features mpi`): the dtype
     /// gradients are all-reduced in: f32, f16 (pre-scaled by a power of two so the sum
     /// neither overflows nor underflows) or bf16; sums are always accumulated in F32.
@@ -288,6 +293,17 @@ pub struct TrainArgs {
         long
     )]
     sync_bn: bool,
+    /// Data parallel: ZeRO stage. 1: each rank keeps the F32 master weights and optimizer
+    /// state (momentum, Adam moments) of its shard of the parameters only, updates its
+    /// shard after the all-reduce and all-gathers the weights; 2: also reduce-scatters the
+    /// gradients, keeping only its shard of them. Bit-identical to 0 (plain data parallel).
+    #[arg(
+        help_heading = "Distributed (mpirun, a build with --features mpi)",
+        long,
+        default_value_t = 0,
+        value_parser = clap::value_parser!(u8).range(0..=2)
+    )]
+    zero: u8,
 }
 
 fn parse_wire(s: &str) -> std::result::Result<Wire, String> {
@@ -887,6 +903,11 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     if !(args.bucket_mb > 0.0 && args.bucket_mb.is_finite()) {
         return Err(Error::arg("train", "--bucket-mb must be > 0"));
     }
+    // HEMI_COUNT_HEAP=1: every rank reports its peak heap and optimizer state at the end (the
+    // ZeRO memory figures; counting costs two atomic additions per allocation).
+    if std::env::var_os("HEMI_COUNT_HEAP").is_some() {
+        crate::alloc::count_heap();
+    }
     let group = crate::dist::setup(Duration::from_secs_f64(args.dist_timeout))?;
     let result = run_train_on(args, group.clone(), None);
     match (&result, &group) {
@@ -1063,13 +1084,34 @@ fn run_train_on(
                 println!("SyncBatchNorm: {n} batch norms use the statistics of all ranks");
                 settings.insert("sync_bn".into(), "true".into());
             }
+            let zero = ZeroStage::from_number(args.zero)?;
+            if zero != ZeroStage::Off {
+                println!(
+                    "ZeRO stage {}: rank {rank} keeps the optimizer state and F32 masters{} of \
+                     its 1/{world} shard",
+                    args.zero,
+                    if args.zero == 2 { " and gradients" } else { "" }
+                );
+            }
             Some(DistConfig {
                 group: g.clone(),
                 reducer: ReducerConfig {
                     wire: args.allreduce,
                     bucket_bytes: ((args.bucket_mb * (1 << 20) as f64) as usize).max(1),
                 },
+                zero,
             })
+        }
+        None if args.zero != 0 => {
+            return Err(Error::arg(
+                "train",
+                format!(
+                    "--zero {} shards the optimizer state over the ranks of a data-parallel \
+                     run; this run has one rank (start it with mpirun -np N, N >= 2, from a \
+                     build with --features mpi)",
+                    args.zero
+                ),
+            ))
         }
         None => None,
     };
@@ -1127,6 +1169,7 @@ fn run_train_on(
         policy: load_policy(args.policy.as_deref())?,
         overflow_reports: args.overflow_reports,
         auto_promote: args.auto_promote,
+        clip_grad_norm: args.clip_grad_norm,
         ..Default::default()
     };
     let model_name = args.model.as_str();
@@ -1543,6 +1586,17 @@ fn run_train_on(
             c.messages as f64 / steps,
             c.wait_nanos as f64 / steps / 1e6,
             summary.images_per_s() * group.as_ref().map_or(1, |g| g.size()) as f64
+        );
+    }
+    if std::env::var_os("HEMI_COUNT_HEAP").is_some() {
+        // stderr: ranks other than 0 print nothing on stdout.
+        eprintln!(
+            "memory (rank {}): peak heap {:.1} MiB, optimizer state {:.1} MiB, ZeRO shard \
+             copies {:.1} MiB",
+            group.as_ref().map_or(0, |g| g.rank()),
+            crate::alloc::reset_heap_peak() as f64 / (1 << 20) as f64,
+            summary.optimizer_bytes as f64 / (1 << 20) as f64,
+            summary.shard_bytes as f64 / (1 << 20) as f64
         );
     }
     if let (Some(dir), Some(save), true) = (&args.save_pretrained, &save, root) {

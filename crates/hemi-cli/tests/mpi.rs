@@ -1,7 +1,7 @@
 //! `mpirun -np 2 hemi train …` end to end (a build with `--features mpi` and Open MPI's
 //! `mpirun` on PATH; `.ci/run` installs it): 2 ranks × batch B against 1 rank × batch 2B,
-//! the half-precision wire, an inf on one rank, resume, a killed or hanging rank, and ranks
-//! started with different settings.
+//! the half-precision wire, an inf on one rank, resume, a killed or hanging rank, ranks
+//! started with different settings, and ZeRO stages 1 and 2 against plain data parallel.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -87,8 +87,12 @@ fn run_bounded(mut cmd: Command, limit: Duration) -> (Output, Duration) {
 }
 
 fn two_ranks(args: &[String], env: &[(&str, &str)]) -> Output {
+    n_ranks(2, args, env)
+}
+
+fn n_ranks(n: usize, args: &[String], env: &[(&str, &str)]) -> Output {
     let mut c = mpirun();
-    c.args(["-np", "2", HEMI]).args(args);
+    c.args(["-np", &n.to_string(), HEMI]).args(args);
     for (k, v) in env {
         // mpirun passes its environment on to the ranks it starts on this machine.
         c.env(k, v);
@@ -316,4 +320,193 @@ fn sync_batch_norm_trains_a_resnet_on_two_ranks() {
         ck.info.settings.get("sync_bn").map(String::as_str),
         Some("true")
     );
+}
+
+/// The files of a checkpoint that must not depend on the ZeRO stage: the weights, the
+/// optimizer state's buffers, and state.json without the run's settings (which record the
+/// stage).
+fn checkpoint_files(ckpt: &Path, epoch: usize) -> (Vec<u8>, Vec<u8>, serde_json::Value) {
+    let dir = ckpt.join(format!("epoch-{epoch:04}"));
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let mut state: serde_json::Value = serde_json::from_slice(&read("state.json")).unwrap();
+    state["run"]["settings"] = serde_json::Value::Null;
+    (
+        read("model.safetensors"),
+        read("optimizer.safetensors"),
+        state,
+    )
+}
+
+/// `args` with `extra` added; a flag already in `args` (`--lr`) has its value replaced.
+fn with_args(mut args: Vec<String>, extra: &[&str]) -> Vec<String> {
+    let mut i = 0;
+    while i < extra.len() {
+        let value = extra.get(i + 1).filter(|v| !v.starts_with("--"));
+        match (args.iter().position(|a| a == extra[i]), value) {
+            (Some(at), Some(v)) => {
+                args[at + 1] = v.to_string();
+                i += 2;
+            }
+            (None, Some(v)) => {
+                args.extend([extra[i].to_string(), v.to_string()]);
+                i += 2;
+            }
+            (_, None) => {
+                args.push(extra[i].to_string());
+                i += 1;
+            }
+        }
+    }
+    args
+}
+
+#[test]
+fn zero_1_and_2_write_the_checkpoints_of_plain_data_parallel_byte_for_byte() {
+    let recipes: [(usize, &str, &[&str]); 4] = [
+        (2, "fp32", &[]),
+        (
+            2,
+            "amp-fp16",
+            &[
+                "--optimizer",
+                "adam",
+                "--lr",
+                "0.001",
+                "--clip-grad-norm",
+                "0.5",
+            ],
+        ),
+        (
+            2,
+            "fp16-master",
+            &[
+                "--optimizer",
+                "adamw",
+                "--lr",
+                "0.001",
+                "--clip-grad-norm",
+                "0.5",
+            ],
+        ),
+        (
+            3,
+            "amp-fp16",
+            &[
+                "--optimizer",
+                "adam",
+                "--lr",
+                "0.001",
+                "--clip-grad-norm",
+                "0.5",
+            ],
+        ),
+    ];
+    for (ranks, precision, extra) in recipes {
+        let name = format!("{ranks}-{precision}-{}", extra.len());
+        let run = |zero: &str| {
+            let dir = tmp(&format!("zero{zero}-{name}"));
+            // Small buckets (64 KiB): chunk boundaries cut the MLP's parameters.
+            let args = with_args(
+                train_args(&dir, 16, precision),
+                &[&["--zero", zero, "--bucket-mb", "0.0625"][..], extra].concat(),
+            );
+            let out = ok(&n_ranks(ranks, &args, &[]));
+            (dir, out)
+        };
+        let (plain, _) = run("0");
+        for zero in ["1", "2"] {
+            let (dir, out) = run(zero);
+            assert!(out.contains(&format!("ZeRO stage {zero}")), "{out}");
+            for epoch in [1, 2] {
+                let (a, b) = (
+                    checkpoint_files(&plain, epoch),
+                    checkpoint_files(&dir, epoch),
+                );
+                assert!(
+                    a.0 == b.0,
+                    "{name} zero {zero} epoch {epoch}: the weights differ"
+                );
+                assert!(
+                    a.1 == b.1,
+                    "{name} zero {zero} epoch {epoch}: the optimizer state differs"
+                );
+                assert_eq!(
+                    a.2, b.2,
+                    "{name} zero {zero} epoch {epoch}: state.json differs"
+                );
+            }
+            let ck = load_checkpoint(&dir).unwrap();
+            assert_eq!(ck.info.settings.get("zero").map(String::as_str), Some(zero));
+        }
+    }
+}
+
+#[test]
+fn a_resumed_zero_run_ends_bit_identical() {
+    let extra = [
+        "--zero",
+        "2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--bucket-mb",
+        "0.0625",
+    ];
+    let (whole, parts) = (tmp("zero-whole"), tmp("zero-parts"));
+    ok(&two_ranks(
+        &with_args(train_args(&whole, 16, "amp-fp16"), &extra),
+        &[],
+    ));
+    let first = with_args(train_args(&parts, 16, "amp-fp16"), &extra);
+    ok(&two_ranks(&with_args(first, &["--stop-after", "1"]), &[]));
+    // The sharded run's checkpoint is in the usual format: plain data parallel continues it.
+    let unsharded = tmp("zero-parts-0");
+    std::fs::create_dir_all(unsharded.join("epoch-0001")).unwrap();
+    for f in std::fs::read_dir(parts.join("epoch-0001")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(
+            &f,
+            unsharded.join("epoch-0001").join(f.file_name().unwrap()),
+        )
+        .unwrap();
+    }
+    let rest = with_args(train_args(&parts, 16, "amp-fp16"), &extra);
+    let out = ok(&two_ranks(&with_args(rest, &["--resume"]), &[]));
+    assert!(out.contains("resuming at epoch 2"), "{out}");
+    let plain = with_args(train_args(&unsharded, 16, "amp-fp16"), &extra);
+    ok(&two_ranks(
+        &with_args(plain, &["--zero", "0", "--resume"]),
+        &[],
+    ));
+    let (a, b) = (checkpoint_files(&whole, 2), checkpoint_files(&parts, 2));
+    assert!(a.0 == b.0, "the weights differ");
+    assert!(a.1 == b.1, "the optimizer state differs");
+    let c = checkpoint_files(&unsharded, 2);
+    assert!(a.0 == c.0, "resumed without ZeRO, the weights differ");
+    assert!(
+        a.1 == c.1,
+        "resumed without ZeRO, the optimizer state differs"
+    );
+}
+
+#[test]
+fn resuming_a_zero_run_on_another_rank_count_names_both_counts() {
+    let extra = ["--zero", "1", "--optimizer", "adam", "--lr", "0.001"];
+    let dir = tmp("zero-ranks");
+    let first = with_args(train_args(&dir, 16, "fp32"), &extra);
+    ok(&two_ranks(&with_args(first, &["--stop-after", "1"]), &[]));
+    let rest = with_args(
+        with_args(train_args(&dir, 16, "fp32"), &extra),
+        &["--resume"],
+    );
+    let o = n_ranks(3, &rest, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("on 2 rank(s) and this run has 3"),
+        "the error should name both rank counts: {err}"
+    );
+    // Nothing was trained: the checkpoint of epoch 1 is still the newest.
+    assert!(!dir.join("epoch-0002").exists());
 }

@@ -20,7 +20,8 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::{
-    check_grads, check_params, clip_grad_norm, Optimizer, OptimizerState, StateBuffer,
+    check_grads, check_params, clip_grads_to, grad_norm, GradNormFn, Optimizer, OptimizerState,
+    StateBuffer,
 };
 use crate::rng::Generator;
 use crate::tensor::Tensor;
@@ -112,6 +113,8 @@ pub struct Fp16Optimizer {
     scale: LossScale,
     rounding: Rounding,
     clip: Option<f64>,
+    /// The total norm for clipping where the gradients are sharded (`None`: `grad_norm`).
+    norm: Option<GradNormFn>,
     keep_masters: bool,
     seed: u64,
     rounding_step: u64,
@@ -173,6 +176,7 @@ impl Fp16Optimizer {
             scale,
             rounding: cfg.rounding,
             clip: cfg.clip_grad_norm,
+            norm: None,
             keep_masters: cfg.keep_masters,
             seed: cfg.seed,
             rounding_step: 0,
@@ -201,6 +205,28 @@ impl Fp16Optimizer {
     /// training; `None`: this process alone).
     pub fn set_found_inf_sync(&mut self, sync: Option<super::scaler::FoundInfSync>) {
         self.sync = sync;
+    }
+
+    /// Clips the total 2-norm of the master gradients to `max_norm` before each step
+    /// (`MasterConfig::clip_grad_norm`); `norm`, when given, computes that total instead of
+    /// `grad_norm(masters, 2.0)` (ZeRO: the masters are a shard). Errors on a negative or
+    /// non-finite `max_norm`.
+    pub fn set_clip_grad_norm(
+        &mut self,
+        max_norm: Option<f64>,
+        norm: Option<GradNormFn>,
+    ) -> Result<()> {
+        if let Some(c) = max_norm {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(Error::arg(
+                    "Fp16Optimizer::set_clip_grad_norm",
+                    format!("clip_grad_norm must be finite and >= 0, got {c}"),
+                ));
+            }
+        }
+        self.clip = max_norm;
+        self.norm = norm;
+        Ok(())
     }
 
     /// Whether the last `step` was skipped.
@@ -271,7 +297,11 @@ impl Optimizer for Fp16Optimizer {
             m.set_grad(g);
         }
         if let Some(max_norm) = self.clip {
-            clip_grad_norm(&self.masters, max_norm, 2.0)?;
+            let total = match &self.norm {
+                Some(f) => f(&self.masters)?,
+                None => grad_norm(&self.masters, 2.0)?,
+            };
+            clip_grads_to(&self.masters, max_norm, total)?;
         }
         self.inner.step()?;
         // 4. Write the updated masters back into the half parameters.
@@ -305,6 +335,18 @@ impl Optimizer for Fp16Optimizer {
 
     fn params(&self) -> &[Tensor] {
         &self.params
+    }
+
+    fn state_bytes(&self) -> usize {
+        let masters: usize = if self.keep_masters {
+            (self.params.iter().zip(&self.masters))
+                .filter(|(p, _)| p.dtype() != DType::F32)
+                .map(|(_, m)| m.numel() * 4)
+                .sum()
+        } else {
+            0
+        };
+        self.inner.state_bytes() + masters
     }
 
     fn state_dict(&self) -> OptimizerState {

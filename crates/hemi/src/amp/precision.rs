@@ -20,7 +20,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::ops::autocast::{autocast_enabled, AutocastGuard};
-use crate::optim::{Optimizer, OptimizerState};
+use crate::optim::{clip_grads_to, grad_norm, GradNormFn, Optimizer, OptimizerState};
 use crate::tensor::Tensor;
 
 /// A precision preset.
@@ -194,6 +194,12 @@ enum Engine {
 pub struct AmpOptimizer {
     precision: Precision,
     engine: Engine,
+    /// Clip the total 2-norm of the unscaled gradients to this before each step.
+    clip: Option<f64>,
+    /// Computes that total where the gradients are sharded (ZeRO; `None`: `grad_norm`).
+    norm: Option<GradNormFn>,
+    /// `unscale` ran since the last step (amp-fp16).
+    unscaled: bool,
 }
 
 impl AmpOptimizer {
@@ -213,8 +219,44 @@ impl AmpOptimizer {
         seed: u64,
         build: impl FnOnce(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
     ) -> Result<AmpOptimizer> {
+        Self::build(precision, params, scaler, seed, build, true)
+    }
+
+    /// `new` over one rank's shard of a model's parameters (ZeRO, `dist::ZeroShard::shards`):
+    /// flat slices of the parameters in their dtypes, of which none need have the preset's
+    /// weight dtype (a shard may hold only F32 norms). pure-bf16 is refused: its stochastic
+    /// rounding draws a stream per parameter, which slicing would change.
+    pub fn for_shard(
+        precision: Precision,
+        shards: Vec<Tensor>,
+        scaler: GradScalerConfig,
+        seed: u64,
+        build: impl FnOnce(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
+    ) -> Result<AmpOptimizer> {
+        if precision == Precision::PureBf16 {
+            return Err(Error::arg(
+                "AmpOptimizer",
+                "pure-bf16 cannot be sharded (ZeRO): its stochastic rounding draws one random \
+                 stream per parameter, and a shard holds pieces of parameters",
+            ));
+        }
+        Self::build(precision, shards, scaler, seed, build, false)
+    }
+
+    fn build(
+        precision: Precision,
+        params: Vec<Tensor>,
+        scaler: GradScalerConfig,
+        seed: u64,
+        build: impl FnOnce(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
+        whole_model: bool,
+    ) -> Result<AmpOptimizer> {
         let want = precision.weight_dtype();
-        if want != DType::F32 && !params.is_empty() && !params.iter().any(|p| p.dtype() == want) {
+        if whole_model
+            && want != DType::F32
+            && !params.is_empty()
+            && !params.iter().any(|p| p.dtype() == want)
+        {
             return Err(Error::dtype(
                 "AmpOptimizer",
                 params[0].dtype(),
@@ -271,7 +313,42 @@ impl AmpOptimizer {
                 build,
             )?),
         };
-        Ok(AmpOptimizer { precision, engine })
+        Ok(AmpOptimizer {
+            precision,
+            engine,
+            clip: None,
+            norm: None,
+            unscaled: false,
+        })
+    }
+
+    /// Clips the total 2-norm of the unscaled gradients to `max_norm` before every step
+    /// (PyTorch's `clip_grad_norm_` between `unscale_` and `step`; under fp16-master the
+    /// masters' gradients, as apex). `norm`, when given, computes the total instead of
+    /// `grad_norm(tensors, 2.0)` (ZeRO: the optimizer holds a shard). A step whose gradients
+    /// hold inf or NaN is not clipped (the loss scaler skips it). Errors on a negative or
+    /// non-finite `max_norm`.
+    pub fn set_clip_grad_norm(
+        &mut self,
+        max_norm: Option<f64>,
+        norm: Option<GradNormFn>,
+    ) -> Result<()> {
+        if let Some(c) = max_norm {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(Error::arg(
+                    "AmpOptimizer::set_clip_grad_norm",
+                    format!("the clipping norm must be finite and >= 0, got {c}"),
+                ));
+            }
+        }
+        match &mut self.engine {
+            Engine::Master(m) => m.set_clip_grad_norm(max_norm, norm)?,
+            Engine::Plain { .. } => {
+                self.clip = max_norm;
+                self.norm = norm;
+            }
+        }
+        Ok(())
     }
 
     /// Reduces the loss scaler's found-inf flag through `sync` (data-parallel training: every
@@ -337,6 +414,7 @@ impl AmpOptimizer {
         } = &mut self.engine
         {
             s.unscale_(opt.as_ref())?;
+            self.unscaled = true;
         }
         Ok(())
     }
@@ -344,21 +422,38 @@ impl AmpOptimizer {
     /// One optimizer step; `false` when the step was skipped because a gradient held inf or
     /// NaN (the loss scale then backs off).
     pub fn step(&mut self) -> Result<bool> {
+        let unscaled = std::mem::take(&mut self.unscaled);
         match &mut self.engine {
-            Engine::Plain { opt, scaler } => match scaler {
-                Some(s) => {
-                    let stepped = s.step(opt.as_mut())?;
-                    s.update()?;
-                    Ok(stepped)
+            Engine::Plain { opt, scaler } => {
+                if let Some(max_norm) = self.clip {
+                    if let Some(s) = scaler.as_mut().filter(|_| !unscaled) {
+                        s.unscale_(opt.as_ref())?;
+                    }
+                    let total = match &self.norm {
+                        Some(f) => f(opt.params())?,
+                        None => grad_norm(opt.params(), 2.0)?,
+                    };
+                    clip_grads_to(opt.params(), max_norm, total)?;
                 }
-                None => {
-                    opt.step()?;
-                    Ok(true)
-                }
-            },
+                Self::step_plain(opt.as_mut(), scaler)
+            }
             Engine::Master(m) => {
                 m.step()?;
                 Ok(!m.last_step_skipped())
+            }
+        }
+    }
+
+    fn step_plain(opt: &mut dyn Optimizer, scaler: &mut Option<GradScaler>) -> Result<bool> {
+        match scaler {
+            Some(s) => {
+                let stepped = s.step(opt)?;
+                s.update()?;
+                Ok(stepped)
+            }
+            None => {
+                opt.step()?;
+                Ok(true)
             }
         }
     }

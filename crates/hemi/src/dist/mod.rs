@@ -24,6 +24,9 @@
 //!   complete (and the buckets before it launched), averaged and written back by
 //!   [`GradReducer::finish`].
 //!
+//! - [`zero`]: ZeRO stages 1 and 2: the optimizer state, F32 masters and (stage 2) reduced
+//!   gradients of each rank's shard only, with the bits of plain data parallel.
+//!
 //! The training loop (`train::train` with `TrainConfig::dist`) adds the rest: a check at
 //! start that every rank runs the same configuration on the same initial parameters, the
 //! GradScaler's found-inf flag and the stop flag reduced across ranks, evaluation sharded
@@ -35,6 +38,7 @@ pub mod mpi;
 mod reducer;
 pub mod ring;
 mod sync;
+pub mod zero;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -45,6 +49,7 @@ use std::time::{Duration, Instant};
 pub use local::LocalTransport;
 pub use reducer::{GradReducer, ReducerConfig};
 pub use sync::{all_reduce_sum, broadcast_buffers, convert_sync_batch_norm};
+pub use zero::{ZeroShard, ZeroStage};
 
 use crate::error::{Error, Result};
 
@@ -169,6 +174,11 @@ enum Job {
         data: Vec<f32>,
         wire: Wire,
         reply: Sender<Result<Vec<f32>>>,
+    },
+    ReduceScatter {
+        data: Vec<f32>,
+        wire: Wire,
+        reply: Sender<Result<(usize, Vec<f32>)>>,
     },
     AllGather {
         data: Vec<u8>,
@@ -346,6 +356,15 @@ impl ProcessGroup {
         Ok(self.work(rx))
     }
 
+    /// Starts the first half of [`ProcessGroup::all_reduce`] (ZeRO stage 2): [`Work::wait`]
+    /// returns where this rank's chunk starts in `data` and the chunk's sums, the bits
+    /// `all_reduce` gives there (the chunk is `ring::chunk(len, N, (rank + 1) mod N)`).
+    pub fn reduce_scatter(&self, data: Vec<f32>, wire: Wire) -> Result<Work<(usize, Vec<f32>)>> {
+        let (reply, rx) = channel();
+        self.submit(Job::ReduceScatter { data, wire, reply })?;
+        Ok(self.work(rx))
+    }
+
     /// Every rank's `data`, in rank order (the lengths may differ).
     pub fn all_gather(&self, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         self.gather(data, false)
@@ -448,6 +467,26 @@ fn comm_loop(t: &mut dyn Transport, jobs: Receiver<Job>, stats: &CommStats, time
                 }
                 let _ = reply.send(r);
             }
+            Job::ReduceScatter {
+                mut data,
+                wire,
+                reply,
+            } => {
+                let r = match &broken {
+                    Some(_) => Err(fail(&broken)),
+                    None => ring::reduce_scatter(t, &mut data, wire, stats, timeout).map(|own| {
+                        // Keep the own chunk only: the rest is scratch.
+                        data.truncate(own.end);
+                        data.drain(..own.start);
+                        data.shrink_to_fit();
+                        (own.start, data)
+                    }),
+                };
+                if let Err(e) = &r {
+                    broken.get_or_insert_with(|| e.to_string());
+                }
+                let _ = reply.send(r);
+            }
             Job::AllGather { data, fixed, reply } => {
                 let r = match &broken {
                     Some(_) => Err(fail(&broken)),
@@ -470,4 +509,7 @@ pub struct DistConfig {
     pub group: Arc<ProcessGroup>,
     /// Buckets and wire dtype of the gradient all-reduce.
     pub reducer: ReducerConfig,
+    /// ZeRO: shard the optimizer state and masters (stage 1) and the reduced gradients
+    /// (stage 2) over the ranks (default off).
+    pub zero: ZeroStage,
 }

@@ -2,8 +2,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use super::zero::{ZeroShard, ZeroStage};
 use super::{ProcessGroup, Wire, Work};
 use crate::autograd::{register_post_accumulate_grad_hook, HookHandle};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -33,15 +35,28 @@ struct State {
     ready: Vec<bool>,
     /// The next bucket to launch (buckets launch in order, the same on every rank).
     next: usize,
-    works: Vec<Option<Work<Vec<f32>>>>,
+    works: Vec<Option<Pending>>,
+    /// Per parameter: the dtype of its gradient when its bucket launched (ZeRO stage 2
+    /// drops the whole gradient then).
+    dtypes: Vec<DType>,
     /// Hooks launch buckets only while true (false: accumulation passes, DDP's `no_sync`).
     sync: bool,
     /// The first error a hook met; `finish` reports it.
     error: Option<String>,
 }
 
+/// A bucket's reduction in flight.
+enum Pending {
+    /// The all-reduce: the whole bucket's sums.
+    All(Work<Vec<f32>>),
+    /// ZeRO stage 2's reduce-scatter: this rank's chunk (its start, its sums).
+    Scatter(Work<(usize, Vec<f32>)>),
+}
+
 struct Shared {
     group: Arc<ProcessGroup>,
+    /// ZeRO: the shard whose gradients `finish` sets from the rank's chunk of each bucket.
+    zero: Option<Arc<ZeroShard>>,
     params: Vec<Tensor>,
     buckets: Vec<Vec<usize>>,
     bucket_of: Vec<usize>,
@@ -80,19 +95,20 @@ impl GradReducer {
         params: Vec<Tensor>,
         cfg: ReducerConfig,
     ) -> Result<GradReducer> {
+        Self::build(group, params, cfg, None)
+    }
+
+    fn build(
+        group: Arc<ProcessGroup>,
+        params: Vec<Tensor>,
+        cfg: ReducerConfig,
+        zero: Option<Arc<ZeroShard>>,
+    ) -> Result<GradReducer> {
         if cfg.bucket_bytes == 0 {
             return Err(Error::arg("GradReducer", "bucket_bytes must be > 0"));
         }
-        let mut buckets: Vec<Vec<usize>> = Vec::new();
-        let mut bytes = 0usize;
-        for i in (0..params.len()).rev() {
-            if buckets.is_empty() || bytes >= cfg.bucket_bytes {
-                buckets.push(Vec::new());
-                bytes = 0;
-            }
-            buckets.last_mut().expect("pushed").push(i);
-            bytes += params[i].numel() * 4;
-        }
+        let numel: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        let buckets = super::zero::buckets(&numel, cfg.bucket_bytes);
         let mut bucket_of = vec![0; params.len()];
         for (b, members) in buckets.iter().enumerate() {
             for &i in members {
@@ -104,11 +120,13 @@ impl GradReducer {
             ready: vec![false; params.len()],
             next: 0,
             works: buckets.iter().map(|_| None).collect(),
+            dtypes: params.iter().map(Tensor::dtype).collect(),
             sync: true,
             error: None,
         };
         let shared = Arc::new(Shared {
             group,
+            zero,
             params,
             buckets,
             bucket_of,
@@ -129,6 +147,28 @@ impl GradReducer {
             shared,
             _hooks: hooks,
         })
+    }
+
+    /// A reducer for ZeRO (`zero`'s stage): `finish` also sets the gradients of the
+    /// shard's tensors from this rank's chunk of every bucket. Stage 1 all-reduces and keeps
+    /// the whole averaged gradients on the parameters too; stage 2 reduce-scatters, drops each
+    /// parameter's gradient as soon as its bucket is launched, and leaves the parameters
+    /// without gradients. The shard must have been made for the same group, parameters and
+    /// bucket size.
+    pub fn with_zero(
+        group: Arc<ProcessGroup>,
+        params: Vec<Tensor>,
+        cfg: ReducerConfig,
+        zero: Arc<ZeroShard>,
+    ) -> Result<GradReducer> {
+        let numel: Vec<usize> = params.iter().map(Tensor::numel).collect();
+        if super::zero::buckets(&numel, cfg.bucket_bytes) != zero.buckets() {
+            return Err(Error::arg(
+                "GradReducer::with_zero",
+                "the ZeRO shard was cut from other buckets than this reducer's",
+            ));
+        }
+        Self::build(group, params, cfg, Some(zero))
     }
 
     /// The parameter indices of each bucket, in launch order.
@@ -194,12 +234,28 @@ impl Shared {
         let total: usize = members.iter().map(|&i| self.params[i].numel()).sum();
         let mut buf = Vec::with_capacity(total);
         for &i in members {
-            match self.params[i].grad() {
-                Some(g) => buf.extend(g.to_vec_f32()),
-                None => buf.resize(buf.len() + self.params[i].numel(), 0.0),
+            let p = &self.params[i];
+            match p.grad() {
+                Some(g) => {
+                    st.dtypes[i] = g.dtype();
+                    buf.extend(g.to_vec_f32());
+                }
+                None => {
+                    st.dtypes[i] = p.dtype();
+                    buf.resize(buf.len() + p.numel(), 0.0);
+                }
             }
         }
-        st.works[b] = Some(self.group.all_reduce(buf, self.wire)?);
+        let stage2 = self.zero.as_ref().map(|z| z.stage()) == Some(ZeroStage::Two);
+        st.works[b] = Some(if stage2 {
+            // The copy in `buf` is all the reduction needs: free the whole gradients now.
+            for &i in members {
+                self.params[i].set_grad(None);
+            }
+            Pending::Scatter(self.group.reduce_scatter(buf, self.wire)?)
+        } else {
+            Pending::All(self.group.all_reduce(buf, self.wire)?)
+        });
         Ok(())
     }
 
@@ -226,15 +282,27 @@ impl Shared {
         let n = self.group.size() as f32;
         for (b, members) in self.buckets.iter().enumerate() {
             let work = st.works[b].take().expect("every bucket launched");
-            let sum = work.wait()?;
+            let sum = match work {
+                Pending::All(w) => w.wait()?,
+                Pending::Scatter(w) => {
+                    let (_, own) = w.wait()?;
+                    let z = self.zero.as_ref().expect("stage 2 has a shard");
+                    z.set_bucket_grads(b, &own, &st.dtypes)?;
+                    continue;
+                }
+            };
+            if let Some(z) = &self.zero {
+                let (ranks, rank) = (self.group.size(), self.group.rank());
+                let own = super::ring::chunk(sum.len(), ranks, (rank + 1) % ranks);
+                z.set_bucket_grads(b, &sum[own], &st.dtypes)?;
+            }
             let mut at = 0;
             for &i in members {
                 let p = &self.params[i];
                 let len = p.numel();
                 let avg: Vec<f32> = sum[at..at + len].iter().map(|&x| x / n).collect();
                 at += len;
-                let dtype = p.grad().map_or(p.dtype(), |g| g.dtype());
-                p.set_grad(Some(Tensor::from_f32_vec(avg, p.shape(), dtype)?));
+                p.set_grad(Some(Tensor::from_f32_vec(avg, p.shape(), st.dtypes[i])?));
             }
         }
         Ok(())

@@ -1,5 +1,5 @@
-//! Collectives over a [`Transport`]'s paired send/receive: the ring all-reduce and a ring
-//! all-gather.
+//! Collectives over a [`Transport`]'s paired send/receive: the ring all-reduce, its first
+//! half alone (a reduce-scatter, for ZeRO stage 2) and a ring all-gather.
 //!
 //! **Ring all-reduce** of n values on N ranks (Patarasuk & Yuan 2009): the buffer is cut
 //! into N chunks; in N − 1 reduce-scatter steps rank r sends chunk (r − s) mod N to rank
@@ -130,6 +130,64 @@ pub fn all_reduce(
     if n_ranks == 1 {
         return Ok(());
     }
+    let (wire, k) = reduce_scatter_scaled(t, data, wire, stats, timeout)?;
+    let r = t.rank();
+    let n = data.len();
+    let max_chunk = n.div_ceil(n_ranks) * wire.bytes();
+    let (mut out, mut inbox) = (Vec::with_capacity(max_chunk), vec![0u8; max_chunk]);
+    // All-gather.
+    for s in 0..n_ranks - 1 {
+        let send_c = chunk(n, n_ranks, (r + 1 + n_ranks - s) % n_ranks);
+        let recv_c = chunk(n, n_ranks, (r + n_ranks - s) % n_ranks);
+        encode(&data[send_c], wire, &mut out);
+        let len = recv_c.len() * wire.bytes();
+        send_recv(t, &out, &mut inbox[..len], stats, timeout)?;
+        let dst = &mut data[recv_c];
+        decode(&inbox[..len], wire, |i, v| dst[i] = v);
+    }
+    if k != 0 {
+        let s = pow2(-k);
+        data.iter_mut().for_each(|x| *x *= s);
+    }
+    Ok(())
+}
+
+/// The first half of [`all_reduce`] (ZeRO stage 2's gradient reduction): afterwards this
+/// rank's own chunk of `data`, `chunk(len, N, (rank + 1) mod N)` (returned), holds the sum
+/// over every rank with the very bits `all_reduce` gives there; the rest of `data` is
+/// scratch. One rank: the whole of `data`, unchanged.
+pub fn reduce_scatter(
+    t: &mut dyn Transport,
+    data: &mut [f32],
+    wire: Wire,
+    stats: &CommStats,
+    timeout: Duration,
+) -> Result<std::ops::Range<usize>> {
+    let n_ranks = t.size();
+    if n_ranks == 1 {
+        return Ok(0..data.len());
+    }
+    let (_, k) = reduce_scatter_scaled(t, data, wire, stats, timeout)?;
+    let own = chunk(data.len(), n_ranks, (t.rank() + 1) % n_ranks);
+    if k != 0 {
+        let s = pow2(-k);
+        data[own.clone()].iter_mut().for_each(|x| *x *= s);
+    }
+    Ok(own)
+}
+
+/// Agrees the F16 pre-scale, scales `data` by it and runs the reduce-scatter steps, leaving
+/// the owner's chunk rounded to the wire dtype as every rank will receive it. Returns the
+/// wire dtype actually used (F32 where a bucket holds inf or NaN) and the exponent k of the
+/// pre-scale 2^k (0: none), which the caller undoes.
+fn reduce_scatter_scaled(
+    t: &mut dyn Transport,
+    data: &mut [f32],
+    wire: Wire,
+    stats: &CommStats,
+    timeout: Duration,
+) -> Result<(Wire, i32)> {
+    let n_ranks = t.size();
     let mut wire = wire;
     let mut k = 0;
     if wire == Wire::F16 {
@@ -159,7 +217,6 @@ pub fn all_reduce(
     let n = data.len();
     let max_chunk = n.div_ceil(n_ranks) * wire.bytes();
     let (mut out, mut inbox) = (Vec::with_capacity(max_chunk), vec![0u8; max_chunk]);
-    // Reduce-scatter.
     for s in 0..n_ranks - 1 {
         let send_c = chunk(n, n_ranks, (r + n_ranks - s) % n_ranks);
         let recv_c = chunk(n, n_ranks, (r + 2 * n_ranks - s - 1) % n_ranks);
@@ -176,21 +233,7 @@ pub fn all_reduce(
         let dst = &mut data[own];
         decode(&out, wire, |i, v| dst[i] = v);
     }
-    // All-gather.
-    for s in 0..n_ranks - 1 {
-        let send_c = chunk(n, n_ranks, (r + 1 + n_ranks - s) % n_ranks);
-        let recv_c = chunk(n, n_ranks, (r + n_ranks - s) % n_ranks);
-        encode(&data[send_c], wire, &mut out);
-        let len = recv_c.len() * wire.bytes();
-        send_recv(t, &out, &mut inbox[..len], stats, timeout)?;
-        let dst = &mut data[recv_c];
-        decode(&inbox[..len], wire, |i, v| dst[i] = v);
-    }
-    if k != 0 {
-        let s = pow2(-k);
-        data.iter_mut().for_each(|x| *x *= s);
-    }
-    Ok(())
+    Ok((wire, k))
 }
 
 /// Every rank's `mine`, in rank order (the byte strings may differ in length): N − 1 ring

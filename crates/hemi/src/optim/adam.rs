@@ -390,6 +390,14 @@ macro_rules! impl_optimizer {
             fn state_dict(&self) -> OptimizerState {
                 self.0.state_dict()
             }
+            fn state_bytes(&self) -> usize {
+                (self.0.state.iter().flatten())
+                    .map(|s| {
+                        let max = s.max_exp_avg_sq.as_ref().map_or(0, Tensor::numel);
+                        (s.exp_avg.numel() + s.exp_avg_sq.numel() + max) * 4
+                    })
+                    .sum()
+            }
             fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
                 self.0
                     .load_state_dict(concat!($name, "::load_state_dict"), state)

@@ -31,20 +31,53 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64, norm_type: f64) -> Resul
             format!("norm_type must be > 0 or infinity, got {norm_type}"),
         ));
     }
-    let with_grads: Vec<(&Tensor, Tensor)> =
-        params.iter().filter_map(|p| Some((p, p.grad()?))).collect();
-    let total = total_norm(with_grads.iter().map(|(_, g)| g), norm_type)?;
+    let total = grad_norm(params, norm_type)?;
+    clip_grads_to(params, max_norm, total)?;
+    Ok(total)
+}
+
+/// The total `norm_type`-norm of the gradients of `params` (those that have one), as
+/// `clip_grad_norm` computes it, without clipping.
+pub fn grad_norm(params: &[Tensor], norm_type: f64) -> Result<f64> {
+    total_norm(
+        params
+            .iter()
+            .filter_map(|p| p.grad())
+            .collect::<Vec<_>>()
+            .iter(),
+        norm_type,
+    )
+}
+
+/// The second half of `clip_grad_norm`: scales the gradients of `params` by
+/// `max_norm / (total + 1e-6)` when that is below 1, `total` being their total norm
+/// (computed elsewhere: by `grad_norm`, or over the shards of every rank under ZeRO). A
+/// non-finite `total` leaves them untouched.
+pub fn clip_grads_to(params: &[Tensor], max_norm: f64, total: f64) -> Result<()> {
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(Error::arg(
+            "clip_grad_norm",
+            format!("max_norm must be >= 0, got {max_norm}"),
+        ));
+    }
     if !total.is_finite() {
-        return Ok(total);
+        return Ok(());
     }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
-        for (p, g) in &with_grads {
-            p.set_grad(Some(g.mul_scalar(coef)?));
+        for p in params {
+            if let Some(g) = p.grad() {
+                p.set_grad(Some(g.mul_scalar(coef)?));
+            }
         }
     }
-    Ok(total)
+    Ok(())
 }
+
+/// The total gradient norm of a list of tensors (their `.grad`s), for clipping: a
+/// replacement for `grad_norm(tensors, 2.0)` where the gradients are sharded (ZeRO). It must
+/// give the same bits on the same gradients.
+pub type GradNormFn = std::sync::Arc<dyn Fn(&[Tensor]) -> Result<f64> + Send + Sync>;
 
 /// The `norm_type`-norm of all elements of `grads` together, in f64. NaN anywhere gives NaN
 /// (also for the max norm, where `f64::max` alone would skip it). Each gradient's partial

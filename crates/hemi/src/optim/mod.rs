@@ -14,7 +14,7 @@ mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_grad_value};
+pub use clip::{clip_grad_norm, clip_grad_value, clip_grads_to, grad_norm, GradNormFn};
 pub(crate) use optimizer::{check_grads, check_params};
 pub use optimizer::{no_decay_mask, Optimizer, OptimizerState, StateBuffer};
 pub use schedule::{

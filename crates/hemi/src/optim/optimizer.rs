@@ -44,6 +44,16 @@ pub trait Optimizer {
     /// A copy of the state: hyper-parameters, step counts and F32 buffers.
     fn state_dict(&self) -> OptimizerState;
 
+    /// The bytes of the state's buffers (those `state_dict` would copy), without copying
+    /// them (memory accounting).
+    fn state_bytes(&self) -> usize {
+        self.state_dict()
+            .buffers
+            .iter()
+            .map(|b| b.data.len() * 4)
+            .sum()
+    }
+
     /// Restores a state saved by `state_dict` of the same kind of optimizer over parameters
     /// of the same count and shapes; the hyper-parameters come from the state, as in
     /// PyTorch. On error nothing changes.

@@ -166,6 +166,14 @@ impl Optimizer for Sgd {
         &self.params
     }
 
+    fn state_bytes(&self) -> usize {
+        self.momentum_buffers
+            .iter()
+            .flatten()
+            .map(|b| b.numel() * 4)
+            .sum()
+    }
+
     fn state_dict(&self) -> OptimizerState {
         let c = &self.config;
         let scalars = vec![

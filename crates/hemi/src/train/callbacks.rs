@@ -13,9 +13,10 @@ use std::time::Instant;
 
 use super::checkpoint::{self, save_checkpoint, Progress, RunInfo};
 use super::{mean_or_nan, DivergenceConfig, Event, GradStat, SkipWindow, TrainConfig};
-use crate::amp::{AmpOptimizer, Precision};
+use crate::amp::{AmpOptimizer, Precision, ScalerState};
 use crate::error::{Error, Result};
 use crate::nn::Module;
+use crate::optim::OptimizerState;
 use crate::tensor::Tensor;
 
 /// The gradients of a step are ready (reduced across ranks, averaged over micro-batches);
@@ -81,6 +82,10 @@ pub struct EpochEnd<'a> {
     pub model: &'a dyn Module,
     /// The optimizer after the epoch.
     pub opt: &'a AmpOptimizer,
+    /// The optimizer and scaler state a checkpoint saves where `opt.state_dict()` is not it:
+    /// under ZeRO, the shards' states gathered on rank 0 (`None` on the other ranks, and
+    /// without ZeRO).
+    pub saved_state: Option<&'a (OptimizerState, Option<ScalerState>)>,
 }
 
 /// Where callbacks report to: the caller's event handler.
@@ -397,12 +402,19 @@ impl<'a> EpochCheckpoints<'a> {
 impl Callback for EpochCheckpoints<'_> {
     fn on_epoch_end(&mut self, e: &EpochEnd<'_>, _emit: &mut Emit<'_>) -> Result<()> {
         if let Some(dir) = &self.cfg.checkpoint_dir {
-            let (opt_state, scaler_state) = e.opt.state_dict();
+            let own;
+            let (opt_state, scaler_state) = match e.saved_state {
+                Some((o, s)) => (o, s.as_ref()),
+                None => {
+                    own = e.opt.state_dict();
+                    (&own.0, own.1.as_ref())
+                }
+            };
             save_checkpoint(
                 dir,
                 e.model,
-                &opt_state,
-                scaler_state.as_ref(),
+                opt_state,
+                scaler_state,
                 Progress::epoch(e.epoch),
                 Some(e.test_accuracy),
                 &match &self.promoted {

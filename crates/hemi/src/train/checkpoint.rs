@@ -118,12 +118,17 @@ impl RunInfo {
         keys.sort();
         keys.dedup();
         // What the run decided itself (`--auto-promote`), not a setting to compare; and
-        // activation checkpointing, which changes memory and time but not a bit of the
-        // result, so a run may be resumed with or without it.
+        // activation checkpointing and the ZeRO stage, which change memory and time but not
+        // a bit of the result, so a run may be resumed with or without them (a ZeRO run's
+        // rank count is checked on its own).
         keys.retain(|k| {
             !matches!(
                 k.as_str(),
-                "promoted" | "settings.promoted" | "checkpoint_activations"
+                "promoted"
+                    | "settings.promoted"
+                    | "checkpoint_activations"
+                    | "zero"
+                    | "settings.zero"
             )
         });
         keys.into_iter()

@@ -31,7 +31,7 @@ pub use task::{find_task, Classification, MaskedLm, Task, TaskOutput};
 
 use crate::amp::{AmpOptimizer, GradScalerConfig, Precision, PrecisionPolicy};
 use crate::data::DataLoader;
-use crate::dist::{CommSnapshot, DistConfig, GradReducer, ProcessGroup};
+use crate::dist::{CommSnapshot, DistConfig, GradReducer, ProcessGroup, ZeroShard, ZeroStage};
 use crate::error::{Error, Result};
 use crate::nn::Module;
 use crate::optim::{
@@ -157,6 +157,10 @@ pub struct TrainConfig {
     /// `Event::Overflow` (default 8); later ones are only counted, so that a run of skips
     /// cannot flood the log. 0 switches the replays off.
     pub overflow_reports: usize,
+    /// Clip the total 2-norm of the (unscaled) gradients to this before every step
+    /// (PyTorch's `clip_grad_norm_` after `GradScaler::unscale_`; the F32 masters' under
+    /// fp16-master, as apex). `None`: no clipping.
+    pub clip_grad_norm: Option<f64>,
     /// Self-healing (`--auto-promote`, amp presets): a module the overflow replays name
     /// this many times, or once the loss scale has fallen to 1, is pinned to F32 for the
     /// rest of the run (`Event::Promoted`; checkpoints record it, so `--resume` continues
@@ -197,6 +201,7 @@ impl Default for TrainConfig {
             inject_inf: None,
             policy: None,
             overflow_reports: 8,
+            clip_grad_norm: None,
             auto_promote: None,
         }
     }
@@ -295,6 +300,12 @@ fn config_settings(cfg: &TrainConfig) -> Vec<(&'static str, String)> {
     if let Some(d) = cfg.dist.as_ref().filter(|d| d.group.size() > 1) {
         v.push(("world_size", d.group.size().to_string()));
         v.push(("allreduce", d.reducer.wire.name().to_string()));
+        if d.zero != ZeroStage::Off {
+            v.push(("zero", d.zero.number().to_string()));
+        }
+    }
+    if let Some(c) = cfg.clip_grad_norm {
+        v.push(("clip_grad_norm", c.to_string()));
     }
     if cfg.precision.loss_scaling() {
         v.extend([
@@ -502,6 +513,12 @@ pub struct Summary {
     /// Data-parallel runs: what this rank sent and how long it waited on collectives in
     /// this call.
     pub comm: Option<CommSnapshot>,
+    /// Bytes of optimizer state this rank holds at the end: the optimizer's F32 buffers
+    /// (momentum, Adam moments, fp16-master's F32 masters; a shard's under ZeRO).
+    pub optimizer_bytes: u64,
+    /// Under ZeRO, the bytes of the shard tensors the optimizer updates (copies of the
+    /// rank's slices of the weights, in the weights' dtype; 0 without ZeRO).
+    pub shard_bytes: u64,
 }
 
 /// How many of one parameter's unscaled gradient values F16 could not represent, summed
@@ -899,6 +916,23 @@ fn preflight(
         ));
     }
     cfg.divergence.validate()?;
+    if let Some(c) = cfg.clip_grad_norm {
+        if !(c.is_finite() && c >= 0.0) {
+            return Err(Error::arg(
+                "train",
+                format!("the gradient clipping norm must be finite and >= 0, got {c}"),
+            ));
+        }
+    }
+    if let Some(d) = cfg.dist.as_ref().filter(|d| d.zero != ZeroStage::Off) {
+        if d.group.size() > 1 && (cfg.grad_stats || cfg.tensors_every > 0) {
+            return Err(Error::arg(
+                "train",
+                "gradient statistics and tensor histograms read every parameter's gradient; \
+                 under ZeRO a rank holds a shard of them (drop --zero, or those options)",
+            ));
+        }
+    }
     if cfg.nesterov && cfg.optimizer != OptimizerKind::Sgd {
         return Err(Error::arg(
             "train",
@@ -1133,13 +1167,39 @@ pub fn train_with_callbacks(
     }
     let params = model.parameters();
     let decay = no_decay_mask(&params);
-    let mut opt = AmpOptimizer::new(precision, params, cfg.scaler.clone(), cfg.seed, |params| {
-        let mut opt = build_optimizer(cfg, params)?;
-        if cfg.no_decay_norm_bias {
-            opt.set_weight_decay_mask(&decay)?;
+    // ZeRO: the optimizer (and the masters) over this rank's shard of the parameters.
+    let zero = match &cfg.dist {
+        Some(d) if d.zero != ZeroStage::Off && d.group.size() > 1 => Some(Arc::new(
+            ZeroShard::new(d.zero, d.group.clone(), params.clone(), d.reducer)?,
+        )),
+        _ => None,
+    };
+    let mut opt = match &zero {
+        Some(z) => {
+            let decay = z.piece_flags(&decay);
+            let shards = z.shards().to_vec();
+            AmpOptimizer::for_shard(precision, shards, cfg.scaler.clone(), cfg.seed, |t| {
+                let mut opt = build_optimizer(cfg, t)?;
+                if cfg.no_decay_norm_bias {
+                    opt.set_weight_decay_mask(&decay)?;
+                }
+                Ok(opt)
+            })?
         }
-        Ok(opt)
-    })?;
+        None => AmpOptimizer::new(precision, params, cfg.scaler.clone(), cfg.seed, |params| {
+            let mut opt = build_optimizer(cfg, params)?;
+            if cfg.no_decay_norm_bias {
+                opt.set_weight_decay_mask(&decay)?;
+            }
+            Ok(opt)
+        })?,
+    };
+    if let Some(c) = cfg.clip_grad_norm {
+        let norm = zero
+            .clone()
+            .map(|z| Arc::new(move |t: &[Tensor]| z.grad_norm(t)) as crate::optim::GradNormFn);
+        opt.set_clip_grad_norm(Some(c), norm)?;
+    }
     let schedule = recipe::lr_schedule(
         &cfg.schedule,
         cfg.warmup_epochs,
@@ -1161,6 +1221,7 @@ pub fn train_with_callbacks(
     if cfg.resume {
         let dir = cfg.checkpoint_dir.as_ref().expect("checked in preflight");
         let mut ck = load_checkpoint(dir)?;
+        check_zero_ranks(&ck, info, zero.is_some())?;
         ck.info.check_resume(info, &cfg.overrides, &ck.dir)?;
         if ck.progress.epochs_done >= cfg.epochs {
             return Err(Error::Msg(format!(
@@ -1186,7 +1247,13 @@ pub fn train_with_callbacks(
         }
         model.load_state_dict(&ck.model)?;
         apply_overrides(&mut ck.optimizer, cfg);
-        opt.load_state_dict(&ck.optimizer, ck.scaler.as_ref())?;
+        match &zero {
+            Some(z) => {
+                z.refresh_from_params()?;
+                opt.load_state_dict(&z.shard_state(&ck.optimizer)?, ck.scaler.as_ref())?;
+            }
+            None => opt.load_state_dict(&ck.optimizer, ck.scaler.as_ref())?,
+        }
         start_at = ck.progress;
     }
     // Data parallelism: the same run on every rank, then gradients averaged after each
@@ -1197,7 +1264,12 @@ pub fn train_with_callbacks(
             check_replicas(g, info, model, &start_at)?;
             let sync_group = g.clone();
             opt.set_found_inf_sync(Some(Arc::new(move |f| sync_group.any(f))));
-            Some(GradReducer::new(g.clone(), model.parameters(), d.reducer)?)
+            Some(match &zero {
+                Some(z) => {
+                    GradReducer::with_zero(g.clone(), model.parameters(), d.reducer, z.clone())?
+                }
+                None => GradReducer::new(g.clone(), model.parameters(), d.reducer)?,
+            })
         }
         _ => None,
     };
@@ -1228,6 +1300,8 @@ pub fn train_with_callbacks(
         train_images: 0,
         train_seconds: 0.0,
         comm: None,
+        optimizer_bytes: 0,
+        shard_bytes: 0,
     };
     // Everything but the step, in the order its events reach `on_event`.
     let mut inject = cfg.inject_inf.map(InjectInf::new);
@@ -1303,9 +1377,9 @@ pub fn train_with_callbacks(
                     cfg,
                     model,
                     &opt,
+                    zero.as_deref(),
                     &with_promoted(info, &promoted.borrow()),
                     progress,
-                    root,
                 ));
             }
             // Uploaded to the model's device (a no-op on the CPU).
@@ -1315,6 +1389,9 @@ pub fn train_with_callbacks(
             let t = ((epoch - 1) * train.num_batches() + b) as u64;
             opt.optimizer_mut().set_lr(schedule.lr_at(cfg.lr, t));
             opt.zero_grad();
+            if let Some(z) = &zero {
+                z.zero_param_grads();
+            }
             let skipped_before_step = opt.skipped_steps();
             // What a replay of this step needs (`train::doctor`): the scale and the dropout
             // generators before it (a few words each).
@@ -1363,9 +1440,9 @@ pub fn train_with_callbacks(
                         cfg,
                         model,
                         &opt,
+                        zero.as_deref(),
                         &with_promoted(info, &promoted.borrow()),
                         progress,
-                        root,
                     ));
                 }
             }
@@ -1413,7 +1490,12 @@ pub fn train_with_callbacks(
             if callbacks.iter().any(|c| c.wants_unscaled(t + 1)) {
                 opt.unscale()?;
             }
-            opt.step()?;
+            let stepped = opt.step()?;
+            if let Some(z) = zero.as_ref().filter(|_| stepped) {
+                // Every rank stepped its shard (or, on inf, every rank skipped): the whole
+                // parameters from every rank's updated shard.
+                z.gather_params()?;
+            }
             if replays && precision.loss_scaling() && opt.skipped_steps() > skipped_before_step {
                 overflow = replay_now(model)?;
             }
@@ -1486,6 +1568,15 @@ pub fn train_with_callbacks(
             }
             None => evaluate_task_with_policy(model, test, precision, live.as_ref(), task)?,
         };
+        // ZeRO: the optimizer state a checkpoint saves, gathered onto rank 0 (every rank
+        // takes part).
+        let gathered = match (&zero, &cfg.checkpoint_dir) {
+            (Some(z), Some(_)) => {
+                let (st, scaler) = opt.state_dict();
+                z.gather_state(&st)?.map(|st| (st, scaler))
+            }
+            _ => None,
+        };
         summary.epochs_run += 1;
         summary.last_epoch = epoch;
         summary.test_accuracy = eval.accuracy;
@@ -1501,6 +1592,7 @@ pub fn train_with_callbacks(
             global_step: (epoch * train.num_batches()) as u64,
             model: &*model,
             opt: &opt,
+            saved_state: gathered.as_ref(),
         };
         for c in callbacks.iter_mut() {
             c.on_epoch_end(&end, on_event)?;
@@ -1516,7 +1608,39 @@ pub fn train_with_callbacks(
     if let (Some(g), Some(start)) = (&cfg.dist, comm_start) {
         summary.comm = Some(g.group.stats().since(&start));
     }
+    let state = opt.optimizer().state_bytes();
+    let shards: usize = zero.as_ref().map_or(0, |z| {
+        (z.shards().iter())
+            .map(|t| t.numel() * t.dtype().size_in_bytes())
+            .sum()
+    });
+    summary.optimizer_bytes = state as u64;
+    summary.shard_bytes = shards as u64;
     Ok(summary)
+}
+
+/// A ZeRO run resumes with the rank count its checkpoint was written with (a shard's state
+/// is a slice of the unsharded one, cut for N ranks): otherwise an error naming both counts.
+fn check_zero_ranks(ck: &Checkpoint, now: &RunInfo, zero_now: bool) -> Result<()> {
+    let get = |i: &RunInfo, k: &str| i.settings.get(k).cloned();
+    let zero_then = get(&ck.info, "zero").is_some();
+    if !(zero_now || zero_then) {
+        return Ok(());
+    }
+    let ranks = |i: &RunInfo| get(i, "world_size").unwrap_or_else(|| "1".into());
+    let (then, n) = (ranks(&ck.info), ranks(now));
+    if then != n {
+        return Err(Error::arg(
+            "resume",
+            format!(
+                "{}: the checkpoint was written by a run on {then} rank(s) and this run has \
+                 {n}; a ZeRO run resumes with the rank count it was started with (mpirun -np \
+                 {then})",
+                ck.dir.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A SHA-256 over every parameter's name, shape, dtype and bits.
@@ -1630,10 +1754,11 @@ fn interrupt(
     cfg: &TrainConfig,
     model: &dyn Module,
     opt: &AmpOptimizer,
+    zero: Option<&ZeroShard>,
     info: &RunInfo,
     at: Progress,
-    root: bool,
 ) -> Error {
+    let root = cfg.dist.as_ref().is_none_or(|d| d.group.rank() == 0);
     let Some(dir) = &cfg.checkpoint_dir else {
         return Error::Interrupted(format!(
             "stopped at epoch {}, batch {} (no --checkpoint-dir: nothing saved)",
@@ -1648,13 +1773,6 @@ fn interrupt(
             at.batches_done
         ));
     }
-    if !root {
-        return Error::Interrupted(format!(
-            "stopped at epoch {}, batch {}; rank 0 writes the checkpoint",
-            at.epochs_done + 1,
-            at.batches_done
-        ));
-    }
     if at.batches_done == 0 && at.epochs_done > 0 {
         // At an epoch boundary the epoch's checkpoint was just written.
         return Error::Interrupted(format!(
@@ -1663,7 +1781,30 @@ fn interrupt(
             dir.display()
         ));
     }
-    let (opt_state, scaler_state) = opt.state_dict();
+    let (mut opt_state, scaler_state) = opt.state_dict();
+    if let Some(z) = zero {
+        // Every rank sends its shard's state; rank 0 writes the whole.
+        match z.gather_state(&opt_state) {
+            Ok(Some(full)) => opt_state = full,
+            Ok(None) => {}
+            Err(e) => {
+                return Error::Interrupted(format!(
+                    "stopped at epoch {}, batch {}; the shards' optimizer state could not be \
+                     gathered ({e}); the last complete checkpoint in {} is intact",
+                    at.epochs_done + 1,
+                    at.batches_done,
+                    dir.display()
+                ))
+            }
+        }
+    }
+    if !root {
+        return Error::Interrupted(format!(
+            "stopped at epoch {}, batch {}; rank 0 writes the checkpoint",
+            at.epochs_done + 1,
+            at.batches_done
+        ));
+    }
     match save_checkpoint(
         dir,
         model,

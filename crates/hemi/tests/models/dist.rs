@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use hemi::amp::Precision;
 use hemi::data::{DataLoader, LoaderConfig, Shard, Split, Synthetic, Transform};
-use hemi::dist::{DistConfig, GradReducer, LocalTransport, ProcessGroup, ReducerConfig, Wire};
+use hemi::dist::{
+    DistConfig, GradReducer, LocalTransport, ProcessGroup, ReducerConfig, Wire, ZeroStage,
+};
 use hemi::models::Mlp;
 use hemi::nn::Module;
 use hemi::train::{train, OptimizerKind, RunInfo, Summary, TrainConfig};
@@ -350,7 +352,11 @@ fn train_rank(
     };
     let (tr, te) = loaders_n(shard, batch, n_train);
     let cfg = TrainConfig {
-        dist: Some(DistConfig { group: g, reducer }),
+        dist: Some(DistConfig {
+            group: g,
+            reducer,
+            zero: hemi::dist::ZeroStage::Off,
+        }),
         ..cfg
     };
     train(m, &tr, &te, &cfg, &info(cfg.precision), &mut |_| {})
@@ -637,4 +643,143 @@ fn sync_batch_norm_on_two_ranks_equals_one_rank_with_the_whole_batch() {
         assert!(dv < 1e-5, "rank {r}: running_var off by {dv:e}");
     }
     assert_eq!(got[0].0, got[1].0, "the ranks' averaged gradients differ");
+}
+
+/// `ranks` threads train the MLP one epoch with ZeRO stage `zero`; every rank's final
+/// parameters (and summary), in rank order.
+fn zero_run(cfg: TrainConfig, ranks: usize, zero: ZeroStage) -> Vec<(Vec<Vec<f32>>, Summary)> {
+    on_ranks(ranks, Duration::from_secs(120), move |g| {
+        let mut m = mlp();
+        let shard = Shard {
+            rank: g.rank(),
+            world: ranks,
+            pad: true,
+        };
+        let (tr, te) = loaders_n(shard, 16, 192);
+        let cfg = TrainConfig {
+            epochs: 1,
+            dist: Some(DistConfig {
+                group: g,
+                // Small buckets: chunk boundaries cut parameters (the first layer's weight,
+                // 73,728 values, is a bucket of its own; the rest share buckets).
+                reducer: ReducerConfig {
+                    wire: Wire::F32,
+                    bucket_bytes: 16 << 10,
+                },
+                zero,
+            }),
+            ..cfg.clone()
+        };
+        let s = train(&mut m, &tr, &te, &cfg, &info(cfg.precision), &mut |_| {}).unwrap();
+        (params_of(&m), s)
+    })
+}
+
+/// The recipes the ZeRO tests run: momentum SGD in fp32, Adam under amp-fp16 with its loss
+/// scaler and clipping, AdamW under fp16-master (F16 weights, F32 masters of the shard)
+/// with clipping, SGD under amp-bf16 with clipping.
+fn zero_recipes() -> Vec<(&'static str, TrainConfig)> {
+    let adam = |precision, optimizer, clip| TrainConfig {
+        optimizer,
+        lr: 1e-3,
+        clip_grad_norm: clip,
+        ..base(precision)
+    };
+    vec![
+        ("fp32 sgd", base(Precision::Fp32)),
+        (
+            "amp-fp16 adam clip",
+            adam(Precision::AmpFp16, OptimizerKind::Adam, Some(0.5)),
+        ),
+        (
+            "fp16-master adamw clip",
+            adam(Precision::Fp16Master, OptimizerKind::AdamW, Some(0.5)),
+        ),
+        (
+            "amp-bf16 sgd clip",
+            TrainConfig {
+                clip_grad_norm: Some(0.25),
+                ..base(Precision::AmpBf16)
+            },
+        ),
+    ]
+}
+
+#[test]
+fn zero_stages_1_and_2_train_bit_identical_to_plain_data_parallel() {
+    for ranks in [2, 3] {
+        for (name, cfg) in zero_recipes() {
+            let plain = zero_run(cfg.clone(), ranks, ZeroStage::Off);
+            let want = bits(&plain[0].0);
+            for zero in [ZeroStage::One, ZeroStage::Two] {
+                for (r, (p, s)) in zero_run(cfg.clone(), ranks, zero).iter().enumerate() {
+                    assert_eq!(
+                        bits(p),
+                        want,
+                        "{name}, {ranks} ranks, {zero:?}: rank {r}'s parameters differ from \
+                         plain data parallel"
+                    );
+                    assert_eq!(s.steps, plain[0].1.steps);
+                    assert_eq!(s.skipped_steps, plain[0].1.skipped_steps);
+                    assert_eq!(s.final_scale, plain[0].1.final_scale);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn clipping_in_the_zero_tests_changes_the_weights() {
+    // Else the bit-identity above would not test the sharded norm.
+    for (name, cfg) in zero_recipes() {
+        if cfg.clip_grad_norm.is_none() {
+            continue;
+        }
+        let clipped = zero_run(cfg.clone(), 2, ZeroStage::Two);
+        let free = zero_run(
+            TrainConfig {
+                clip_grad_norm: None,
+                ..cfg
+            },
+            2,
+            ZeroStage::Two,
+        );
+        assert_ne!(bits(&clipped[0].0), bits(&free[0].0), "{name}");
+    }
+}
+
+#[test]
+fn zero_refuses_pure_bf16_and_gradient_statistics() {
+    let errs = on_ranks(2, Duration::from_secs(60), |g| {
+        let mut m = mlp();
+        let shard = Shard {
+            rank: g.rank(),
+            world: 2,
+            pad: true,
+        };
+        let (tr, te) = loaders_n(shard, 16, 64);
+        let dist = DistConfig {
+            group: g,
+            reducer: ReducerConfig::default(),
+            zero: ZeroStage::Two,
+        };
+        let mut out = Vec::new();
+        for cfg in [
+            TrainConfig {
+                dist: Some(dist.clone()),
+                ..base(Precision::PureBf16)
+            },
+            TrainConfig {
+                dist: Some(dist.clone()),
+                grad_stats: true,
+                ..base(Precision::Fp32)
+            },
+        ] {
+            let e = train(&mut m, &tr, &te, &cfg, &info(cfg.precision), &mut |_| {});
+            out.push(e.err().map(|e| e.to_string()).unwrap_or_default());
+        }
+        out
+    });
+    assert!(errs[0][0].contains("pure-bf16"), "{:?}", errs[0]);
+    assert!(errs[0][1].contains("ZeRO"), "{:?}", errs[0]);
 }
