@@ -90,7 +90,8 @@ pub struct Piece {
 /// The gradient buckets of `numel` (parameter sizes) for `bucket_bytes`: parameters in
 /// reverse order, a bucket closing once it holds `bucket_bytes` of F32 gradients (the
 /// order a backward completes gradients in; [`super::GradReducer`] launches them so).
-pub(crate) fn buckets(numel: &[usize], bucket_bytes: usize) -> Vec<Vec<usize>> {
+#[doc(hidden)]
+pub fn buckets(numel: &[usize], bucket_bytes: usize) -> Vec<Vec<usize>> {
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut bytes = 0usize;
     for i in (0..numel.len()).rev() {
@@ -514,7 +515,8 @@ fn from_bytes(b: &[u8], shape: &[usize], dtype: DType) -> Result<Tensor> {
 
 /// `"inner.3.exp_avg"` → `("inner.", 3, ".exp_avg")`: the first dot-separated segment made
 /// of digits is a parameter index (the optimizer state's naming, `optim::OptimizerState`).
-fn split_index(name: &str) -> Option<(&str, usize, &str)> {
+#[doc(hidden)]
+pub fn split_index(name: &str) -> Option<(&str, usize, &str)> {
     let mut start = 0;
     for seg in name.split('.') {
         if !seg.is_empty() && seg.bytes().all(|c| c.is_ascii_digit()) {
@@ -557,7 +559,8 @@ fn slots<'a>(names: impl Iterator<Item = &'a str>) -> Vec<Slot> {
 
 /// The unsharded state from the ranks' shard states; `pieces[r]` are rank r's pieces (the
 /// shard states' indices), `shapes` the parameters' shapes.
-fn unshard_state(
+#[doc(hidden)]
+pub fn unshard_state(
     states: &[OptimizerState],
     pieces: &[Vec<Piece>],
     shapes: &[Vec<usize>],
@@ -805,124 +808,4 @@ fn decode_state(b: &[u8]) -> Result<OptimizerState> {
         scalars,
         buffers,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_pieces_of_all_ranks_cover_every_parameter_once() {
-        let numel = [5, 0, 17, 3, 64, 1];
-        for bytes in [4, 40, 1 << 20] {
-            let b = buckets(&numel, bytes);
-            for n in 1..=5 {
-                let mut seen: Vec<Vec<bool>> = numel.iter().map(|&m| vec![false; m]).collect();
-                for r in 0..n {
-                    for pc in pieces(&numel, &b, n, r) {
-                        for e in pc.range.clone() {
-                            assert!(!seen[pc.param][e], "element {e} of {} twice", pc.param);
-                            seen[pc.param][e] = true;
-                        }
-                    }
-                }
-                assert!(seen.iter().flatten().all(|&s| s), "n={n} bytes={bytes}");
-            }
-        }
-    }
-
-    #[test]
-    fn index_names_split_at_the_first_number() {
-        assert_eq!(split_index("3.step"), Some(("", 3, ".step")));
-        assert_eq!(
-            split_index("inner.12.exp_avg"),
-            Some(("inner.", 12, ".exp_avg"))
-        );
-        assert_eq!(split_index("master.7"), Some(("master.", 7, "")));
-        assert_eq!(split_index("scaler.growth_tracker"), None);
-        assert_eq!(split_index("num_params"), None);
-    }
-
-    #[test]
-    fn a_state_survives_sharding_and_gathering_in_its_order() {
-        let numel = [6usize, 4, 9];
-        let shapes = vec![vec![2, 3], vec![4], vec![3, 3]];
-        let b = buckets(&numel, 24);
-        let full = OptimizerState {
-            optimizer: "fp16_master".into(),
-            scalars: vec![
-                ("num_params".into(), 3.0),
-                ("inner.num_params".into(), 3.0),
-                ("inner.lr".into(), 0.5),
-                ("inner.0.step".into(), 2.0),
-                ("inner.1.step".into(), 2.0),
-                ("inner.2.step".into(), 2.0),
-                ("scaler.scale".into(), 8.0),
-            ],
-            buffers: (0..3)
-                .flat_map(|i| {
-                    ["exp_avg", "exp_avg_sq"].map(|k| StateBuffer {
-                        name: format!("inner.{i}.{k}"),
-                        shape: shapes[i].clone(),
-                        data: (0..numel[i]).map(|e| (i * 100 + e) as f32).collect(),
-                    })
-                })
-                .chain((0..3).map(|i| StateBuffer {
-                    name: format!("master.{i}"),
-                    shape: shapes[i].clone(),
-                    data: vec![i as f32; numel[i]],
-                }))
-                .collect(),
-        };
-        for n in 1..=4 {
-            let per_rank: Vec<Vec<Piece>> = (0..n).map(|r| pieces(&numel, &b, n, r)).collect();
-            let states: Vec<OptimizerState> = per_rank
-                .iter()
-                .map(|ps| {
-                    // What `ZeroShard::shard_state` does, without a process group.
-                    let mut s = OptimizerState {
-                        optimizer: full.optimizer.clone(),
-                        scalars: Vec::new(),
-                        buffers: Vec::new(),
-                    };
-                    for (name, v) in &full.scalars {
-                        match split_index(name) {
-                            Some((pre, i, suf)) => {
-                                for (k, pc) in ps.iter().enumerate() {
-                                    if pc.param == i {
-                                        s.scalars.push((format!("{pre}{k}{suf}"), *v));
-                                    }
-                                }
-                            }
-                            None => s.scalars.push((name.clone(), *v)),
-                        }
-                    }
-                    // The optimizer writes its buffers piece by piece.
-                    for (k, pc) in ps.iter().enumerate() {
-                        for f in &full.buffers {
-                            let (pre, i, suf) = split_index(&f.name).unwrap();
-                            if i == pc.param && pre == "inner." {
-                                s.buffers.push(StateBuffer {
-                                    name: format!("{pre}{k}{suf}"),
-                                    shape: vec![pc.range.len()],
-                                    data: f.data[pc.range.clone()].to_vec(),
-                                });
-                            }
-                        }
-                    }
-                    for (k, pc) in ps.iter().enumerate() {
-                        let f = &full.buffers[6 + pc.param];
-                        s.buffers.push(StateBuffer {
-                            name: format!("master.{k}"),
-                            shape: vec![pc.range.len()],
-                            data: f.data[pc.range.clone()].to_vec(),
-                        });
-                    }
-                    s
-                })
-                .collect();
-            let back = unshard_state(&states, &per_rank, &shapes).unwrap();
-            assert_eq!(back, full, "{n} ranks");
-        }
-    }
 }

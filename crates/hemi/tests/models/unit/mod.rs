@@ -4,5 +4,6 @@
 
 mod device;
 mod dist_ring;
+mod dist_zero;
 mod models_registry;
 mod train_recipe;
