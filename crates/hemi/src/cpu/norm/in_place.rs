@@ -439,13 +439,15 @@ pub(crate) mod x86 {
         }};
     }
 
+    /// An entry point: `$imp` compiled with the target features `$feat` (the CPU has them,
+    /// as the caller in `in_place` checks with `Level::is_available`, and the slices are as
+    /// it checks).
     macro_rules! entry {
-        ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $imp:ident) => {
-            $(#[$doc])*
+        ($feat:literal, fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $imp:ident) => {
             /// # Safety
-            /// The CPU has AVX-512 F/BW/VL and F16C; the slices are as the caller in
+            /// The CPU has the target features named; the slices are as the caller in
             /// `in_place` checks.
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+            #[target_feature(enable = $feat)]
             pub(super) unsafe fn $name<L: Lanes>($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: forwarded.
                 unsafe { $imp::<L>($($arg),*) }
@@ -453,40 +455,32 @@ pub(crate) mod x86 {
         };
     }
 
-    entry!(fn sum(x: &[L]) -> f32 = sum_imp);
-    entry!(fn sq_dev(x: &[L], mu: f32) -> f32 = sq_dev_imp);
-    entry!(fn apply(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) = apply_imp);
-    entry!(fn relu_sums(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32) -> (f32, f32)
+    entry!("avx512f,avx512bw,avx512vl,f16c", fn sum(x: &[L]) -> f32 = sum_imp);
+    entry!("avx512f,avx512bw,avx512vl,f16c", fn sq_dev(x: &[L], mu: f32) -> f32 = sq_dev_imp);
+    entry!("avx512f,avx512bw,avx512vl,f16c",
+        fn apply(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) = apply_imp);
+    entry!("avx512f,avx512bw,avx512vl,f16c",
+        fn relu_sums(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32) -> (f32, f32)
         = relu_sums_imp);
-    entry!(fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [MaybeUninit<L>]>,
+    entry!("avx512f,avx512bw,avx512vl,f16c",
+        fn dx(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [MaybeUninit<L>]>,
         dres: Option<&mut [MaybeUninit<L>]>) = dx_imp);
-
-    entry!(fn round_into(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into_imp);
-
-    macro_rules! entry_avx2 {
-        ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $imp:ident) => {
-            $(#[$doc])*
-            /// # Safety
-            /// The CPU has AVX2 and F16C; the slices are as the caller in `in_place`
-            /// checks.
-            #[target_feature(enable = "avx2,f16c")]
-            pub(super) unsafe fn $name<L: Lanes>($($arg: $ty),*) $(-> $ret)? {
-                // SAFETY: forwarded.
-                unsafe { $imp::<L>($($arg),*) }
-            }
-        };
-    }
+    entry!("avx512f,avx512bw,avx512vl,f16c",
+        fn round_into(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into_imp);
 
     // The sums are eight-lane loops already: the same bodies, compiled for AVX2.
-    entry_avx2!(fn sum_avx2(x: &[L]) -> f32 = sum_imp);
-    entry_avx2!(fn sq_dev_avx2(x: &[L], mu: f32) -> f32 = sq_dev_imp);
-    entry_avx2!(fn apply_avx2(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply)
-        = apply8_imp);
-    entry_avx2!(fn relu_sums_avx2(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32)
-        -> (f32, f32) = relu_sums_imp);
-    entry_avx2!(fn dx_avx2(g: &[L], y: Option<&[L]>, x: &[L], k: Dx,
-        dx: Option<&mut [MaybeUninit<L>]>, dres: Option<&mut [MaybeUninit<L>]>) = dx8_imp);
-    entry_avx2!(fn round_into_avx2(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into8_imp);
+    entry!("avx2,f16c", fn sum_avx2(x: &[L]) -> f32 = sum_imp);
+    entry!("avx2,f16c", fn sq_dev_avx2(x: &[L], mu: f32) -> f32 = sq_dev_imp);
+    entry!("avx2,f16c",
+        fn apply_avx2(o: &mut [MaybeUninit<L>], x: &[L], r: Option<&[L]>, k: Apply) = apply8_imp);
+    entry!("avx2,f16c",
+        fn relu_sums_avx2(g: &[L], y: Option<&[L]>, x: &[L], mu: f32, rs: f32) -> (f32, f32)
+        = relu_sums_imp);
+    entry!("avx2,f16c",
+        fn dx_avx2(g: &[L], y: Option<&[L]>, x: &[L], k: Dx, dx: Option<&mut [MaybeUninit<L>]>,
+        dres: Option<&mut [MaybeUninit<L>]>) = dx8_imp);
+    entry!("avx2,f16c",
+        fn round_into_avx2(src: &[f32], dst: &mut [MaybeUninit<L>]) = round_into8_imp);
 
     /// The first `n` (< 8) elements at `p` as F32, the other lanes zero: through a stack
     /// buffer, since AVX2 has no masked 16-bit loads.
