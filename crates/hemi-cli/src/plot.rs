@@ -236,17 +236,25 @@ fn minmax(values: impl Iterator<Item = f64>) -> (f64, f64) {
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
 
-/// Writes an RGB buffer drawn by plotters as a PNG file (the `image` crate hemi already
-/// uses for data sets, rather than plotters' own encoder and its older `image`).
+/// Writes an RGB buffer drawn by plotters as a PNG file (the `png` crate hemi already uses
+/// for data sets, rather than plotters' own encoder and the `image` crate behind it).
 fn save_png(path: &Path, pixels: Vec<u8>, (w, h): (u32, u32)) -> Result<()> {
-    let img = image::RgbImage::from_raw(w, h, pixels).ok_or_else(|| {
-        Error::Msg(format!(
+    if pixels.len() as u64 != u64::from(w) * u64::from(h) * 3 {
+        return Err(Error::Msg(format!(
             "{}: chart buffer of the wrong size",
             path.display()
-        ))
-    })?;
-    img.save_with_format(path, image::ImageFormat::Png)
-        .map_err(|e| Error::Msg(format!("{}: cannot write the PNG: {e}", path.display())))
+        )));
+    }
+    let write = || -> std::result::Result<(), png::EncodingError> {
+        let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let mut encoder = png::Encoder::new(file, w, h);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header()?;
+        writer.write_image_data(&pixels)?;
+        writer.finish()
+    };
+    write().map_err(|e| Error::Msg(format!("{}: cannot write the PNG: {e}", path.display())))
 }
 
 /// One panel of `scale.png`: area, caption, y label, y range, the value of a step.

@@ -177,14 +177,22 @@ fn grad_stats_lines_count_every_gradient_value() {
     assert!(out.contains("fc1.weight"), "{out}");
 }
 
-fn png(path: &Path) -> image::RgbImage {
-    image::open(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .to_rgb8()
+/// A chart decoded by hemi's own image decoder.
+fn png(path: &Path) -> hemi::data::Image {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    hemi::data::parse_image(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn has_color(img: &image::RgbImage, c: [u8; 3]) -> usize {
-    img.pixels().filter(|p| p.0 == c).count()
+/// (width, height) of a decoded image.
+fn dimensions(img: &hemi::data::Image) -> (u32, u32) {
+    let [_, h, w] = img.shape();
+    (w as u32, h as u32)
+}
+
+/// How many pixels have colour `c`.
+fn has_color(img: &hemi::data::Image, c: [u8; 3]) -> usize {
+    let (r, g, b) = (img.plane(0), img.plane(1), img.plane(2));
+    (0..r.len()).filter(|&i| [r[i], g[i], b[i]] == c).count()
 }
 
 #[test]
@@ -208,7 +216,7 @@ fn plot_draws_runs_overlaid_and_the_gradient_histogram() {
         assert!(out.contains(f), "{out}");
     }
     let curves = png(&t.path().join("plots/curves.png"));
-    assert_eq!(curves.dimensions(), (1400, 560));
+    assert_eq!(dimensions(&curves), (1400, 560));
     // Both runs drawn, in their colours (first blue, second red).
     assert!(
         has_color(&curves, [31, 119, 180]) > 200,
@@ -225,7 +233,7 @@ fn plot_draws_runs_overlaid_and_the_gradient_histogram() {
     );
     let hist = png(&t.path().join("plots/grad_hist.png"));
     // 4 parameter rows under the main histogram; its bars are blue.
-    assert_eq!(hist.dimensions(), (1400, 520 + 110 + 4 * 16));
+    assert_eq!(dimensions(&hist), (1400, 520 + 110 + 4 * 16));
     assert!(has_color(&hist, [31, 119, 180]) > 1000, "histogram bars");
     // Labels replace the file names.
     ok(&hemi(

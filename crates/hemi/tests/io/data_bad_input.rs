@@ -42,9 +42,7 @@ fn png_folder(root: &Path, classes: &[&str], per_class: usize, w: u32, h: u32) {
 }
 
 fn png(path: &Path, w: u32, h: u32) {
-    image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]))
-        .save(path)
-        .unwrap();
+    crate::common::write_png_rgb(path, w, h, |x, y| [x as u8, y as u8, 7]);
 }
 
 /// A FIFO at `path` (nothing ever writes to it: opening it for reading blocks forever).
