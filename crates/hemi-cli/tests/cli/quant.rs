@@ -34,6 +34,32 @@ fn train(dir: &std::path::Path, model: &str, extra: &[&str]) -> String {
     ok(&hemi(dir, &args))
 }
 
+/// A copy in `dir/ck` of one CifarNet float checkpoint directory trained once per test
+/// process (3 epochs, amp-fp16 Adam on 1024 synthetic images): the INT8 tests quantise it
+/// and fine-tune from it, and each works in its own directory.
+fn trained_cifar_net(dir: &std::path::Path) {
+    static TRAINED: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let src = TRAINED.get_or_init(|| {
+        let t = tempfile::tempdir().unwrap();
+        train(t.path(), "cifar-net", &["--checkpoint-dir", "ck"]);
+        t
+    });
+    copy_dir(&src.path().join("ck"), &dir.join("ck"));
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), &target).unwrap();
+        }
+    }
+}
+
 fn summary(out: &str) -> Value {
     let line = out
         .lines()
@@ -86,7 +112,7 @@ fn eval_accuracy(out: &str) -> f64 {
 #[test]
 fn static_and_dynamic_int8_checkpoints_evaluate_as_quantize_reported() {
     let t = tempfile::tempdir().unwrap();
-    train(t.path(), "cifar-net", &["--checkpoint-dir", "ck"]);
+    trained_cifar_net(t.path());
     for (mode, observer) in [
         ("static", "minmax"),
         ("static", "percentile:99.9"),
@@ -131,7 +157,7 @@ fn static_and_dynamic_int8_checkpoints_evaluate_as_quantize_reported() {
 #[test]
 fn qat_fine_tunes_a_float_checkpoint_and_quantizes() {
     let t = tempfile::tempdir().unwrap();
-    train(t.path(), "cifar-net", &["--checkpoint-dir", "ck"]);
+    trained_cifar_net(t.path());
     let out = train(
         t.path(),
         "cifar-net",

@@ -9,7 +9,9 @@ fn ulps(got: f32, want: f64) -> f64 {
     (f64::from(got) - want).abs() / spacing.max(f64::from(f32::from_bits(1)))
 }
 
-/// Every F32 in [0, 5] (and its negation) against F64 erf: within 2.5 ulp.
+/// Every F32 in [0, 5] against F64 erf: within 2.5 ulp; its negation gives exactly the
+/// negated value (erf is odd; checked bit for bit, which holds the negatives to the same
+/// bound without a second F64 erf per input).
 #[test]
 fn erf_matches_f64_on_every_f32_up_to_5() {
     let (mut worst, mut at) = (0.0, 0.0);
@@ -19,12 +21,12 @@ fn erf_matches_f64_on_every_f32_up_to_5() {
         if x > 5.0 {
             break;
         }
-        for x in [x, -x] {
-            let e = ulps(erf_f32(x), libm::erf(f64::from(x)));
-            if e > worst {
-                (worst, at) = (e, x);
-            }
+        let y = erf_f32(x);
+        let e = ulps(y, libm::erf(f64::from(x)));
+        if e > worst {
+            (worst, at) = (e, x);
         }
+        assert_eq!(erf_f32(-x).to_bits(), (-y).to_bits(), "erf(-{x:e})");
         // All inputs where erf is not x·2/√π to F32 precision; a stride of 7 below.
         bits += if x < 1e-4 { 7919 } else { 1 };
     }
