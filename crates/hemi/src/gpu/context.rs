@@ -176,11 +176,16 @@ impl Block {
     fn buffer(&self) -> Result<wgpu::Buffer> {
         let a = self.ctx.alloc.lock().map_err(|_| self.ctx.poisoned())?;
         let seg = self.handle.ptr & !((1 << SEGMENT_SHIFT) - 1);
-        a.raw()
-            .buffers
-            .get(&seg)
-            .cloned()
-            .ok_or_else(|| Error::device("gpu", "a block outlived its segment".to_string()))
+        a.raw().buffers.get(&seg).cloned().ok_or_else(|| {
+            Error::device(
+                "gpu",
+                format!(
+                    "a block on {} outlived its segment (a bug in hemi's allocator: report \
+                         it, or use --device cpu)",
+                    self.ctx.device()
+                ),
+            )
+        })
     }
 }
 

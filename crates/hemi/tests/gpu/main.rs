@@ -851,3 +851,77 @@ fn no_adapter_child() {
         "{e}"
     );
 }
+
+/// The native route's kernels read F16 as `array<f16>` under `enable f16;` (maps, reductions,
+/// matmul, convolutions), and the packed route's never mention f16; BF16 and stores are
+/// words on both.
+#[test]
+fn the_routes_generate_native_and_packed_kernels() {
+    use hemi::gpu::shaders::{self, Load};
+    let f16_in = [(DType::F16, Load::Value), (DType::BF16, Load::Value)];
+    for native in [true, false] {
+        let kernels = [
+            shaders::map(&f16_in, "", "a + b", DType::F16, false, native),
+            shaders::reduce(DType::F16, "sum", native),
+            shaders::matmul(DType::F16, DType::F32, true, native),
+        ];
+        for k in &kernels {
+            assert_eq!(k.starts_with("enable f16;"), native, "{k}");
+            assert_eq!(k.contains("array<f16>"), native, "{k}");
+            assert!(
+                k.contains("var<storage, read_write> out: array<u32>"),
+                "{k}"
+            );
+        }
+    }
+    // Bit copies and `where`'s condition read words on either route.
+    let copy = shaders::map(&[(DType::F16, Load::Bits)], "", "a", DType::F16, true, true);
+    assert!(!copy.contains("f16;"), "{copy}");
+    // BF16 has no WGSL type: packed on the native route too.
+    let bf = shaders::map(
+        &[(DType::BF16, Load::Value)],
+        "",
+        "a",
+        DType::F32,
+        false,
+        true,
+    );
+    assert!(!bf.contains("f16;"), "{bf}");
+    let conv = shaders::conv2d("f16", "f32");
+    assert!(conv.starts_with("enable f16;") && conv.contains("x: array<f16>"));
+    assert!(!shaders::conv2d("f32", "f32").contains("f16"));
+}
+
+/// Every one of the 2^32 F32 patterns cast into F16 and BF16 on both routes, bit for bit
+/// the CPU's. Minutes on lavapipe (the dense set of `f16_and_bf16_casts_match_the_cpu_on_a_
+/// dense_set` covers every rounding case in a second): `--ignored` runs it.
+#[test]
+#[ignore = "all 2^32 F32 patterns: minutes on lavapipe"]
+fn every_f32_pattern_casts_like_the_cpu() {
+    need_gpu!("every_f32_pattern_casts_like_the_cpu");
+    const CHUNK: u64 = 1 << 22;
+    both_routes(|route| {
+        let start = std::time::Instant::now();
+        for c in 0..(1u64 << 32) / CHUNK {
+            let x: Vec<u32> = (c * CHUNK..(c + 1) * CHUNK).map(|b| b as u32).collect();
+            let (cpu, gpu) = pair(CpuStorage::from_vec(
+                x.iter().map(|&b| f32::from_bits(b)).collect(),
+            ));
+            let l = Layout::contiguous(&[x.len()]);
+            for to in [DType::F16, DType::BF16] {
+                let want = bits(&cpu.cast(&l, to).unwrap());
+                let got = bits(&gpu.cast(&l, to).unwrap());
+                if got != want {
+                    let u16s = |b: &[u8]| -> Vec<u16> {
+                        b.chunks_exact(2)
+                            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                            .collect()
+                    };
+                    let (n, shown) = half_mismatches(&x, &u16s(&got), &u16s(&want));
+                    panic!("{route}: F32 -> {to:?}: {n} mismatches in chunk {c}: {shown:#?}");
+                }
+            }
+        }
+        eprintln!("{route}: 2^32 patterns in {:?}", start.elapsed());
+    });
+}
