@@ -2,6 +2,7 @@
 //! first use and shared by every buffer on that device; its caching allocator and its
 //! pipeline cache. Every failure is an `Error::Device` naming the device and the fix.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -20,6 +21,27 @@ pub const WORKGROUP: u32 = 64;
 pub const MAX_GROUPS: u32 = 65_535;
 /// Bytes of a kernel's parameter buffer (1024 words: layouts up to rank 300 or so).
 const PARAM_BYTES: u64 = 4096;
+
+thread_local! {
+    /// Set inside [`with_packed_halves`]: this thread's kernels use the packed route.
+    static PACKED_HALVES: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with this thread's F16 kernels on the packed-`u32` route (two halves a word,
+/// converted in integer arithmetic), as on an adapter without `SHADER_F16`, and returns its
+/// result. Both routes store the same bytes and round the same way, so buffers pass freely
+/// between them; this exists to test the fallback on adapters that have `SHADER_F16`, and to
+/// sidestep a driver whose native half support misbehaves.
+pub fn with_packed_halves<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PACKED_HALVES.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(PACKED_HALVES.with(|c| c.replace(true)));
+    f()
+}
 
 /// What a context knows of its adapter.
 #[derive(Clone, Debug)]
@@ -154,11 +176,16 @@ impl Block {
     fn buffer(&self) -> Result<wgpu::Buffer> {
         let a = self.ctx.alloc.lock().map_err(|_| self.ctx.poisoned())?;
         let seg = self.handle.ptr & !((1 << SEGMENT_SHIFT) - 1);
-        a.raw()
-            .buffers
-            .get(&seg)
-            .cloned()
-            .ok_or_else(|| Error::device("gpu", "a block outlived its segment".to_string()))
+        a.raw().buffers.get(&seg).cloned().ok_or_else(|| {
+            Error::device(
+                "gpu",
+                format!(
+                    "a block on {} outlived its segment (a bug in hemi's allocator: report \
+                         it, or use --device cpu)",
+                    self.ctx.device()
+                ),
+            )
+        })
     }
 }
 
@@ -195,6 +222,22 @@ pub fn context(ordinal: usize) -> Result<Arc<GpuContext>> {
     if let Some(c) = map.get(&ordinal) {
         return Ok(c.clone());
     }
+    let ctx = GpuContext::open(ordinal)?;
+    map.insert(ordinal, ctx.clone());
+    Ok(ctx)
+}
+
+impl GpuContext {
+    /// A new context of its own on `gpu:ordinal` (a second wgpu device on the adapter),
+    /// shared with nobody: [`context`] keeps the one every tensor uses. Buffers of two
+    /// contexts never meet in one kernel (mixing them is the device error). For tools and
+    /// tests that must not disturb the shared device ([`GpuContext::destroy`]).
+    pub fn open(ordinal: usize) -> Result<Arc<GpuContext>> {
+        open(ordinal)
+    }
+}
+
+fn open(ordinal: usize) -> Result<Arc<GpuContext>> {
     let dev = Device::Gpu(ordinal);
     let mut all = adapters();
     if all.is_empty() {
@@ -269,7 +312,6 @@ pub fn context(ordinal: usize) -> Result<Arc<GpuContext>> {
         errors,
         lost,
     });
-    map.insert(ordinal, ctx.clone());
     Ok(ctx)
 }
 
@@ -284,9 +326,39 @@ impl GpuContext {
         &self.info
     }
 
+    /// True where this thread's kernels read and write F16 buffers as WGSL `array<f16>`
+    /// (the adapter has `SHADER_F16`, requested at device creation, and the caller is not
+    /// inside [`with_packed_halves`]); false on the packed-`u32` route.
+    pub fn native_f16(&self) -> bool {
+        self.info.shader_f16 && !PACKED_HALVES.with(|c| c.get())
+    }
+
     /// The allocator's counters.
     pub fn memory_stats(&self) -> MemoryStats {
         self.alloc.lock().map(|a| a.stats()).unwrap_or_default()
+    }
+
+    /// Destroys the device now: its memory is freed, and every later use of this context
+    /// or its buffers is the lost-device `Error`, as after a driver reset.
+    pub fn destroy(&self) {
+        if let Ok(mut slot) = self.lost.lock() {
+            slot.get_or_insert_with(|| "destroyed by GpuContext::destroy".to_string());
+        }
+        self.device.destroy();
+    }
+
+    /// A failed read-back: names the device, the reason and the fix.
+    fn readback_failed(&self, why: impl std::fmt::Display) -> Error {
+        Error::device(
+            "download",
+            format!(
+                "reading a buffer back from {} ({}) failed: {why}; the device may have been \
+                 lost or be out of memory: restart the process, use smaller batches, or use \
+                 --device cpu",
+                self.device(),
+                self.info.name
+            ),
+        )
     }
 
     fn poisoned(&self) -> Error {
@@ -359,12 +431,23 @@ impl GpuContext {
             return Ok(Vec::new());
         }
         let size = bytes.next_multiple_of(4) as u64;
+        if size > block.size() {
+            return Err(self.readback_failed(format!(
+                "{bytes} bytes asked of a {} byte buffer",
+                block.size()
+            )));
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("hemi download"),
             size,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            staging.destroy();
+            return Err(self.readback_failed(format!("no host-visible staging buffer: {e}")));
+        }
         let mut enc = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor::default());
@@ -379,19 +462,16 @@ impl GpuContext {
                 submission_index: None,
                 timeout: None,
             })
-            .map_err(|e| Error::device("download", format!("{}: {e}", self.device())))?;
-        let mapped = rx.recv().map_err(|_| {
-            Error::device(
-                "download",
-                format!("{}: the read-back never completed", self.device()),
-            )
-        })?;
-        mapped.map_err(|e| Error::device("download", format!("{}: {e}", self.device())))?;
+            .map_err(|e| self.readback_failed(e))?;
+        let mapped = rx
+            .recv()
+            .map_err(|_| self.readback_failed("the read-back never completed"))?;
+        mapped.map_err(|e| self.readback_failed(e))?;
         let out = {
             let view = staging
                 .slice(..)
                 .get_mapped_range()
-                .map_err(|e| Error::device("download", format!("{}: {e}", self.device())))?;
+                .map_err(|e| self.readback_failed(e))?;
             view[..bytes].to_vec()
         };
         staging.unmap();

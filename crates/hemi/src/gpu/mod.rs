@@ -12,8 +12,9 @@
 //!   their backwards, `where`), row reductions, tiled batched matmul, and kernels over
 //!   contiguous F32 operands (extrema, gathers and their scatter-add, concatenation, direct
 //!   convolutions, max pooling, the dropout hash, stochastic rounding). F32 arithmetic; F16
-//!   and BF16 stored two per word and converted exactly, with round-to-nearest-even on the
-//!   way back.
+//!   read natively (`enable f16;`) where the adapter has `SHADER_F16`, else packed two per
+//!   `u32` word ([`with_packed_halves`] forces that fallback); BF16 packed two per word;
+//!   both rounded to nearest-even on the bits when stored, bit for bit the CPU's.
 //! - [`storage`]: [`GpuStorage`], `Storage::Gpu`'s buffer, and the 24 basic primitives; the
 //!   default compositions (`backend::compose`: softmax, layer norm, losses, optimizers...)
 //!   run on them.
@@ -22,5 +23,5 @@ pub mod context;
 pub mod shaders;
 pub mod storage;
 
-pub use context::{context, device_count, AdapterInfo, GpuContext};
+pub use context::{context, device_count, with_packed_halves, AdapterInfo, GpuContext};
 pub use storage::GpuStorage;

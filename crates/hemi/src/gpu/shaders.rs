@@ -1,12 +1,31 @@
-//! The WGSL kernels, generated as text per variant (dtypes, op); the context compiles each
-//! text once (`GpuContext::launch` caches pipelines by their source).
+//! The WGSL kernels, generated as text per variant (dtypes, op, F16 route); the context
+//! compiles each text once (`GpuContext::launch` caches pipelines by their source).
 //!
-//! Every buffer is an `array<u32>`: F32 one element a word, F16 and BF16 two elements a
-//! word (element `2i` in the low half, the little-endian order of the host's bytes). Halves
-//! convert to F32 exactly and back with round-to-nearest-even in integer arithmetic (`f2h`,
-//! `f2bf`), so the results do not depend on a driver's conversion or on `SHADER_F16`. A
-//! kernel writing a half dtype computes a whole word (two elements) per thread, so no two
-//! threads write one word.
+//! Memory: F32 one element a 4-byte word, F16 and BF16 two elements a word (element `2i` in
+//! the low half, the little-endian order of the host's bytes), whatever the shader's view.
+//! Arithmetic is F32 in every kernel (sums included); a result is rounded once when stored.
+//!
+//! F16 has two routes, picked per launch (`GpuContext::native_f16`):
+//! - native, where the adapter has wgpu's `SHADER_F16` (requested at device creation;
+//!   lavapipe has it): kernels that read F16 values (maps, reductions, matmul, the
+//!   convolutions) bind those inputs as `array<f16>` under `enable f16;` and widen each
+//!   element with `f32(x)`, exact; matmul and convolution accumulate in F32.
+//! - packed, the fallback (and `gpu::with_packed_halves`, which tests it on lavapipe): every
+//!   buffer an `array<u32>`, each half converted to F32 in integer arithmetic (`h2f`).
+//!
+//! Stores of F16, on both routes, round on the bits (`f2h`, round-to-nearest-even in integer
+//! arithmetic, overflow to ±inf, subnormals, NaN payload kept) and write whole words, two
+//! elements a thread, so no two threads write one word. Why not WGSL's `f16(x)`: WGSL leaves
+//! the rounding of an inexact conversion and the result of a NaN to the implementation, and
+//! the test that decided it (`wgsl_native_f16_conversion_drops_nan_payloads_on_lavapipe`, over
+//! 2^24 F32 patterns covering every rounding case) found lavapipe rounding every finite value
+//! as the CPU does but returning every NaN as the canonical 0x7e00, its payload lost, where
+//! the CPU keeps it. Storing hand-rounded bits into an `array<f16>` would need
+//! `bitcast<vec2<f16>>(u32)`, which naga does not implement yet (gfx-rs/wgpu#8896), so the
+//! bits go out as words. BF16 (no WGSL type) is packed on both routes: `bf2f` widens it
+//! exactly, `f2bf` rounds to nearest-even. Widening quiets a signalling NaN, as the CPU's
+//! conversions (`vcvtph2ps`, `half`) do, so casts are the CPU's bit for bit
+//! (`f16_and_bf16_casts_match_the_cpu_on_a_dense_set` holds both routes to it).
 //!
 //! Bindings: 0 the parameters (`p`, `u32` words, read-only and so uniform), 1 the output,
 //! 2.. the inputs (read_write: `GpuContext::launch` says why).
@@ -15,16 +34,6 @@
 //! `4 + r + k(r + 1)`.
 
 use crate::dtype::DType;
-
-/// How a kernel stores a dtype: `F32` (a word) or a half (two per word).
-fn storage_kind(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => unreachable!("only F32/F16/BF16 reach the shaders"),
-    }
-}
 
 const CONVERSIONS: &str = r#"
 fn h2f(h: u32) -> f32 {
@@ -35,7 +44,9 @@ fn h2f(h: u32) -> f32 {
         return bitcast<f32>(bitcast<u32>(f32(m) * 5.9604644775390625e-8) | s);
     }
     if (e == 31u) {
-        return bitcast<f32>(s | 0x7f800000u | (m << 13u));
+        // A NaN comes back quiet, as the CPU's conversions (vcvtph2ps, half) return it.
+        let quiet = select(0u, 0x400000u, m != 0u);
+        return bitcast<f32>(s | 0x7f800000u | quiet | (m << 13u));
     }
     return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
 }
@@ -73,6 +84,11 @@ fn f2h(x: f32) -> u32 {
         h = h + 1u;
     }
     return s | h;
+}
+fn bf2f(h: u32) -> f32 {
+    // Exact; a NaN comes back quiet, as the CPU's conversion returns it.
+    let quiet = select(0u, 0x400000u, (h & 0x7fffu) > 0x7f80u);
+    return bitcast<f32>((h << 16u) | quiet);
 }
 fn f2bf(x: f32) -> u32 {
     let b = bitcast<u32>(x);
@@ -128,8 +144,16 @@ fn hemi_tanh(x: f32) -> f32 {
 
 /// Binding `binding` as an input named `name` of dtype `d`, with its loaders
 /// `ld_<name>(i) -> f32` (the value) and `lb_<name>(i) -> u32` (the bits) for the shader
-/// dtypes, and `nz_<name>(i) -> bool` (nonzero, NaN included) for every dtype.
-fn input(name: &str, binding: u32, d: DType) -> String {
+/// dtypes, and `nz_<name>(i) -> bool` (nonzero, NaN included) for every dtype. With
+/// `native` an F16 input is an `array<f16>` with `ld_<name>` only (the caller enables f16).
+fn input(name: &str, binding: u32, d: DType, native: bool) -> String {
+    if native && d == DType::F16 {
+        return format!(
+            "@group(0) @binding({binding}) var<storage, read_write> {name}: array<f16>;
+             fn ld_{name}(i: u32) -> f32 {{ return f32({name}[i]); }}
+"
+        );
+    }
     let body = match d {
         DType::F32 => format!(
             "fn lb_{name}(i: u32) -> u32 {{ return {name}[i]; }}\n\
@@ -140,7 +164,7 @@ fn input(name: &str, binding: u32, d: DType) -> String {
             let val = if d == DType::F16 {
                 "h2f(lb_NAME(i))".replace("NAME", name)
             } else {
-                "bitcast<f32>(lb_NAME(i) << 16u)".replace("NAME", name)
+                "bf2f(lb_NAME(i))".replace("NAME", name)
             };
             format!(
                 "fn lb_{name}(i: u32) -> u32 {{ return ({name}[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu; }}\n\
@@ -165,11 +189,13 @@ fn input(name: &str, binding: u32, d: DType) -> String {
     format!("@group(0) @binding({binding}) var<storage, read_write> {name}: array<u32>;\n{body}")
 }
 
-fn header(out_rw: bool) -> String {
-    let access = if out_rw { "read_write" } else { "read" };
+/// The start of a strided kernel: `enable f16;` where an input is `array<f16>`, the
+/// parameters, the output (words), the conversions and `off`.
+fn header(f16: bool) -> String {
+    let enable = if f16 { "enable f16;\n" } else { "" };
     format!(
-        "@group(0) @binding(0) var<storage, read> p: array<u32>;\n\
-         @group(0) @binding(1) var<storage, {access}> out: array<u32>;\n{CONVERSIONS}\n\
+        "{enable}@group(0) @binding(0) var<storage, read> p: array<u32>;\n\
+         @group(0) @binding(1) var<storage, read_write> out: array<u32>;\n{CONVERSIONS}\n\
          fn off(k: u32, e: u32) -> u32 {{\n\
              let r = p[1];\n\
              let base = 4u + r + k * (r + 1u);\n\
@@ -199,13 +225,24 @@ pub enum Load {
 /// An elementwise kernel over the output's shape: `expr` of `a`, `b`, `c` (the operands in
 /// order, each read through its layout as `Load` says; `x` is `a`), the scalars `c0`, `c1`,
 /// and the functions in `prelude`; stored as `out`. With `bits`, the first operand's bits
-/// are copied (`expr` is ignored; one input of `out`'s dtype).
-pub fn map(inputs: &[(DType, Load)], prelude: &str, expr: &str, out: DType, bits: bool) -> String {
-    let mut s = header(true);
+/// are copied (`expr` is ignored; one input of `out`'s dtype). With `native`, F16 values are
+/// read from `array<f16>` bindings (bits, and `where`'s condition, are read as words on
+/// either route). A half output is stored a word (two elements) per thread on either route.
+pub fn map(
+    inputs: &[(DType, Load)],
+    prelude: &str,
+    expr: &str,
+    out: DType,
+    bits: bool,
+    native: bool,
+) -> String {
+    let native_in = |d: DType, load: Load| native && d == DType::F16 && load == Load::Value;
+    let f16 = inputs.iter().any(|&(d, l)| native_in(d, l));
+    let mut s = header(f16);
     s += prelude;
     let names = ["a", "b", "c"];
-    for (k, &(d, _)) in inputs.iter().enumerate() {
-        s += &input(names[k], 2 + k as u32, d);
+    for (k, &(d, load)) in inputs.iter().enumerate() {
+        s += &input(names[k], 2 + k as u32, d, native_in(d, load));
     }
     let (ty, conv) = if bits {
         ("u32", "v")
@@ -239,8 +276,8 @@ pub fn map(inputs: &[(DType, Load)], prelude: &str, expr: &str, out: DType, bits
           fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {\n\
               let t = gid.x + gid.y * nw.x * 64u;\n\
               let n = p[0];\n";
-    s += match storage_kind(out) {
-        "f32" => "    if (t >= n) { return; }\n    out[t] = conv(value(t));\n}\n",
+    s += match out {
+        DType::F32 => "    if (t >= n) { return; }\n    out[t] = conv(value(t));\n}\n",
         _ => {
             "    let e = 2u * t;\n    if (e >= n) { return; }\n    var w = conv(value(e));\n    if (e + 1u < n) { w = w | (conv(value(e + 1u)) << 16u); }\n    out[t] = w;\n}\n"
         }
@@ -251,9 +288,11 @@ pub fn map(inputs: &[(DType, Load)], prelude: &str, expr: &str, out: DType, bits
 /// A row reduction: one workgroup of 64 per output row `o < p[0]`, over the `p[2]` (`inner`)
 /// elements `o*inner + j` of the input's row-major order; F32 results (`out` is F32).
 /// `op`: `sum`, `mean`, `max`, `min`, `var` (`p[3]` the correction).
-pub fn reduce(input_dtype: DType, op: &str) -> String {
-    let mut s = header(true);
-    s += &input("a", 2, input_dtype);
+/// With `native`, an F16 input is read as `array<f16>`.
+pub fn reduce(input_dtype: DType, op: &str, native: bool) -> String {
+    let native = native && input_dtype == DType::F16;
+    let mut s = header(native);
+    s += &input("a", 2, input_dtype, native);
     let (init, combine) = match op {
         "max" => ("bitcast<f32>(0xff800000u)", "hemi_max(x, y)"),
         "min" => ("bitcast<f32>(0x7f800000u)", "hemi_min(x, y)"),
@@ -312,13 +351,14 @@ pub fn reduce(input_dtype: DType, op: &str) -> String {
 /// (+ an F32 bias `[n]` at binding 4 when `bias`). Parameters: `m, n, k, batch rank br,
 /// a offset, a row stride, a k stride, b offset, b k stride, b column stride`, then the
 /// batch shape, a's and b's batch strides (`br` words each). Workgroup `(col tile, row
-/// tile, batch)`.
-pub fn matmul(a: DType, b: DType, bias: bool) -> String {
-    let mut s = header(true);
-    s += &input("a", 2, a);
-    s += &input("b", 3, b);
+/// tile, batch)`. With `native`, F16 operands are read as `array<f16>`.
+pub fn matmul(a: DType, b: DType, bias: bool, native: bool) -> String {
+    let (na, nb) = (native && a == DType::F16, native && b == DType::F16);
+    let mut s = header(na || nb);
+    s += &input("a", 2, a, na);
+    s += &input("b", 3, b, nb);
     if bias {
-        s += &input("bias", 4, DType::F32);
+        s += &input("bias", 4, DType::F32, false);
     }
     s += "var<workgroup> ta: array<array<f32, 16>, 16>;\n\
           var<workgroup> tb: array<array<f32, 16>, 16>;\n\
@@ -368,14 +408,21 @@ pub fn matmul(a: DType, b: DType, bias: bool) -> String {
 //
 // The primitives below read their operands as contiguous F32 buffers (`GpuStorage::f32_view`:
 // the cast kernel, exact for every shader dtype), compute one F32 result per thread into an
-// F32 buffer, and round it once into the output dtype with the cast kernel. I64 operands
+// F32 buffer, and round it once into the output dtype with the cast kernel. The
+// convolutions take F16 operands as they are on the native route (`array<f16>`, widened by
+// `f32(..)` as they are read; `GpuStorage::conv_view`). I64 operands
 // (ids, indices) are read and written as two words per element, the low word first.
 
 /// A kernel's bindings after the parameters: `(name, element type)` for binding 1 (the
 /// output), 2, 3, ...; every binding read_write (`GpuContext::launch` says why), and the
 /// thread index `t` of a one-dimensional launch (`groups_1d`).
+/// An `f16` binding enables f16 (the convolutions' native F16 operands, read as `f32(..)`).
 fn contiguous(bindings: &[(&str, &str)], body: &str) -> String {
-    let mut s = String::from("@group(0) @binding(0) var<storage, read> p: array<u32>;\n");
+    let mut s = String::new();
+    if bindings.iter().any(|&(_, ty)| ty == "f16") {
+        s += "enable f16;\n";
+    }
+    s += "@group(0) @binding(0) var<storage, read> p: array<u32>;\n";
     for (k, (name, ty)) in bindings.iter().enumerate() {
         s += &format!(
             "@group(0) @binding({}) var<storage, read_write> {name}: array<{ty}>;\n",
@@ -592,9 +639,10 @@ const CONV_GEOM: &str =
 
 /// Direct convolution, one thread per output element `(n, co, oh, ow)`, F32 sums in the
 /// order (input channel, kernel row, kernel column); `bias` (F32 `[c_out]`) when `p[17]`.
-pub fn conv2d() -> String {
+/// `x` and `wt` are `array<x_ty>`, `array<w_ty>` (`f32`, or `f16` on the native route).
+pub fn conv2d(x_ty: &str, w_ty: &str) -> String {
     contiguous(
-        &[("out", "f32"), ("x", "f32"), ("wt", "f32"), ("bias", "f32")],
+        &[("out", "f32"), ("x", x_ty), ("wt", w_ty), ("bias", "f32")],
         &format!(
             "    if (t >= p[0]) {{ return; }}\n{CONV_GEOM}\
              let ow = t % wo;\n\
@@ -611,8 +659,8 @@ pub fn conv2d() -> String {
                      for (var j = 0u; j < kw; j = j + 1u) {{\n\
                          let iw = i32(ow * sw + j * dw) - i32(pw);\n\
                          if (iw < 0 || iw >= i32(w)) {{ continue; }}\n\
-                         acc = acc + x[((b * cin + ci) * h + u32(ih)) * w + u32(iw)]\n\
-                             * wt[((co * cin_g + cl) * kh + i) * kw + j];\n\
+                         acc = acc + f32(x[((b * cin + ci) * h + u32(ih)) * w + u32(iw)])\n\
+                             * f32(wt[((co * cin_g + cl) * kh + i) * kw + j]);\n\
                      }}\n\
                  }}\n\
              }}\n\
@@ -624,9 +672,10 @@ pub fn conv2d() -> String {
 
 /// The convolution's input gradient, one thread per input element `(n, ci, ih, iw)`: the
 /// output positions whose taps read it, in the order (output channel, kernel row, column).
-pub fn conv2d_backward_input() -> String {
+/// `dy` and `wt` as in [`conv2d`].
+pub fn conv2d_backward_input(dy_ty: &str, w_ty: &str) -> String {
     contiguous(
-        &[("out", "f32"), ("dy", "f32"), ("wt", "f32")],
+        &[("out", "f32"), ("dy", dy_ty), ("wt", w_ty)],
         &format!(
             "    if (t >= p[0]) {{ return; }}\n{CONV_GEOM}\
              let iw = t % w;\n\
@@ -648,8 +697,8 @@ pub fn conv2d_backward_input() -> String {
                          if (num_w < 0 || u32(num_w) % sw != 0u) {{ continue; }}\n\
                          let ow = u32(num_w) / sw;\n\
                          if (ow >= wo) {{ continue; }}\n\
-                         acc = acc + dy[((b * cout + co) * ho + oh) * wo + ow]\n\
-                             * wt[((co * cin_g + cl) * kh + i) * kw + j];\n\
+                         acc = acc + f32(dy[((b * cout + co) * ho + oh) * wo + ow])\n\
+                             * f32(wt[((co * cin_g + cl) * kh + i) * kw + j]);\n\
                      }}\n\
                  }}\n\
              }}\n\
@@ -659,10 +708,11 @@ pub fn conv2d_backward_input() -> String {
 }
 
 /// The convolution's weight gradient, one thread per weight element `(co, cl, i, j)`: the
-/// sum over images and output pixels of input × output gradient.
-pub fn conv2d_backward_weight() -> String {
+/// sum over images and output pixels of input × output gradient. `x` and `dy` as in
+/// [`conv2d`].
+pub fn conv2d_backward_weight(x_ty: &str, dy_ty: &str) -> String {
     contiguous(
-        &[("out", "f32"), ("x", "f32"), ("dy", "f32")],
+        &[("out", "f32"), ("x", x_ty), ("dy", dy_ty)],
         &format!(
             "    if (t >= p[0]) {{ return; }}\n{CONV_GEOM}\
              let j = t % kw;\n\
@@ -678,8 +728,8 @@ pub fn conv2d_backward_weight() -> String {
                      for (var ow = 0u; ow < wo; ow = ow + 1u) {{\n\
                          let iw = i32(ow * sw + j * dw) - i32(pw);\n\
                          if (iw < 0 || iw >= i32(w)) {{ continue; }}\n\
-                         acc = acc + x[((b * cin + ci) * h + u32(ih)) * w + u32(iw)]\n\
-                             * dy[((b * cout + co) * ho + oh) * wo + ow];\n\
+                         acc = acc + f32(x[((b * cin + ci) * h + u32(ih)) * w + u32(iw)])\n\
+                             * f32(dy[((b * cout + co) * ho + oh) * wo + ow]);\n\
                      }}\n\
                  }}\n\
              }}\n\

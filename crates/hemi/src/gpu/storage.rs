@@ -101,6 +101,12 @@ impl GpuStorage {
         Self::upload_to(&context(ordinal)?, host)
     }
 
+    /// `host`'s elements on the device of `ctx` (a context of its own from
+    /// [`GpuContext::open`], or the shared one of [`context`]).
+    pub fn from_host_on(ctx: &Arc<GpuContext>, host: &CpuStorage) -> Result<GpuStorage> {
+        Self::upload_to(ctx, host)
+    }
+
     fn upload_to(ctx: &Arc<GpuContext>, host: &CpuStorage) -> Result<GpuStorage> {
         let block = ctx.upload_bytes(&host.to_le_bytes())?;
         Ok(GpuStorage {
@@ -215,7 +221,9 @@ impl GpuStorage {
         let c = ((scalars.0 as f32).to_bits(), (scalars.1 as f32).to_bits());
         let params = strided_params(op, n, shape, c, &layouts)?;
         let inputs: Vec<(DType, Load)> = operands.iter().map(|(s, _, l)| (s.dtype, *l)).collect();
-        let src = shaders::map(&inputs, prelude, expr, out, bits);
+        let native = ctx.native_f16();
+        let src = shaders::map(&inputs, prelude, expr, out, bits, native);
+        // A word per thread: one F32 element or two halves.
         let threads = if out == DType::F32 { n } else { n.div_ceil(2) };
         let blocks: Vec<&Block> = operands.iter().map(|(s, _, _)| &*s.block).collect();
         ctx.launch(op, &src, &params, &dst.block, &blocks, groups_1d(threads))?;
@@ -231,6 +239,24 @@ impl GpuStorage {
             Ok(self.clone())
         } else {
             self.cast(layout, DType::F32)
+        }
+    }
+
+    /// A convolution operand: the elements `layout` addresses as a contiguous buffer the
+    /// kernel binds as `array<ty>`, `ty` the returned WGSL type: F16 itself on the native
+    /// route (copied first unless it is the whole buffer), else F32 (`f32_view`).
+    fn conv_view(&self, layout: &Layout) -> Result<(GpuStorage, &'static str)> {
+        if self.dtype == DType::F16 && self.ctx().native_f16() {
+            let whole =
+                layout.is_contiguous() && layout.offset() == 0 && layout.numel() == self.len;
+            let v = if whole {
+                self.clone()
+            } else {
+                self.copy_strided(layout)?
+            };
+            Ok((v, "f16"))
+        } else {
+            Ok((self.f32_view(layout)?, "f32"))
         }
     }
 
@@ -573,7 +599,7 @@ impl ReduceOps for GpuStorage {
             &[layout],
         )?;
         params[0] = word(OP, outer)?;
-        let src = shaders::reduce(self.dtype, name);
+        let src = shaders::reduce(self.dtype, name, ctx.native_f16());
         ctx.launch(
             OP,
             &src,
@@ -727,7 +753,7 @@ impl NnOps for GpuStorage {
         if let Some(b) = &bias {
             inputs.push(&b.block);
         }
-        let src = shaders::matmul(self.dtype, rhs.dtype, bias.is_some());
+        let src = shaders::matmul(self.dtype, rhs.dtype, bias.is_some(), ctx.native_f16());
         let groups = (
             word(OP, n.div_ceil(16))?,
             word(OP, m.div_ceil(16))?,
@@ -751,7 +777,7 @@ impl NnOps for GpuStorage {
         const OP: &str = "conv2d";
         self.same(OP, w)?;
         self.check_dtype(OP, out)?;
-        let (x, w) = (self.f32_view(lx)?, w.f32_view(lw)?);
+        let ((x, tx), (w, tw)) = (self.conv_view(lx)?, w.conv_view(lw)?);
         let bias = match bias {
             Some((b, lb)) => {
                 self.same(OP, b)?;
@@ -764,7 +790,7 @@ impl NnOps for GpuStorage {
         params.push(u32::from(bias.is_some()));
         // Without a bias the weight stands in for its binding (never read).
         let b = bias.as_ref().unwrap_or(&w);
-        let src = shaders::conv2d();
+        let src = shaders::conv2d(tx, tw);
         self.f32_kernel(OP, &src, &params, &[&*x.block, &*w.block, &*b.block], n, n)?
             .f32_into(out)
     }
@@ -780,10 +806,10 @@ impl NnOps for GpuStorage {
         const OP: &str = "conv2d_backward_input";
         self.same(OP, w)?;
         self.check_dtype(OP, out)?;
-        let (dy, w) = (self.f32_view(ldy)?, w.f32_view(lw)?);
+        let ((dy, tdy), (w, tw)) = (self.conv_view(ldy)?, w.conv_view(lw)?);
         let n = g.n * g.in_image();
         let params = conv_params(OP, n, g)?;
-        let src = shaders::conv2d_backward_input();
+        let src = shaders::conv2d_backward_input(tdy, tw);
         self.f32_kernel(OP, &src, &params, &[&*dy.block, &*w.block], n, n)?
             .f32_into(out)
     }
@@ -799,10 +825,10 @@ impl NnOps for GpuStorage {
         const OP: &str = "conv2d_backward_weight";
         self.same(OP, dy)?;
         self.check_dtype(OP, out)?;
-        let (x, dy) = (self.f32_view(lx)?, dy.f32_view(ldy)?);
+        let ((x, tx), (dy, tdy)) = (self.conv_view(lx)?, dy.conv_view(ldy)?);
         let n = g.weight_len();
         let params = conv_params(OP, n, g)?;
-        let src = shaders::conv2d_backward_weight();
+        let src = shaders::conv2d_backward_weight(tx, tdy);
         self.f32_kernel(OP, &src, &params, &[&*x.block, &*dy.block], n, n)?
             .f32_into(out)
     }

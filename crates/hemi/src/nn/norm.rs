@@ -184,7 +184,7 @@ impl BatchNorm2d {
     fn count_batch(&self) -> Result<bool> {
         let training = self.training.load(Ordering::Relaxed);
         if training && !crate::autograd::is_recomputing() {
-            let n = self.num_batches_tracked.to_vec_i64()[0];
+            let n = self.num_batches_tracked.try_to_vec_i64()?[0];
             let count = Tensor::from_vec(vec![n + 1], &[])?;
             self.num_batches_tracked
                 .set_data(&count.to_device(self.num_batches_tracked.device())?)?;

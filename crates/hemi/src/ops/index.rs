@@ -23,7 +23,7 @@ fn check_indices(op: &'static str, index: &Tensor, size: usize) -> Result<()> {
         ));
     }
     match index
-        .to_vec_i64()
+        .try_to_vec_i64()?
         .into_iter()
         .find(|&i| i < 0 || i as u64 >= size as u64)
     {

@@ -408,11 +408,17 @@ impl Tensor {
     // ----- reading values back -----------------------------------------------------------
 
     /// `f` of the whole storage in host memory: borrowed on the CPU, downloaded from another
-    /// device (a failed download is a bug of that backend: the values are gone, so it panics).
-    fn with_host<R>(&self, f: impl FnOnce(&CpuStorage) -> R) -> R {
+    /// device (a failed download, a lost GPU for one, is the device's `Error`).
+    fn try_with_host<R>(&self, f: impl FnOnce(&CpuStorage) -> R) -> Result<R> {
         let storage = self.storage();
-        match storage.to_cpu() {
-            Ok(h) => f(&h),
+        let host = storage.to_cpu()?;
+        Ok(f(&host))
+    }
+
+    /// `try_with_host`, panicking with the device's error (the `to_vec_*` conveniences).
+    fn with_host<R>(&self, f: impl FnOnce(&CpuStorage) -> R) -> R {
+        match self.try_with_host(f) {
+            Ok(r) => r,
             Err(e) => panic!(
                 "reading a tensor on {} back to the host: {e}",
                 self.device()
@@ -420,17 +426,33 @@ impl Tensor {
         }
     }
 
-    /// All elements in row-major order, converted to F32.
+    /// All elements in row-major order, converted to F32. Panics where the read-back from
+    /// a device fails (a lost GPU): [`Tensor::try_to_vec_f32`] returns that `Error`.
     pub fn to_vec_f32(&self) -> Vec<f32> {
         self.with_host(|h| h.to_f32(self.layout()).into_owned())
     }
     /// All elements in row-major order, converted to F64 (exact for every float dtype).
+    /// Panics where the read-back fails: [`Tensor::try_to_vec_f64`] does not.
     pub fn to_vec_f64(&self) -> Vec<f64> {
         self.with_host(|h| h.to_f64(self.layout()).into_owned())
     }
-    /// All elements in row-major order as i64 (floats truncate).
+    /// All elements in row-major order as i64 (floats truncate). Panics where the read-back
+    /// fails: [`Tensor::try_to_vec_i64`] does not.
     pub fn to_vec_i64(&self) -> Vec<i64> {
         self.with_host(|h| h.to_i64(self.layout()).into_owned())
+    }
+    /// [`Tensor::to_vec_f32`], with a failed read-back from a device (a lost GPU, out of
+    /// memory) as that device's `Error`.
+    pub fn try_to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.try_with_host(|h| h.to_f32(self.layout()).into_owned())
+    }
+    /// [`Tensor::to_vec_f64`], with a failed read-back as the device's `Error`.
+    pub fn try_to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.try_with_host(|h| h.to_f64(self.layout()).into_owned())
+    }
+    /// [`Tensor::to_vec_i64`], with a failed read-back as the device's `Error`.
+    pub fn try_to_vec_i64(&self) -> Result<Vec<i64>> {
+        self.try_with_host(|h| h.to_i64(self.layout()).into_owned())
     }
     /// All elements as their own Rust type; errors if `T` is not the tensor's dtype.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
@@ -452,7 +474,7 @@ impl Tensor {
                 format!("expected one element, got shape {:?}", self.shape()),
             ));
         }
-        Ok(self.to_vec_f64()[0])
+        Ok(self.try_to_vec_f64()?[0])
     }
 
     /// The same values in `dtype` (differentiable: the gradient is cast back). Returns

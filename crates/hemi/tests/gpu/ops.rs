@@ -10,8 +10,9 @@
 /// The backend the suite compares with the CPU.
 const BACKEND: Device = Device::Gpu(0);
 
-/// One `#[test]` per dtype the GPU computes in (F32, F16, BF16) from a body `fn(DType)`,
-/// each skipped without an adapter.
+/// One `#[test]` per dtype the GPU computes in (F32, F16, BF16) from a body `fn(DType)`, and
+/// F16 again on the packed route (`hemi::gpu::with_packed_halves`), each skipped without an
+/// adapter.
 macro_rules! every_dtype {
     ($(#[$m:meta])* $name:ident, $body:ident) => {
         mod $name {
@@ -34,6 +35,13 @@ macro_rules! every_dtype {
             #[test]
             fn bf16() {
                 on(hemi::DType::BF16)
+            }
+            /// F16 on the packed-`u32` route, the fallback for adapters without
+            /// `SHADER_F16` (`f16` runs the native route where the adapter has it).
+            $(#[$m])*
+            #[test]
+            fn f16_packed() {
+                hemi::gpu::with_packed_halves(|| on(hemi::DType::F16))
             }
         }
     };
