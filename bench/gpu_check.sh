@@ -31,8 +31,8 @@
 # test-name filter), GPU_CHECK_BUDGET_S (default 450), PYTHON (default python3).
 #
 # Exit status: 0 when every part ran on the GPU and passed; 1 when a test or a hemi bench
-# run failed; 2 when a test was skipped or no usable Vulkan GPU was found; 3 when the
-# binaries are missing. A missing PyTorch is reported in the JSON, not in the status.
+# run failed; 2 when a test was skipped, no usable Vulkan GPU was found, or the deadline
+# skipped a hemi run (status "incomplete"); 3 when the binaries are missing. A missing PyTorch is reported in the JSON, not in the status.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -147,6 +147,7 @@ TB="$OUT/torch_bench.jsonl"
 : >"$HB"
 : >"$TB"
 bench_failed=0
+incomplete=0
 software=0
 have_py=1
 command -v "$PY" >/dev/null 2>&1 || have_py=0
@@ -168,6 +169,8 @@ for model in cifar-net resnet50 bert; do
         if [ "$budget" -lt 20 ]; then
             log "skipping hemi $model $hp: past the time budget"
             printf '{"status": "skipped", "why": "time budget", "model": "%s", "precision": "%s"}\n' "$model" "$hp" >>"$HB"
+            printf '{"status": "skipped", "why": "time budget", "model": "%s", "mode": "%s"}\n' "$model" "$tp" >>"$TB"
+            incomplete=1
             continue
         fi
         lim=$((budget < 90 ? budget : 90))
@@ -237,10 +240,11 @@ fi
 if [ -n "$gpu" ] && [ -z "$icd" ]; then status=no-vulkan-driver; code=2
 elif [ "$trc" != 0 ] || [ -n "$failed" ] || [ "$bench_failed" = 1 ] || [ "$cuda_status" = failed ]; then status=failed; code=1
 elif [ -n "$skipped" ] || [ -z "$passed" ]; then status=skipped; code=2
+elif [ "$incomplete" = 1 ]; then status=incomplete; code=2
 elif [ -n "$gpu" ] && [ "$software" = 1 ]; then status=software-adapter; code=2
 else status=ok; code=0
 fi
-join() { paste -sd, "$1" | sed 's/,/,\n    /g'; }
+join() { awk 'NR > 1 { printf ",\n    " } { printf "%s", $0 }' "$1"; } # lines -> array items
 {
     printf '{\n'
     printf '  "status": "%s",\n' "$status"

@@ -20,8 +20,12 @@ import sys
 import time
 
 
+ARGS = None
+
+
 def fail(why, **kw):
-    print(json.dumps({"status": "unavailable", "why": why, **kw}))
+    run = {"model": ARGS.model, "mode": ARGS.mode} if ARGS else {}
+    print(json.dumps({"status": "unavailable", "why": why, **run, **kw}))
     sys.exit(2)
 
 
@@ -55,6 +59,8 @@ def main():
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--config", default=None, help="BERT: a config.json")
     a = ap.parse_args()
+    global ARGS
+    ARGS = a
     try:
         import torch
         import torch.nn as nn
