@@ -492,6 +492,12 @@ fn checkpoints_resume_on_either_device() {
 /// of each other. One epoch of 1,600 synthetic images (`hemi data`'s colour-coded classes,
 /// which CifarNet learns) in batches of 8, SGD with momentum.
 /// Minutes on lavapipe: run with `--ignored` (bench/gpu_check.sh runs it on a real GPU).
+///
+/// Not met yet (2026-12-07, lavapipe, 1,018 s for the GPU's 200 steps on a loaded 2-core
+/// machine; the CPU's take 3.6 s): both skip steps 0, 1, 20, 51, 80, 108, 120, 145 and 196,
+/// the CPU also step 199; the final losses are 1.319 (CPU) and 0.820 (GPU), the means of
+/// the last 20 0.806 and 0.743. The trajectories part within 200 steps of F16 training;
+/// whether by rounding alone is open (see `resnet20_sgd_amp_fp16`).
 #[test]
 #[ignore = "minutes on lavapipe; run with --ignored"]
 fn cifar_net_200_steps_amp_fp16() {
