@@ -110,6 +110,11 @@ enum Which {
         /// which segments: blocks or stages for the ResNets, layers for BERT).
         #[arg(long, value_name = "SEGMENTS", num_args = 0..=1, default_missing_value = "")]
         checkpoint_activations: Option<String>,
+        /// Where the steps run: cpu, or gpu / gpu:N (the wgpu backend; a build with
+        /// `--features gpu`). The batch is uploaded once; each timed step ends with the
+        /// loss read back, so it includes the device's work.
+        #[arg(long, default_value = "cpu")]
+        device: String,
     },
     /// Convolution layers: forward, input gradient and weight gradient, F32/F16/BF16.
     ///
@@ -322,8 +327,10 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             config,
             max_length,
             checkpoint_activations,
+            device,
         } => {
             let spec = hemi::models::registry::find(model)?;
+            let device: hemi::Device = device.parse()?;
             let ckpt = checkpoint_activations.as_deref();
             if spec.input == hemi::models::registry::InputKind::Text {
                 let text = TextBench {
@@ -332,13 +339,21 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
                     max_length: *max_length,
                 };
                 pool.install(|| {
-                    bench_train_text(&args, &spec, &text, *precision, *batch_size, *steps, ckpt)
+                    bench_train_text(
+                        &args,
+                        &spec,
+                        &text,
+                        *precision,
+                        (*batch_size, *steps, device),
+                        ckpt,
+                    )
                 })
             } else {
                 let shape = Shape {
                     batch: *batch_size,
                     steps: *steps,
                     size: *image_size,
+                    device,
                 };
                 pool.install(|| bench_train(&args, &spec, *precision, shape, ckpt))
             }
@@ -570,6 +585,7 @@ struct Shape {
     batch: usize,
     steps: usize,
     size: usize,
+    device: hemi::Device,
 }
 
 /// Turns on `--checkpoint-activations` (`asked`) for `model` and starts counting the heap;
@@ -623,6 +639,43 @@ impl StepHeap {
 
 const MIB: f64 = (1 << 20) as f64;
 
+/// ` on gpu:0 (adapter)` for a run off the CPU, for the table line.
+fn on_device(device: hemi::Device) -> String {
+    match (device, adapter_record(device)) {
+        (hemi::Device::Cpu, _) => String::new(),
+        (d, serde_json::Value::Object(a)) => {
+            format!(" on {d} ({})", a["name"].as_str().unwrap_or("?"))
+        }
+        (d, _) => format!(" on {d}"),
+    }
+}
+
+/// The GPU a `--device gpu:N` run used (name, driver, whether it has native F16) and its
+/// allocator's peak, MiB; null on the CPU.
+#[cfg(feature = "gpu")]
+fn adapter_record(device: hemi::Device) -> serde_json::Value {
+    let hemi::Device::Gpu(n) = device else {
+        return serde_json::Value::Null;
+    };
+    match hemi::gpu::context(n) {
+        Ok(ctx) => {
+            let info = ctx.info();
+            let mem = ctx.memory_stats();
+            serde_json::json!({
+                "name": info.name, "driver": info.driver, "shader_f16": info.shader_f16,
+                "peak_allocated_mib": mem.peak_allocated as f64 / MIB,
+                "peak_reserved_mib": mem.peak_reserved as f64 / MIB,
+            })
+        }
+        Err(_) => serde_json::Value::Null,
+    }
+}
+
+#[cfg(not(feature = "gpu"))]
+fn adapter_record(_device: hemi::Device) -> serde_json::Value {
+    serde_json::Value::Null
+}
+
 /// Median images/s of full training steps of `model` under `precision` on random data.
 fn bench_train(
     args: &BenchArgs,
@@ -632,7 +685,12 @@ fn bench_train(
     checkpoint: Option<&str>,
 ) -> Result<()> {
     const WARMUP: usize = 2;
-    let Shape { batch, steps, size } = shape;
+    let Shape {
+        batch,
+        steps,
+        size,
+        device,
+    } = shape;
     let model_name = spec.name;
     if batch == 0 || steps == 0 {
         return Err(Error::arg(
@@ -643,6 +701,7 @@ fn bench_train(
     let mut rng = Generator::new(0);
     let mut model = crate::train::build_model(model_name, [3, size, size], 10, 0)?;
     let ckpt = bench_checkpointing(spec, model.as_mut(), checkpoint)?;
+    model.to_device(device)?;
     precision.prepare_model(model.as_mut())?;
     let mut opt = AmpOptimizer::new(
         precision,
@@ -660,8 +719,9 @@ fn bench_train(
             )?) as Box<dyn Optimizer>)
         },
     )?;
-    let images = Tensor::randn(&[batch, 3, size, size], 0.0, 1.0, DType::F32, &mut rng)?;
-    let labels = Tensor::randint(&[batch], 10, &mut rng)?;
+    let images = Tensor::randn(&[batch, 3, size, size], 0.0, 1.0, DType::F32, &mut rng)?
+        .to_device(device)?;
+    let labels = Tensor::randint(&[batch], 10, &mut rng)?.to_device(device)?;
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
     let mut heap = StepHeap::default();
@@ -707,6 +767,7 @@ fn bench_train(
         let j = serde_json::json!({
             "bench": "train", "model": model_name, "precision": precision.name(),
             "batch_size": batch, "image_size": size, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
+            "device": device.to_string(), "adapter": adapter_record(device),
             "checkpoint_activations": ckpt,
             "images_per_s": ips, "median_step_ms": med * 1e3,
             "peak_rss_mib": rss, "kept_heap_mib": kept, "step_heap_mib": step_peak,
@@ -716,10 +777,11 @@ fn bench_train(
         println!("{j}");
     } else {
         println!(
-            "train {model_name} {precision} batch {batch} ({size}x{size}){}, {} threads: {ips:.0} \
+            "train {model_name} {precision} batch {batch} ({size}x{size}){}{}, {} threads: {ips:.0} \
              images/s (median step {:.1} ms over {steps}), peak RSS {}, step heap {step_peak:.0} MiB \
              ({kept:.0} MiB kept for the backward)",
             ckpt.map_or(String::new(), |g| format!(", checkpointed {g}")),
+            on_device(device),
             args.threads,
             med * 1e3,
             rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))
@@ -776,8 +838,7 @@ fn bench_train_text(
     spec: &hemi::models::registry::ModelSpec,
     text: &TextBench<'_>,
     precision: Precision,
-    batch: usize,
-    steps: usize,
+    (batch, steps, device): (usize, usize, hemi::Device),
     checkpoint: Option<&str>,
 ) -> Result<()> {
     const WARMUP: usize = 2;
@@ -800,6 +861,7 @@ fn bench_train_text(
             ),
         ));
     }
+    model.to_device(device)?;
     precision.prepare_model(model.as_mut())?;
     let task = hemi::train::find_task(spec.task)?;
     let mut opt = AmpOptimizer::new(
@@ -842,7 +904,8 @@ fn bench_train_text(
         }),
         labels,
         indices: (0..batch).collect(),
-    };
+    }
+    .to_device(device)?;
     let mut times = Vec::with_capacity(steps);
     let mut last_loss = f64::NAN;
     let mut heap = StepHeap::default();
@@ -873,6 +936,7 @@ fn bench_train_text(
         let j = serde_json::json!({
             "bench": "train", "model": spec.name, "precision": precision.name(),
             "batch_size": batch, "max_length": l, "steps": steps, "threads": args.threads, "cpu": cpu_record(),
+            "device": device.to_string(), "adapter": adapter_record(device),
             "checkpoint_activations": ckpt,
             "sentences_per_s": sps, "median_step_ms": med * 1e3,
             "peak_rss_mib": rss, "kept_heap_mib": kept, "step_heap_mib": step_peak,
@@ -882,11 +946,12 @@ fn bench_train_text(
         println!("{j}");
     } else {
         println!(
-            "train {} {precision} batch {batch} x length {l}{}, {} threads: {sps:.1} sentences/s \
+            "train {} {precision} batch {batch} x length {l}{}{}, {} threads: {sps:.1} sentences/s \
              (median step {:.1} ms over {steps}), peak RSS {}, step heap {step_peak:.0} MiB \
              ({kept:.0} MiB kept for the backward)",
             spec.name,
             ckpt.map_or(String::new(), |g| format!(", checkpointed {g}")),
+            on_device(device),
             args.threads,
             med * 1e3,
             rss.map_or("unknown".into(), |m| format!("{m:.0} MiB"))

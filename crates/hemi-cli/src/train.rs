@@ -121,7 +121,8 @@ pub struct TrainArgs {
     threads: Option<usize>,
     /// Where the model trains: cpu, or gpu / gpu:N, a GPU of the wgpu backend (any Vulkan
     /// driver, Mesa's lavapipe included; needs a build with `--features gpu`). Each batch is
-    /// uploaded to it; checkpoints hold host copies and resume on the CPU.
+    /// uploaded to it while the step before it runs; checkpoints hold host copies and a run
+    /// resumes on either device.
     #[arg(help_heading = "Model and recipe", long, default_value = "cpu")]
     device: String,
     /// Data loader threads.

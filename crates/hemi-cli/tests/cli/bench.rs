@@ -99,3 +99,50 @@ fn cpu_level_caps_the_kernels_and_is_recorded() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("sse9") && err.contains("avx2"), "{err}");
 }
+
+/// `hemi bench train` records the device it ran on (`--device`, the CPU by default, with no
+/// adapter); a device that does not parse, and a GPU in a build without the `gpu` feature,
+/// are errors naming the device and the fix, not panics.
+#[test]
+fn train_bench_records_its_device_and_refuses_bad_ones() {
+    let t = tempfile::tempdir().unwrap();
+    let base = [
+        "bench",
+        "train",
+        "--model",
+        "mlp",
+        "--batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--json",
+    ];
+    let run = |extra: &[&str]| {
+        let all: Vec<&str> = base.iter().chain(extra).copied().collect();
+        hemi(t.path(), &all)
+    };
+    let out = ok(&run(&["--device", "cpu"]));
+    let row: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (&row["device"], &row["adapter"]),
+        (&"cpu".into(), &serde_json::Value::Null)
+    );
+    assert!(row["images_per_s"].as_f64().unwrap() > 0.0, "{row}");
+
+    let bad = run(&["--device", "tpu:0"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success() && err.contains("tpu:0") && err.contains("gpu:N"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    if !cfg!(feature = "gpu") {
+        let gpu = run(&["--device", "gpu"]);
+        let err = String::from_utf8_lossy(&gpu.stderr);
+        assert!(
+            !gpu.status.success() && err.contains("--features gpu"),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

@@ -15,6 +15,9 @@
 //! model trains. A worker's error arrives as an `Err` item in its batch's place (and ends
 //! the epoch); a worker that panics is reported as an error too.
 //!
+//! `Epoch::to_device` puts the batches on a GPU: a thread uploads batch `k + 1` while the
+//! training step on batch `k` runs, the batches bit-identical to uploading each in turn.
+//!
 //! Text loaders (`DataLoader::text`) keep all of this. Their samples are tokenised when the
 //! loader is made; a batch is padded to its longest sequence (dynamic padding), and its
 //! masked-LM draws (if any) come from (seed, epoch, sample index) like augmentations. With
@@ -709,6 +712,109 @@ impl Iterator for Epoch {
 
     fn size_hint(&self) -> (usize, Option<usize>) {
         (0, Some(self.remaining()))
+    }
+}
+
+impl Epoch {
+    /// The same batches on `device`. On the CPU they are this epoch's own; on another
+    /// device one thread uploads batch `k + 1` while the caller trains on batch `k` (the
+    /// hand-over is a rendezvous, so exactly one batch waits on the device). The batches
+    /// are bit for bit those of `Batch::to_device` in the caller's thread: an upload copies
+    /// the values, and the device's queue orders the copy before every later kernel.
+    pub fn to_device(self, device: crate::Device) -> OnDevice {
+        if device == crate::Device::Cpu {
+            return OnDevice(Uploads::Here(self));
+        }
+        let (tx, rx) = sync_channel(0);
+        // The thread owns the epoch: dropping `OnDevice` hangs up, the thread's next send
+        // fails, and it drops the epoch (which stops and joins the loader's workers).
+        let spawned = std::thread::Builder::new()
+            .name("hemi-upload".into())
+            .spawn(move || {
+                for batch in self {
+                    let batch = batch.and_then(|b| b.to_device(device));
+                    let failed = batch.is_err();
+                    if tx.send(batch).is_err() || failed {
+                        break;
+                    }
+                }
+            });
+        OnDevice(match spawned {
+            Ok(h) => Uploads::Ahead {
+                rx: Some(rx),
+                handle: Some(h),
+                device,
+            },
+            Err(e) => Uploads::Failed(Some(Error::Msg(format!(
+                "DataLoader: cannot start the thread uploading batches to {device}: {e}"
+            )))),
+        })
+    }
+}
+
+/// An epoch's batches on a device (`Epoch::to_device`), in order; an error ends it.
+pub struct OnDevice(Uploads);
+
+enum Uploads {
+    /// On the CPU: the epoch's own batches.
+    Here(Epoch),
+    /// Uploaded one batch ahead by a background thread.
+    Ahead {
+        rx: Option<Receiver<Result<Batch>>>,
+        handle: Option<JoinHandle<()>>,
+        device: crate::Device,
+    },
+    /// The thread could not start: this error, then nothing.
+    Failed(Option<Error>),
+}
+
+impl Iterator for OnDevice {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Result<Batch>> {
+        let (rx, handle, device) = match &mut self.0 {
+            Uploads::Here(epoch) => return epoch.next(),
+            Uploads::Failed(e) => return e.take().map(Err),
+            Uploads::Ahead { rx, handle, device } => (rx, handle, *device),
+        };
+        let got = rx.as_ref()?.recv();
+        match got {
+            Ok(batch) => {
+                if batch.is_err() {
+                    rx.take();
+                }
+                Some(batch)
+            }
+            Err(_) => {
+                // The thread hung up: the epoch ended, or the thread panicked.
+                rx.take();
+                match handle.take().map(JoinHandle::join) {
+                    Some(Err(panic)) => {
+                        let why = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "unknown panic".to_string());
+                        Some(Err(Error::Msg(format!(
+                            "DataLoader: the thread uploading batches to {device} failed: {why}"
+                        ))))
+                    }
+                    _ => None,
+                }
+            }
+        }
+    }
+}
+
+impl Drop for OnDevice {
+    fn drop(&mut self) {
+        if let Uploads::Ahead { rx, handle, .. } = &mut self.0 {
+            // Hanging up makes the thread's pending send fail; it then drops the epoch.
+            drop(rx.take());
+            if let Some(h) = handle.take() {
+                let _ = h.join();
+            }
+        }
     }
 }
 

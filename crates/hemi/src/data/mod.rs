@@ -52,7 +52,7 @@ pub use idx::{
 };
 pub use image_folder::{parse_image, ImageFolder, IMAGE_EXTENSIONS, MAX_IMAGE_SIDE};
 pub use inputs::{Inputs, TextInputs};
-pub use loader::{Batch, DataLoader, Epoch, LoaderConfig, Shard};
+pub use loader::{Batch, DataLoader, Epoch, LoaderConfig, OnDevice, Shard};
 pub use synthetic::{Synthetic, SYNTHETIC_CLASSES};
 pub use text::{
     Column, TextClassificationDataset, TextColumns, TextCorpus, TextDataset, TextSample,

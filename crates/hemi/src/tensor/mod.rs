@@ -364,8 +364,9 @@ impl Tensor {
     }
 
     /// Replaces the data of this (whole, contiguous) tensor with `src`'s values, in place:
-    /// all clones of the handle see the new values. Shapes and dtypes must match. Not
-    /// recorded by autograd (an optimizer's update).
+    /// all clones of the handle see the new values. Shapes and dtypes must match. The values
+    /// land on this tensor's device (a checkpoint read on the CPU loads into a model on a
+    /// GPU and stays there). Not recorded by autograd (an optimizer's update).
     pub fn set_data(&self, src: &Tensor) -> Result<()> {
         if src.shape() != self.shape() || src.dtype() != self.dtype() {
             return Err(Error::shape(
@@ -392,6 +393,12 @@ impl Tensor {
             src.storage()
         } else {
             Arc::new(src.storage().copy_strided(src.layout())?)
+        };
+        let device = self.device();
+        let new = if new.device() == device {
+            new
+        } else {
+            Arc::new(new.to_device(device)?)
         };
         *self.0.storage.write().expect("storage lock poisoned") = new;
         Ok(())

@@ -839,8 +839,9 @@ fn evaluate_sums(
     let device = model_device(&*model);
     let run = || -> Result<(usize, usize, f64)> {
         let (mut correct, mut total, mut loss_sum) = (0usize, 0usize, 0.0);
-        for batch in loader.epoch(0) {
-            let batch = batch?.to_device(device)?;
+        // Uploaded to the model's device one batch ahead (nothing to do on the CPU).
+        for batch in loader.epoch(0).to_device(device) {
+            let batch = batch?;
             let out = {
                 let _scope = forward_scope(precision, policy, &*model);
                 task.forward(&*model, &batch, precision, 0.0, true)?
@@ -1127,24 +1128,19 @@ pub fn train_with_callbacks(
     let group = cfg.dist.as_ref().map(|d| d.group.clone());
     let rank = group.as_ref().map_or(0, |g| g.rank());
     let root = rank == 0;
-    // A model moved to another device trains there: each batch is uploaded to it. Resuming
-    // would load the optimizer's state onto the CPU, and the collectives read host buffers.
+    // A model moved to another device trains there: each batch is uploaded to it.
+    // Checkpoints hold host copies, and a resumed run loads them onto the model's device
+    // (`Tensor::set_data`), so a run moves between the CPU and a GPU at a checkpoint. The
+    // collectives read host buffers.
     let device = model_device(&*model);
-    if device != crate::Device::Cpu {
-        let what = match (cfg.resume, cfg.dist.is_some()) {
-            (true, _) => Some("resuming a run"),
-            (_, true) => Some("data-parallel training"),
-            _ => None,
-        };
-        if let Some(what) = what {
-            return Err(Error::device(
-                "train",
-                format!(
-                    "{what} on {device} is not supported yet: use the CPU (--device cpu); \
-                     checkpoints written on a GPU resume there"
-                ),
-            ));
-        }
+    if device != crate::Device::Cpu && cfg.dist.is_some() {
+        return Err(Error::device(
+            "train",
+            format!(
+                "data-parallel training on {device} is not supported yet: use the CPU \
+                 (--device cpu)"
+            ),
+        ));
     }
     let _dir_lock = preflight(train, test, cfg, root)?;
     let precision = cfg.precision;
@@ -1361,7 +1357,12 @@ pub fn train_with_callbacks(
         for c in callbacks.iter_mut() {
             c.on_epoch_start(epoch)?;
         }
-        for (b, batch) in (first_batch..).zip(train.epoch_from(epoch as u64 - 1, first_batch)) {
+        // Each batch is uploaded to the model's device while the step before it runs (a
+        // no-op on the CPU).
+        let batches = train
+            .epoch_from(epoch as u64 - 1, first_batch)
+            .to_device(device);
+        for (b, batch) in (first_batch..).zip(batches) {
             let progress = Progress {
                 epochs_done: epoch - 1,
                 batches_done: b,
@@ -1382,8 +1383,7 @@ pub fn train_with_callbacks(
                     progress,
                 ));
             }
-            // Uploaded to the model's device (a no-op on the CPU).
-            let batch = batch?.to_device(device)?;
+            let batch = batch?;
             // The schedule is a closed form of the global step: a resumed run sets the same
             // lr an uninterrupted one would.
             let t = ((epoch - 1) * train.num_batches() + b) as u64;
