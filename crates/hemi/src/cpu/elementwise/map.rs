@@ -7,6 +7,7 @@ use num_traits::{Float, One, Zero};
 use rayon::prelude::*;
 
 use crate::backend::map::{BinaryOp, UnaryOp};
+use crate::cpu::chunked::for_each_chunk;
 use crate::dtype::FloatDType;
 use crate::rng::Generator;
 
@@ -21,13 +22,13 @@ pub(crate) fn zip_map<C: FloatDType>(a: &[C], b: &[C], f: impl Fn(C, C) -> C + S
     }
     let mut out = vec![C::zero(); a.len()];
     crate::threads::nudge();
-    out.par_chunks_mut(PAR_THRESHOLD)
-        .zip(a.par_chunks(PAR_THRESHOLD).zip(b.par_chunks(PAR_THRESHOLD)))
-        .for_each(|(o, (x, y))| {
-            for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
-                *o = f(x, y);
-            }
-        });
+    for_each_chunk(&mut out, PAR_THRESHOLD, &|i, o| {
+        let start = i * PAR_THRESHOLD;
+        let (x, y) = (&a[start..start + o.len()], &b[start..start + o.len()]);
+        for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+            *o = f(x, y);
+        }
+    });
     out
 }
 
@@ -38,13 +39,12 @@ pub(crate) fn map<C: FloatDType>(a: &[C], f: impl Fn(C) -> C + Sync) -> Vec<C> {
     }
     let mut out = vec![C::zero(); a.len()];
     crate::threads::nudge();
-    out.par_chunks_mut(PAR_THRESHOLD)
-        .zip(a.par_chunks(PAR_THRESHOLD))
-        .for_each(|(o, x)| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
-        });
+    for_each_chunk(&mut out, PAR_THRESHOLD, &|i, o| {
+        let x = &a[i * PAR_THRESHOLD..i * PAR_THRESHOLD + o.len()];
+        for (o, &x) in o.iter_mut().zip(x) {
+            *o = f(x);
+        }
+    });
     out
 }
 
