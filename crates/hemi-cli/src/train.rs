@@ -138,6 +138,9 @@ pub struct TrainArgs {
     /// Size of the built-in synthetic training set.
     #[arg(help_heading = "Data", long, default_value_t = Synthetic::DEFAULT_TRAIN_LEN)]
     synthetic_size: usize,
+    /// Size of the built-in synthetic test set (evaluated after every epoch).
+    #[arg(help_heading = "Data", long, default_value_t = Synthetic::DEFAULT_TEST_LEN)]
+    synthetic_test_size: usize,
     /// Checkpoint root: a checkpoint directory (epoch-0003/...) is written into it after every
     /// epoch and on Ctrl-C. A directory that already holds checkpoints needs --resume.
     #[arg(help_heading = "Checkpoints", long)]
@@ -340,7 +343,13 @@ fn has_class_folders(dir: &Path) -> bool {
     dir.join("train").is_dir() && dir.join("test").is_dir()
 }
 
-fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> Result<Data> {
+/// The synthetic split sizes (train, test), used when `kind` picks the synthetic set.
+fn load_data(
+    kind: DatasetArg,
+    dir: &Path,
+    seed: u64,
+    (synthetic_size, synthetic_test_size): (usize, usize),
+) -> Result<Data> {
     let t0 = Instant::now();
     let folder = |name: &'static str| -> Result<Data> {
         // Opened together: the same classes and one image size, checked before decoding.
@@ -377,7 +386,8 @@ fn load_data(kind: DatasetArg, dir: &Path, seed: u64, synthetic_size: usize) -> 
     let synthetic = |why: &str| -> Result<Data> {
         let train = Synthetic::try_generate(seed, Split::Train, synthetic_size)
             .map_err(|e| Error::arg("train", format!("--synthetic-size: {e}")))?;
-        let test = Synthetic::try_generate(seed, Split::Test, Synthetic::DEFAULT_TEST_LEN)?;
+        let test = Synthetic::try_generate(seed, Split::Test, synthetic_test_size)
+            .map_err(|e| Error::arg("train", format!("--synthetic-test-size: {e}")))?;
         Ok(Data {
             name: "synthetic",
             description: format!(
@@ -685,7 +695,8 @@ fn prepare_images(
             ),
         ));
     }
-    let data = load_data(args.dataset, data_dir, args.seed, args.synthetic_size)?;
+    let sizes = (args.synthetic_size, args.synthetic_test_size);
+    let data = load_data(args.dataset, data_dir, args.seed, sizes)?;
     println!("data: {}", data.description);
     let shape = data.train.image_shape();
     let classes = data.train.num_classes();
@@ -725,6 +736,13 @@ fn prepare_images(
             "synthetic_size".to_string(),
             args.synthetic_size.to_string(),
         );
+        // Only when not the default: older checkpoints still resume and evaluate.
+        if args.synthetic_test_size != Synthetic::DEFAULT_TEST_LEN {
+            settings.insert(
+                "synthetic_test_size".to_string(),
+                args.synthetic_test_size.to_string(),
+            );
+        }
     }
     Ok(Prepared {
         model,
@@ -1836,17 +1854,26 @@ pub(crate) fn eval_setup(
             )))
         }
     };
-    // The synthetic training split as the run had it (quantize calibrates on it).
-    let synthetic_size = match ck.info.settings.get("synthetic_size") {
-        Some(s) => s.parse().map_err(|_| {
-            Error::Msg(format!(
-                "checkpoint {}: synthetic_size {s:?} is not a number",
-                ck.dir.display()
-            ))
-        })?,
-        None => 1,
+    // The synthetic splits as the run had them (quantize calibrates on the training split).
+    let size = |key: &str, absent: usize| -> Result<usize> {
+        match ck.info.settings.get(key) {
+            Some(s) => s.parse().map_err(|_| {
+                Error::Msg(format!(
+                    "checkpoint {}: {key} {s:?} is not a number",
+                    ck.dir.display()
+                ))
+            }),
+            None => Ok(absent),
+        }
     };
-    let data = load_data(kind, &dir, ck.info.seed, synthetic_size)?;
+    let synthetic_size = size("synthetic_size", 1)?;
+    let synthetic_test_size = size("synthetic_test_size", Synthetic::DEFAULT_TEST_LEN)?;
+    let data = load_data(
+        kind,
+        &dir,
+        ck.info.seed,
+        (synthetic_size, synthetic_test_size),
+    )?;
     let names = data.test.class_names();
     if data.test.num_classes() != ck.info.classes
         || (!ck.info.class_names.is_empty() && names != ck.info.class_names.as_slice())

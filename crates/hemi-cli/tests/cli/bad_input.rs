@@ -57,7 +57,7 @@ fn succeeds(o: &Output) -> String {
     out
 }
 
-/// A small, fast training run on the synthetic set.
+/// A small, fast training run on the synthetic set (256 training and 200 test images).
 fn small(extra: &[&str]) -> Vec<String> {
     let mut v: Vec<String> = [
         "train",
@@ -65,6 +65,8 @@ fn small(extra: &[&str]) -> Vec<String> {
         "synthetic",
         "--synthetic-size",
         "256",
+        "--synthetic-test-size",
+        "200",
         "--batch-size",
         "64",
         "--log-every",
@@ -383,7 +385,10 @@ fn log_lines_reach_stdout_when_it_is_not_a_terminal() {
     let out = succeeds(&run(t.path(), &[]));
     assert!(out.contains("[1,     2] loss: "), "{out}");
     assert!(out.contains("[1,     4] loss: "), "{out}");
-    assert!(out.contains("Accuracy of the network on the 1000 test images"));
+    assert!(
+        out.contains("Accuracy of the network on the 200 test images"),
+        "{out}"
+    );
 }
 
 #[test]
