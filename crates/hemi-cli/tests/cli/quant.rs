@@ -16,6 +16,8 @@ fn train(dir: &std::path::Path, model: &str, extra: &[&str]) -> String {
         "synthetic",
         "--synthetic-size",
         "1024",
+        "--synthetic-test-size",
+        "400",
         "--batch-size",
         "64",
         "--optimizer",
@@ -35,7 +37,7 @@ fn train(dir: &std::path::Path, model: &str, extra: &[&str]) -> String {
 }
 
 /// A copy in `dir/ck` of one CifarNet float checkpoint directory trained once per test
-/// process (3 epochs, amp-fp16 Adam on 1024 synthetic images): the INT8 tests quantise it
+/// process (3 epochs, amp-fp16 Adam on 1024 synthetic images, 400 test images): the INT8 tests quantise it
 /// and fine-tune from it, and each works in its own directory.
 fn trained_cifar_net(dir: &std::path::Path) {
     static TRAINED: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
