@@ -10,7 +10,7 @@
 # 1. The wgpu backend's test suite (crates/hemi/tests/gpu: every primitive against the CPU,
 #    training steps of CifarNet, ResNet-20 and BERT under fp32/amp-fp16/amp-bf16, the
 #    loader's uploads, checkpoints across devices, and the ignored 200-step CifarNet
-#    amp-fp16 run) on the real GPU through Vulkan, HEMI_REQUIRE_GPU=1 (`wgpu_tests.log`).
+#    amp-fp16 run) on the real GPU through Vulkan, HEMI_REQUIRE_GPU=1 and HEMI_REQUIRE_SHADER_F16=1 (`wgpu_tests.log`).
 # 2. `hemi bench train --device gpu` for CifarNet (batch 128, 32x32), ResNet-50 (batch 32,
 #    224x224) and BERT (all-MiniLM-L6-v2's shape from bench/minilm_config.json, fresh
 #    weights, batch 32 x 64 tokens) under fp32, amp-fp16 and amp-bf16 (`hemi_bench.jsonl`).
@@ -117,7 +117,7 @@ tlimit=$(( $(left) / 2 ))
 filter=()
 [ -n "${GPU_CHECK_TESTS:-}" ] && filter=("$GPU_CHECK_TESTS")
 # The drivers' own messages (stderr) go apart, so that they cannot split a result line.
-HEMI_REQUIRE_GPU=1 timeout "$tlimit" "$TESTS" --test-threads=1 --include-ignored --show-output "${filter[@]}" >>"$TLOG" 2>"$OUT/wgpu_tests.stderr"
+HEMI_REQUIRE_GPU=1 HEMI_REQUIRE_SHADER_F16=1 timeout "$tlimit" "$TESTS" --test-threads=1 --include-ignored --show-output "${filter[@]}" >>"$TLOG" 2>"$OUT/wgpu_tests.stderr"
 trc=$?
 twall=$(( $(date +%s) - t0 ))
 passed=$(grep -E '^test .* \.\.\. ok$' "$TLOG" | sed -E 's/^test (.*) \.\.\. ok$/\1/')

@@ -40,6 +40,24 @@ fn have_gpu(test: &str) -> bool {
     }
 }
 
+/// True when `gpu:0` has `SHADER_F16` (the native F16 route); else prints `SKIPPED (the
+/// adapter lacks SHADER_F16)`, or fails under `HEMI_REQUIRE_SHADER_F16=1` (CI: lavapipe has
+/// it, so the native route must run there).
+fn have_shader_f16(test: &str) -> bool {
+    let ctx = hemi::gpu::context(0).unwrap();
+    if ctx.info().shader_f16 {
+        return true;
+    }
+    if std::env::var("HEMI_REQUIRE_SHADER_F16").as_deref() == Ok("1") {
+        panic!(
+            "{test}: HEMI_REQUIRE_SHADER_F16=1 but {} lacks SHADER_F16",
+            ctx.info().name
+        );
+    }
+    eprintln!("{test}: SKIPPED (the adapter lacks SHADER_F16)");
+    false
+}
+
 macro_rules! need_gpu {
     ($name:expr) => {
         if !crate::have_gpu($name) {
@@ -539,11 +557,10 @@ fn round_into_matches_the_cpu_bit_for_bit() {
 fn both_routes(f: impl Fn(&str)) {
     let ctx = hemi::gpu::context(0).unwrap();
     assert_eq!(ctx.native_f16(), ctx.info().shader_f16);
-    if ctx.native_f16() {
+    if have_shader_f16("the native F16 route") {
+        assert!(ctx.native_f16());
         eprintln!("route: native f16");
         f("native f16");
-    } else {
-        eprintln!("the adapter lacks SHADER_F16: only the packed route runs");
     }
     hemi::gpu::with_packed_halves(|| {
         assert!(!ctx.native_f16());
@@ -603,11 +620,10 @@ fn half_mismatches(x: &[u32], got: &[u16], want: &[u16]) -> (usize, Vec<String>)
 #[test]
 fn wgsl_native_f16_conversion_drops_nan_payloads_on_lavapipe() {
     need_gpu!("wgsl_native_f16_conversion_drops_nan_payloads_on_lavapipe");
-    let ctx = hemi::gpu::context(0).unwrap();
-    if !ctx.info().shader_f16 {
-        eprintln!("SKIPPED (the adapter lacks SHADER_F16)");
+    if !have_shader_f16("wgsl_native_f16_conversion_drops_nan_payloads_on_lavapipe") {
         return;
     }
+    let ctx = hemi::gpu::context(0).unwrap();
     let src = "enable f16;\n\
         @group(0) @binding(0) var<storage, read> p: array<u32>;\n\
         @group(0) @binding(1) var<storage, read_write> out: array<f16>;\n\
