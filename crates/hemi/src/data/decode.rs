@@ -191,6 +191,9 @@ fn decode_png(bytes: &[u8], limits: Limits) -> Result<(u32, u32, Vec<u8>), Decod
 /// Interleaved samples of 1–4 channels (grey, grey+alpha, RGB, RGBA), 8-bit or 16-bit
 /// big-endian, to 8-bit RGB.
 fn to_rgb8(src: &[u8], channels: usize, wide: bool) -> Vec<u8> {
+    if channels == 3 && !wide {
+        return src.to_vec();
+    }
     let sample = if wide { 2 } else { 1 };
     let px = src.len() / (channels * sample);
     let at = |i: usize| -> u8 {
