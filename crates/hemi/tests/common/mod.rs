@@ -293,6 +293,16 @@ pub fn gradcheck(
     inputs: &[(Vec<f64>, Vec<usize>)],
     f: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) {
+    gradcheck_dyn(what, inputs, &f)
+}
+
+/// [`gradcheck`]'s body, compiled once rather than once per closure.
+#[track_caller]
+fn gradcheck_dyn(
+    what: &str,
+    inputs: &[(Vec<f64>, Vec<usize>)],
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) {
     let mut rng = Generator::new(0x9e37);
     let leaves: Vec<Tensor> = inputs
         .iter()

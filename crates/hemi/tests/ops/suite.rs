@@ -223,8 +223,20 @@ fn same(
     backward: Agree,
     f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>>,
 ) {
-    let cpu = run(inputs, Device::Cpu, &f);
-    let other = run(inputs, BACKEND, &f);
+    same_dyn(what, inputs, forward, backward, &f)
+}
+
+/// [`same`]'s body, compiled once rather than once per closure.
+#[track_caller]
+fn same_dyn(
+    what: &str,
+    inputs: &[Input],
+    forward: Agree,
+    backward: Agree,
+    f: &dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>,
+) {
+    let cpu = run(inputs, Device::Cpu, f);
+    let other = run(inputs, BACKEND, f);
     for (k, ((dc, c), (dn, n))) in cpu.outputs.iter().zip(&other.outputs).enumerate() {
         assert_eq!(dc, dn, "{what}: output {k}'s dtype");
         let agree = if dc.is_float() { forward } else { Agree::Bits };
