@@ -184,6 +184,54 @@ dtype_tests!(
     super::far_apart_logits_stay_finite
 );
 
+/// Rows as wide as BERT's vocabulary (the row maximum runs in eight lanes, `exp` is the
+/// polynomial one), odd widths whose tails the lanes miss, and the max's special cases: a
+/// NaN anywhere makes its row NaN, zeros of both signs give a uniform row, -inf everywhere NaN.
+#[test]
+fn wide_rows_nans_and_signed_zeros() {
+    let mut rng = Generator::new(23);
+    for shape in [[3usize, 30522], [2, 1037], [4, 9], [5, 7]] {
+        let v = rand_values(shape.iter().product(), -12.0, 12.0, DType::F32, &mut rng);
+        let t = tensor(&v, &shape, DType::F32, false);
+        for log in [false, true] {
+            let out = if log { t.log_softmax(1) } else { t.softmax(1) }.unwrap();
+            assert_close(
+                &format!("log {log} {shape:?}"),
+                &out.to_vec_f64(),
+                &softmax_ref(&v, &shape, 1, log),
+                balanced(DType::F32),
+            );
+        }
+        // One NaN per row, at a lane position, in the tail, first and last.
+        let w = shape[1];
+        for at in [0, 5, w / 2, w - 1] {
+            let mut nv = v.clone();
+            nv[at] = f64::NAN;
+            let t = tensor(&nv, &shape, DType::F32, false);
+            let out = t.log_softmax(1).unwrap().to_vec_f64();
+            assert!(out[..w].iter().all(|x| x.is_nan()), "NaN at {at} of {w}");
+            assert!(
+                out[w..].iter().all(|x| !x.is_nan()),
+                "NaN leaked from row 0"
+            );
+        }
+    }
+    let z = [-0.0, 0.0, -0.0, 0.0, 0.0, -0.0, 0.0, -0.0, -0.0, 0.0, -0.0];
+    let t = tensor(&z, &[1, z.len()], DType::F32, false);
+    let out = t.log_softmax(1).unwrap().to_vec_f64();
+    let want = -(z.len() as f64).ln();
+    assert!(out.iter().all(|&x| (x - want).abs() < 1e-6), "{out:?}");
+    let inf = [f64::NEG_INFINITY; 13];
+    let out = tensor(&inf, &[1, 13], DType::F32, false)
+        .softmax(1)
+        .unwrap()
+        .to_vec_f64();
+    assert!(
+        out.iter().all(|x| x.is_nan()),
+        "all -inf: {out:?} (PyTorch: NaN)"
+    );
+}
+
 #[test]
 fn softmax_and_log_softmax_gradients() {
     let mut rng = Generator::new(22);

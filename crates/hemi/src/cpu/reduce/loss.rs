@@ -96,7 +96,7 @@ pub(crate) fn class_loss_grads<C: FloatDType>(
             for k in 0..classes {
                 let at = k * rows.inner + i;
                 let p = match &lp {
-                    Some(lp) => lp[o * block + at].exp(),
+                    Some(lp) => lp[o * block + at].exp_fast(),
                     None => C::zero(),
                 };
                 gb[at] = s * (p - per_class);

@@ -253,11 +253,34 @@ fn find<C: FloatDType>(op: ReduceOp, r: &[C]) -> (C, usize) {
 }
 
 /// The largest value of a row (NaN if any is NaN; -inf for an empty row), for softmax.
+///
+/// Eight running maxima in a loop that vectorises (a max is exact, so their order changes
+/// nothing); `find`'s scalar loop with its NaN test per element was most of a 30522-wide
+/// log-softmax (BERT's masked-LM head). A NaN or a zero maximum (whose sign is the first
+/// zero's) is settled by `find` itself, so every result is `find`'s.
 pub(crate) fn row_max<C: FloatDType>(r: &[C]) -> C {
     if r.is_empty() {
         return C::neg_infinity();
     }
-    find(ReduceOp::Max, r).0
+    let mut lanes = [C::neg_infinity(); 8];
+    let mut nan = false;
+    let chunks = r.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = if v > *l { v } else { *l };
+            nan |= v.is_nan();
+        }
+    }
+    let mut m = C::neg_infinity();
+    for &v in lanes.iter().chain(tail) {
+        m = if v > m { v } else { m };
+        nan |= v.is_nan();
+    }
+    if nan || m == C::zero() {
+        return find(ReduceOp::Max, r).0;
+    }
+    m
 }
 
 /// Mean and sum of squared deviations of a row, in the compute type. The data are first
@@ -290,7 +313,7 @@ fn centered<C: FloatDType>(r: &[C]) -> (C, C) {
 pub(crate) fn softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
     let m = row_max(x);
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m).exp();
+        *y = (x - m).exp_fast();
     }
     let inv = C::one() / sum_slice(y);
     y.iter_mut().for_each(|y| *y *= inv);
@@ -312,7 +335,7 @@ fn softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
 pub fn log_softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
     let m = row_max(x);
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - m).exp();
+        *y = (x - m).exp_fast();
     }
     let lse = sum_slice(y).ln();
     for (y, &x) in y.iter_mut().zip(x) {
@@ -324,7 +347,7 @@ pub fn log_softmax_row<C: FloatDType>(x: &[C], y: &mut [C]) {
 fn log_softmax_backward_row<C: FloatDType>(g: &[C], y: &[C], dx: &mut [C]) {
     let sg = sum_slice(g);
     for ((d, &g), &y) in dx.iter_mut().zip(g).zip(y) {
-        *d = g - y.exp() * sg;
+        *d = g - y.exp_fast() * sg;
     }
 }
 
