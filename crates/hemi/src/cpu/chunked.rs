@@ -426,13 +426,14 @@ pub fn map_chunks<T: Send, S, R: Send>(
     map_collect(v.count, 1, init, |s, i| f(s, i, unsafe { v.get(i) }))
 }
 
-/// [`for_each_chunk2`] over three mutable slices.
-pub fn for_each_chunk3<A: Send, B: Send, C: Send>(
+/// [`for_each_chunk2_init`] over three mutable slices.
+pub fn for_each_chunk3_init<A: Send, B: Send, C: Send, S>(
     a: (&mut [A], usize),
     b: (&mut [B], usize),
     c: (&mut [C], usize),
     min_len: usize,
-    body: &(dyn Fn(usize, &mut [A], &mut [B], &mut [C]) + Sync),
+    init: impl Fn() -> S + Sync + Send,
+    body: &(dyn Fn(&mut S, usize, &mut [A], &mut [B], &mut [C]) + Sync),
 ) {
     let (a, b, c) = (
         Chunks::new(a.0, a.1),
@@ -441,8 +442,8 @@ pub fn for_each_chunk3<A: Send, B: Send, C: Send>(
     );
     let n = a.count.min(b.count).min(c.count);
     // SAFETY: each chunk index is taken by one task only.
-    for_each_block(n, min_len, || (), |_, i| unsafe {
-        body(i, a.get(i), b.get(i), c.get(i))
+    for_each_block(n, min_len, init, |s, i| unsafe {
+        body(s, i, a.get(i), b.get(i), c.get(i))
     });
 }
 
