@@ -376,9 +376,23 @@ pub fn for_each_chunk_min<T: Send>(
     min_len: usize,
     body: &(dyn Fn(usize, &mut [T]) + Sync),
 ) {
+    for_each_chunk_init(out, chunk_len, min_len, || (), &|_, i, o| body(i, o));
+}
+
+/// [`for_each_chunk_min`] with per-task state: `init()` makes one `S` for each task of
+/// rayon's split (rayon's `for_each_init`), passed to `body(state, i, chunk)`.
+pub fn for_each_chunk_init<T: Send, S>(
+    out: &mut [T],
+    chunk_len: usize,
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    body: &(dyn Fn(&mut S, usize, &mut [T]) + Sync),
+) {
     let a = Chunks::new(out, chunk_len);
     // SAFETY: each chunk index is taken by one task only.
-    for_each_block(a.count, min_len, || (), |_, i| body(i, unsafe { a.get(i) }));
+    for_each_block(a.count, min_len, init, |s, i| {
+        body(s, i, unsafe { a.get(i) })
+    });
 }
 
 /// `body(i, a_i, b_i)` for the chunks `a_i` of `a.0` (`a.1` long) and `b_i` of `b.0` (`b.1`
