@@ -4,7 +4,6 @@
 //! `ops/pool.rs` checks the shapes and `cpu::ops::nn` hands over contiguous buffers in the compute
 //! type.
 
-
 pub use crate::backend::nn::Pool2dGeom;
 use crate::cpu::chunked;
 use crate::cpu::storage::CpuStorage;
@@ -61,10 +60,15 @@ fn for_each_plane<C: FloatDType, T: Send>(
     } else {
         crate::threads::nudge();
         // As many planes as the shorter side has (the serial loop's `zip`).
-        let planes = out.len().div_ceil(out_plane).min(inp.len().div_ceil(in_plane));
+        let planes = out
+            .len()
+            .div_ceil(out_plane)
+            .min(inp.len().div_ceil(in_plane));
         let end = (planes * out_plane).min(out.len());
         let out = &mut out[..end];
-        chunked::for_each_chunk(out, out_plane, &|p, o| f(o, chunked::chunk(inp, p, in_plane)));
+        chunked::for_each_chunk(out, out_plane, &|p, o| {
+            f(o, chunked::chunk(inp, p, in_plane))
+        });
     }
 }
 
@@ -158,9 +162,12 @@ pub fn max_pool2d_1x1<T: Copy + Default + Send + Sync>(
     crate::threads::nudge();
     // Planes in parallel (a serial gather was 1.2 % of a ResNet-20 amp-bf16 step).
     let min_len = (PAR_MIN / n_out).max(1);
-    chunked::for_each_chunk2((&mut out, n_out), (&mut idx, n_out), min_len, &|p, o, ix| {
-        body(((o, ix), chunked::chunk(x, p, n_in)))
-    });
+    chunked::for_each_chunk2(
+        (&mut out, n_out),
+        (&mut idx, n_out),
+        min_len,
+        &|p, o, ix| body(((o, ix), chunked::chunk(x, p, n_in))),
+    );
     (out, idx)
 }
 

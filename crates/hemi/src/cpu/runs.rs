@@ -12,8 +12,8 @@
 
 use std::ops::{AddAssign, Range};
 
-use num_traits::Zero;
 use crate::cpu::chunked::{for_each_chunk, map_collect};
+use num_traits::Zero;
 
 /// Most runs a sum is cut into. 16 divides evenly among 1, 2, 4, 8 and 16 threads, and the
 /// extra cost over one partial per thread is small: at CifarNet's batch of 128, conv2's 16

@@ -2,7 +2,6 @@
 
 use std::mem::MaybeUninit;
 
-
 use crate::error::{Error, Result};
 
 /// Gathers of at least this many elements copy their rows in parallel.

@@ -20,7 +20,6 @@
 //! convolution output is F32, and the pooled output is rounded once, as the unfused ops
 //! round it.
 
-
 use crate::cpu::chunked::{for_each_chunk2_init, map_chunks, sum, write};
 use crate::cpu::conv::im2col::{col2im_ld, im2col_ld};
 use crate::cpu::conv::Conv2dGeom;

@@ -498,10 +498,15 @@ fn split_and_run<A: WithDType, B: WithDType>(
         })
         .collect();
     crate::threads::nudge();
-    crate::cpu::chunked::for_each_block(tasks.len(), 1, || (), |_, t| {
-        let (rows, cols) = tasks[t].clone();
-        run_task(kernel, job, rows, cols)
-    });
+    crate::cpu::chunked::for_each_block(
+        tasks.len(),
+        1,
+        || (),
+        |_, t| {
+            let (rows, cols) = tasks[t].clone();
+            run_task(kernel, job, rows, cols)
+        },
+    );
 }
 
 /// Tile sizes (rows, cols) of the output, whole MR×NR micro-tiles each, for `threads` tasks.

@@ -6,8 +6,8 @@
 
 use std::borrow::Cow;
 
-use half::{bf16, f16};
 use crate::cpu::chunked::{for_each_chunk, for_each_chunk_min};
+use half::{bf16, f16};
 
 use crate::backend::nn::merged_row_stride;
 use crate::cpu::gemm::{blocked, select};

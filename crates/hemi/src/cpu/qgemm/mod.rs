@@ -124,10 +124,15 @@ pub fn qgemm(a: &[u8], m: usize, lda: usize, b: &PackedB, epi: Epilogue<'_>) -> 
         run_task(kernel, &job, 0..m, 0..n);
     } else {
         crate::threads::nudge();
-        crate::cpu::chunked::for_each_block(tasks.len(), 1, || (), |_, t| {
-            let (rows, cols) = tasks[t].clone();
-            run_task(kernel, &job, rows, cols)
-        });
+        crate::cpu::chunked::for_each_block(
+            tasks.len(),
+            1,
+            || (),
+            |_, t| {
+                let (rows, cols) = tasks[t].clone();
+                run_task(kernel, &job, rows, cols)
+            },
+        );
     }
     Ok(())
 }
