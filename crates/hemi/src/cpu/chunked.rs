@@ -426,6 +426,26 @@ pub fn for_each_chunk2_init<A: Send, B: Send, S>(
     });
 }
 
+/// [`for_each_chunk2`] over four mutable slices (Adam's parameters and state).
+pub fn for_each_chunk4<A: Send, B: Send, C: Send, D: Send>(
+    a: (&mut [A], usize),
+    b: (&mut [B], usize),
+    c: (&mut [C], usize),
+    d: (&mut [D], usize),
+    body: &(dyn Fn(usize, &mut [A], &mut [B], &mut [C], &mut [D]) + Sync),
+) {
+    let (a, b) = (Chunks::new(a.0, a.1), Chunks::new(b.0, b.1));
+    let (c, d) = (Chunks::new(c.0, c.1), Chunks::new(d.0, d.1));
+    let n = a.count.min(b.count).min(c.count).min(d.count);
+    // SAFETY: each chunk index is taken by one task only.
+    for_each_block(
+        n,
+        1,
+        || (),
+        |_, i| unsafe { body(i, a.get(i), b.get(i), c.get(i), d.get(i)) },
+    );
+}
+
 /// `f(state, i, chunk_i)` for the `chunk_len`-sized chunks of `v` (the last one shorter) in
 /// parallel, the results in chunk order (rayon's `par_chunks_mut(..).enumerate()
 /// .map_init(init, ..).collect()`), through [`map_collect`].
