@@ -355,16 +355,15 @@ fn for_each_erased(
 }
 
 /// `body(i, chunk)` for the `chunk_len`-sized chunks of `out` (the last one shorter) in
-/// parallel: rayon's `par_chunks_mut` compiled once per element type, not once per kernel
-/// closure (as [`for_each_block`]).
+/// parallel (rayon's `par_chunks_mut(..).enumerate().for_each(..)`): through
+/// [`for_each_block`]'s one pipeline, not a rayon pipeline per element type or kernel
+/// closure.
 pub fn for_each_chunk<T: Send>(
     out: &mut [T],
     chunk_len: usize,
     body: &(dyn Fn(usize, &mut [T]) + Sync),
 ) {
-    out.par_chunks_mut(chunk_len)
-        .enumerate()
-        .for_each(|(i, o)| body(i, o));
+    for_each_chunk_init(out, chunk_len, 1, || (), &|_, i, o| body(i, o));
 }
 
 /// `body(i, chunk)` for the `chunk_len`-sized chunks of `out` (the last one shorter) in
