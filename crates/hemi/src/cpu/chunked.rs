@@ -399,6 +399,7 @@ pub fn for_each_chunk_init<T: Send, S>(
 /// `par_chunks_mut`), in parallel, at least `min_len` per task: one `for_each_block`
 /// pipeline instead of a zipped rayon pipeline per kernel closure. Read-only inputs are cut
 /// by the body with [`chunk`].
+#[allow(clippy::type_complexity)]
 pub fn for_each_chunk2<A: Send, B: Send>(
     a: (&mut [A], usize),
     b: (&mut [B], usize),
@@ -410,6 +411,7 @@ pub fn for_each_chunk2<A: Send, B: Send>(
 
 /// [`for_each_chunk2`] with per-task state: `init()` makes one `S` for each task of rayon's
 /// split (rayon's `for_each_init`), passed to `body(state, i, a_i, b_i)`.
+#[allow(clippy::type_complexity)]
 pub fn for_each_chunk2_init<A: Send, B: Send, S>(
     a: (&mut [A], usize),
     b: (&mut [B], usize),
@@ -426,6 +428,7 @@ pub fn for_each_chunk2_init<A: Send, B: Send, S>(
 }
 
 /// [`for_each_chunk2`] over four mutable slices (Adam's parameters and state).
+#[allow(clippy::type_complexity)]
 pub fn for_each_chunk4<A: Send, B: Send, C: Send, D: Send>(
     a: (&mut [A], usize),
     b: (&mut [B], usize),
@@ -460,6 +463,7 @@ pub fn map_chunks<T: Send, S, R: Send>(
 }
 
 /// [`for_each_chunk2_init`] over three mutable slices.
+#[allow(clippy::type_complexity)]
 pub fn for_each_chunk3_init<A: Send, B: Send, C: Send, S>(
     a: (&mut [A], usize),
     b: (&mut [B], usize),
