@@ -26,9 +26,9 @@
 //! mask stored.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use crate::backend::nn::AttentionGeom;
+use crate::cpu::chunked::{for_each_chunk2_init, for_each_chunk3_init};
 use crate::cpu::elementwise::map::PAR_THRESHOLD;
 use crate::cpu::gemm::{product, MatRef};
 use crate::dtype::{convert, same_slice, same_slice_mut, DType, FloatDType, WithDType};
@@ -469,11 +469,12 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
         )
     };
     crate::threads::nudge();
-    out.par_chunks_mut((lq * dv).max(1))
-        .zip(lse.par_chunks_mut(lq.max(1)))
-        .enumerate()
-        .with_min_len((PAR_THRESHOLD / work).max(1))
-        .for_each_init(scratch, |(masks, s, o, z, sr), (h, (out, lse))| {
+    for_each_chunk2_init(
+        (&mut out, (lq * dv).max(1)),
+        (&mut lse, lq.max(1)),
+        (PAR_THRESHOLD / work).max(1),
+        scratch,
+        &|(masks, s, o, z, sr), h, out, lse| {
             let (kt, vm) = (kh.mat(h, 0, lk, d).t(), vh.mat(h, 0, lk, dv));
             for i0 in (0..lq).step_by(bq_max) {
                 let bq = bq_max.min(lq - i0);
@@ -501,7 +502,8 @@ pub(crate) fn forward<T: WithDType, C: FloatDType>(
                     }
                 }
             }
-        });
+        },
+    );
     (out, lse)
 }
 
@@ -549,13 +551,13 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
         )
     };
     crate::threads::nudge();
-    dq_all
-        .par_chunks_mut((lq * d).max(1))
-        .zip(dk_all.par_chunks_mut((lk * d).max(1)))
-        .zip(dv_all.par_chunks_mut((lk * dv).max(1)))
-        .enumerate()
-        .with_min_len((PAR_THRESHOLD / work).max(1))
-        .for_each_init(scratch, |scr, (h, ((dq, dk_t), dv_t))| {
+    for_each_chunk3_init(
+        (&mut dq_all, (lq * d).max(1)),
+        (&mut dk_all, (lk * d).max(1)),
+        (&mut dv_all, (lk * dv).max(1)),
+        (PAR_THRESHOLD / work).max(1),
+        scratch,
+        &|scr, h, dq, dk_t, dv_t| {
             let (masks, (dk, dvacc), (p, dp), dqb, z, rounded) = scr;
             let (km, vm) = (kh.mat(h, 0, lk, d), vh.mat(h, 0, lk, dv));
             for i0 in (0..lq).step_by(nb) {
@@ -608,7 +610,8 @@ pub(crate) fn backward<T: WithDType, C: FloatDType>(
             }
             store_row(dk, dk_t);
             store_row(dvacc, dv_t);
-        });
+        },
+    );
     (dq_all, dk_all, dv_all)
 }
 

@@ -355,20 +355,213 @@ fn for_each_erased(
 }
 
 /// `body(i, chunk)` for the `chunk_len`-sized chunks of `out` (the last one shorter) in
-/// parallel: rayon's `par_chunks_mut` compiled once per element type, not once per kernel
-/// closure (as [`for_each_block`]).
+/// parallel (rayon's `par_chunks_mut(..).enumerate().for_each(..)`): through
+/// [`for_each_block`]'s one pipeline, not a rayon pipeline per element type or kernel
+/// closure.
 pub fn for_each_chunk<T: Send>(
     out: &mut [T],
     chunk_len: usize,
     body: &(dyn Fn(usize, &mut [T]) + Sync),
 ) {
-    out.par_chunks_mut(chunk_len)
-        .enumerate()
-        .for_each(|(i, o)| body(i, o));
+    for_each_chunk_init(out, chunk_len, 1, || (), &|_, i, o| body(i, o));
+}
+
+/// `body(i, chunk)` for the `chunk_len`-sized chunks of `out` (the last one shorter) in
+/// parallel, at least `min_len` chunks per task (`par_chunks_mut(..).enumerate()
+/// .with_min_len(..)`), through [`for_each_block`]'s one pipeline.
+pub fn for_each_chunk_min<T: Send>(
+    out: &mut [T],
+    chunk_len: usize,
+    min_len: usize,
+    body: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    for_each_chunk_init(out, chunk_len, min_len, || (), &|_, i, o| body(i, o));
+}
+
+/// [`for_each_chunk_min`] with per-task state: `init()` makes one `S` for each task of
+/// rayon's split (rayon's `for_each_init`), passed to `body(state, i, chunk)`.
+pub fn for_each_chunk_init<T: Send, S>(
+    out: &mut [T],
+    chunk_len: usize,
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    body: &(dyn Fn(&mut S, usize, &mut [T]) + Sync),
+) {
+    let a = Chunks::new(out, chunk_len);
+    // SAFETY: each chunk index is taken by one task only.
+    for_each_block(a.count, min_len, init, |s, i| {
+        body(s, i, unsafe { a.get(i) })
+    });
+}
+
+/// `body(i, a_i, b_i)` for the chunks `a_i` of `a.0` (`a.1` long) and `b_i` of `b.0` (`b.1`
+/// long), the last ones shorter, as many as the shorter list has (rayon's `zip` of two
+/// `par_chunks_mut`), in parallel, at least `min_len` per task: one `for_each_block`
+/// pipeline instead of a zipped rayon pipeline per kernel closure. Read-only inputs are cut
+/// by the body with [`chunk`].
+#[allow(clippy::type_complexity)]
+pub fn for_each_chunk2<A: Send, B: Send>(
+    a: (&mut [A], usize),
+    b: (&mut [B], usize),
+    min_len: usize,
+    body: &(dyn Fn(usize, &mut [A], &mut [B]) + Sync),
+) {
+    for_each_chunk2_init(a, b, min_len, || (), &|_, i, a, b| body(i, a, b));
+}
+
+/// [`for_each_chunk2`] with per-task state: `init()` makes one `S` for each task of rayon's
+/// split (rayon's `for_each_init`), passed to `body(state, i, a_i, b_i)`.
+#[allow(clippy::type_complexity)]
+pub fn for_each_chunk2_init<A: Send, B: Send, S>(
+    a: (&mut [A], usize),
+    b: (&mut [B], usize),
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    body: &(dyn Fn(&mut S, usize, &mut [A], &mut [B]) + Sync),
+) {
+    let (a, b) = (Chunks::new(a.0, a.1), Chunks::new(b.0, b.1));
+    let n = a.count.min(b.count);
+    // SAFETY: each chunk index is taken by one task only.
+    for_each_block(n, min_len, init, |s, i| unsafe {
+        body(s, i, a.get(i), b.get(i))
+    });
+}
+
+/// [`for_each_chunk2`] over four mutable slices (Adam's parameters and state).
+#[allow(clippy::type_complexity)]
+pub fn for_each_chunk4<A: Send, B: Send, C: Send, D: Send>(
+    a: (&mut [A], usize),
+    b: (&mut [B], usize),
+    c: (&mut [C], usize),
+    d: (&mut [D], usize),
+    body: &(dyn Fn(usize, &mut [A], &mut [B], &mut [C], &mut [D]) + Sync),
+) {
+    let (a, b) = (Chunks::new(a.0, a.1), Chunks::new(b.0, b.1));
+    let (c, d) = (Chunks::new(c.0, c.1), Chunks::new(d.0, d.1));
+    let n = a.count.min(b.count).min(c.count).min(d.count);
+    // SAFETY: each chunk index is taken by one task only.
+    for_each_block(
+        n,
+        1,
+        || (),
+        |_, i| unsafe { body(i, a.get(i), b.get(i), c.get(i), d.get(i)) },
+    );
+}
+
+/// `f(state, i, chunk_i)` for the `chunk_len`-sized chunks of `v` (the last one shorter) in
+/// parallel, the results in chunk order (rayon's `par_chunks_mut(..).enumerate()
+/// .map_init(init, ..).collect()`), through [`map_collect`].
+pub fn map_chunks<T: Send, S, R: Send>(
+    v: &mut [T],
+    chunk_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: &(dyn Fn(&mut S, usize, &mut [T]) -> R + Sync),
+) -> Vec<R> {
+    let v = Chunks::new(v, chunk_len);
+    // SAFETY: each chunk index is taken by one task only.
+    map_collect(v.count, 1, init, |s, i| f(s, i, unsafe { v.get(i) }))
+}
+
+/// [`for_each_chunk2_init`] over three mutable slices.
+#[allow(clippy::type_complexity)]
+pub fn for_each_chunk3_init<A: Send, B: Send, C: Send, S>(
+    a: (&mut [A], usize),
+    b: (&mut [B], usize),
+    c: (&mut [C], usize),
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    body: &(dyn Fn(&mut S, usize, &mut [A], &mut [B], &mut [C]) + Sync),
+) {
+    let (a, b, c) = (
+        Chunks::new(a.0, a.1),
+        Chunks::new(b.0, b.1),
+        Chunks::new(c.0, c.1),
+    );
+    let n = a.count.min(b.count).min(c.count);
+    // SAFETY: each chunk index is taken by one task only.
+    for_each_block(n, min_len, init, |s, i| unsafe {
+        body(s, i, a.get(i), b.get(i), c.get(i))
+    });
+}
+
+/// Chunk `i` of `v` cut into `len`-sized chunks, the last one shorter (the `i`-th item of
+/// `v.par_chunks(len)`), for the read-only inputs of a [`for_each_chunk2`] body.
+pub fn chunk<T>(v: &[T], i: usize, len: usize) -> &[T] {
+    &v[i * len..((i + 1) * len).min(v.len())]
+}
+
+/// `f(state, i)` for every `i` in `0..n` in parallel, the results in index order (rayon's
+/// `(0..n).into_par_iter().with_min_len(min_len).map_init(init, f).collect()`), `state`
+/// made by `init()` once per task: through [`for_each_block`]'s one pipeline, not a
+/// `collect` pipeline per closure. Each result depends on its index only, so the vector is
+/// the same whatever the split.
+pub fn map_collect<S, T: Send>(
+    n: usize,
+    min_len: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize) -> T + Sync,
+) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    let p = SendPtr(out.spare_capacity_mut().as_mut_ptr());
+    for_each_block(n, min_len, init, |s, i| {
+        let v = f(s, i);
+        // SAFETY: slot i < n of the capacity, written by the one task that takes i.
+        unsafe { (*p.at(i)).write(v) };
+    });
+    // SAFETY: every index of 0..n was written above (a panic in `f` propagates before this
+    // line, leaking the results written so far, never exposing an unwritten one).
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// A mutable slice cut into chunks that the tasks of [`for_each_block`] take by index.
+struct Chunks<T> {
+    ptr: *mut T,
+    len: usize,
+    chunk: usize,
+    count: usize,
+}
+
+// SAFETY: tasks take disjoint chunks (each index once), as with `par_chunks_mut`.
+unsafe impl<T: Send> Send for Chunks<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Chunks<T> {}
+
+impl<T> Chunks<T> {
+    fn new(v: &mut [T], chunk: usize) -> Chunks<T> {
+        assert!(chunk != 0, "chunk_size must not be zero");
+        Chunks {
+            ptr: v.as_mut_ptr(),
+            len: v.len(),
+            chunk,
+            count: v.len().div_ceil(chunk),
+        }
+    }
+
+    /// Chunk `i` (`i < count`).
+    ///
+    /// # Safety
+    /// No other reference to chunk `i` is alive while the returned one is.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn get<'a>(&self, i: usize) -> &'a mut [T] {
+        debug_assert!(i < self.count);
+        let start = i * self.chunk;
+        let len = self.chunk.min(self.len - start);
+        // SAFETY: `start..start + len` lies in the slice; the caller keeps it unaliased.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
 }
 
 /// A buffer's start, shared by the tasks that write its disjoint blocks.
 struct SendPtr<T>(*mut MaybeUninit<T>);
+
+impl<T> SendPtr<T> {
+    /// Element `i` of the buffer (a method, so closures capture the whole `SendPtr`, not
+    /// its raw pointer field).
+    fn at(&self, i: usize) -> *mut MaybeUninit<T> {
+        self.0.wrapping_add(i)
+    }
+}
 // SAFETY: the tasks write disjoint blocks through it (`blocks_zeroed2`).
 unsafe impl<T: Send> Send for SendPtr<T> {}
 // SAFETY: as above.
@@ -451,7 +644,7 @@ pub fn update2(
         f: impl Fn(&[f32], &[f32], &mut [f32]) + Sync,
     ) {
         crate::threads::nudge();
-        dst.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| {
+        for_each_chunk(dst, CHUNK, &|i, o| {
             with_scratch(|ob, ab, bb| {
                 let n = o.len();
                 // `a` is read into its own buffer first, so `f` never sees its output

@@ -12,8 +12,8 @@
 
 use std::ops::{AddAssign, Range};
 
+use crate::cpu::chunked::{for_each_chunk, map_collect};
 use num_traits::Zero;
-use rayon::prelude::*;
 
 /// Most runs a sum is cut into. 16 divides evenly among 1, 2, 4, 8 and 16 threads, and the
 /// extra cost over one partial per thread is small: at CifarNet's batch of 128, conv2's 16
@@ -52,7 +52,7 @@ impl Runs {
     /// `f(r)` for every run, in parallel, the results in run order.
     pub fn map<T: Send>(&self, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
         crate::threads::nudge();
-        (0..self.count).into_par_iter().map(f).collect()
+        map_collect(self.count, 1, || (), |_, r| f(r))
     }
 
     /// `f(scratch, r)` for every run, in parallel, the results in run order; `init()` makes
@@ -64,7 +64,7 @@ impl Runs {
         f: impl Fn(&mut S, usize) -> T + Sync + Send,
     ) -> Vec<T> {
         crate::threads::nudge();
-        (0..self.count).into_par_iter().map_init(init, f).collect()
+        map_collect(self.count, 1, init, f)
     }
 
     /// `add_in_order(self.map_init(init, f), len)` without every partial alive at once:
@@ -88,7 +88,7 @@ impl Runs {
         for start in (0..self.count).step_by(wave) {
             let end = (start + wave).min(self.count);
             crate::threads::nudge();
-            let parts: Vec<Vec<C>> = (start..end).into_par_iter().map_init(&init, &f).collect();
+            let parts: Vec<Vec<C>> = map_collect(end - start, 1, &init, |s, i| f(s, start + i));
             total = Some(add_in_order(total.into_iter().chain(parts).collect(), len));
         }
         total.unwrap_or_else(|| vec![C::zero(); len])
@@ -127,9 +127,7 @@ where
         add(0, &mut out);
     } else {
         crate::threads::nudge();
-        out.par_chunks_mut(ADD_CHUNK)
-            .enumerate()
-            .for_each(|(i, o)| add(i * ADD_CHUNK, o));
+        for_each_chunk(&mut out, ADD_CHUNK, &|i, o| add(i * ADD_CHUNK, o));
     }
     out
 }

@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use rayon::prelude::*;
+use crate::cpu::chunked::{map_chunks, map_collect};
 
 use super::dataset::{
     check_regular_file, data_error, io_error, Dataset, Image, InMemoryDataset, Sample,
@@ -106,22 +106,34 @@ impl ImageFolder {
     /// size; an odd image is an error naming it and both sizes.
     pub fn check_sizes(&self) -> Result<()> {
         let want = (self.width, self.height);
-        self.files.par_iter().try_for_each(|(path, _)| {
-            let got = read_dimensions(path)?;
-            if got != want {
-                return Err(odd_size(path, got, want));
-            }
-            Ok(())
-        })
+        // Every header is read; the first odd image in folder order is the error.
+        map_collect(
+            self.files.len(),
+            1,
+            || (),
+            |_, i| {
+                let path = &self.files[i].0;
+                let got = read_dimensions(path)?;
+                if got != want {
+                    return Err(odd_size(path, got, want));
+                }
+                Ok(())
+            },
+        )
+        .into_iter()
+        .collect()
     }
 
     /// The (width, height) most of the images have, from their headers.
     fn common_size(&self) -> Result<(usize, usize)> {
-        let sizes: Vec<(usize, usize)> = self
-            .files
-            .par_iter()
-            .map(|(p, _)| read_dimensions(p))
-            .collect::<Result<_>>()?;
+        let sizes: Vec<(usize, usize)> = map_collect(
+            self.files.len(),
+            1,
+            || (),
+            |_, i| read_dimensions(&self.files[i].0),
+        )
+        .into_iter()
+        .collect::<Result<_>>()?;
         let mut counts = std::collections::BTreeMap::new();
         for s in sizes {
             *counts.entry(s).or_insert(0usize) += 1;
@@ -254,13 +266,13 @@ impl ImageFolder {
             .ok_or_else(too_big)?;
         let total = per.checked_mul(self.files.len()).ok_or_else(too_big)?;
         let mut pixels = vec![0u8; total];
-        pixels
-            .par_chunks_mut(per)
-            .enumerate()
-            .try_for_each(|(i, dst)| -> Result<()> {
-                dst.copy_from_slice(self.decode(i)?.data());
-                Ok(())
-            })?;
+        // Every image is decoded; the first that fails in folder order is the error.
+        map_chunks(&mut pixels, per, || (), &|_, i, dst| -> Result<()> {
+            dst.copy_from_slice(self.decode(i)?.data());
+            Ok(())
+        })
+        .into_iter()
+        .collect::<Result<()>>()?;
         let labels = self.files.iter().map(|(_, l)| *l).collect();
         InMemoryDataset::new(self.image_shape(), pixels, labels, self.classes.clone())
     }

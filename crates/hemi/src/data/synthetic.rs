@@ -22,7 +22,7 @@
 
 use std::f32::consts::PI;
 
-use rayon::prelude::*;
+use crate::cpu::chunked::for_each_chunk;
 
 use super::dataset::{Image, InMemoryDataset, Sample, Split};
 use crate::error::{Error, Result};
@@ -81,10 +81,7 @@ impl Synthetic {
     pub fn generate(seed: u64, split: Split, len: usize) -> InMemoryDataset {
         let per = 3 * Self::SIZE * Self::SIZE;
         let mut pixels = vec![0u8; per * len];
-        pixels
-            .par_chunks_mut(per)
-            .enumerate()
-            .for_each(|(i, dst)| render(seed, split, i, dst));
+        for_each_chunk(&mut pixels, per, &|i, dst| render(seed, split, i, dst));
         let labels = (0..len).map(|i| (i % 10) as u32).collect();
         let classes = SYNTHETIC_CLASSES.iter().map(|s| s.to_string()).collect();
         InMemoryDataset::new([3, Self::SIZE, Self::SIZE], pixels, labels, classes)

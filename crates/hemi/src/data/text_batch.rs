@@ -16,8 +16,6 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use super::synthetic::mix_seed;
 use super::text::TextDataset;
 use super::tokenizer::{Encoding, Tokenizer};
@@ -137,9 +135,11 @@ impl TextSource {
             None => 0,
         };
         let num_classes = dataset.num_classes();
-        let encoded: Vec<Result<(Encoding, i64)>> = (0..dataset.len())
-            .into_par_iter()
-            .map(|i| {
+        let encoded: Vec<Result<(Encoding, i64)>> = crate::cpu::chunked::map_collect(
+            dataset.len(),
+            1,
+            || (),
+            |_, i| {
                 let s = dataset.get(i)?;
                 let enc = tokenizer.encode_opt(s.text, s.text_pair, config.max_length)?;
                 let label = match (s.label, &config.mlm) {
@@ -164,8 +164,8 @@ impl TextSource {
                     }
                 };
                 Ok((enc, label))
-            })
-            .collect();
+            },
+        );
         let mut encodings = Vec::with_capacity(encoded.len());
         let mut labels = Vec::with_capacity(encoded.len());
         for r in encoded {

@@ -20,7 +20,8 @@
 //!   saturate memory bandwidth on these streaming loops, two come closer.
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
-use rayon::prelude::*;
+
+use crate::cpu::chunked::{chunk, for_each_chunk};
 
 /// Below this many elements a conversion runs on the calling thread. Measured on a 2-core
 /// Zen 3 (idle): at 128K elements splitting loses (fork/join costs more than it saves), from
@@ -131,9 +132,7 @@ where
 {
     if src.len() >= PAR_MIN_LEN && rayon::current_num_threads() > 1 {
         crate::threads::nudge();
-        src.par_chunks(PAR_CHUNK)
-            .zip(dst.par_chunks_mut(PAR_CHUNK))
-            .for_each(|(s, d)| kernel(s, d));
+        for_each_chunk(dst, PAR_CHUNK, &|i, d| kernel(chunk(src, i, PAR_CHUNK), d));
     } else {
         kernel(src, dst);
     }
@@ -165,10 +164,7 @@ where
     let spare = &mut out.spare_capacity_mut()[..n];
     if n >= PAR_MIN_LEN && rayon::current_num_threads() > 1 {
         crate::threads::nudge();
-        spare
-            .par_chunks_mut(PAR_CHUNK)
-            .zip(src.par_chunks(PAR_CHUNK))
-            .for_each(|(d, s)| part(s, d));
+        for_each_chunk(spare, PAR_CHUNK, &|i, d| part(chunk(src, i, PAR_CHUNK), d));
     } else {
         part(src, spare);
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Mutex;
 
-use rayon::prelude::*;
+use crate::cpu::chunked::{chunk, for_each_chunk3_init};
 
 use super::observer::{Observer, ObserverKind};
 use super::qtensor::QTensor;
@@ -161,12 +161,10 @@ impl QWeights {
                 let mut q = vec![0u8; m * kk];
                 let mut sc = vec![0f32; m];
                 let mut zp = vec![0i32; m];
-                let rows = q
-                    .par_chunks_mut(kk.max(1))
-                    .zip(v.par_chunks(kk.max(1)))
-                    .zip(sc.par_iter_mut().zip(zp.par_iter_mut()))
-                    .with_min_len(64);
-                rows.for_each(|((q, x), (s, z))| {
+                let rows = ((&mut q[..], kk.max(1)), (&mut sc[..], 1), (&mut zp[..], 1));
+                for_each_chunk3_init(rows.0, rows.1, rows.2, 64, || (), &|_, i, q, s, z| {
+                    let x = chunk(&v, i, kk.max(1));
+                    let (s, z) = (&mut s[0], &mut z[0]);
                     let (sv, zv) = input.unwrap_or_else(|| {
                         let (lo, hi) = k::min_max(x);
                         k::affine_qparams(lo, hi, 0, 255)

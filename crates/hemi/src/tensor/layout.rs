@@ -2,8 +2,6 @@
 
 use std::mem::MaybeUninit;
 
-use rayon::prelude::*;
-
 use crate::error::{Error, Result};
 
 /// Gathers of at least this many elements copy their rows in parallel.
@@ -112,10 +110,9 @@ impl Layout {
             // backward makes contiguous are megabytes (1.3 % of the main thread in a BERT step).
             let chunk_rows = GATHER_CHUNK.div_ceil(inner).max(1);
             crate::threads::nudge();
-            spare
-                .par_chunks_mut(chunk_rows * inner)
-                .enumerate()
-                .for_each(|(i, part)| self.gather_rows(src, i * chunk_rows, part));
+            crate::cpu::chunked::for_each_chunk(spare, chunk_rows * inner, &|i, part| {
+                self.gather_rows(src, i * chunk_rows, part)
+            });
         } else {
             self.gather_rows(src, 0, spare);
         }

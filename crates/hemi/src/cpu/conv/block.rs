@@ -20,9 +20,7 @@
 //! convolution output is F32, and the pooled output is rounded once, as the unfused ops
 //! round it.
 
-use rayon::prelude::*;
-
-use crate::cpu::chunked::{sum, write};
+use crate::cpu::chunked::{for_each_chunk2_init, map_chunks, sum, write};
 use crate::cpu::conv::im2col::{col2im_ld, im2col_ld};
 use crate::cpu::conv::Conv2dGeom;
 use crate::cpu::gemm::{product, MatRef};
@@ -304,10 +302,12 @@ fn forward_into<T: WithDType>(
     let (l, gs) = (g.l(), group_size(g));
     let single = g.n <= gs;
     crate::threads::nudge();
-    out.par_chunks_mut(gs * pooled)
-        .zip(idx.par_chunks_mut(gs * pooled))
-        .enumerate()
-        .for_each_init(FwdScratch::default, |s, (gi, (o, ix))| {
+    for_each_chunk2_init(
+        (&mut out, gs * pooled),
+        (idx, gs * pooled),
+        1,
+        FwdScratch::default,
+        &|s, gi, o, ix| {
             let cnt = o.len() / pooled;
             let ld = cnt * l;
             group_columns(x, g, gi * gs, cnt, &mut s.col);
@@ -337,7 +337,8 @@ fn forward_into<T: WithDType>(
                 );
                 write(&s.pooled, &mut o[span]);
             }
-        });
+        },
+    );
     out
 }
 
@@ -487,11 +488,12 @@ fn backward_runs<T: WithDType>(
     };
     crate::threads::nudge();
     match dx {
-        Some(dx) if g.in_image() > 0 => dx
-            .par_chunks_mut(runs.len * g.in_image())
-            .enumerate()
-            .map_init(BwdScratch::default, |s, (r, d)| run(s, r, Some(d)))
-            .collect(),
+        Some(dx) if g.in_image() > 0 => map_chunks(
+            dx,
+            runs.len * g.in_image(),
+            BwdScratch::default,
+            &|s, r, d| run(s, r, Some(d)),
+        ),
         _ => runs.map_init(BwdScratch::default, |s, r| run(s, r, None)),
     }
 }

@@ -33,7 +33,6 @@
 
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 use crate::backend::nn::Conv2dGeom;
 use crate::cpu::gemm::select::{f32_kernel, kernel_for, Kernel};
@@ -267,7 +266,7 @@ impl WgradPlan {
         };
         let sums: Vec<[[f32; CB]; RB]> = if parallel && tasks > 1 {
             crate::threads::nudge();
-            (0..tasks).into_par_iter().map(run).collect()
+            crate::cpu::chunked::map_collect(tasks, 1, || (), |_, t| run(t))
         } else {
             (0..tasks).map(run).collect()
         };

@@ -4,7 +4,6 @@
 
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
-use rayon::prelude::*;
 
 use crate::backend::map::{BinaryOp, UnaryOp};
 use crate::cpu::chunked::for_each_chunk;
@@ -510,12 +509,10 @@ pub(crate) fn dropout_factors<C: FloatDType>(n: usize, p: f64, rng: &mut Generat
         let scale = C::from_f64(1.0 / (1.0 - p));
         let mut f = vec![C::zero(); n];
         crate::threads::nudge();
-        f.par_chunks_mut(PAR_THRESHOLD)
-            .enumerate()
-            .for_each(|(c, out)| {
-                let base = (c * PAR_THRESHOLD) as u64;
-                crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)
-            });
+        for_each_chunk(&mut f, PAR_THRESHOLD, &|c, out| {
+            let base = (c * PAR_THRESHOLD) as u64;
+            crate::rng::keep_factors(seed, base, threshold, scale, C::zero(), out)
+        });
         f
     }
 }

@@ -2,7 +2,9 @@
 //! element by element in F32, rounding where ATen's CPU kernels round, each loop built
 //! twice (with FMA where the CPU has it, and portable) and chosen at run time.
 
-use rayon::prelude::*;
+use crate::cpu::chunked::{
+    chunk, for_each_chunk, for_each_chunk2, for_each_chunk3_init, for_each_chunk4,
+};
 
 use crate::backend::train::{AdamDecay, AdamScalars, SgdFlags, SgdScalars};
 
@@ -37,13 +39,14 @@ const CHUNK: usize = 1 << 15;
 /// so the bits do not depend on the split).
 pub(crate) fn sgd_par(p: &mut [f32], g: &[f32], b: &mut [f32], s: SgdScalars, f: SgdFlags) {
     crate::threads::nudge();
-    let parts = p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK));
     if f.momentum {
-        parts
-            .zip(b.par_chunks_mut(CHUNK))
-            .for_each(|((p, g), b)| sgd_dispatch(p, g, b, s, f));
+        for_each_chunk2((p, CHUNK), (b, CHUNK), 1, &|i, p, b| {
+            sgd_dispatch(p, chunk(g, i, CHUNK), b, s, f)
+        });
     } else {
-        parts.for_each(|(p, g)| sgd_dispatch(p, g, &mut [], s, f));
+        for_each_chunk(p, CHUNK, &|i, p| {
+            sgd_dispatch(p, chunk(g, i, CHUNK), &mut [], s, f)
+        });
     }
 }
 
@@ -76,18 +79,14 @@ fn adam_par<const DECAY: u8>(
     k: AdamScalars,
 ) {
     crate::threads::nudge();
-    let parts = p
-        .par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK));
+    let (p, m, v) = ((p, CHUNK), (m, CHUNK), (v, CHUNK));
     match max {
-        Some(x) => parts
-            .zip(x.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), x)| adam_loop::<DECAY, true>(p, g, m, v, x, k)),
-        None => {
-            parts.for_each(|(((p, g), m), v)| adam_loop::<DECAY, false>(p, g, m, v, &mut [], k))
-        }
+        Some(x) => for_each_chunk4(p, m, v, (x, CHUNK), &|i, p, m, v, x| {
+            adam_loop::<DECAY, true>(p, chunk(g, i, CHUNK), m, v, x, k)
+        }),
+        None => for_each_chunk3_init(p, m, v, 1, || (), &|_, i, p, m, v| {
+            adam_loop::<DECAY, false>(p, chunk(g, i, CHUNK), m, v, &mut [], k)
+        }),
     }
 }
 

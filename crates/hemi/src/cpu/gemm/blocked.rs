@@ -66,7 +66,6 @@ use crate::cpu::gemm::MatRef;
 use crate::dtype::WithDType;
 use crate::DType;
 use half::{bf16, f16};
-use rayon::prelude::*;
 use std::ops::Range;
 
 use super::pack::{pack_b_pairs, pack_b_unfold, with_workspace, Packed, PackedA, Workspace};
@@ -499,9 +498,15 @@ fn split_and_run<A: WithDType, B: WithDType>(
         })
         .collect();
     crate::threads::nudge();
-    tasks
-        .into_par_iter()
-        .for_each(|(rows, cols)| run_task(kernel, job, rows, cols));
+    crate::cpu::chunked::for_each_block(
+        tasks.len(),
+        1,
+        || (),
+        |_, t| {
+            let (rows, cols) = tasks[t].clone();
+            run_task(kernel, job, rows, cols)
+        },
+    );
 }
 
 /// Tile sizes (rows, cols) of the output, whole MR×NR micro-tiles each, for `threads` tasks.

@@ -6,8 +6,8 @@
 
 use std::borrow::Cow;
 
+use crate::cpu::chunked::{for_each_chunk, for_each_chunk_min};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use crate::backend::nn::merged_row_stride;
 use crate::cpu::gemm::{blocked, select};
@@ -249,7 +249,7 @@ pub fn filled_rows<C: FloatDType>(rows: usize, n: usize, row: Option<&[C]>) -> V
     if len >= FILL_PAR_LEN && n > 0 && rayon::current_num_threads() > 1 {
         let chunk_rows = (FILL_CHUNK / n).max(1);
         crate::threads::nudge();
-        spare.par_chunks_mut(chunk_rows * n).for_each(fill);
+        for_each_chunk(spare, chunk_rows * n, &|_, d| fill(d));
     } else {
         fill(spare);
     }
@@ -299,10 +299,8 @@ fn batched<C: FloatDType, A: WithDType, B: WithDType>(
     if count > 1 && work < SMALL_PRODUCT && rayon::current_num_threads() > 1 {
         // Small matrices: one thread per group of matrices, gemm single-threaded.
         crate::threads::nudge();
-        out.par_chunks_mut(m * n)
-            .enumerate()
-            .with_min_len(SMALL_PRODUCT / (4 * work.max(1)) + 1)
-            .for_each(|(i, dst)| one(i, dst, false));
+        let min_len = SMALL_PRODUCT / (4 * work.max(1)) + 1;
+        for_each_chunk_min(out, m * n, min_len, &|i, dst| one(i, dst, false));
     } else {
         // Large matrices: gemm spreads each product over the threads.
         for (i, dst) in out.chunks_mut(m * n).enumerate() {

@@ -6,8 +6,6 @@
 #[doc(hidden)]
 pub mod in_place;
 
-use rayon::prelude::*;
-
 use crate::backend::nn::BatchNormGeom;
 use crate::cpu::chunked;
 use crate::cpu::elementwise::map::PAR_THRESHOLD;
@@ -70,11 +68,7 @@ fn par_map<T: Send>(
 ) -> Vec<T> {
     let min_len = (PAR_THRESHOLD / work_each.max(1)).max(1);
     crate::threads::nudge();
-    (0..count)
-        .into_par_iter()
-        .with_min_len(min_len)
-        .map(f)
-        .collect()
+    chunked::map_collect(count, min_len, || (), |_, i| f(i))
 }
 
 /// Per-channel mean and biased variance (two passes: the variance sums squared deviations
@@ -104,19 +98,18 @@ pub(crate) fn bn_forward<C: FloatDType>(
     let mut out = vec![C::zero(); x.len()];
     let block = (d.c * d.s).max(1);
     crate::threads::nudge();
-    out.par_chunks_mut(block)
-        .zip(x.par_chunks(block))
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each(|(o, xb)| {
-            for ch in 0..d.c {
-                let scale = rstd[ch] * w.map_or(C::one(), |w| w[ch]);
-                let shift = b.map_or(C::zero(), |b| b[ch]);
-                let (o, xr) = (&mut o[ch * d.s..][..d.s], &xb[ch * d.s..][..d.s]);
-                for (o, &v) in o.iter_mut().zip(xr) {
-                    *o = (v - mean[ch]) * scale + shift;
-                }
+    let min_len = (PAR_THRESHOLD / block).max(1);
+    chunked::for_each_chunk_min(&mut out, block, min_len, &|i, o| {
+        let xb = chunked::chunk(x, i, block);
+        for ch in 0..d.c {
+            let scale = rstd[ch] * w.map_or(C::one(), |w| w[ch]);
+            let shift = b.map_or(C::zero(), |b| b[ch]);
+            let (o, xr) = (&mut o[ch * d.s..][..d.s], &xb[ch * d.s..][..d.s]);
+            for (o, &v) in o.iter_mut().zip(xr) {
+                *o = (v - mean[ch]) * scale + shift;
             }
-        });
+        }
+    });
     out
 }
 
@@ -159,32 +152,31 @@ pub(crate) fn bn_backward<C: FloatDType>(
     let mut dx = vec![C::zero(); x.len()];
     let block = (d.c * d.s).max(1);
     crate::threads::nudge();
-    dx.par_chunks_mut(block)
-        .zip(g.par_chunks(block).zip(x.par_chunks(block)))
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each(|(o, (gb, xb))| {
-            for ch in 0..d.c {
-                let wc = w.map_or(C::one(), |w| w[ch]);
-                let (mu, rs) = (mean[ch], rstd[ch]);
-                let (o, gr, xr) = (
-                    &mut o[ch * d.s..][..d.s],
-                    &gb[ch * d.s..][..d.s],
-                    &xb[ch * d.s..][..d.s],
-                );
-                if training {
-                    let dnorm_mean = wc * dbias[ch] * inv_m;
-                    let dnorm_norm_mean = wc * dweight[ch] * inv_m;
-                    for ((o, &g), &v) in o.iter_mut().zip(gr).zip(xr) {
-                        let xhat = (v - mu) * rs;
-                        *o = rs * (g * wc - dnorm_mean - xhat * dnorm_norm_mean);
-                    }
-                } else {
-                    for (o, &g) in o.iter_mut().zip(gr) {
-                        *o = g * wc * rs;
-                    }
+    let min_len = (PAR_THRESHOLD / block).max(1);
+    chunked::for_each_chunk_min(&mut dx, block, min_len, &|i, o| {
+        let (gb, xb) = (chunked::chunk(g, i, block), chunked::chunk(x, i, block));
+        for ch in 0..d.c {
+            let wc = w.map_or(C::one(), |w| w[ch]);
+            let (mu, rs) = (mean[ch], rstd[ch]);
+            let (o, gr, xr) = (
+                &mut o[ch * d.s..][..d.s],
+                &gb[ch * d.s..][..d.s],
+                &xb[ch * d.s..][..d.s],
+            );
+            if training {
+                let dnorm_mean = wc * dbias[ch] * inv_m;
+                let dnorm_norm_mean = wc * dweight[ch] * inv_m;
+                for ((o, &g), &v) in o.iter_mut().zip(gr).zip(xr) {
+                    let xhat = (v - mu) * rs;
+                    *o = rs * (g * wc - dnorm_mean - xhat * dnorm_norm_mean);
+                }
+            } else {
+                for (o, &g) in o.iter_mut().zip(gr) {
+                    *o = g * wc * rs;
                 }
             }
-        });
+        }
+    });
     (Some(dx), dweight, dbias)
 }
 
@@ -206,11 +198,16 @@ pub(crate) fn ln_forward<C: FloatDType>(
     let (mut mean, mut rstd) = (vec![C::zero(); rows], vec![C::zero(); rows]);
     let chunk = d.max(1);
     crate::threads::nudge();
-    out.par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk))
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
-        .with_min_len((PAR_THRESHOLD / chunk).max(1))
-        .for_each(|((o, row), (m, r))| (*m, *r) = ln_row(row, o, w, b, eps_c));
+    // One chunk of `out` and one element of `mean` and `rstd` per row.
+    let min_len = (PAR_THRESHOLD / chunk).max(1);
+    chunked::for_each_chunk3_init(
+        (&mut out, chunk),
+        (&mut mean, 1),
+        (&mut rstd, 1),
+        min_len,
+        || (),
+        &|_, i, o, m, r| (m[0], r[0]) = ln_row(chunked::chunk(x, i, chunk), o, w, b, eps_c),
+    );
     (out, mean, rstd)
 }
 
@@ -448,10 +445,7 @@ pub(crate) fn ln_backward<C: FloatDType>(
     };
     crate::threads::nudge();
     let partials: Vec<Vec<C>> = if need_dx && d > 0 {
-        dx.par_chunks_mut(runs.len * d)
-            .enumerate()
-            .map(|(r, o)| run(r, Some(o)))
-            .collect()
+        chunked::map_chunks(&mut dx, runs.len * d, || (), &|_, r, o| run(r, Some(o)))
     } else {
         runs.map(|r| run(r, None))
     };
@@ -512,14 +506,12 @@ fn per_run<R: Copy + Default + Send, S>(
     }
     let block = (d.c * d.s).max(1);
     crate::threads::nudge();
-    out.par_chunks_mut(d.c)
-        .enumerate()
-        .with_min_len((PAR_THRESHOLD / block).max(1))
-        .for_each_init(init, |scratch, (i, o)| {
-            for (ch, o) in o.iter_mut().enumerate() {
-                *o = f(scratch, i, ch);
-            }
-        });
+    let min_len = (PAR_THRESHOLD / block).max(1);
+    chunked::for_each_chunk_init(&mut out, d.c, min_len, init, &|scratch, i, o| {
+        for (ch, o) in o.iter_mut().enumerate() {
+            *o = f(scratch, i, ch);
+        }
+    });
     out
 }
 

@@ -59,7 +59,6 @@ pub mod select;
 mod x86;
 
 use crate::error::{Error, Result};
-use rayon::prelude::*;
 use std::cell::Cell;
 use std::ops::Range;
 
@@ -125,9 +124,15 @@ pub fn qgemm(a: &[u8], m: usize, lda: usize, b: &PackedB, epi: Epilogue<'_>) -> 
         run_task(kernel, &job, 0..m, 0..n);
     } else {
         crate::threads::nudge();
-        tasks
-            .into_par_iter()
-            .for_each(|(rows, cols)| run_task(kernel, &job, rows, cols));
+        crate::cpu::chunked::for_each_block(
+            tasks.len(),
+            1,
+            || (),
+            |_, t| {
+                let (rows, cols) = tasks[t].clone();
+                run_task(kernel, &job, rows, cols)
+            },
+        );
     }
     Ok(())
 }

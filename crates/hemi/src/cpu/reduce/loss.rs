@@ -2,9 +2,9 @@
 //! `Rows`), and MSE; each with its fused backward. Per-row work runs in parallel above
 //! `PAR_THRESHOLD` elements; reductions use `sum_slice`'s fixed order.
 
+use crate::cpu::chunked::{for_each_chunk, map_collect};
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
-use rayon::prelude::*;
 
 use crate::backend::loss::{ClassLoss, Reduction};
 use crate::backend::reduce::Rows;
@@ -52,10 +52,7 @@ pub(crate) fn class_loss<C: FloatDType>(
         (0..n).map(|r| loss_at(r, &mut buf)).collect()
     } else {
         crate::threads::nudge();
-        (0..n)
-            .into_par_iter()
-            .map_init(Vec::new, |buf, r| loss_at(r, buf))
-            .collect()
+        map_collect(n, 1, Vec::new, |buf, r| loss_at(r, buf))
     };
     let reduced = match loss.reduction {
         Reduction::None => losses,
@@ -111,9 +108,7 @@ pub(crate) fn class_loss_grads<C: FloatDType>(
             .for_each(|(o, gb)| fill(o, gb));
     } else {
         crate::threads::nudge();
-        gi.par_chunks_mut(block)
-            .enumerate()
-            .for_each(|(o, gb)| fill(o, gb));
+        for_each_chunk(&mut gi, block, &|o, gb| fill(o, gb));
     }
     gi
 }

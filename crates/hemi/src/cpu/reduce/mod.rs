@@ -6,9 +6,9 @@
 
 pub mod loss;
 
+use crate::cpu::chunked::{chunk, for_each_chunk, map_collect};
 #[allow(unused_imports)]
 use num_traits::{Float, One, Zero};
-use rayon::prelude::*;
 
 use crate::backend::reduce::{ReduceOp, Rows};
 use crate::cpu::elementwise::map::PAR_THRESHOLD;
@@ -97,7 +97,7 @@ fn column_sums<C: FloatDType>(x: &CpuStorage, base: usize, outer: usize, inner: 
         out.chunks_mut(COLS).enumerate().for_each(block);
     } else {
         crate::threads::nudge();
-        out.par_chunks_mut(COLS).enumerate().for_each(block);
+        for_each_chunk(&mut out, COLS, &|i, o| block((i, o)));
     }
     out
 }
@@ -140,7 +140,12 @@ pub(crate) fn reduce_rows<C: FloatDType>(
         v.chunks(inner).map(&f).collect()
     } else {
         crate::threads::nudge();
-        v.par_chunks(inner).map(&f).collect()
+        map_collect(
+            v.len().div_ceil(inner),
+            1,
+            || (),
+            |_, i| f(chunk(v, i, inner)),
+        )
     }
 }
 
@@ -180,9 +185,7 @@ impl Rows {
                 .for_each(|(o, xb)| body(o, xb));
         } else {
             crate::threads::nudge();
-            out.par_chunks_mut(self.inner)
-                .zip(x.par_chunks(block))
-                .for_each(|(o, xb)| body(o, xb));
+            for_each_chunk(&mut out, self.inner, &|i, o| body(o, chunk(x, i, block)));
         }
         out
     }
@@ -227,9 +230,7 @@ impl Rows {
                 .for_each(|(b, ob)| body(b, ob));
         } else {
             crate::threads::nudge();
-            out.par_chunks_mut(block)
-                .enumerate()
-                .for_each(|(b, ob)| body(b, ob));
+            for_each_chunk(&mut out, block, &|b, ob| body(b, ob));
         }
         out
     }
