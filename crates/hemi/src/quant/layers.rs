@@ -251,7 +251,7 @@ enum RowsPlan {
 
 fn host_values(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
     check_host(x, op)?;
-    Ok(x.to_vec_f32())
+    x.try_to_vec_f32()
 }
 
 /// INT8 layers take float tensors in host memory.

@@ -76,7 +76,7 @@ fn host_f32(x: &Tensor, op: &'static str) -> Result<Vec<f32>> {
     if !x.dtype().is_float() {
         return Err(Error::dtype(op, x.dtype(), "quantises float tensors"));
     }
-    Ok(x.to_vec_f32())
+    x.try_to_vec_f32()
 }
 
 fn check_scale(op: &'static str, scale: f32, zero_point: i32, dt: QDType) -> Result<()> {

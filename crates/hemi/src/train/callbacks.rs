@@ -455,10 +455,11 @@ impl Callback for InjectInf {
 fn inject_inf(params: &[Tensor]) -> Result<()> {
     for p in params {
         if let Some(g) = p.grad() {
-            let mut v = g.to_vec_f32();
+            let mut v = g.try_to_vec_f32()?;
             if let Some(x) = v.first_mut() {
                 *x = f32::INFINITY;
-                p.set_grad(Some(Tensor::from_f32_vec(v, g.shape(), g.dtype())?));
+                let inf = Tensor::from_f32_vec(v, g.shape(), g.dtype())?.to_device(g.device())?;
+                p.set_grad(Some(inf));
                 return Ok(());
             }
         }

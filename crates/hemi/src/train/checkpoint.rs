@@ -717,7 +717,7 @@ pub fn load_checkpoint(path: &Path) -> Result<Checkpoint> {
         buffers.push(StateBuffer {
             name: name.clone(),
             shape: t.shape().to_vec(),
-            data: t.to_vec_f32(),
+            data: t.try_to_vec_f32()?,
         });
     }
     Ok(Checkpoint {

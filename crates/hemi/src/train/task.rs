@@ -62,8 +62,8 @@ pub fn model_inputs(batch: &Batch, precision: Precision) -> Result<Inputs> {
 }
 
 fn count_correct(logits: &Tensor, labels: &Tensor) -> Result<usize> {
-    let pred = logits.argmax(-1, false)?.to_vec_i64();
-    let labels = labels.to_vec_i64();
+    let pred = logits.argmax(-1, false)?.try_to_vec_i64()?;
+    let labels = labels.try_to_vec_i64()?;
     Ok(pred
         .iter()
         .zip(&labels)
@@ -160,7 +160,7 @@ impl Task for MaskedLm {
             ));
         }
         let count = labels
-            .to_vec_i64()
+            .try_to_vec_i64()?
             .iter()
             .filter(|&&l| l != IGNORE_INDEX)
             .count();
