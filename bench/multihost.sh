@@ -23,8 +23,8 @@
 #
 # Knobs: HEMI_NETNS_PREFIX (namespace names, default hemi-mh), HEMI_NETNS_SUBNET (the first
 # three octets, default 10.78.0), HEMI_TCP_RETRIES2 (the hosts' net.ipv4.tcp_retries2,
-# default 4; see below), MPIRUN_ARGS (more mpirun flags), KEEP=1 (keep the work directory,
-# printed).
+# default 4; see below), HEMI_NETNS_MTU (the links' MTU, default Ethernet's 1500),
+# MPIRUN_ARGS (more mpirun flags), KEEP=1 (keep the work directory, printed).
 # Exit status: that of mpirun (0: trained; with --vanish, 0 when the job ended with an error
 # naming the vanished host within the timeout plus 20 s); 2 for a refusal (not root, no `ip
 # netns`, no mpirun, no hemi binary).
@@ -102,12 +102,14 @@ hostfile="$work/hostfile"
 # It bounds how long mpirun waits for the daemon of a vanished host once the job is
 # aborting (Open MPI then only notices the loss when a send to it fails).
 retries2=${HEMI_TCP_RETRIES2:-4}
+mtu=${HEMI_NETNS_MTU:-1500}
 for i in $(seq 0 $((hosts - 1))); do
     ns="$prefix$i"
     ip netns add "$ns"
     ip -n "$sw" link add "p$i" type veth peer name eth0 netns "$ns"
     ip -n "$sw" link set "p$i" master br0
-    ip -n "$sw" link set "p$i" up
+    ip -n "$sw" link set "p$i" mtu "$mtu" up
+    ip -n "$ns" link set eth0 mtu "$mtu"
     ip -n "$ns" addr add "$subnet.$((i + 1))/24" dev eth0
     ip -n "$ns" link set eth0 up
     ip -n "$ns" link set lo up
@@ -143,7 +145,9 @@ fi
 
 # TCP only (btl self,tcp: no shared memory between "hosts"), on the hosts' subnet for both
 # MPI's messages (btl_tcp_if_include) and its runtime's (oob_tcp_if_include).
-mpi=(mpirun --hostfile "$hostfile" -np "$hosts" --map-by node
+# --bind-to none: each host's daemon would bind its rank to its core 0, and here all hosts'
+# core 0 is the same core.
+mpi=(mpirun --hostfile "$hostfile" -np "$hosts" --map-by node --bind-to none
     --mca plm_rsh_agent "$agent"
     --mca btl self,tcp --mca btl_tcp_if_include "$subnet.0/24"
     --mca oob_tcp_if_include "$subnet.0/24"
@@ -190,5 +194,6 @@ if [ "$vanish" = 1 ]; then
     echo "vanish: FAILED" >&2
     exit 1
 fi
-grep -E "^communication|^summary|ranks x batch" "$log" || true
+echo "== the run (rank 0) =="
+grep -E "^hosts:|^communication|^summary|ranks x batch" "$log" || true
 exit $rc

@@ -635,7 +635,8 @@ impl Hosts {
         .arg("mpirun")
         .arg("--hostfile")
         .arg(self.dir.join("hostfile"))
-        .args(["-np", "2", "--mca", "plm_rsh_agent"])
+        // Each host's daemon would bind its rank to its core 0: the same core here.
+        .args(["-np", "2", "--bind-to", "none", "--mca", "plm_rsh_agent"])
         .arg(self.agent())
         .args(["--mca", "btl", "self,tcp"])
         .args(["--mca", "btl_tcp_if_include", &format!("{SUBNET}.0/24")])
