@@ -60,6 +60,21 @@ fn silence_stdout() {
     }
 }
 
+/// Where the ranks run, for the start of the report: `hosts: all 2 ranks on node7
+/// (10.0.0.7)` or `hosts: rank 0 on node7 (10.0.0.7), rank 1 on node8 (10.0.0.8)`; `None`
+/// where the transport does not know.
+pub fn hosts_line(hosts: &[String]) -> Option<String> {
+    let first = hosts.first()?;
+    Some(if hosts.iter().all(|h| h == first) {
+        format!("hosts: all {} ranks on {first}", hosts.len())
+    } else {
+        let each: Vec<String> = (hosts.iter().enumerate())
+            .map(|(r, h)| format!("rank {r} on {h}"))
+            .collect();
+        format!("hosts: {}", each.join(", "))
+    })
+}
+
 /// The cores of this machine divided among the ranks the launcher started on it (Open
 /// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH's `MPI_LOCALNRANKS`), at least 1.
 pub fn threads_per_rank() -> usize {

@@ -1092,6 +1092,9 @@ fn run_train_on(
                 args.allreduce.name(),
                 args.bucket_mb
             );
+            if let Some(line) = crate::dist::hosts_line(g.hosts()) {
+                println!("{line}");
+            }
             if args.sync_bn {
                 let n = hemi::dist::convert_sync_batch_norm(model.as_mut(), g);
                 if n == 0 {

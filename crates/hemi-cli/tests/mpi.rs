@@ -1,7 +1,10 @@
 //! `mpirun -np 2 hemi train …` end to end (a build with `--features mpi` and Open MPI's
 //! `mpirun` on PATH; `.ci/run` installs it): 2 ranks × batch B against 1 rank × batch 2B,
 //! the half-precision wire, an inf on one rank, resume, a killed or hanging rank, ranks
-//! started with different settings, and ZeRO stages 1 and 2 against plain data parallel.
+//! started with different settings, ZeRO stages 1 and 2 against plain data parallel, and
+//! two "hosts" with network stacks of their own (Linux network namespaces, TCP between
+//! them; root and iproute2, else SKIPPED, or a failure under `HEMI_REQUIRE_NETNS=1`): the
+//! same bits as one host, and a host that vanishes from the network.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -509,4 +512,284 @@ fn resuming_a_zero_run_on_another_rank_count_names_both_counts() {
     );
     // Nothing was trained: the checkpoint of epoch 1 is still the newest.
     assert!(!dir.join("epoch-0002").exists());
+}
+
+/// Network namespaces of one test made into hosts: `{ns}0` and `{ns}1`, joined by a veth
+/// pair (`eth0` in each, 10.78.0.1 and 10.78.0.2: the stacks are private, so every test can
+/// use the same subnet), each with a hostname of its own (`{ns}-host0`…); Open MPI reaches
+/// them through a remote-launch agent that enters the namespace where a cluster would ssh
+/// (bench/multihost.sh does the same with a bridge and N hosts). Dropping it ends whatever
+/// still runs in them and removes them.
+struct Hosts {
+    ns: String,
+    dir: PathBuf,
+}
+
+const SUBNET: &str = "10.78.0";
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let o = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run `ip` (install iproute2): {e}"))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        ))
+    }
+}
+
+impl Hosts {
+    fn create(name: &str) -> Result<Hosts, String> {
+        let ns = format!("hemi-{}-{name}", std::process::id());
+        let hosts = Hosts {
+            dir: tmp(&format!("hosts-{name}")),
+            ns,
+        };
+        let (h0, h1) = (hosts.host(0), hosts.host(1));
+        ip(&["netns", "add", &h0])?;
+        ip(&["netns", "add", &h1])?;
+        ip(&[
+            "link", "add", "eth0", "netns", &h0, "type", "veth", "peer", "name", "eth0", "netns",
+            &h1,
+        ])?;
+        for (i, h) in [&h0, &h1].into_iter().enumerate() {
+            ip(&[
+                "-n",
+                h,
+                "addr",
+                "add",
+                &format!("{SUBNET}.{}/24", i + 1),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", h, "link", "set", "eth0", "up"])?;
+            ip(&["-n", h, "link", "set", "lo", "up"])?;
+            // Give up on unacknowledged TCP data after 4 retransmissions (about 6 s) instead
+            // of Linux's 15 (about 15 minutes): once the job is aborting, mpirun notices the
+            // vanished host only when a send to its daemon fails (bench/multihost.sh, README).
+            ip(&[
+                "netns",
+                "exec",
+                h,
+                "sh",
+                "-c",
+                "echo 4 > /proc/sys/net/ipv4/tcp_retries2",
+            ])?;
+        }
+        std::fs::create_dir_all(&hosts.dir).map_err(|e| e.to_string())?;
+        let agent = format!(
+            "#!/bin/sh\nhost=$1; shift\nn=${{host##*.}}\nexec ip netns exec \"{}$((n - 1))\" \
+             unshare --uts sh -c \"hostname {}-host$((n - 1)); $*\"\n",
+            hosts.ns, hosts.ns
+        );
+        std::fs::write(hosts.agent(), agent).map_err(|e| e.to_string())?;
+        std::fs::write(
+            hosts.dir.join("hostfile"),
+            format!("{SUBNET}.1 slots=1\n{SUBNET}.2 slots=1\n"),
+        )
+        .map_err(|e| e.to_string())?;
+        let chmod = Command::new("chmod")
+            .arg("+x")
+            .arg(hosts.agent())
+            .status()
+            .map_err(|e| e.to_string())?;
+        if !chmod.success() {
+            return Err("chmod +x on the remote-launch agent failed".into());
+        }
+        Ok(hosts)
+    }
+
+    /// The namespace of host `i`.
+    fn host(&self, i: usize) -> String {
+        format!("{}{i}", self.ns)
+    }
+
+    /// Host `i` as the ranks name it: its hostname and address.
+    fn named(&self, i: usize) -> String {
+        format!("{}-host{i} ({SUBNET}.{})", self.ns, i + 1)
+    }
+
+    fn agent(&self) -> PathBuf {
+        self.dir.join("netns-rsh")
+    }
+
+    /// `mpirun -np 2 hemi ARGS` started on host 0, one rank per host, over TCP on the
+    /// hosts' subnet only (no shared memory between them).
+    fn mpirun(&self, args: &[String]) -> Command {
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &self.host(0),
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+        ])
+        .arg(format!("hostname {}-host0; exec \"$0\" \"$@\"", self.ns))
+        .arg("mpirun")
+        .arg("--hostfile")
+        .arg(self.dir.join("hostfile"))
+        // Each host's daemon would bind its rank to its core 0: the same core here.
+        .args(["-np", "2", "--bind-to", "none", "--mca", "plm_rsh_agent"])
+        .arg(self.agent())
+        .args(["--mca", "btl", "self,tcp"])
+        .args(["--mca", "btl_tcp_if_include", &format!("{SUBNET}.0/24")])
+        .args(["--mca", "oob_tcp_if_include", &format!("{SUBNET}.0/24")])
+        .arg(HEMI)
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        c
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for i in 0..2 {
+            let h = self.host(i);
+            // Ranks and daemons a failure left behind, then the namespace.
+            if let Ok(o) = Command::new("ip").args(["netns", "pids", &h]).output() {
+                for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            }
+            let _ = ip(&["netns", "del", &h]);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Two hosts in network namespaces; where they cannot be made (not root, no iproute2),
+/// prints `SKIPPED` and returns `None`, or fails under `HEMI_REQUIRE_NETNS=1` (CI).
+fn hosts_or_skip(test: &str, name: &str) -> Option<Hosts> {
+    match Hosts::create(name) {
+        Ok(h) => Some(h),
+        Err(e) => {
+            if std::env::var("HEMI_REQUIRE_NETNS").as_deref() == Ok("1") {
+                panic!("{test}: HEMI_REQUIRE_NETNS=1 but no network namespaces: {e}");
+            }
+            eprintln!("{test}: SKIPPED (no network namespaces; needs root and iproute2): {e}");
+            None
+        }
+    }
+}
+
+#[test]
+fn two_hosts_in_network_namespaces_train_exactly_like_one_host() {
+    let test = "two_hosts_in_network_namespaces_train_exactly_like_one_host";
+    let Some(hosts) = hosts_or_skip(test, "same") else {
+        return;
+    };
+    let (apart, together) = (tmp("netns-apart"), tmp("netns-together"));
+    let (o, _) = run_bounded(
+        hosts.mpirun(&train_args(&apart, 16, "amp-fp16")),
+        Duration::from_secs(300),
+    );
+    let out = ok(&o);
+    // One rank on each host, as the ranks themselves saw it.
+    let both = format!(
+        "hosts: rank 0 on {}, rank 1 on {}",
+        hosts.named(0),
+        hosts.named(1)
+    );
+    assert!(out.contains(&both), "expected {both:?} in:\n{out}");
+    assert!(out.contains("communication (rank 0): "), "{out}");
+    let out = ok(&two_ranks(&train_args(&together, 16, "amp-fp16"), &[]));
+    assert!(out.contains("hosts: all 2 ranks on "), "{out}");
+    for epoch in [1, 2] {
+        assert!(
+            model_bytes(&apart, epoch) == model_bytes(&together, epoch),
+            "after epoch {epoch}, two hosts and one host trained different weights"
+        );
+    }
+}
+
+#[test]
+fn a_host_that_vanishes_mid_step_ends_the_job_within_the_timeout_naming_it() {
+    let test = "a_host_that_vanishes_mid_step_ends_the_job_within_the_timeout_naming_it";
+    let Some(hosts) = hosts_or_skip(test, "vanish") else {
+        return;
+    };
+    let timeout = 4.0;
+    let ckpt = tmp("netns-vanish");
+    let args = with_args(
+        train_args(&ckpt, 16, "fp32"),
+        &[
+            "--synthetic-size",
+            "2048",
+            "--epochs",
+            "50",
+            "--dist-timeout",
+            &timeout.to_string(),
+        ],
+    );
+    let mut child = hosts
+        .mpirun(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start mpirun in a network namespace");
+    // Mid-training: two complete checkpoints, the third epoch under way.
+    let second = ckpt.join("epoch-0002/model.safetensors");
+    let start = Instant::now();
+    while !second.exists() {
+        if child.try_wait().unwrap().is_some() || start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!(
+                "no second checkpoint:\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // Host 1 vanishes: its link goes down, nothing it sent or will send arrives (no reset,
+    // no FIN: what a power cut or a pulled cable looks like to the others).
+    ip(&["-n", &hosts.host(1), "link", "set", "eth0", "down"]).unwrap();
+    let cut = Instant::now();
+    let limit = Duration::from_secs_f64(timeout) + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() && cut.elapsed() < limit {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ended = cut.elapsed();
+    let _ = child.kill();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        ended < limit,
+        "the job still ran {ended:?} after host 1 vanished (--dist-timeout {timeout}):\n{err}"
+    );
+    assert!(!o.status.success(), "{err}");
+    let named = format!("rank 0: no message from rank 1 on host {}", hosts.named(1));
+    assert!(
+        err.contains(&named),
+        "the error should name the rank and its host ({named:?}):\n{err}"
+    );
+    eprintln!("the job ended {ended:?} after host 1 vanished (--dist-timeout {timeout} s)");
+    // Nothing is lost from the last complete checkpoint: it loads, and its weights are those
+    // of an uninterrupted run to the same epoch (the schedule is constant).
+    let ck = load_checkpoint(&ckpt).unwrap();
+    let last = ck.progress.epochs_done;
+    assert!(last >= 2, "the newest checkpoint is of epoch {last}");
+    let whole = tmp("netns-vanish-whole");
+    let again = with_args(
+        with_args(
+            train_args(&whole, 16, "fp32"),
+            &["--synthetic-size", "2048"],
+        ),
+        &["--epochs", &last.to_string()],
+    );
+    ok(&two_ranks(&again, &[]));
+    assert!(
+        model_bytes(&ckpt, last) == model_bytes(&whole, last),
+        "the checkpoint of epoch {last} differs from an uninterrupted run's"
+    );
 }

@@ -72,6 +72,11 @@ pub trait Transport: Send {
         src: usize,
         timeout: Duration,
     ) -> Result<()>;
+    /// Where each rank runs, indexed by rank (a host name, with its address where the
+    /// launcher tells it), for messages that name a rank's host; empty where unknown.
+    fn hosts(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The dtype gradients travel in during an all-reduce (PyTorch's DDP communication hooks:
@@ -201,6 +206,7 @@ pub struct ProcessGroup {
     stats: Arc<CommStats>,
     timeout: Duration,
     abort: Option<fn(i32)>,
+    hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -261,7 +267,7 @@ impl ProcessGroup {
             return Err(Error::arg("ProcessGroup", "timeout must be > 0"));
         }
         let (jobs_tx, jobs_rx) = channel::<Job>();
-        let (ready_tx, ready_rx) = channel::<Result<(usize, usize)>>();
+        let (ready_tx, ready_rx) = channel::<Result<(usize, usize, Vec<String>)>>();
         let stats = Arc::new(CommStats::default());
         let thread_stats = stats.clone();
         let worker = std::thread::Builder::new()
@@ -274,11 +280,11 @@ impl ProcessGroup {
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((t.rank(), t.size())));
+                let _ = ready_tx.send(Ok((t.rank(), t.size(), t.hosts())));
                 comm_loop(t.as_mut(), jobs_rx, &thread_stats, timeout);
             })
             .map_err(|e| Error::Msg(format!("cannot start the communication thread: {e}")))?;
-        let (rank, size) = match ready_rx.recv() {
+        let (rank, size, hosts) = match ready_rx.recv() {
             Ok(r) => r?,
             Err(_) => {
                 return Err(Error::Msg(
@@ -294,6 +300,7 @@ impl ProcessGroup {
             stats,
             timeout,
             abort,
+            hosts,
         })
     }
 
@@ -319,6 +326,13 @@ impl ProcessGroup {
     /// The deadline of every wait for a peer.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Where each rank runs, indexed by rank (`"node7 (10.0.0.7)"`: the host name, and the
+    /// address where the launcher tells it), as the transport learnt it at start; empty
+    /// where the transport cannot tell (threads of one process).
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
     }
 
     /// Bytes and messages sent, and time spent waiting, so far.

@@ -21,7 +21,7 @@ use mpi::ffi;
 use mpi::topology::Communicator;
 use mpi::Threading;
 
-use super::{ProcessGroup, Transport};
+use super::{ring, CommStats, ProcessGroup, Transport};
 use crate::error::{Error, Result};
 
 const TAG: c_int = 0x4845; // "HE"
@@ -30,7 +30,32 @@ const TAG: c_int = 0x4845; // "HE"
 pub struct MpiTransport {
     rank: usize,
     size: usize,
+    /// Where each rank runs ([`this_host`]), once exchanged; empty before.
+    hosts: Vec<String>,
     _universe: mpi::environment::Universe,
+}
+
+/// This process's host as the other ranks should name it: MPI's processor name (the host
+/// name), and the address of Open MPI's daemon on this host (`OMPI_MCA_orte_local_daemon_uri`,
+/// `…;tcp://10.0.0.7:41234`: the address the job reaches this host at), when there is one:
+/// `"node7 (10.0.0.7)"`.
+pub fn this_host() -> String {
+    let name = mpi::environment::processor_name().unwrap_or_else(|_| "?".into());
+    match std::env::var("OMPI_MCA_orte_local_daemon_uri")
+        .ok()
+        .and_then(|uri| daemon_address(&uri))
+    {
+        Some(addr) => format!("{name} ({addr})"),
+        None => name,
+    }
+}
+
+/// The address(es) in an Open MPI contact URI: `"1039138816.1;tcp://10.78.0.2:44371"` →
+/// `"10.78.0.2"` (several addresses stay comma-separated, as Open MPI lists them).
+fn daemon_address(uri: &str) -> Option<String> {
+    let tcp = uri.split(';').find_map(|p| p.strip_prefix("tcp://"))?;
+    let (addr, _port) = tcp.rsplit_once(':')?;
+    (!addr.is_empty()).then(|| addr.to_string())
 }
 
 /// Whether this process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun`): the
@@ -61,15 +86,44 @@ impl MpiTransport {
         Ok(MpiTransport {
             rank: world.rank() as usize,
             size: world.size() as usize,
+            hosts: Vec::new(),
             _universe: universe,
         })
+    }
+
+    /// Tells every rank where every other rank runs ([`this_host`]), for the messages that
+    /// name a rank's host.
+    fn exchange_hosts(&mut self, timeout: Duration) -> Result<()> {
+        let all = ring::all_gather(
+            self,
+            this_host().into_bytes(),
+            &CommStats::default(),
+            timeout,
+        )?;
+        self.hosts = all
+            .into_iter()
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect();
+        Ok(())
+    }
+
+    /// `rank R on host H`, or `rank R` before the hosts are known.
+    fn who(&self, rank: usize) -> String {
+        match self.hosts.get(rank) {
+            Some(h) => format!("rank {rank} on host {h}"),
+            None => format!("rank {rank}"),
+        }
     }
 }
 
 /// A process group over `MPI_COMM_WORLD` (MPI initialised on its communication thread).
 pub fn process_group(timeout: Duration) -> Result<ProcessGroup> {
     ProcessGroup::start(
-        || Ok(Box::new(MpiTransport::init()?) as Box<dyn Transport>),
+        move || {
+            let mut t = MpiTransport::init()?;
+            t.exchange_hosts(timeout)?;
+            Ok(Box::new(t) as Box<dyn Transport>)
+        },
         timeout,
         Some(abort),
     )
@@ -94,6 +148,10 @@ fn count(len: usize, what: &str) -> Result<c_int> {
 impl Transport for MpiTransport {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn hosts(&self) -> Vec<String> {
+        self.hosts.clone()
     }
 
     fn size(&self) -> usize {
@@ -152,9 +210,14 @@ impl Transport for MpiTransport {
                 break;
             }
             if start.elapsed() > timeout {
+                let peers = if src == dst {
+                    format!("{} (or it is not receiving)", self.who(src))
+                } else {
+                    format!("{} (or {} not receiving)", self.who(src), self.who(dst))
+                };
                 eprintln!(
-                    "hemi: rank {}: no message from rank {src} (or rank {dst} not receiving) \
-                     within {:.0} s: a rank has died or hangs; aborting the job",
+                    "hemi: rank {}: no message from {peers} within {:.0} s: a rank has died or \
+                     hangs, or its host is unreachable; aborting the job",
                     self.rank,
                     timeout.as_secs_f64()
                 );
@@ -181,5 +244,24 @@ impl Transport for MpiTransport {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::daemon_address;
+
+    #[test]
+    fn the_daemon_address_is_read_from_open_mpis_contact_uri() {
+        assert_eq!(
+            daemon_address("1039138816.1;tcp://10.78.0.2:44371").as_deref(),
+            Some("10.78.0.2")
+        );
+        assert_eq!(
+            daemon_address("1.0;tcp://10.0.0.1,192.168.1.1:1024").as_deref(),
+            Some("10.0.0.1,192.168.1.1")
+        );
+        assert_eq!(daemon_address("1.0;usock"), None);
+        assert_eq!(daemon_address(""), None);
     }
 }
