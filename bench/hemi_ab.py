@@ -27,6 +27,8 @@ ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--steps", type=int, default=10)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--cpu-level", default="native")
+ap.add_argument("--text-args", default="--config bench/minilm_config.json --batch-size 32 --max-length 64",
+                help="extra `hemi bench train` flags for the text models (bert-*)")
 args = ap.parse_args()
 
 
@@ -45,9 +47,16 @@ def run(binary, model, precision):
     cmd = [binary, "bench", "train", "--model", model, "--precision", precision,
            "--steps", str(args.steps), "--threads", str(args.threads), "--json",
            "--cpu-level", args.cpu_level]
+    if model.startswith("bert"):
+        cmd += args.text_args.split()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     return rows[-1]
+
+
+def rate(row):
+    """Images/s of an image model's bench row, sentences/s of a text model's."""
+    return row["images_per_s"] if "images_per_s" in row else row["sentences_per_s"]
 
 
 pairs = [p.split(":") for p in args.models.split(",")]
@@ -63,13 +72,13 @@ for r in range(args.rounds):
 
 print(f"# {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads, cpu level {args.cpu_level}, "
       f"{args.rounds} rounds x {args.steps} steps")
-print(f"# {' '.join(['python3', 'bench/hemi_ab.py', '--old', args.old, '--new', args.new])}")
-print("| model | precision | old img/s | new img/s | new/old | old peak MiB | new peak MiB |")
+print(f"# {' '.join(['python3', 'bench/hemi_ab.py', '--old', args.old, '--new', args.new, '--models', args.models, '--rounds', str(args.rounds), '--steps', str(args.steps)])}")
+print("| model | precision | old items/s | new items/s | new/old | old peak MiB | new peak MiB |")
 print("|---|---|---:|---:|---:|---:|---:|")
 for m, p in pairs:
     o, n = res[(m, p, "old")], res[(m, p, "new")]
-    mo = statistics.median(x["images_per_s"] for x in o)
-    mn = statistics.median(x["images_per_s"] for x in n)
+    mo = statistics.median(rate(x) for x in o)
+    mn = statistics.median(rate(x) for x in n)
     po = statistics.median(x.get("peak_rss_mib", 0) for x in o)
     pn = statistics.median(x.get("peak_rss_mib", 0) for x in n)
     print(f"| {m} | {p} | {mo:.0f} | {mn:.0f} | {mn / mo:.3f} | {po:.0f} | {pn:.0f} |")
