@@ -28,6 +28,12 @@ ap.add_argument("--optimizer", default="adam")
 ap.add_argument("--batch-size", type=int, default=8, help="per rank")
 ap.add_argument("--synthetic-size", type=int, default=64)
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--pretrained", default=None,
+                help="text models: a Hugging Face model directory (e.g. ../shared/models/all-MiniLM-L6-v2)")
+ap.add_argument("--text-data", default=None,
+                help="text models: a GLUE-style directory (train.tsv, dev.tsv); its first "
+                     "--synthetic-size training sentences and 32 dev sentences are used")
+ap.add_argument("--max-length", type=int, default=64, help="text models: tokens per sequence at most")
 ap.add_argument("--configs", default="one,0,1,2",
                 help="comma list: one = one rank; 0/1/2 = two ranks with that --zero")
 args = ap.parse_args()
@@ -50,9 +56,27 @@ ENV = dict(os.environ, HEMI_COUNT_HEAP="1", OMPI_ALLOW_RUN_AS_ROOT="1",
            OMPI_MCA_rmaps_base_oversubscribe="1")
 
 
+def text_subset():
+    """A directory with the first --synthetic-size training sentences of --text-data."""
+    d = tempfile.mkdtemp(prefix="zero_ab_text")
+    for name, n in (("train.tsv", args.synthetic_size), ("dev.tsv", 32)):
+        with open(os.path.join(args.text_data, name)) as f:
+            lines = f.readlines()[: n + 1]  # the header and n rows
+        with open(os.path.join(d, name), "w") as f:
+            f.writelines(lines)
+    return d
+
+
+TEXT_DIR = text_subset() if args.text_data else None
+
+
 def command(config):
-    train = [args.hemi, "train", "--model", args.model, "--dataset", "synthetic",
-             "--synthetic-size", str(args.synthetic_size), "--epochs", "1",
+    if TEXT_DIR:
+        data = ["--pretrained", args.pretrained, "--data-dir", TEXT_DIR,
+                "--max-length", str(args.max_length)]
+    else:
+        data = ["--dataset", "synthetic", "--synthetic-size", str(args.synthetic_size)]
+    train = [args.hemi, "train", "--model", args.model, *data, "--epochs", "1",
              "--precision", args.precision, "--optimizer", args.optimizer,
              "--batch-size", str(args.batch_size), "--workers", "1", "--quiet"]
     if config == "one":
