@@ -376,17 +376,25 @@ impl ForwardHook for CalibrationHook {
 pub fn fake_quant_ste(x: &Tensor, scale: f32, zp: i32) -> Result<Tensor> {
     let v = host_values(x, "fake_quantize")?;
     let inv = 1.0 / scale;
+    // round(x/scale) + zp in 0..=255, as a loop that vectorises: x/scale clamped to one step
+    // beyond the codes (a NaN lands on the low end, f32::max ignoring it), where adding and
+    // subtracting 1.5·2²³ rounds to nearest even exactly (as `quantize_one`); out-of-range and
+    // NaN inputs give a code outside 0..=255 either way. `round_ties_even` was a libm call.
+    const MAGIC: f32 = 12_582_912.0;
+    let (lo, hi) = (-zp as f32 - 1.0, (255 - zp) as f32 + 1.0);
     let mask: Vec<f32> = v
         .iter()
         .map(|&x| {
-            let code = (x * inv).round_ties_even() + zp as f32;
+            let t = (x * inv).max(lo).min(hi);
+            let code = ((t + MAGIC) - MAGIC) + zp as f32;
             ((0.0..=255.0).contains(&code)) as u8 as f32
         })
         .collect();
     let mut fq = v;
     k::fake_quantize(&mut fq, scale, zp, 0, 255);
-    let mask = Tensor::from_vec(mask, x.shape())?.to_dtype(x.dtype())?;
-    let fq = Tensor::from_vec(fq, x.shape())?.to_dtype(x.dtype())?;
+    // Rounded to x's dtype as they are made, not made in F32 and converted.
+    let mask = Tensor::from_f32_vec(mask, x.shape(), x.dtype())?;
+    let fq = Tensor::from_f32_vec(fq, x.shape(), x.dtype())?;
     let xm = x.mul(&mask)?;
     let delta = fq.sub(&xm.detach())?.detach();
     xm.add(&delta)

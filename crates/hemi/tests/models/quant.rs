@@ -580,6 +580,43 @@ fn quantized_layers_reject_bad_inputs() {
     assert!(QTensor::quantize_per_channel(&bad, &[0.1; 3], &[0; 3], 1, QDType::I8).is_err());
 }
 
+/// The straight-through mask at the edges: codes at half steps around both ends of 0..=255
+/// (round half to even decides), far-out values, infinities and NaN, against the mask's
+/// definition `round_ties_even(x / scale) + zp ∈ 0..=255` evaluated in F32.
+#[test]
+fn fake_quant_mask_at_half_steps_infinities_and_nan() {
+    let (scale, zp) = (0.25f32, 7);
+    let mut xs: Vec<f32> = Vec::new();
+    for end in [-zp, 255 - zp] {
+        for k in -6..=6 {
+            xs.push((end as f32 + k as f32 * 0.5) * scale);
+        }
+    }
+    xs.extend([
+        1e30,
+        -1e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+    ]);
+    let n = xs.len();
+    let x = Tensor::from_vec(xs.clone(), &[n]).unwrap().requires_grad_();
+    let y = fake_quant_ste(&x, scale, zp).unwrap();
+    y.sum(&[], false).unwrap().backward().unwrap();
+    let g = x.grad().unwrap().to_vec_f32();
+    for (i, &v) in xs.iter().enumerate() {
+        let code = (v * (1.0 / scale)).round_ties_even() + zp as f32;
+        let want = if (0.0..=255.0).contains(&code) {
+            1.0
+        } else {
+            0.0
+        };
+        assert_eq!(g[i], want, "x {v}: gradient {} (code {code})", g[i]);
+    }
+}
+
 #[test]
 fn fake_quant_passes_gradients_straight_through_inside_the_range() {
     let (scale, zp) = (0.05f32, 60);
