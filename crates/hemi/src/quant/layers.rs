@@ -376,18 +376,14 @@ impl ForwardHook for CalibrationHook {
 pub fn fake_quant_ste(x: &Tensor, scale: f32, zp: i32) -> Result<Tensor> {
     let v = host_values(x, "fake_quantize")?;
     let inv = 1.0 / scale;
-    // round(x/scale) + zp in 0..=255, as a loop that vectorises: x/scale clamped to one step
-    // beyond the codes (a NaN lands on the low end, f32::max ignoring it), where adding and
-    // subtracting 1.5·2²³ rounds to nearest even exactly (as `quantize_one`); out-of-range and
-    // NaN inputs give a code outside 0..=255 either way. `round_ties_even` was a libm call.
-    const MAGIC: f32 = 12_582_912.0;
-    let (lo, hi) = (-zp as f32 - 1.0, (255 - zp) as f32 + 1.0);
+    // The mask is `round(x/scale) + zp ∈ 0..=255`. `quantize_one` with codes one beyond that
+    // range tells inside from outside without a libm `round` (`round_ties_even` was a call
+    // per activation); it maps NaN to the zero point, which the mask blocks.
     let mask: Vec<f32> = v
         .iter()
         .map(|&x| {
-            let t = (x * inv).max(lo).min(hi);
-            let code = ((t + MAGIC) - MAGIC) + zp as f32;
-            ((0.0..=255.0).contains(&code)) as u8 as f32
+            let code = k::quantize_one(x, inv, zp, -1, 256);
+            ((0..=255).contains(&code) & !x.is_nan()) as u8 as f32
         })
         .collect();
     let mut fq = v;
