@@ -793,3 +793,20 @@ fn a_host_that_vanishes_mid_step_ends_the_job_within_the_timeout_naming_it() {
         "the checkpoint of epoch {last} differs from an uninterrupted run's"
     );
 }
+
+/// The address hemi names a rank's host by, read from Open MPI's contact URI (no mpirun
+/// needed).
+#[test]
+fn the_daemon_address_is_read_from_open_mpis_contact_uri() {
+    use hemi::dist::mpi::daemon_address;
+    assert_eq!(
+        daemon_address("1039138816.1;tcp://10.78.0.2:44371").as_deref(),
+        Some("10.78.0.2")
+    );
+    assert_eq!(
+        daemon_address("1.0;tcp://10.0.0.1,192.168.1.1:1024").as_deref(),
+        Some("10.0.0.1,192.168.1.1")
+    );
+    assert_eq!(daemon_address("1.0;usock"), None);
+    assert_eq!(daemon_address(""), None);
+}
