@@ -13,9 +13,11 @@ within each round, so a drift in the machine's load hits all of them; medians ov
 Python 3.11 standard library only.
 """
 import argparse
+import atexit
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -59,6 +61,7 @@ ENV = dict(os.environ, HEMI_COUNT_HEAP="1", OMPI_ALLOW_RUN_AS_ROOT="1",
 def text_subset():
     """A directory with the first --synthetic-size training sentences of --text-data."""
     d = tempfile.mkdtemp(prefix="zero_ab_text")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     for name, n in (("train.tsv", args.synthetic_size), ("dev.tsv", 32)):
         with open(os.path.join(args.text_data, name)) as f:
             lines = f.readlines()[: n + 1]  # the header and n rows

@@ -217,29 +217,19 @@ fn every_op_follows_its_policy_under_f16_and_bf16() {
 fn promote_and_statistics_ops_keep_their_rules_under_autocast() {
     on_device!("promote_and_statistics_ops_keep_their_rules_under_autocast");
     let _g = autocast(DType::F16);
-    // Promote: F16 with F32 gives F32.
-    assert_eq!(
-        call("add", DType::F16, DType::F32).unwrap().dtype(),
-        DType::F32
-    );
-    assert_eq!(
-        call("cat", DType::F16, DType::F16).unwrap().dtype(),
-        DType::F16
-    );
-    // batch_norm keeps the activations' dtype with F32 parameters.
-    assert_eq!(
-        call("batch_norm", DType::F16, DType::F32).unwrap().dtype(),
-        DType::F16
-    );
-    // Pass through.
-    assert_eq!(
-        call("relu", DType::F32, DType::F32).unwrap().dtype(),
-        DType::F32
-    );
-    assert_eq!(
-        call("max_pool2d", DType::BF16, DType::F32).unwrap().dtype(),
-        DType::BF16
-    );
+    use DType::{BF16, F16, F32};
+    for (op, a, b, want) in [
+        // Promote: F16 with F32 gives F32.
+        ("add", F16, F32, F32),
+        ("cat", F16, F16, F16),
+        // batch_norm keeps the activations' dtype with F32 parameters.
+        ("batch_norm", F16, F32, F16),
+        // Pass through.
+        ("relu", F32, F32, F32),
+        ("max_pool2d", BF16, F32, BF16),
+    ] {
+        assert_eq!(call(op, a, b).unwrap().dtype(), want, "{op}({a}, {b})");
+    }
 }
 
 /// The check: inside a scope a linear layer's output is F16 (or BF16) and a
